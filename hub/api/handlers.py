@@ -1,0 +1,376 @@
+"""REST API v1 of the fleet controller; the route table also feeds the OpenAPI document."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload
+
+from ...scheduler.store.fleet import GpuSpec, NodeSpec
+from ...scheduler.store.models import (
+    Allocation,
+    Event,
+    Node,
+    Profile,
+    Workload,
+    WorkloadState,
+    Zone,
+)
+from ...scheduler.validation import SessionRequest
+from .. import scopes
+from ..errors import BadRequest, Forbidden, NotFoundError
+from . import schemas
+from .base import APIHandler, store_errors_as_http
+
+MAX_WAIT_SECONDS = 60
+
+
+def workload_out(workload: Workload) -> schemas.WorkloadOut:
+    return schemas.WorkloadOut(
+        id=workload.id,
+        kind=workload.kind.value,
+        state=workload.state.value,
+        outcome=workload.outcome,
+        project=workload.project.name,
+        username=workload.username,
+        server_name=workload.server_name,
+        profile=workload.profile,
+        gpu_type=workload.gpu_type,
+        pods=workload.pods,
+        gpus_per_pod=workload.gpus_per_pod,
+        gpus=workload.gpus,
+        priority_class=workload.priority_class,
+        queue_position=workload.queue_position,
+        reason=workload.reason,
+        version=workload.version,
+        created_at=workload.created_at,
+        admitted_at=workload.admitted_at,
+        started_at=workload.started_at,
+        ended_at=workload.ended_at,
+        allocations=[
+            schemas.GpuOut(
+                uuid=a.gpu_uuid, index=a.gpu.index, pci_bus_id=a.gpu.pci_bus_id, node=a.node.name
+            )
+            for a in sorted(workload.allocations, key=lambda a: a.gpu.index)
+            if a.closed_at is None
+        ],
+    )
+
+
+def load_workload(session: Session, workload_id: int) -> Workload:
+    workload = session.scalar(
+        select(Workload)
+        .where(Workload.id == workload_id)
+        .options(
+            selectinload(Workload.project),
+            selectinload(Workload.allocations).selectinload(Allocation.gpu),
+            selectinload(Workload.allocations).selectinload(Allocation.node),
+        )
+    )
+    if workload is None:
+        raise NotFoundError(f"there is no workload {workload_id}")
+    return workload
+
+
+class InfoHandler(APIHandler):
+    async def get(self) -> None:
+        self.send(
+            {
+                "service": "gpufleet",
+                "api": "v1",
+                "version": self.controller.version,
+                "leader": self.controller.is_leader,
+            }
+        )
+
+
+class OpenAPIHandler(APIHandler):
+    async def get(self) -> None:
+        from ..openapi import openapi_document
+
+        self.send(openapi_document(self.controller.version))
+
+
+class SessionsHandler(APIHandler):
+    async def post(self) -> None:
+        self.require(scopes.SPAWN)
+        body = self.body(schemas.SessionRequestIn)
+        request = SessionRequest(
+            username=body.username,
+            server_name=body.server_name,
+            project=body.project,
+            gpu_type=body.gpu_type,
+            gpus=body.gpus,
+            profile=body.profile,
+        )
+        await self.controller.refresh_memberships(max_age=5.0)
+        if self.get_query_argument("dry_run", "") in ("1", "true"):
+            with store_errors_as_http():
+                self.controller.store.check_session_request(request)
+            self.send({"valid": True})
+            return
+        with store_errors_as_http():
+            workload = self.controller.store.open_session_request(
+                self.controller.now(), request, self.controller.request_lease
+            )
+        self.controller.kick()
+        with self.controller.store.read() as session:
+            self.send(workload_out(load_workload(session, workload.id)), status=201)
+
+
+class WorkloadsHandler(APIHandler):
+    async def get(self) -> None:
+        identity = self.require(scopes.USE, scopes.SPAWN)
+        offset = self.int_argument("offset", 0, 0, 10**9)
+        limit = self.int_argument("limit", 100, 1, 1000)
+        username = self.get_query_argument("username", None)
+        states = self.get_query_arguments("state")
+        if not identity.has(scopes.SPAWN):
+            if username not in (None, identity.name):
+                raise Forbidden("you may list only your own workloads")
+            username = identity.name
+        for state in states:
+            if state not in WorkloadState.__members__:
+                raise_bad_state(state)
+        query = select(Workload)
+        if username is not None:
+            query = query.where(Workload.username == username)
+        if states:
+            query = query.where(Workload.state.in_([WorkloadState(s) for s in states]))
+        with self.controller.store.read() as session:
+            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = session.scalars(
+                query.order_by(Workload.id.desc())
+                .offset(offset)
+                .limit(limit)
+                .options(
+                    selectinload(Workload.project),
+                    selectinload(Workload.allocations).selectinload(Allocation.gpu),
+                    selectinload(Workload.allocations).selectinload(Allocation.node),
+                )
+            ).all()
+            items = [workload_out(w) for w in rows]
+        self.send(schemas.WorkloadList(items=items, total=total, offset=offset, limit=limit))
+
+
+def raise_bad_state(state: str) -> None:
+    raise BadRequest(f"unknown state {state!r}; use one of: {', '.join(WorkloadState.__members__)}")
+
+
+class WorkloadHandler(APIHandler):
+    """One workload; ``?wait=S&version=N`` long-polls until its version differs from N."""
+
+    async def get(self, workload_id: str) -> None:
+        identity = self.require(scopes.USE, scopes.SPAWN)
+        wait = self.int_argument("wait", 0, 0, MAX_WAIT_SECONDS)
+        known_version = self.int_argument("version", 0, 0, 2**62)
+        wid = int(workload_id)
+        with self.controller.store.read() as session:
+            workload = load_workload(session, wid)
+            if not identity.may_act_for(workload.username):
+                raise NotFoundError(f"there is no workload {wid}")
+            version = workload.version
+        if wait and version == known_version:
+            await self.controller.notifier.wait_for_change(wid, wait)
+        with self.controller.store.read() as session:
+            self.send(workload_out(load_workload(session, wid)))
+
+
+class WorkloadActionHandler(APIHandler):
+    """The spawner's side of the handshake: renew, running, release."""
+
+    async def post(self, workload_id: str, action: str) -> None:
+        self.require(scopes.SPAWN)
+        store = self.controller.store
+        now = self.controller.now()
+        wid = int(workload_id)
+        with store_errors_as_http():
+            if action == "renew":
+                store.renew(now, wid, self.controller.request_lease)
+            elif action == "running":
+                store.mark_running(now, wid)
+            else:
+                body = self.body(schemas.ReleaseIn)
+                message = (
+                    body.message
+                    or {
+                        "withdrawn": "the spawn was cancelled before the server started",
+                        "stopped": "the server stopped and its processes are gone",
+                        "failed": "the server failed to start",
+                    }[body.outcome]
+                )
+                store.end(now, wid, body.outcome, message)
+        self.controller.notifier.changed([wid])
+        self.controller.kick()
+        with store.read() as session:
+            self.send(workload_out(load_workload(session, wid)))
+
+
+class SpawnOptionsHandler(APIHandler):
+    async def get(self, username: str) -> None:
+        identity = self.require(scopes.USE, scopes.SPAWN)
+        if not identity.may_act_for(username):
+            raise Forbidden("you may see only your own spawn options")
+        await self.controller.refresh_memberships(max_age=5.0)
+        store = self.controller.store
+        with store.read() as session:
+            catalogue = store.catalogue(session, username)
+            usage = Counter[tuple[str, str]]()
+            for project_id, gpu_type, count in session.execute(
+                select(Allocation.project_id, Allocation.gpu_type, func.count())
+                .where(Allocation.closed_at.is_(None))
+                .group_by(Allocation.project_id, Allocation.gpu_type)
+            ):
+                usage[(project_id, gpu_type)] = count
+            projects = [
+                schemas.ProjectOut(
+                    name=p.name,
+                    display_name=p.display_name or p.name,
+                    quotas=[
+                        schemas.QuotaOut(
+                            gpu_type=q.gpu_type,
+                            guaranteed=q.guaranteed,
+                            used=usage[(p.id, q.gpu_type)],
+                        )
+                        for q in sorted(p.quotas, key=lambda q: q.gpu_type)
+                    ],
+                )
+                for p in store.projects_of(session, username)
+            ]
+            profiles = [
+                schemas.ProfileOut(
+                    name=p.name,
+                    display_name=p.display_name or p.name,
+                    description=p.description,
+                    gpu_types=p.allowed_gpu_types,
+                    projects=p.allowed_projects,
+                    default=p.is_default,
+                )
+                for p in session.scalars(select(Profile).order_by(Profile.name))
+                if not p.allowed_projects or set(p.allowed_projects) & catalogue.user_projects
+            ]
+        self.send(
+            schemas.SpawnOptionsOut(
+                username=username,
+                projects=projects,
+                profiles=profiles,
+                gpu_types=dict(sorted(catalogue.largest_node.items())),
+            )
+        )
+
+
+class NodesHandler(APIHandler):
+    async def get(self) -> None:
+        self.require(scopes.USE, scopes.SPAWN, scopes.AGENT)
+        with self.controller.store.read() as session:
+            taken = Counter(
+                session.scalars(select(Allocation.node_id).where(Allocation.closed_at.is_(None)))
+            )
+            nodes = session.scalars(
+                select(Node)
+                .order_by(Node.name)
+                .options(
+                    selectinload(Node.gpus), selectinload(Node.zone).selectinload(Zone.cluster)
+                )
+            ).all()
+            out = [
+                schemas.NodeOut(
+                    name=n.name,
+                    cluster=n.zone.cluster.name,
+                    zone=n.zone.name,
+                    gpu_type=n.gpu_type,
+                    health=n.health.value,
+                    cordoned=n.cordoned,
+                    gpus=sum(1 for g in n.gpus if g.present),
+                    free_gpus=sum(1 for g in n.gpus if g.present) - taken[n.id],
+                    last_heartbeat_at=n.last_heartbeat_at,
+                )
+                for n in nodes
+            ]
+        self.send({"items": [o.model_dump(mode="json") for o in out]})
+
+
+class AgentRegisterHandler(APIHandler):
+    async def post(self) -> None:
+        identity = self.require(scopes.AGENT)
+        body = self.body(schemas.RegisterIn)
+        specs = [
+            NodeSpec(
+                name=n.name,
+                cluster=n.cluster,
+                zone=n.zone,
+                gpu_type=n.gpu_type,
+                gpus=tuple(
+                    GpuSpec(g.uuid, g.index, g.pci_bus_id, g.memory_bytes, g.gpu_type)
+                    for g in n.gpus
+                ),
+                cpus=n.cpus,
+                memory_bytes=n.memory_bytes,
+                labels=n.labels,
+            )
+            for n in body.nodes
+        ]
+        with store_errors_as_http():
+            names = self.controller.store.register_nodes(
+                self.controller.now(), identity.name, specs
+            )
+        self.controller.kick()
+        self.send({"registered": names})
+
+
+class AgentHeartbeatHandler(APIHandler):
+    async def post(self) -> None:
+        identity = self.require(scopes.AGENT)
+        body = self.body(schemas.HeartbeatIn)
+        with store_errors_as_http():
+            unknown = self.controller.store.heartbeat(
+                self.controller.now(), identity.name, body.nodes
+            )
+        self.send(schemas.HeartbeatOut(unknown=unknown))
+
+
+class EventsHandler(APIHandler):
+    async def get(self) -> None:
+        identity = self.require(scopes.USE, scopes.SPAWN)
+        limit = self.int_argument("limit", 100, 1, 1000)
+        query = select(Event).order_by(Event.id.desc()).limit(limit)
+        workload_id = self.get_query_argument("workload_id", None)
+        if workload_id is not None:
+            query = query.where(Event.workload_id == self.int_argument("workload_id", 0, 0, 2**62))
+        if not identity.has(scopes.SPAWN):
+            query = query.where(Event.username == identity.name)
+        with self.controller.store.read() as session:
+            events = [
+                schemas.EventOut.model_validate(e, from_attributes=True).model_dump(mode="json")
+                for e in session.scalars(query)
+            ]
+        self.send({"items": events})
+
+
+class MetricsHandler(APIHandler):
+    async def get(self) -> None:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        self.set_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.finish(generate_latest(self.controller.metrics.registry))
+
+
+def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]]]:
+    api = prefix.rstrip("/") + "/api/v1"
+    table: list[tuple[str, type]] = [
+        (rf"{api}/?", InfoHandler),
+        (rf"{api}/openapi.json", OpenAPIHandler),
+        (rf"{api}/sessions", SessionsHandler),
+        (rf"{api}/workloads", WorkloadsHandler),
+        (rf"{api}/workloads/(\d+)", WorkloadHandler),
+        (rf"{api}/workloads/(\d+)/(renew|running|release)", WorkloadActionHandler),
+        (rf"{api}/users/([^/]+)/spawn-options", SpawnOptionsHandler),
+        (rf"{api}/nodes", NodesHandler),
+        (rf"{api}/agent/register", AgentRegisterHandler),
+        (rf"{api}/agent/heartbeat", AgentHeartbeatHandler),
+        (rf"{api}/events", EventsHandler),
+        (rf"{prefix.rstrip('/')}/metrics", MetricsHandler),
+    ]
+    return [(path, handler, {"controller": controller}) for path, handler in table]

@@ -1,0 +1,158 @@
+"""The REST API's bodies and answers (pydantic, at the boundary only)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SessionRequestIn(Strict):
+    """A spawner asks for GPUs for one user's server."""
+
+    username: str = Field(min_length=1, max_length=255)
+    server_name: str = Field(default="", max_length=255)
+    project: str = Field(min_length=1, max_length=64)
+    gpu_type: str = Field(min_length=1, max_length=64)
+    gpus: int | str = Field(description="GPUs on one node; validated with a readable message")
+    profile: str | None = Field(default=None, max_length=64)
+
+
+class ReleaseIn(Strict):
+    outcome: Literal["withdrawn", "stopped", "failed"] = "stopped"
+    message: str = Field(default="", max_length=2000)
+
+
+class GpuOut(BaseModel):
+    uuid: str
+    index: int
+    pci_bus_id: str
+    node: str
+
+
+class WorkloadOut(BaseModel):
+    id: int
+    kind: str
+    state: str
+    outcome: str | None
+    project: str
+    username: str
+    server_name: str
+    profile: str | None
+    gpu_type: str
+    pods: int
+    gpus_per_pod: int
+    gpus: int
+    priority_class: str
+    queue_position: int | None = Field(description="1 = next for its GPU type; None unless pending")
+    reason: str = Field(description="why it waits, or what happened last, in words")
+    version: int
+    created_at: datetime
+    admitted_at: datetime | None
+    started_at: datetime | None
+    ended_at: datetime | None
+    allocations: list[GpuOut]
+
+
+class WorkloadList(BaseModel):
+    items: list[WorkloadOut]
+    total: int
+    offset: int
+    limit: int
+
+
+class GpuSpecIn(Strict):
+    uuid: str = Field(min_length=1, max_length=96)
+    index: int = Field(ge=0)
+    pci_bus_id: str = ""
+    memory_bytes: int = Field(default=0, ge=0)
+    gpu_type: str | None = None
+
+
+class NodeSpecIn(Strict):
+    name: str = Field(min_length=1, max_length=255)
+    cluster: str = Field(default="local", min_length=1, max_length=64)
+    zone: str = Field(min_length=1, max_length=64)
+    gpu_type: str = Field(min_length=1, max_length=64)
+    gpus: list[GpuSpecIn]
+    cpus: float = Field(default=0.0, ge=0)
+    memory_bytes: int = Field(default=0, ge=0)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class RegisterIn(Strict):
+    nodes: list[NodeSpecIn]
+
+
+class HeartbeatIn(Strict):
+    nodes: list[str]
+
+
+class HeartbeatOut(BaseModel):
+    unknown: list[str] = Field(description="nodes the controller does not know: register them")
+
+
+class NodeOut(BaseModel):
+    name: str
+    cluster: str
+    zone: str
+    gpu_type: str
+    health: str
+    cordoned: bool
+    gpus: int
+    free_gpus: int
+    last_heartbeat_at: datetime | None
+
+
+class ProfileOut(BaseModel):
+    name: str
+    display_name: str
+    description: str
+    gpu_types: list[str]
+    projects: list[str]
+    default: bool
+
+
+class QuotaOut(BaseModel):
+    gpu_type: str
+    guaranteed: int
+    used: int
+
+
+class ProjectOut(BaseModel):
+    name: str
+    display_name: str
+    quotas: list[QuotaOut]
+
+
+class SpawnOptionsOut(BaseModel):
+    """Everything the spawn page offers one user."""
+
+    username: str
+    projects: list[ProjectOut]
+    profiles: list[ProfileOut]
+    gpu_types: dict[str, int] = Field(description="GPU type → most GPUs one node has")
+
+
+class EventOut(BaseModel):
+    id: int
+    at: datetime
+    kind: str
+    message: str
+    reason: str
+    cause: str
+    workload_id: int | None
+    project: str | None
+    username: str | None
+    node: str | None
+
+
+class ErrorOut(BaseModel):
+    code: str
+    message: str
+    details: object | None = None

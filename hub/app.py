@@ -1,0 +1,417 @@
+"""The fleet controller: a JupyterHub managed service and the only writer of the database.
+
+It serves the REST API (and later the pages), runs the admission loop, watches node
+heartbeats and syncs project membership from hub groups. It reads the same
+``jupyterhub_config.py`` as the hub (``c.FleetController.*``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+from sqlalchemy.exc import SQLAlchemyError
+from tornado import web
+from tornado.httpserver import HTTPServer
+from traitlets import Bool, Dict, Enum, Float, List, Unicode, default
+from traitlets.config import Application
+
+from .. import __version__
+from ..scheduler.errors import LeaseLost, SchedulerError, SchemaMismatch
+from ..scheduler.store import db
+from ..scheduler.store.fleet import FleetStore
+from . import logs
+from .api.base import Identity
+from .api.handlers import routes
+from .metrics import ControllerMetrics
+from .notifier import Notifier
+
+DEFAULT_PRIORITY_CLASSES = [
+    {"name": "critical", "rank": 300, "description": "never preempted by lower classes"},
+    {"name": "standard", "rank": 200, "description": "the default for sessions and jobs"},
+    {
+        "name": "opportunistic",
+        "rank": 100,
+        "preemptible": True,
+        "description": "runs on idle capacity; first to make room",
+    },
+]
+
+
+class ConfigFileMixin(Application):
+    """Reads ``jupyterhub_config.py``: one file configures hub, spawner, controller, agent."""
+
+    config_file = Unicode(
+        help="The JupyterHub configuration file that also configures gpufleet. "
+        "Defaults to $GPUFLEET_CONFIG, else ./jupyterhub_config.py.",
+    ).tag(config=True)
+
+    @default("config_file")
+    def _default_config_file(self) -> str:
+        return os.environ.get("GPUFLEET_CONFIG", "jupyterhub_config.py")
+
+    aliases = {"config": "ConfigFileMixin.config_file", "log-level": "Application.log_level"}
+
+    def initialize(self, argv: list[str] | None = None) -> None:  # type: ignore[override]
+        self.parse_command_line(argv)
+        if self.subapp is not None:
+            return  # the subcommand initialised itself
+        path = os.path.abspath(self.config_file)
+        if not os.path.exists(path):
+            self.exit_with(f"configuration file {path} does not exist; pass --config PATH")
+        self.load_config_file(path)
+        self.parse_command_line(argv)  # the command line wins over the file
+
+    def exit_with(self, message: str, code: int = 1) -> None:
+        print(f"{self.name}: {message}", file=sys.stderr)
+        self.exit(code)
+
+
+class DatabaseMixin(ConfigFileMixin):
+    data_dir = Unicode(
+        help="Where the embedded defaults keep their files (SQLite database, snapshots). "
+        "Defaults to $GPUFLEET_DATA_DIR, else ./.gpufleet.",
+    ).tag(config=True)
+
+    @default("data_dir")
+    def _default_data_dir(self) -> str:
+        return os.environ.get("GPUFLEET_DATA_DIR", os.path.abspath(".gpufleet"))
+
+    db_url = Unicode(
+        help="SQLAlchemy URL of the controller's database: SQLite (default, a file in "
+        "data_dir) or PostgreSQL (postgresql+psycopg://user:password@host/db).",
+    ).tag(config=True)
+
+    @default("db_url")
+    def _default_db_url(self) -> str:
+        return f"sqlite:///{os.path.join(self.data_dir, 'gpufleet.sqlite')}"
+
+    def make_engine(self) -> Any:
+        if self.db_url.startswith("sqlite:///"):
+            os.makedirs(os.path.dirname(self.db_url[len("sqlite:///") :]) or ".", exist_ok=True)
+        return db.make_engine(self.db_url)
+
+
+class UpgradeDB(DatabaseMixin):
+    name = "gpufleet-controller upgrade-db"
+    description = "Create the gpufleet database, or upgrade it to this version's schema."
+
+    def start(self) -> None:
+        engine = self.make_engine()
+        before = db.current_revision(engine)
+        db.upgrade(engine)
+        after = db.current_revision(engine)
+        where = engine.url.render_as_string(hide_password=True)
+        print(f"gpufleet database {where}: {before or 'empty'} -> {after}")
+
+
+class FleetController(DatabaseMixin):
+    name = "gpufleet-controller"
+    version = __version__
+    description = "The gpufleet fleet controller (a JupyterHub service)."
+    subcommands = {"upgrade-db": (UpgradeDB, UpgradeDB.description)}
+    classes = [UpgradeDB]
+
+    service_url = Unicode(
+        help="Where the controller listens; set by JupyterHub as $JUPYTERHUB_SERVICE_URL.",
+    ).tag(config=True)
+
+    @default("service_url")
+    def _default_service_url(self) -> str:
+        return os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8001")
+
+    service_prefix = Unicode(
+        help="URL prefix under the hub's proxy; set by JupyterHub as $JUPYTERHUB_SERVICE_PREFIX.",
+    ).tag(config=True)
+
+    @default("service_prefix")
+    def _default_service_prefix(self) -> str:
+        return os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/gpufleet/")
+
+    projects = List(
+        Dict(),
+        help="""The project tree, declared in order (parents first). Each entry:
+        {"name": "vision", "parent": "research" | None, "kind": "organisation|team|project",
+         "hub_group": "vision" (default: the name), "quotas": {"A100-80GB": {"guaranteed": 8,
+         "borrow_limit": None, "lend_limit": None}}, "per_user_gpu_cap": 4,
+         "default_priority": "standard", "weight": 1.0}.
+        Applied at every start: until the admin panel exists, this list is authoritative.""",
+    ).tag(config=True)
+
+    profiles = List(
+        Dict(),
+        help="""Spawn-page profiles: {"name", "display_name", "description", "environment",
+        "gpu_types": [...] (empty: any), "projects": [...] (empty: any), "default": bool,
+        "cpu_per_gpu", "memory_per_gpu_bytes"}.""",
+    ).tag(config=True)
+
+    priority_classes = List(
+        Dict(),
+        default_value=DEFAULT_PRIORITY_CLASSES,
+        help="Priority classes {name, rank, preemptible, description}; higher rank first.",
+    ).tag(config=True)
+
+    request_lease_seconds = Float(
+        30.0,
+        help="A spawn request the spawner stops renewing for this long is withdrawn (its "
+        "place freed), so a hub restart or an abandoned spawn leaves no ghost in the queue.",
+    ).tag(config=True)
+
+    admission_interval = Float(
+        1.0, help="Seconds between admission cycles when nothing else triggers one."
+    ).tag(config=True)
+
+    node_heartbeat_timeout = Float(
+        30.0,
+        help="A node whose agent has not reported for this many seconds is marked unknown and "
+        "receives no new work.",
+    ).tag(config=True)
+
+    membership_sync_interval = Float(
+        15.0, help="Seconds between syncs of project membership from JupyterHub groups."
+    ).tag(config=True)
+
+    db_lease_seconds = Float(
+        15.0,
+        help="The database lease: a second controller takes over this long after the active "
+        "one stops renewing (rolling updates, crashes).",
+    ).tag(config=True)
+
+    auto_create_schema = Bool(
+        True,
+        help="Create the schema when the database is empty. A database at another revision "
+        "is never changed at start-up: run `gpufleet-controller upgrade-db`.",
+    ).tag(config=True)
+
+    log_style = Enum(
+        ["json", "text"], "json", help="Log lines as JSON objects or as plain text."
+    ).tag(config=True)
+
+    def initialize(self, argv: list[str] | None = None) -> None:  # type: ignore[override]
+        super().initialize(argv)
+        if self.subapp is not None:
+            return
+        logs.configure(self.log, self.log_style, self.log_level)  # type: ignore[arg-type]
+        self.notifier = Notifier()
+        self.engine = self.make_engine()
+        try:
+            if self.auto_create_schema and db.is_empty(self.engine):
+                self.log.info("creating the gpufleet schema in an empty database")
+                db.upgrade(self.engine)
+            db.check_schema(self.engine)
+        except SchemaMismatch as e:
+            self.exit_with(str(e), code=3)
+        holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.store = FleetStore(
+            self.engine, holder, lease_ttl=timedelta(seconds=self.db_lease_seconds)
+        )
+        self.metrics = ControllerMetrics(self.store)
+        self.is_leader = False
+        self._kicked = asyncio.Event()
+        self._became_leader = asyncio.Event()
+        self._memberships_synced_at = 0.0
+        self._membership_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.hub_api_url = os.environ.get("JUPYTERHUB_API_URL", "")
+        self.hub_api_token = os.environ.get("JUPYTERHUB_API_TOKEN", "")
+        self.hub_auth: Any = None
+        if self.hub_api_url and self.hub_api_token:
+            from jupyterhub.services.auth import HubOAuth
+
+            self.hub_auth = HubOAuth(api_token=self.hub_api_token, cache_max_age=60)
+
+    # ----------------------------------------------------------- plumbing
+    @staticmethod
+    def now() -> datetime:
+        return datetime.now(UTC)
+
+    @property
+    def request_lease(self) -> timedelta:
+        return timedelta(seconds=self.request_lease_seconds)
+
+    def kick(self) -> None:
+        """Run an admission cycle soon (a request arrived, GPUs were released)."""
+        self._kicked.set()
+
+    async def identify(self, handler: web.RequestHandler) -> Identity | None:
+        if self.hub_auth is None:
+            return None
+        model = await self.hub_auth.get_user(handler, sync=False)
+        if not model:
+            return None
+        return Identity(
+            kind=model.get("kind", "user"),
+            name=model["name"],
+            scopes=frozenset(model.get("scopes", ())),
+            by_cookie=not getattr(handler, "_token_authenticated", False),
+        )
+
+    # ----------------------------------------------------------- membership
+    async def refresh_memberships(self, max_age: float) -> None:
+        """Sync project membership from hub groups unless it was synced within ``max_age``."""
+        if not self.hub_api_url:
+            return
+        async with self._membership_lock:
+            if time.monotonic() - self._memberships_synced_at < max_age:
+                return
+            groups = await self._fetch_hub_groups()
+            self.store.sync_memberships(self.now(), groups)
+            self._memberships_synced_at = time.monotonic()
+
+    async def _fetch_hub_groups(self) -> dict[str, list[str]]:
+        groups: dict[str, list[str]] = {}
+        headers = {
+            "Authorization": f"token {self.hub_api_token}",
+            "Accept": "application/jupyterhub-pagination+json",
+        }
+        offset = 0
+        async with httpx.AsyncClient(timeout=10) as client:
+            while True:
+                response = await client.get(
+                    f"{self.hub_api_url}/groups", params={"offset": offset}, headers=headers
+                )
+                response.raise_for_status()
+                page = response.json()
+                for group in page["items"]:
+                    groups[group["name"]] = list(group.get("users", []))
+                next_page = page.get("_pagination", {}).get("next")
+                if not next_page:
+                    return groups
+                offset = next_page["offset"]
+
+    # ----------------------------------------------------------- loops
+    async def _hold_lease(self) -> None:
+        while True:
+            try:
+                held = self.store.try_acquire_lease(self.now())
+            except SQLAlchemyError:
+                self.log.exception("could not renew the database lease")
+                held = False
+            if held and not self.is_leader:
+                self.log.info("holding the database lease as %s", self.store.holder)
+                self.kick()
+            elif not held and self.is_leader:
+                self.log.warning("lost the database lease; standing by")
+            elif not held:
+                self.log.info("another controller holds the database lease; standing by")
+            self.is_leader = held
+            if held:
+                self._became_leader.set()
+            await asyncio.sleep(self.db_lease_seconds / 3)
+
+    async def _admission_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kicked.wait(), self.admission_interval)
+            self._kicked.clear()
+            if self.is_leader:
+                self.run_admission_cycle()
+
+    def run_admission_cycle(self) -> None:
+        started = time.perf_counter()
+        now = self.now()
+        try:
+            expired = self.store.expire_leases(now)
+            result = self.store.admission_cycle(now)
+        except LeaseLost:
+            self.is_leader = False
+            self.log.warning("lost the database lease during an admission cycle; standing by")
+            return
+        except (SQLAlchemyError, SchedulerError):
+            self.log.exception("admission cycle failed; retrying next cycle")
+            return
+        self.metrics.cycle_duration.observe(time.perf_counter() - started)
+        for admitted in result.admitted:
+            self.metrics.admissions.labels(admitted.gpu_type).inc()
+            self.metrics.wait_time.labels(admitted.project).observe(admitted.waited_seconds)
+        for _ in expired:
+            self.metrics.ended.labels("session", "expired").inc()
+        self.notifier.changed([*expired, *result.changed])
+        if result.admitted or expired:
+            self.log.info(
+                "admission cycle",
+                extra={"admitted": [a.workload_id for a in result.admitted], "expired": expired},
+            )
+
+    async def _watch_nodes(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.node_heartbeat_timeout / 3, 0.2))
+            if not self.is_leader:
+                continue
+            try:
+                lost = self.store.mark_silent_nodes(
+                    self.now(), timedelta(seconds=self.node_heartbeat_timeout)
+                )
+            except (SQLAlchemyError, SchedulerError):
+                self.log.exception("could not check node heartbeats")
+                continue
+            if lost:
+                self.log.warning("nodes stopped reporting", extra={"nodes": lost})
+
+    async def _sync_memberships(self) -> None:
+        while True:
+            if self.is_leader:
+                try:
+                    await self.refresh_memberships(max_age=0)
+                except (httpx.HTTPError, SQLAlchemyError, SchedulerError):
+                    self.log.exception("could not sync project membership from hub groups")
+            await asyncio.sleep(self.membership_sync_interval)
+
+    # ----------------------------------------------------------- start
+    def make_web_app(self) -> web.Application:
+        return web.Application(
+            routes(self.service_prefix, self),  # type: ignore[arg-type]
+            log_function=self._log_request,
+        )
+
+    def _log_request(self, handler: web.RequestHandler) -> None:
+        status = handler.get_status()
+        level = logging.ERROR if status >= 500 else logging.DEBUG
+        self.log.log(
+            level,
+            "%s %s %d",
+            handler.request.method,
+            handler.request.uri,
+            status,
+            extra={"ms": round(1000 * handler.request.request_time(), 1)},
+        )
+
+    async def serve(self) -> None:
+        url = urlparse(self.service_url)
+        server = HTTPServer(self.make_web_app(), xheaders=True)
+        server.listen(url.port or 80, url.hostname or "127.0.0.1")
+        self.log.info("gpufleet controller %s listening on %s", self.version, self.service_url)
+        self._tasks.append(asyncio.create_task(self._hold_lease()))
+        # Apply the declared projects and profiles once we may write.
+        await self._became_leader.wait()
+        self.store.apply_config(self.now(), self.projects, self.profiles, self.priority_classes)
+        for loop in (self._admission_loop, self._watch_nodes, self._sync_memberships):
+            self._tasks.append(asyncio.create_task(loop()))
+        await asyncio.Event().wait()
+
+    def start(self) -> None:
+        if self.subapp is not None:
+            self.subapp.start()
+            return
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(self.serve())
+
+
+def main(argv: list[str] | None = None) -> None:
+    app = FleetController.instance()
+    app.initialize(argv if argv is not None else sys.argv[1:])
+    app.start()
+
+
+if __name__ == "__main__":
+    main()

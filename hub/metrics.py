@@ -1,0 +1,96 @@
+"""The controller's Prometheus metrics: ``gpufleet_<noun>_<verb>_<unit>``.
+
+Gauges of the fleet are read from the database at scrape time by a custom collector, so
+they are never stale and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+
+from ..scheduler.store.models import Allocation, Gpu, Node, Project, Workload, WorkloadState
+
+if TYPE_CHECKING:
+    from ..scheduler.store.fleet import FleetStore
+
+
+class FleetCollector(Collector):
+    def __init__(self, store: FleetStore):
+        self.store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        queued = GaugeMetricFamily(
+            "gpufleet_queue_workloads",
+            "Workloads waiting for GPUs",
+            labels=["project", "gpu_type", "kind"],
+        )
+        allocated = GaugeMetricFamily(
+            "gpufleet_allocated_gpus", "GPUs allocated now", labels=["project", "gpu_type"]
+        )
+        capacity = GaugeMetricFamily(
+            "gpufleet_capacity_gpus",
+            "GPUs present on nodes, by health",
+            labels=["gpu_type", "health"],
+        )
+        with self.store.read() as session:
+            for project, gpu_type, kind, count in session.execute(
+                select(Project.name, Workload.gpu_type, Workload.kind, func.count())
+                .join(Project, Workload.project_id == Project.id)
+                .where(Workload.state == WorkloadState.pending)
+                .group_by(Project.name, Workload.gpu_type, Workload.kind)
+            ):
+                queued.add_metric([project, gpu_type, kind.value], count)
+            for project, gpu_type, count in session.execute(
+                select(Project.name, Allocation.gpu_type, func.count())
+                .join(Project, Allocation.project_id == Project.id)
+                .where(Allocation.closed_at.is_(None))
+                .group_by(Project.name, Allocation.gpu_type)
+            ):
+                allocated.add_metric([project, gpu_type], count)
+            for gpu_type, health, count in session.execute(
+                select(Gpu.gpu_type, Node.health, func.count())
+                .join(Node, Gpu.node_id == Node.id)
+                .where(Gpu.present.is_(True))
+                .group_by(Gpu.gpu_type, Node.health)
+            ):
+                capacity.add_metric([gpu_type, health.value], count)
+        yield queued
+        yield allocated
+        yield capacity
+
+
+class ControllerMetrics:
+    def __init__(self, store: FleetStore):
+        self.registry = CollectorRegistry()
+        self.registry.register(FleetCollector(store))
+        self.cycle_duration = Histogram(
+            "gpufleet_admission_cycle_duration_seconds",
+            "Time to read the fleet, decide and commit one admission cycle",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=self.registry,
+        )
+        self.admissions = Counter(
+            "gpufleet_admissions_total",
+            "Workloads admitted",
+            ["gpu_type"],
+            registry=self.registry,
+        )
+        self.wait_time = Histogram(
+            "gpufleet_queue_wait_seconds",
+            "Time from request to admission",
+            ["project"],
+            buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600),
+            registry=self.registry,
+        )
+        self.ended = Counter(
+            "gpufleet_workloads_ended_total",
+            "Workloads ended, by outcome",
+            ["kind", "outcome"],
+            registry=self.registry,
+        )

@@ -1,0 +1,37 @@
+"""Wakes long-polling callers when a workload's visible state changes (in-process only)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Iterable
+
+
+class Notifier:
+    def __init__(self) -> None:
+        self._waiters: dict[int, set[asyncio.Event]] = defaultdict(set)
+
+    def changed(self, workload_ids: Iterable[int]) -> None:
+        for workload_id in workload_ids:
+            for waiter in self._waiters.pop(workload_id, ()):
+                waiter.set()
+
+    async def wait_for_change(self, workload_id: int, within: float) -> None:
+        """Return when ``workload_id`` changes or after ``within`` seconds.
+
+        Every write to the store happens on this event loop, and the waiter is registered
+        before this coroutine first yields: a caller that read the row and then awaits this
+        without yielding in between cannot miss a change.
+        """
+        waiter = asyncio.Event()
+        self._waiters[workload_id].add(waiter)
+        try:
+            await asyncio.wait_for(waiter.wait(), within)
+        except TimeoutError:
+            pass
+        finally:
+            waiters = self._waiters.get(workload_id)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[workload_id]

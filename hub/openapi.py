@@ -1,0 +1,217 @@
+"""The OpenAPI 3.1 document the controller serves at ``api/v1/openapi.json``.
+
+Bodies and answers come from the pydantic models in ``api/schemas.py``; each operation
+names the scopes that may call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from pydantic import BaseModel
+
+from . import scopes
+from .api import schemas
+
+
+@dataclass(frozen=True)
+class Operation:
+    method: str
+    path: str
+    summary: str
+    scopes: tuple[str, ...]
+    body: type[BaseModel] | None = None
+    answer: type[BaseModel] | None = None
+    status: int = 200
+    query: tuple[tuple[str, str, str], ...] = ()  # (name, type, description)
+
+
+WORKLOAD_ID = ("workload_id", "integer", "the workload's id")
+
+OPERATIONS = (
+    Operation("get", "/", "Service information", ()),
+    Operation("get", "/openapi.json", "This document", ()),
+    Operation(
+        "post",
+        "/sessions",
+        "Queue a session's request for GPUs (the spawner)",
+        (scopes.SPAWN,),
+        schemas.SessionRequestIn,
+        schemas.WorkloadOut,
+        201,
+    ),
+    Operation(
+        "get",
+        "/workloads",
+        "List workloads (yours, or everyone's for admins)",
+        (scopes.USE, scopes.SPAWN),
+        None,
+        schemas.WorkloadList,
+        query=(
+            ("username", "string", "only this user's"),
+            ("state", "string", "pending|admitted|running|stopping|ended, repeatable"),
+            ("offset", "integer", "skip this many"),
+            ("limit", "integer", "at most this many (1-1000)"),
+        ),
+    ),
+    Operation(
+        "get",
+        "/workloads/{workload_id}",
+        "One workload; long-poll with wait and version",
+        (scopes.USE, scopes.SPAWN),
+        None,
+        schemas.WorkloadOut,
+        query=(
+            ("wait", "integer", "seconds to wait for a change (0-60)"),
+            ("version", "integer", "the version the caller already has"),
+        ),
+    ),
+    Operation(
+        "post",
+        "/workloads/{workload_id}/renew",
+        "Renew a waiting request's lease",
+        (scopes.SPAWN,),
+        None,
+        schemas.WorkloadOut,
+    ),
+    Operation(
+        "post",
+        "/workloads/{workload_id}/running",
+        "Report the session's server up",
+        (scopes.SPAWN,),
+        None,
+        schemas.WorkloadOut,
+    ),
+    Operation(
+        "post",
+        "/workloads/{workload_id}/release",
+        "Withdraw a request, or release GPUs once every process is gone",
+        (scopes.SPAWN,),
+        schemas.ReleaseIn,
+        schemas.WorkloadOut,
+    ),
+    Operation(
+        "get",
+        "/users/{username}/spawn-options",
+        "Projects, profiles and GPU types a user may pick on the spawn page",
+        (scopes.USE, scopes.SPAWN),
+        None,
+        schemas.SpawnOptionsOut,
+    ),
+    Operation(
+        "get",
+        "/nodes",
+        "Nodes with their health and free GPUs",
+        (scopes.USE, scopes.SPAWN, scopes.AGENT),
+    ),
+    Operation(
+        "post",
+        "/agent/register",
+        "A node agent reports its nodes and GPUs",
+        (scopes.AGENT,),
+        schemas.RegisterIn,
+    ),
+    Operation(
+        "post",
+        "/agent/heartbeat",
+        "A node agent's heartbeat",
+        (scopes.AGENT,),
+        schemas.HeartbeatIn,
+        schemas.HeartbeatOut,
+    ),
+    Operation(
+        "get",
+        "/events",
+        "The event log (yours, or everything for admins)",
+        (scopes.USE, scopes.SPAWN),
+        query=(
+            ("workload_id", "integer", "one workload's"),
+            ("limit", "integer", "at most this many"),
+        ),
+    ),
+)
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+@cache
+def openapi_document(version: str) -> dict[str, Any]:
+    components: dict[str, Any] = {}
+    paths: dict[str, dict[str, Any]] = {}
+
+    def register(model: type[BaseModel]) -> None:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components[model.__name__] = schema
+
+    register(schemas.ErrorOut)
+    error = {"content": {"application/json": {"schema": _ref(schemas.ErrorOut)}}}
+    for op in OPERATIONS:
+        parameters = [
+            {
+                "name": name,
+                "in": "path",
+                "required": True,
+                "schema": {"type": kind},
+                "description": text,
+            }
+            for name, kind, text in (WORKLOAD_ID, ("username", "string", "a hub user name"))
+            if "{" + name + "}" in op.path
+        ] + [
+            {
+                "name": name,
+                "in": "query",
+                "required": False,
+                "schema": {"type": kind},
+                "description": text,
+            }
+            for name, kind, text in op.query
+        ]
+        answer: dict[str, Any] = {"description": "OK"}
+        if op.answer is not None:
+            register(op.answer)
+            answer["content"] = {"application/json": {"schema": _ref(op.answer)}}
+        else:
+            answer["content"] = {"application/json": {"schema": {"type": "object"}}}
+        operation: dict[str, Any] = {
+            "summary": op.summary,
+            "parameters": parameters,
+            "responses": {
+                str(op.status): answer,
+                "400": {"description": "bad input", **error},
+                "401": {"description": "no valid token", **error},
+                "403": {"description": "missing scope", **error},
+                "404": {"description": "not found", **error},
+            },
+            "x-scopes": list(op.scopes),
+        }
+        if op.scopes:
+            operation["security"] = [{"hubToken": []}]
+        if op.body is not None:
+            register(op.body)
+            operation["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(op.body)}},
+            }
+        paths.setdefault(op.path, {})[op.method] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "gpufleet controller API",
+            "version": version,
+            "description": "Authenticate with a JupyterHub token: `Authorization: token <t>`. "
+            "Errors are {code, message, details}.",
+        },
+        "servers": [{"url": "/services/gpufleet/api/v1"}],
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {
+                "hubToken": {"type": "apiKey", "in": "header", "name": "Authorization"}
+            },
+        },
+    }

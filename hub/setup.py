@@ -1,0 +1,174 @@
+"""``configure(c)``: everything JupyterHub needs to run gpufleet, from one call.
+
+``jupyterhub_config.py`` calls it, then declares the fleet (nodes, projects, profiles).
+The hub, the controller and the agent all evaluate that file; only the hub acts on the
+``c.JupyterHub`` part. Ports and folders come from the environment so that several
+deployments (and the test suite) can run side by side on one machine:
+
+- ``GPUFLEET_DATA_DIR``: databases, cookie secret, the spawner's token, user homes;
+  default ``.gpufleet`` beside the config file;
+- ``GPUFLEET_BASE_PORT``: the public URL listens on it, the proxy's API on +1, the hub's
+  API on +2, the controller on +3; default 8000;
+- ``GPUFLEET_BIND_IP``: default 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import scopes
+
+CONTROLLER_SERVICE = "gpufleet"
+AGENT_SERVICE = "gpufleet-agent"
+SPAWNER_SERVICE = "gpufleet-spawner"
+ADMIN_GROUP = "gpufleet-admins"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    data_dir: Path
+    config_file: Path
+    bind_ip: str
+    public_port: int
+    proxy_api_port: int
+    hub_api_port: int
+    controller_port: int
+
+    @property
+    def public_url(self) -> str:
+        return f"http://{self.bind_ip}:{self.public_port}"
+
+    @property
+    def controller_url(self) -> str:
+        return f"http://{self.bind_ip}:{self.controller_port}"
+
+    @property
+    def controller_api_url(self) -> str:
+        return f"{self.controller_url}/services/{CONTROLLER_SERVICE}/api/v1"
+
+
+def deployment(config_file: str) -> Deployment:
+    config_path = Path(config_file).resolve()
+    data_dir = Path(os.environ.get("GPUFLEET_DATA_DIR", config_path.parent / ".gpufleet"))
+    base = int(os.environ.get("GPUFLEET_BASE_PORT", "8000"))
+    return Deployment(
+        data_dir=data_dir.resolve(),
+        config_file=config_path,
+        bind_ip=os.environ.get("GPUFLEET_BIND_IP", "127.0.0.1"),
+        public_port=base,
+        proxy_api_port=base + 1,
+        hub_api_port=base + 2,
+        controller_port=base + 3,
+    )
+
+
+def _secret_file(path: Path) -> str:
+    """A token kept in a file only its owner can read, made on first use."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return path.read_text().strip()
+
+
+def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> Deployment:
+    """Set up the hub, the spawner and the gpufleet services; returns where things live."""
+    d = deployment(config_file)
+    d.data_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        "GPUFLEET_CONFIG": str(d.config_file),
+        "GPUFLEET_DATA_DIR": str(d.data_dir),
+        "GPUFLEET_BASE_PORT": str(d.public_port),
+        "GPUFLEET_BIND_IP": d.bind_ip,
+        "GPUFLEET_CONTROLLER_API_URL": d.controller_api_url,
+    }
+
+    # --- the hub and its proxy
+    c.JupyterHub.bind_url = d.public_url
+    c.JupyterHub.hub_bind_url = f"http://{d.bind_ip}:{d.hub_api_port}"
+    c.ConfigurableHTTPProxy.api_url = f"http://{d.bind_ip}:{d.proxy_api_port}"
+    c.ConfigurableHTTPProxy.pid_file = str(d.data_dir / "proxy.pid")
+    c.JupyterHub.db_url = f"sqlite:///{d.data_dir / 'jupyterhub.sqlite'}"
+    c.JupyterHub.cookie_secret_file = str(d.data_dir / "jupyterhub_cookie_secret")
+    c.JupyterHub.allow_named_servers = True
+    # Queued spawns are pending spawns: a limit here would block users who are not queued.
+    c.JupyterHub.concurrent_spawn_limit = 0
+    c.JupyterHub.cleanup_servers = False  # sessions survive a hub restart
+
+    # --- the spawner
+    c.JupyterHub.spawner_class = "gpufleet.spawner.local.LocalGPUSpawner"
+    c.LocalGPUSpawner.controller_api_url = d.controller_api_url
+    c.LocalGPUSpawner.controller_token = _secret_file(d.data_dir / "spawner-token")
+    c.LocalGPUSpawner.home_dir_template = str(d.data_dir / "homes" / "{username}")
+    c.Spawner.default_url = "/lab"
+    c.Spawner.http_timeout = 120
+    c.Spawner.server_token_scopes = [
+        "users:activity!user",
+        "access:servers!server",
+        scopes.USE,
+    ]
+
+    # --- the gpufleet services
+    c.JupyterHub.services = [
+        {
+            "name": CONTROLLER_SERVICE,
+            "display": True,
+            "url": d.controller_url,
+            "command": [sys.executable, "-m", "gpufleet.hub.app"],
+            "environment": env,
+            "oauth_no_confirm": True,
+            "oauth_client_allowed_scopes": [scopes.USE, scopes.ADMIN],
+        },
+        {
+            "name": AGENT_SERVICE,
+            "command": [sys.executable, "-m", "gpufleet.agent.app"],
+            "environment": env,
+        },
+        {"name": SPAWNER_SERVICE, "api_token": c.LocalGPUSpawner.controller_token},
+    ]
+    c.JupyterHub.custom_scopes = scopes.DESCRIPTIONS
+    # Projects map to hub groups of the same name (docs/roles-and-scopes.md); add yours with
+    # c.JupyterHub.load_groups.update(...) after this call.
+    c.JupyterHub.load_groups = {ADMIN_GROUP: {"users": list(admin_users)}}
+    c.JupyterHub.load_roles = [
+        {"name": "user", "scopes": ["self", scopes.USE]},
+        {
+            "name": "gpufleet-admin",
+            "description": "Administer gpufleet: projects, quotas, nodes, every workload",
+            "scopes": [scopes.ADMIN, scopes.USE, "admin-ui", "list:users", "admin:servers"],
+            "groups": [ADMIN_GROUP],
+            "users": list(admin_users),
+        },
+        {
+            "name": "gpufleet-controller",
+            "description": "The fleet controller: reads users and groups, stops servers",
+            "scopes": [
+                "list:users",
+                "read:users",
+                "list:groups",
+                "read:groups",
+                "admin:servers",
+                "read:users:activity",
+            ],
+            "services": [CONTROLLER_SERVICE],
+        },
+        {
+            "name": "gpufleet-spawner",
+            "description": "The spawner's identity: acts for any user's spawn, nothing else",
+            "scopes": [scopes.SPAWN],
+            "services": [SPAWNER_SERVICE],
+        },
+        {
+            "name": "gpufleet-agent",
+            "description": "Node agents: register nodes, report heartbeats",
+            "scopes": [scopes.AGENT],
+            "services": [AGENT_SERVICE],
+        },
+    ]
+    return d

@@ -1,0 +1,701 @@
+"""FleetStore: every read and write of the fleet's state, as short transactions.
+
+The invariant: the state is changed only through the methods of this class, and every
+write transaction first re-asserts this controller's lease (``_fence``). A controller
+that lost its lease raises :class:`LeaseLost` inside the transaction, which rolls back, so
+two controllers can never both commit. Decisions of one admission cycle are committed in
+one transaction: a controller killed at any point leaves either all of them or none.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, selectinload
+
+from ..admission import FleetSnapshot, NodeView, PendingRequest, admit
+from ..errors import InvalidRequest, LeaseLost, NotFound
+from ..validation import Catalogue, ProfileRule, SessionRequest, validate_session_request
+from . import db
+from .models import (
+    Allocation,
+    Cluster,
+    ControllerLease,
+    Event,
+    Gpu,
+    Membership,
+    Node,
+    NodeHealth,
+    PriorityClass,
+    Profile,
+    Project,
+    ProjectKind,
+    ProjectQuota,
+    Workload,
+    WorkloadKind,
+    WorkloadState,
+    Zone,
+)
+
+LEASE_NAME = "controller"
+ACTIVE_STATES = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
+OPEN_STATES = (WorkloadState.pending, *ACTIVE_STATES)
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    uuid: str
+    index: int
+    pci_bus_id: str = ""
+    memory_bytes: int = 0
+    gpu_type: str | None = None  # a MIG slice names its own type; None: the node's
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """What a node agent reports about one node."""
+
+    name: str
+    cluster: str
+    zone: str
+    gpu_type: str
+    gpus: tuple[GpuSpec, ...]
+    cpus: float = 0.0
+    memory_bytes: int = 0
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdmittedWait:
+    workload_id: int
+    project: str
+    gpu_type: str
+    waited_seconds: float
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    admitted: tuple[AdmittedWait, ...]
+    changed: tuple[int, ...]  # every workload whose visible state changed (admitted included)
+
+
+class FleetStore:
+    def __init__(self, engine: Engine, holder: str, lease_ttl: timedelta = timedelta(seconds=15)):
+        self.engine = engine
+        self.holder = holder
+        self.lease_ttl = lease_ttl
+        self.epoch: int | None = None
+        self._sessions = db.session_factory(engine)
+
+    # ----------------------------------------------------------------- lease
+    def try_acquire_lease(self, now: datetime) -> bool:
+        """Take the controller lease if it is free, expired or already ours."""
+        with db.transaction(self._sessions) as session:
+            lease = session.get(ControllerLease, LEASE_NAME, with_for_update=True)
+            if lease is None:
+                lease = ControllerLease(
+                    name=LEASE_NAME,
+                    holder=self.holder,
+                    epoch=1,
+                    acquired_at=now,
+                    expires_at=now + self.lease_ttl,
+                )
+                session.add(lease)
+            elif lease.holder == self.holder and lease.epoch == self.epoch:
+                lease.expires_at = now + self.lease_ttl
+            elif lease.expires_at <= now or lease.holder == self.holder:
+                lease.holder = self.holder
+                lease.epoch += 1
+                lease.acquired_at = now
+                lease.expires_at = now + self.lease_ttl
+            else:
+                return False
+            try:
+                session.flush()
+            except IntegrityError:  # another controller created the row first
+                return False
+            self.epoch = lease.epoch
+            return True
+
+    def _fence(self, session: Session, now: datetime) -> None:
+        result = session.execute(
+            update(ControllerLease)
+            .where(
+                ControllerLease.name == LEASE_NAME,
+                ControllerLease.holder == self.holder,
+                ControllerLease.epoch == self.epoch,
+            )
+            .values(expires_at=now + self.lease_ttl)
+        )
+        if result.rowcount != 1:  # type: ignore[attr-defined]
+            raise LeaseLost(f"controller {self.holder} no longer holds the database lease")
+
+    def _write(self, now: datetime) -> _WriteTransaction:
+        return _WriteTransaction(self, now)
+
+    def read(self) -> Session:
+        return self._sessions()
+
+    # ------------------------------------------------------------- bootstrap
+    def apply_config(
+        self,
+        now: datetime,
+        projects: Sequence[Mapping[str, Any]],
+        profiles: Sequence[Mapping[str, Any]],
+        priority_classes: Sequence[Mapping[str, Any]],
+    ) -> None:
+        """Create or update the projects, profiles and priority classes the config declares."""
+        with self._write(now) as session:
+            for spec in priority_classes:
+                pc = session.get(PriorityClass, spec["name"]) or PriorityClass(name=spec["name"])
+                pc.rank = int(spec["rank"])
+                pc.preemptible_by_default = bool(spec.get("preemptible", False))
+                pc.description = spec.get("description", "")
+                session.add(pc)
+            by_name = {p.name: p for p in session.scalars(select(Project))}
+            for spec in projects:
+                project = by_name.get(spec["name"]) or Project(name=spec["name"])
+                by_name[project.name] = project
+                project.display_name = spec.get("display_name", project.name)
+                project.kind = ProjectKind(spec.get("kind", "project"))
+                parent = spec.get("parent")
+                if parent is not None and parent not in by_name:
+                    raise InvalidRequest(
+                        f"project {project.name!r} names parent {parent!r}, which is not "
+                        "declared before it in the projects list"
+                    )
+                project.parent = by_name[parent] if parent else None
+                project.hub_group = spec.get("hub_group", project.name)
+                project.default_priority = spec.get("default_priority", "standard")
+                project.allowed_priorities = list(spec.get("allowed_priorities", []))
+                project.fair_share_weight = float(spec.get("weight", 1.0))
+                project.per_user_gpu_cap = spec.get("per_user_gpu_cap")
+                session.add(project)
+                session.flush()
+                quotas = {q.gpu_type: q for q in project.quotas}
+                for gpu_type, q in spec.get("quotas", {}).items():
+                    quota = quotas.pop(gpu_type, None) or ProjectQuota(gpu_type=gpu_type)
+                    quota.guaranteed = int(q.get("guaranteed", 0))
+                    quota.borrow_limit = q.get("borrow_limit")
+                    quota.lend_limit = q.get("lend_limit")
+                    if quota not in project.quotas:
+                        project.quotas.append(quota)
+                for stale in quotas.values():
+                    project.quotas.remove(stale)
+            for spec in profiles:
+                profile = session.scalar(select(Profile).where(Profile.name == spec["name"]))
+                profile = profile or Profile(name=spec["name"])
+                profile.display_name = spec.get("display_name", profile.name)
+                profile.description = spec.get("description", "")
+                profile.environment = spec.get("environment", "")
+                profile.cpu_per_gpu = float(spec.get("cpu_per_gpu", 4))
+                profile.memory_per_gpu_bytes = int(spec.get("memory_per_gpu_bytes", 32 * 2**30))
+                profile.allowed_gpu_types = list(spec.get("gpu_types", []))
+                profile.allowed_projects = list(spec.get("projects", []))
+                profile.is_default = bool(spec.get("default", False))
+                session.add(profile)
+
+    # ------------------------------------------------------------- inventory
+    def register_nodes(self, now: datetime, agent: str, nodes: Iterable[NodeSpec]) -> list[str]:
+        """Record what an agent reports; a node it reports is healthy and heard from now."""
+        names = []
+        with self._write(now) as session:
+            for spec in nodes:
+                zone = self._zone(session, spec.cluster, spec.zone)
+                node = session.scalar(select(Node).where(Node.name == spec.name))
+                back = node is not None and node.health == NodeHealth.unknown
+                if node is None:
+                    node = Node(name=spec.name, zone=zone, gpu_type=spec.gpu_type)
+                    session.add(node)
+                    _event(
+                        session,
+                        now,
+                        "node-registered",
+                        f"node {spec.name} registered by "
+                        f"{agent} with {len(spec.gpus)} × {spec.gpu_type}",
+                        node=spec.name,
+                    )
+                elif back:
+                    _event(
+                        session,
+                        now,
+                        "node-back",
+                        f"node {spec.name} is reporting again",
+                        node=spec.name,
+                        cause=agent,
+                    )
+                node.zone = zone
+                node.gpu_type = spec.gpu_type
+                node.cpus = spec.cpus
+                node.memory_bytes = spec.memory_bytes
+                node.labels = dict(spec.labels)
+                node.agent = agent
+                node.health = NodeHealth.ok
+                node.last_heartbeat_at = now
+                session.flush()
+                known = {g.uuid: g for g in node.gpus}
+                for gpu_spec in spec.gpus:
+                    gpu = known.pop(gpu_spec.uuid, None) or session.get(Gpu, gpu_spec.uuid)
+                    if gpu is None:
+                        gpu = Gpu(uuid=gpu_spec.uuid, node_id=node.id)
+                        session.add(gpu)
+                    gpu.node_id = node.id
+                    gpu.index = gpu_spec.index
+                    gpu.gpu_type = gpu_spec.gpu_type or spec.gpu_type
+                    gpu.pci_bus_id = gpu_spec.pci_bus_id
+                    gpu.memory_bytes = gpu_spec.memory_bytes
+                    gpu.present = True
+                for missing in known.values():
+                    if missing.present:
+                        missing.present = False
+                        _event(
+                            session,
+                            now,
+                            "gpu-missing",
+                            f"GPU {missing.uuid} (index "
+                            f"{missing.index}) is no longer reported on {spec.name}",
+                            node=spec.name,
+                            cause=agent,
+                        )
+                names.append(spec.name)
+        return names
+
+    def _zone(self, session: Session, cluster_name: str, zone_name: str) -> Zone:
+        cluster = session.scalar(select(Cluster).where(Cluster.name == cluster_name))
+        if cluster is None:
+            cluster = Cluster(name=cluster_name)
+            session.add(cluster)
+            session.flush()
+        zone = session.scalar(
+            select(Zone).where(Zone.cluster_id == cluster.id, Zone.name == zone_name)
+        )
+        if zone is None:
+            zone = Zone(cluster=cluster, name=zone_name)
+            session.add(zone)
+            session.flush()
+        return zone
+
+    def heartbeat(self, now: datetime, agent: str, node_names: Iterable[str]) -> list[str]:
+        """Refresh the named nodes; returns the names this controller does not know."""
+        names = set(node_names)
+        with self._write(now) as session:
+            nodes = session.scalars(select(Node).where(Node.name.in_(names))).all()
+            for node in nodes:
+                if node.health == NodeHealth.unknown:
+                    node.health = NodeHealth.ok
+                    _event(
+                        session,
+                        now,
+                        "node-back",
+                        f"node {node.name} is reporting again",
+                        node=node.name,
+                        cause=agent,
+                    )
+                node.last_heartbeat_at = now
+                node.agent = agent
+            return sorted(names - {n.name for n in nodes})
+
+    def mark_silent_nodes(self, now: datetime, timeout: timedelta) -> list[str]:
+        """Nodes whose heartbeat is older than ``timeout`` become unknown: no new work."""
+        with self._write(now) as session:
+            silent = session.scalars(
+                select(Node).where(
+                    Node.health != NodeHealth.unknown,
+                    (Node.last_heartbeat_at.is_(None)) | (Node.last_heartbeat_at < now - timeout),
+                )
+            ).all()
+            for node in silent:
+                node.health = NodeHealth.unknown
+                _event(
+                    session,
+                    now,
+                    "node-lost",
+                    f"node {node.name} has not reported for "
+                    f"{int(timeout.total_seconds())} s; it receives no new work",
+                    node=node.name,
+                    reason="heartbeat-lost",
+                )
+            return [n.name for n in silent]
+
+    # ------------------------------------------------------------ membership
+    def sync_memberships(self, now: datetime, groups: Mapping[str, Iterable[str]]) -> int:
+        """Make each project's members those of its hub group; returns how many changed."""
+        changes = 0
+        with self._write(now) as session:
+            for project in session.scalars(select(Project).options(selectinload(Project.members))):
+                wanted = set(groups.get(project.hub_group or project.name, ()))
+                have = {m.username: m for m in project.members}
+                for username in wanted - have.keys():
+                    project.members.append(Membership(username=username))
+                    changes += 1
+                for username in have.keys() - wanted:
+                    project.members.remove(have[username])
+                    changes += 1
+            if changes:
+                _event(
+                    session,
+                    now,
+                    "membership-synced",
+                    f"{changes} project membership change(s) synced from hub groups",
+                )
+        return changes
+
+    def projects_of(self, session: Session, username: str) -> list[Project]:
+        return list(
+            session.scalars(
+                select(Project)
+                .join(Membership)
+                .where(Membership.username == username, Project.kind == ProjectKind.project)
+                .order_by(Project.name)
+            )
+        )
+
+    def catalogue(self, session: Session, username: str) -> Catalogue:
+        largest: dict[str, int] = defaultdict(int)
+        rows = session.execute(
+            select(Gpu.node_id, Gpu.gpu_type, func.count())
+            .where(Gpu.present.is_(True))
+            .group_by(Gpu.node_id, Gpu.gpu_type)
+        )
+        for _node_id, gpu_type, count in rows:
+            largest[gpu_type] = max(largest[gpu_type], count)
+        profiles = {
+            p.name: ProfileRule(tuple(p.allowed_gpu_types), tuple(p.allowed_projects), p.is_default)
+            for p in session.scalars(select(Profile).order_by(Profile.name))
+        }
+        return Catalogue(
+            largest_node=dict(largest),
+            user_projects=frozenset(p.name for p in self.projects_of(session, username)),
+            profiles=profiles,
+        )
+
+    # ------------------------------------------------------------- workloads
+    def check_session_request(self, request: SessionRequest) -> None:
+        """Validate without recording anything (the spawn form's dry run)."""
+        with self.read() as session:
+            validate_session_request(request, self.catalogue(session, request.username))
+
+    def open_session_request(
+        self, now: datetime, request: SessionRequest, lease: timedelta
+    ) -> Workload:
+        """Validate and queue a session request; supersedes the server's older open request."""
+        with self._write(now) as session:
+            validated = validate_session_request(request, self.catalogue(session, request.username))
+            project = session.scalar(select(Project).where(Project.name == validated.project))
+            assert project is not None  # validation checked membership of an existing project
+            older = session.scalars(
+                select(Workload).where(
+                    Workload.kind == WorkloadKind.session,
+                    Workload.username == request.username,
+                    Workload.server_name == request.server_name,
+                    Workload.state.in_(OPEN_STATES),
+                )
+            ).all()
+            for old in older:
+                if old.state in (WorkloadState.running, WorkloadState.stopping):
+                    raise InvalidRequest(
+                        f"server {request.server_name or '(default)'} of {request.username} "
+                        f"still holds GPUs as workload {old.id} ({old.state.value}); stop it "
+                        "before starting it again"
+                    )
+                self._end(
+                    session,
+                    now,
+                    old,
+                    "superseded",
+                    "a new start of the same server replaced this request",
+                )
+            workload = Workload(
+                kind=WorkloadKind.session,
+                project=project,
+                username=request.username,
+                server_name=request.server_name,
+                name=request.server_name,
+                profile=validated.profile,
+                gpu_type=validated.gpu_type,
+                pods=1,
+                gpus_per_pod=validated.gpus,
+                priority_class=project.default_priority,
+                state=WorkloadState.pending,
+                reason="waiting for the next admission cycle",
+                created_at=now,
+                lease_expires_at=now + lease,
+            )
+            session.add(workload)
+            session.flush()
+            _event(
+                session,
+                now,
+                "requested",
+                f"{request.username} asked for {validated.gpus} × {validated.gpu_type} "
+                f"in project {project.name} for server {request.server_name or '(default)'}",
+                workload=workload,
+            )
+            return workload
+
+    def renew(self, now: datetime, workload_id: int, lease: timedelta) -> Workload:
+        with self._write(now) as session:
+            workload = _get_workload(session, workload_id)
+            if workload.state in (WorkloadState.pending, WorkloadState.admitted):
+                workload.lease_expires_at = now + lease
+            return workload
+
+    def mark_running(self, now: datetime, workload_id: int) -> Workload:
+        with self._write(now) as session:
+            workload = _get_workload(session, workload_id)
+            if workload.state != WorkloadState.admitted:
+                raise InvalidRequest(
+                    f"workload {workload_id} is {workload.state.value}, not admitted; it "
+                    "cannot be marked running"
+                )
+            workload.state = WorkloadState.running
+            workload.started_at = now
+            workload.lease_expires_at = None
+            workload.reason = "running"
+            workload.version += 1
+            _event(session, now, "started", f"workload {workload.id} is running", workload=workload)
+            return workload
+
+    def end(self, now: datetime, workload_id: int, outcome: str, message: str) -> Workload:
+        """End a workload and close its allocations.
+
+        The caller asserts that nothing of the workload still runs: for a running workload
+        the backend has observed its processes gone before calling this.
+        """
+        with self._write(now) as session:
+            workload = _get_workload(session, workload_id)
+            if workload.state != WorkloadState.ended:
+                self._end(session, now, workload, outcome, message)
+            return workload
+
+    def _end(
+        self, session: Session, now: datetime, workload: Workload, outcome: str, message: str
+    ) -> None:
+        for allocation in workload.allocations:
+            if allocation.closed_at is None:
+                allocation.closed_at = now
+        workload.state = WorkloadState.ended
+        workload.queue_position = None
+        workload.outcome = outcome
+        workload.ended_at = now
+        workload.lease_expires_at = None
+        workload.reason = message
+        workload.version += 1
+        _event(
+            session,
+            now,
+            "ended",
+            f"workload {workload.id} ended ({outcome}): {message}",
+            reason=outcome,
+            workload=workload,
+        )
+
+    def expire_leases(self, now: datetime) -> list[int]:
+        """End pending or admitted workloads whose requester stopped renewing."""
+        with self._write(now) as session:
+            expired = session.scalars(
+                select(Workload).where(
+                    Workload.state.in_((WorkloadState.pending, WorkloadState.admitted)),
+                    Workload.lease_expires_at < now,
+                )
+            ).all()
+            for workload in expired:
+                self._end(
+                    session,
+                    now,
+                    workload,
+                    "expired",
+                    "the spawner stopped renewing its request (hub restarted or the "
+                    "spawn was abandoned)",
+                )
+            return [w.id for w in expired]
+
+    # ------------------------------------------------------------- admission
+    def admission_cycle(self, now: datetime) -> CycleResult:
+        """Read the fleet, decide with the pure core, commit every decision at once."""
+        with self._write(now) as session:
+            snapshot, pending = self._snapshot(session, now)
+            plan = admit(snapshot)
+            node_ids = {n.name: n.id for n in session.scalars(select(Node))}
+            changed: list[int] = []
+            for admission in plan.admissions:
+                workload = pending[admission.workload_id]
+                for uuid in admission.gpu_uuids:
+                    session.add(
+                        Allocation(
+                            workload_id=workload.id,
+                            gpu_uuid=uuid,
+                            node_id=node_ids[admission.node],
+                            pod_index=0,
+                            project_id=workload.project_id,
+                            username=workload.username,
+                            gpu_type=workload.gpu_type,
+                            opened_at=now,
+                        )
+                    )
+                workload.state = WorkloadState.admitted
+                workload.queue_position = None
+                workload.admitted_at = now
+                workload.reason = f"admitted on {admission.node}"
+                workload.version += 1
+                changed.append(workload.id)
+                _event(
+                    session,
+                    now,
+                    "admitted",
+                    f"workload {workload.id} admitted: {len(admission.gpu_uuids)} × "
+                    f"{workload.gpu_type} on {admission.node}",
+                    workload=workload,
+                    node=admission.node,
+                    data={"gpus": list(admission.gpu_uuids)},
+                )
+            for waiting in plan.waiting:
+                workload = pending[waiting.workload_id]
+                if (workload.reason, workload.queue_position) != (
+                    waiting.reason,
+                    waiting.position,
+                ):
+                    # Position changes alone are not events (they would flood the log).
+                    if workload.reason != waiting.reason:
+                        _event(
+                            session,
+                            now,
+                            "waiting",
+                            f"workload {workload.id} waits: {waiting.reason}",
+                            workload=workload,
+                            reason="queued",
+                        )
+                    workload.reason = waiting.reason
+                    workload.queue_position = waiting.position
+                    workload.version += 1
+                    changed.append(workload.id)
+            # The partial unique index turns any double allocation into an IntegrityError
+            # here, which rolls the whole cycle back.
+            session.flush()
+            admitted = tuple(
+                AdmittedWait(w.id, w.project.name, w.gpu_type, (now - w.created_at).total_seconds())
+                for w in (pending[a.workload_id] for a in plan.admissions)
+            )
+            return CycleResult(admitted, tuple(changed))
+
+    def _snapshot(
+        self, session: Session, now: datetime
+    ) -> tuple[FleetSnapshot, dict[int, Workload]]:
+        taken = set(
+            session.scalars(select(Allocation.gpu_uuid).where(Allocation.closed_at.is_(None)))
+        )
+        nodes = []
+        for node in session.scalars(
+            select(Node).options(selectinload(Node.gpus), selectinload(Node.zone))
+        ):
+            present = [g for g in node.gpus if g.present]
+            nodes.append(
+                NodeView(
+                    name=node.name,
+                    zone=node.zone.name,
+                    gpu_type=node.gpu_type,
+                    free_gpus=tuple(g.uuid for g in present if g.uuid not in taken),
+                    total_gpus=len(present),
+                    schedulable=node.health == NodeHealth.ok and not node.cordoned,
+                )
+            )
+        pending = {
+            w.id: w
+            for w in session.scalars(
+                select(Workload)
+                .where(Workload.state == WorkloadState.pending)
+                .options(selectinload(Workload.project))
+            )
+        }
+        queue = tuple(
+            PendingRequest(w.id, w.project.name, w.username, w.gpu_type, w.gpus, w.created_at)
+            for w in pending.values()
+        )
+        projects = {
+            p.id: p for p in session.scalars(select(Project).options(selectinload(Project.quotas)))
+        }
+        guaranteed = {
+            (p.name, q.gpu_type): q.guaranteed for p in projects.values() for q in p.quotas
+        }
+        project_usage: dict[tuple[str, str], int] = defaultdict(int)
+        user_usage: dict[tuple[str, str], int] = defaultdict(int)
+        for project_id, username, gpu_type, count in session.execute(
+            select(Allocation.project_id, Allocation.username, Allocation.gpu_type, func.count())
+            .where(Allocation.closed_at.is_(None))
+            .group_by(Allocation.project_id, Allocation.username, Allocation.gpu_type)
+        ):
+            name = projects[project_id].name
+            project_usage[(name, gpu_type)] += count
+            user_usage[(name, username)] += count
+        snapshot = FleetSnapshot(
+            nodes=tuple(nodes),
+            queue=queue,
+            guaranteed=guaranteed,
+            project_usage=dict(project_usage),
+            user_usage=dict(user_usage),
+            user_caps={p.name: p.per_user_gpu_cap for p in projects.values()},
+        )
+        return snapshot, pending
+
+    def record_event(self, now: datetime, kind: str, message: str, **fields: Any) -> None:
+        with self._write(now) as session:
+            _event(session, now, kind, message, **fields)
+
+
+class _WriteTransaction:
+    """A fenced write transaction: commits only while this controller holds the lease."""
+
+    def __init__(self, store: FleetStore, now: datetime):
+        self.store = store
+        self.now = now
+        self._context: Any = None
+
+    def __enter__(self) -> Session:
+        self._context = db.transaction(self.store._sessions)
+        session: Session = self._context.__enter__()
+        self.store._fence(session, self.now)
+        return session
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self._context.__exit__(*exc_info)  # type: ignore[no-any-return]
+
+
+def _get_workload(session: Session, workload_id: int) -> Workload:
+    workload = session.get(Workload, workload_id)
+    if workload is None:
+        raise NotFound(f"there is no workload {workload_id}")
+    return workload
+
+
+def _event(
+    session: Session,
+    now: datetime,
+    kind: str,
+    message: str,
+    *,
+    reason: str = "",
+    cause: str = "",
+    workload: Workload | None = None,
+    node: str | None = None,
+    data: dict[str, Any] | None = None,
+) -> None:
+    session.add(
+        Event(
+            at=now,
+            kind=kind,
+            message=message,
+            reason=reason,
+            cause=cause,
+            workload_id=workload.id if workload is not None else None,
+            project=workload.project.name if workload is not None else None,
+            username=workload.username if workload is not None else None,
+            node=node,
+            data=data or {},
+        )
+    )

@@ -1,0 +1,368 @@
+"""SQLAlchemy 2 models of the fleet: the controller's single state of the world.
+
+Invariants the schema itself enforces:
+- an allocation is never edited in place: it is opened once and closed once (``closed_at``),
+  so GPU-hours per project and user can always be reported from this table;
+- a GPU has at most one open allocation (a partial unique index on ``gpu_uuid`` where
+  ``closed_at`` is null), so no bug above this layer can hand a GPU out twice;
+- events are append-only.
+
+Every change to these tables comes with an Alembic revision in ``migrations/versions``.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timestamps stored as naive UTC (SQLite has no time zones) and read back as aware UTC."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetimes are ambiguous; pass an aware UTC datetime")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON, list[str]: JSON}
+
+
+class ProjectKind(enum.StrEnum):
+    organisation = "organisation"
+    team = "team"
+    project = "project"
+
+
+class WorkloadKind(enum.StrEnum):
+    session = "session"
+    job = "job"
+
+
+class WorkloadState(enum.StrEnum):
+    """Where a workload is in its life. GPUs are held from ``admitted`` until ``ended``."""
+
+    pending = "pending"  # waiting in the queue; holds nothing
+    admitted = "admitted"  # GPUs allocated; the backend is starting it
+    running = "running"  # the backend reported it up
+    stopping = "stopping"  # stop decided; GPUs held until its processes are observed gone
+    ended = "ended"  # terminal; every allocation is closed
+
+
+class NodeHealth(enum.StrEnum):
+    ok = "ok"
+    degraded = "degraded"
+    unhealthy = "unhealthy"
+    unknown = "unknown"  # heartbeat lost: receives no new work
+
+
+def _enum(cls: type[enum.Enum]) -> Enum:
+    # Stored as plain strings (no native enum type) so a new member needs no ALTER TYPE.
+    return Enum(cls, native_enum=False, length=32, validate_strings=True)
+
+
+class Project(Base):
+    """A node of the project tree: organisation → team → project.
+
+    Any node may carry quotas (per GPU type); quotas of inner nodes cap their subtree.
+    Members come from the JupyterHub group named ``hub_group``.
+    """
+
+    __tablename__ = "projects"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    display_name: Mapped[str] = mapped_column(String(200), default="")
+    kind: Mapped[ProjectKind] = mapped_column(_enum(ProjectKind), default=ProjectKind.project)
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("projects.id"), default=None)
+    hub_group: Mapped[str | None] = mapped_column(String(255), default=None)
+    default_priority: Mapped[str] = mapped_column(String(32), default="standard")
+    allowed_priorities: Mapped[list[str]] = mapped_column(default=list)
+    fair_share_weight: Mapped[float] = mapped_column(Float, default=1.0)
+    per_user_gpu_cap: Mapped[int | None] = mapped_column(Integer, default=None)
+
+    parent: Mapped[Project | None] = relationship(remote_side=[id])
+    quotas: Mapped[list[ProjectQuota]] = relationship(
+        back_populates="project", cascade="all, delete-orphan"
+    )
+    members: Mapped[list[Membership]] = relationship(
+        back_populates="project", cascade="all, delete-orphan"
+    )
+
+
+class ProjectQuota(Base):
+    """Per GPU type: a guaranteed amount, how much more may be borrowed, how much may be lent.
+
+    ``None`` for borrow or lend limit means "no limit".
+    """
+
+    __tablename__ = "project_quotas"
+    __table_args__ = (UniqueConstraint("project_id", "gpu_type"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    gpu_type: Mapped[str] = mapped_column(String(64))
+    guaranteed: Mapped[int] = mapped_column(Integer, default=0)
+    borrow_limit: Mapped[int | None] = mapped_column(Integer, default=None)
+    lend_limit: Mapped[int | None] = mapped_column(Integer, default=None)
+
+    project: Mapped[Project] = relationship(back_populates="quotas")
+
+
+class Membership(Base):
+    """A user's membership of a project, synced from the project's JupyterHub group."""
+
+    __tablename__ = "memberships"
+    __table_args__ = (UniqueConstraint("project_id", "username"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    username: Mapped[str] = mapped_column(String(255), index=True)
+    source: Mapped[str] = mapped_column(String(32), default="hub-group")
+
+    project: Mapped[Project] = relationship(back_populates="members")
+
+
+class PriorityClass(Base):
+    """Orders work inside a project (higher ``rank`` first); preemptibility is set apart."""
+
+    __tablename__ = "priority_classes"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    preemptible_by_default: Mapped[bool] = mapped_column(Boolean, default=False)
+    description: Mapped[str] = mapped_column(String(200), default="")
+
+
+class Profile(Base):
+    """What a researcher picks on the spawn page: an environment and its GPU options."""
+
+    __tablename__ = "profiles"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    display_name: Mapped[str] = mapped_column(String(200), default="")
+    description: Mapped[str] = mapped_column(Text, default="")
+    environment: Mapped[str] = mapped_column(String(500), default="")
+    cpu_per_gpu: Mapped[float] = mapped_column(Float, default=4.0)
+    memory_per_gpu_bytes: Mapped[int] = mapped_column(BigInteger, default=32 * 2**30)
+    allowed_gpu_types: Mapped[list[str]] = mapped_column(default=list)  # empty: any
+    allowed_projects: Mapped[list[str]] = mapped_column(default=list)  # empty: any
+    is_default: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Cluster(Base):
+    __tablename__ = "clusters"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    backend: Mapped[str] = mapped_column(String(32), default="local")
+    kube_context: Mapped[str | None] = mapped_column(String(255), default=None)
+
+    zones: Mapped[list[Zone]] = relationship(back_populates="cluster")
+
+
+class Zone(Base):
+    __tablename__ = "zones"
+    __table_args__ = (UniqueConstraint("cluster_id", "name"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    cluster_id: Mapped[int] = mapped_column(ForeignKey("clusters.id"))
+    name: Mapped[str] = mapped_column(String(64))
+
+    cluster: Mapped[Cluster] = relationship(back_populates="zones")
+    nodes: Mapped[list[Node]] = relationship(back_populates="zone")
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    zone_id: Mapped[int] = mapped_column(ForeignKey("zones.id"))
+    gpu_type: Mapped[str] = mapped_column(String(64))
+    cpus: Mapped[float] = mapped_column(Float, default=0.0)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    health: Mapped[NodeHealth] = mapped_column(_enum(NodeHealth), default=NodeHealth.unknown)
+    cordoned: Mapped[bool] = mapped_column(Boolean, default=False)
+    last_heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+    agent: Mapped[str | None] = mapped_column(String(255), default=None)
+
+    zone: Mapped[Zone] = relationship(back_populates="nodes")
+    gpus: Mapped[list[Gpu]] = relationship(back_populates="node", order_by="Gpu.index")
+
+
+class Gpu(Base):
+    """One schedulable device: a whole GPU or a MIG slice (its ``gpu_type`` says which)."""
+
+    __tablename__ = "gpus"
+
+    uuid: Mapped[str] = mapped_column(String(96), primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), index=True)
+    index: Mapped[int] = mapped_column(Integer)
+    gpu_type: Mapped[str] = mapped_column(String(64))
+    pci_bus_id: Mapped[str] = mapped_column(String(32), default="")
+    memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    present: Mapped[bool] = mapped_column(Boolean, default=True)
+
+    node: Mapped[Node] = relationship(back_populates="gpus")
+
+
+class Workload(Base):
+    """A session or a training job: ``pods`` × ``gpus_per_pod`` GPUs of one type."""
+
+    __tablename__ = "workloads"
+    __table_args__ = (Index("ix_workloads_state_created", "state", "created_at"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[WorkloadKind] = mapped_column(_enum(WorkloadKind))
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id"))
+    username: Mapped[str] = mapped_column(String(255), index=True)
+    server_name: Mapped[str] = mapped_column(String(255), default="")
+    name: Mapped[str] = mapped_column(String(255), default="")
+    profile: Mapped[str | None] = mapped_column(String(64), default=None)
+    gpu_type: Mapped[str] = mapped_column(String(64))
+    pods: Mapped[int] = mapped_column(Integer, default=1)
+    gpus_per_pod: Mapped[int] = mapped_column(Integer)
+    priority_class: Mapped[str] = mapped_column(String(32), default="standard")
+    preemptible: Mapped[bool] = mapped_column(Boolean, default=False)
+    state: Mapped[WorkloadState] = mapped_column(
+        _enum(WorkloadState), default=WorkloadState.pending
+    )
+    outcome: Mapped[str | None] = mapped_column(String(32), default=None)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    queue_position: Mapped[int | None] = mapped_column(Integer, default=None)
+    version: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime]
+    admitted_at: Mapped[datetime | None] = mapped_column(default=None)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    ended_at: Mapped[datetime | None] = mapped_column(default=None)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)
+    idle_since: Mapped[datetime | None] = mapped_column(default=None)
+    last_checkpoint_at: Mapped[datetime | None] = mapped_column(default=None)
+    last_snapshot_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    project: Mapped[Project] = relationship()
+    allocations: Mapped[list[Allocation]] = relationship(back_populates="workload")
+
+    @property
+    def gpus(self) -> int:
+        return self.pods * self.gpus_per_pod
+
+
+class Allocation(Base):
+    """One GPU given to one pod of a workload, from ``opened_at`` until ``closed_at``."""
+
+    __tablename__ = "allocations"
+    __table_args__ = (
+        Index(
+            "uq_allocations_open_gpu",
+            "gpu_uuid",
+            unique=True,
+            sqlite_where=text("closed_at IS NULL"),
+            postgresql_where=text("closed_at IS NULL"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"), index=True)
+    gpu_uuid: Mapped[str] = mapped_column(ForeignKey("gpus.uuid"))
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"))
+    pod_index: Mapped[int] = mapped_column(Integer, default=0)
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id"))
+    username: Mapped[str] = mapped_column(String(255))
+    gpu_type: Mapped[str] = mapped_column(String(64))
+    opened_at: Mapped[datetime]
+    closed_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    workload: Mapped[Workload] = relationship(back_populates="allocations")
+    gpu: Mapped[Gpu] = relationship()
+    node: Mapped[Node] = relationship()
+
+
+class Snapshot(Base):
+    """An index row for a snapshot whose manifest lives in the snapshot store (the truth)."""
+
+    __tablename__ = "snapshots"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    username: Mapped[str] = mapped_column(String(255), index=True)
+    server_name: Mapped[str] = mapped_column(String(255), default="")
+    project_id: Mapped[int | None] = mapped_column(ForeignKey("projects.id"), default=None)
+    workload_id: Mapped[int | None] = mapped_column(ForeignKey("workloads.id"), default=None)
+    store_uri: Mapped[str] = mapped_column(String(1000))
+    manifest_key: Mapped[str] = mapped_column(String(1000), unique=True)
+    created_at: Mapped[datetime]
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    file_count: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Event(Base):
+    """Append-only log: what happened, why, and what caused it."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    at: Mapped[datetime] = mapped_column(index=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    message: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(String(64), default="")
+    cause: Mapped[str] = mapped_column(String(255), default="")
+    workload_id: Mapped[int | None] = mapped_column(
+        ForeignKey("workloads.id"), default=None, index=True
+    )
+    project: Mapped[str | None] = mapped_column(String(64), default=None)
+    username: Mapped[str | None] = mapped_column(String(255), default=None)
+    node: Mapped[str | None] = mapped_column(String(255), default=None)
+    data: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class ControllerLease(Base):
+    """Who may write. A controller commits only while it holds this row with its epoch."""
+
+    __tablename__ = "controller_lease"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    epoch: Mapped[int] = mapped_column(Integer)
+    acquired_at: Mapped[datetime]
+    expires_at: Mapped[datetime]

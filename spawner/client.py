@@ -1,0 +1,142 @@
+"""The spawner's side of the controller handshake, over the controller's REST API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+class ControllerError(Exception):
+    """Base class for the spawner's errors talking to the controller."""
+
+
+class RequestRejected(ControllerError):
+    """The controller refused the request as written (4xx); the message says what to fix."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+class ControllerUnavailable(ControllerError):
+    """The controller could not be reached or failed (network error or 5xx)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    node: str
+    gpu_uuids: tuple[str, ...]
+    pci_bus_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class WorkloadStatus:
+    id: int
+    state: str
+    version: int
+    reason: str
+    queue_position: int | None
+    gpu_type: str
+    gpus: int
+    placement: Placement | None
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> WorkloadStatus:
+        allocations = body.get("allocations") or []
+        placement = None
+        if allocations:
+            placement = Placement(
+                node=allocations[0]["node"],
+                gpu_uuids=tuple(a["uuid"] for a in allocations),
+                pci_bus_ids=tuple(a["pci_bus_id"] for a in allocations),
+            )
+        return cls(
+            id=body["id"],
+            state=body["state"],
+            version=body["version"],
+            reason=body.get("reason", ""),
+            queue_position=body.get("queue_position"),
+            gpu_type=body["gpu_type"],
+            gpus=body["gpus"],
+            placement=placement,
+            raw=body,
+        )
+
+
+class ControllerClient:
+    def __init__(self, api_url: str, token: str, timeout: float = 10.0):
+        self.api_url = api_url.rstrip("/")
+        self._client = httpx.AsyncClient(
+            headers={"Authorization": f"token {token}"}, timeout=timeout
+        )
+
+    async def _call(
+        self, method: str, path: str, *, read_seconds: float | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        try:
+            response = await self._client.request(
+                method,
+                f"{self.api_url}{path}",
+                timeout=read_seconds if read_seconds is not None else httpx.USE_CLIENT_DEFAULT,
+                **kwargs,
+            )
+        except httpx.HTTPError as e:
+            raise ControllerUnavailable(
+                f"the gpufleet controller at {self.api_url} did not answer: {e}"
+            ) from e
+        if 400 <= response.status_code < 500:
+            try:
+                message = response.json()["message"]
+            except (ValueError, KeyError):
+                message = response.text
+            raise RequestRejected(message, response.status_code)
+        if response.status_code >= 500:
+            raise ControllerUnavailable(
+                f"the gpufleet controller failed ({response.status_code}): {response.text[:300]}"
+            )
+        body: dict[str, Any] = response.json()
+        return body
+
+    async def spawn_options(self, username: str) -> dict[str, Any]:
+        return await self._call("GET", f"/users/{username}/spawn-options")
+
+    async def open_session(
+        self, body: dict[str, Any], *, dry_run: bool = False
+    ) -> WorkloadStatus | None:
+        answer = await self._call(
+            "POST", "/sessions", json=body, params={"dry_run": "1"} if dry_run else None
+        )
+        return None if dry_run else WorkloadStatus.from_json(answer)
+
+    async def watch(self, workload_id: int, version: int, wait: int) -> WorkloadStatus:
+        """The workload, once its version differs from ``version`` or ``wait`` seconds pass."""
+        body = await self._call(
+            "GET",
+            f"/workloads/{workload_id}",
+            params={"wait": wait, "version": version},
+            read_seconds=wait + 10,
+        )
+        return WorkloadStatus.from_json(body)
+
+    async def renew(self, workload_id: int) -> WorkloadStatus:
+        return WorkloadStatus.from_json(await self._call("POST", f"/workloads/{workload_id}/renew"))
+
+    async def running(self, workload_id: int) -> WorkloadStatus:
+        return WorkloadStatus.from_json(
+            await self._call("POST", f"/workloads/{workload_id}/running")
+        )
+
+    async def release(self, workload_id: int, outcome: str, message: str = "") -> WorkloadStatus:
+        return WorkloadStatus.from_json(
+            await self._call(
+                "POST",
+                f"/workloads/{workload_id}/release",
+                json={"outcome": outcome, "message": message},
+            )
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,381 @@
+"""LocalGPUSpawner: JupyterHub's local process spawner behind the gpufleet queue.
+
+The handshake (the backend contract in docs/backend-contract.md):
+1. ``apply_user_options`` validates the choice with the controller (dry run): bad input
+   fails the spawn at once with a 400 and a message that says what to fix.
+2. ``start`` opens a request (a lease it renews while it waits), long-polls the controller
+   for its placement and shows the queue position and reason through ``progress()``.
+   ``start_timeout`` covers the whole wait, so it is set from ``queue_timeout``.
+3. Once placed, the server starts with exactly its GPUs (by UUID, PCI bus order) and the
+   workload marker in its environment; the spawner reports it running.
+4. Cancelling a spawn withdraws the request. ``stop`` stops the server, then ends every
+   process that carries the marker (kernels live in sessions of their own) and only then
+   releases the GPUs. If some process survives SIGKILL the GPUs stay allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from typing import Any
+
+import httpx
+from jupyterhub.spawner import SimpleLocalProcessSpawner, set_user_setuid
+from tornado import web
+from traitlets import Enum, Float, Unicode, default
+
+from . import processes
+from .client import (
+    ControllerClient,
+    ControllerError,
+    ControllerUnavailable,
+    RequestRejected,
+    WorkloadStatus,
+)
+from .form import options_from_form, render_form
+
+LONG_POLL_SECONDS = 20
+
+
+class LocalGPUSpawner(SimpleLocalProcessSpawner):
+    controller_api_url = Unicode(
+        help="The controller's API, e.g. http://127.0.0.1:8001/services/gpufleet/api/v1 "
+        "(set by gpufleet.hub.setup.configure from the service's URL).",
+    ).tag(config=True)
+
+    @default("controller_api_url")
+    def _default_controller_api_url(self) -> str:
+        return os.environ.get("GPUFLEET_CONTROLLER_API_URL", "")
+
+    controller_token = Unicode(
+        help="The spawner's own token (the gpufleet-spawner service): it may act for any "
+        "user's spawn and nothing else.",
+    ).tag(config=True)
+
+    @default("controller_token")
+    def _default_controller_token(self) -> str:
+        return os.environ.get("GPUFLEET_SPAWNER_TOKEN", "")
+
+    queue_timeout = Float(
+        12 * 3600.0,
+        help="Give up a spawn that has waited this many seconds in the queue. The spawn's "
+        "start_timeout is derived from it, so a long queue never times out early.",
+    ).tag(config=True)
+
+    lease_renew_interval = Float(
+        5.0,
+        help="Seconds between lease renewals while waiting; keep it well under the "
+        "controller's request_lease_seconds.",
+    ).tag(config=True)
+
+    readiness_interval = Float(
+        0.02,
+        help="Seconds between active readiness probes of a starting server. The hub's own "
+        "check backs off; probing here lets the hub find the server up on its first try.",
+    ).tag(config=True)
+
+    user_mode = Enum(
+        ["auto", "system", "single"],
+        "auto",
+        help="How servers run. 'system': as the system user of the same name (the hub runs "
+        "as root). 'single': as the hub's own user, each with a home under "
+        "home_dir_template (a laptop, CI). 'auto': system when the hub runs as root and the "
+        "system user exists, else single.",
+    ).tag(config=True)
+
+    @default("start_timeout")
+    def _default_start_timeout(self) -> int:
+        return int(self.queue_timeout + 300)
+
+    @default("options_from_form")
+    def _default_options_from_form(self) -> Any:
+        return options_from_form
+
+    @default("apply_user_options")
+    def _default_apply_user_options(self) -> Any:
+        return LocalGPUSpawner._check_user_options
+
+    @default("options_form")
+    def _default_options_form(self) -> Any:
+        return LocalGPUSpawner._render_options_form
+
+    # -------------------------------------------------------------- state
+    workload_id: int | None = None
+    gpu_uuids: tuple[str, ...] = ()
+    node_name: str = ""
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        self.workload_id = state.get("gpufleet_workload_id")
+        self.gpu_uuids = tuple(state.get("gpufleet_gpu_uuids", ()))
+        self.node_name = state.get("gpufleet_node", "")
+
+    def get_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = super().get_state()
+        if self.workload_id is not None:
+            state["gpufleet_workload_id"] = self.workload_id
+            state["gpufleet_gpu_uuids"] = list(self.gpu_uuids)
+            state["gpufleet_node"] = self.node_name
+        return state
+
+    def clear_state(self) -> None:
+        super().clear_state()
+        # The workload is forgotten only by stop(), after its GPUs were released.
+
+    # -------------------------------------------------------------- helpers
+    @property
+    def controller(self) -> ControllerClient:
+        client: ControllerClient | None = getattr(self, "_controller", None)
+        if client is None:
+            if not self.controller_api_url or not self.controller_token:
+                raise web.HTTPError(
+                    500, "LocalGPUSpawner is not configured: call gpufleet.hub.setup.configure(c)"
+                )
+            client = self._controller = ControllerClient(
+                self.controller_api_url, self.controller_token
+            )
+        return client
+
+    def _system_user(self) -> bool:
+        if self.user_mode == "system":
+            return True
+        if self.user_mode == "single" or os.geteuid() != 0:
+            return False
+        import pwd
+
+        try:
+            pwd.getpwnam(self.user.name)
+        except KeyError:
+            return False
+        return True
+
+    def make_preexec_fn(self, name: str) -> Any:
+        if self._system_user():
+            return set_user_setuid(name)
+        return super().make_preexec_fn(name)
+
+    def user_env(self, env: dict[str, str]) -> dict[str, str]:
+        if self._system_user():
+            from jupyterhub.spawner import LocalProcessSpawner
+
+            return LocalProcessSpawner.user_env(self, env)  # type: ignore[no-any-return]
+        return super().user_env(env)  # type: ignore[no-any-return]
+
+    def get_args(self) -> list[str]:
+        args: list[str] = super().get_args()
+        if os.geteuid() == 0 and not self._system_user():
+            args.append("--allow-root")  # single-user mode under a root hub (CI)
+        return args
+
+    def get_env(self) -> dict[str, str]:
+        env: dict[str, str] = super().get_env()
+        if self.workload_id is not None:
+            env[processes.MARKER_VARIABLE] = str(self.workload_id)
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpu_uuids)
+            env["NVIDIA_VISIBLE_DEVICES"] = ",".join(self.gpu_uuids)
+            env["GPUFLEET_GPU_UUIDS"] = ",".join(self.gpu_uuids)
+            env["GPUFLEET_NODE"] = self.node_name
+            env["GPUFLEET_PROJECT"] = str(self.user_options.get("project", ""))
+        return env
+
+    # -------------------------------------------------------------- form
+    @staticmethod
+    async def _render_options_form(spawner: LocalGPUSpawner) -> str:
+        try:
+            options = await spawner.controller.spawn_options(spawner.user.name)
+        except ControllerError as e:
+            return f'<div class="alert alert-danger">gpufleet is unavailable: {e}</div>'
+        return render_form(options, spawner.orm_spawner.user_options or {})
+
+    def _request_body(self, user_options: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "username": self.user.name,
+            "server_name": self.name,
+            "project": str(user_options.get("project", "")),
+            "gpu_type": str(user_options.get("gpu_type", "")),
+            "gpus": user_options.get("gpus", 1),
+            "profile": user_options.get("profile") or None,
+        }
+
+    async def _fill_defaults(self, user_options: dict[str, Any]) -> dict[str, Any]:
+        """An API spawn may send no options: take the user's first project and GPU type."""
+        if user_options.get("project") and user_options.get("gpu_type"):
+            return user_options
+        options = await self.controller.spawn_options(self.user.name)
+        filled = dict(user_options)
+        if not filled.get("project") and options["projects"]:
+            filled["project"] = options["projects"][0]["name"]
+        if not filled.get("gpu_type") and options["gpu_types"]:
+            filled["gpu_type"] = next(iter(options["gpu_types"]))
+        filled.setdefault("gpus", 1)
+        return filled
+
+    @staticmethod
+    async def _check_user_options(spawner: LocalGPUSpawner, user_options: dict[str, Any]) -> None:
+        try:
+            filled = await spawner._fill_defaults(user_options or {})
+            await spawner.controller.open_session(spawner._request_body(filled), dry_run=True)
+        except RequestRejected as e:
+            raise web.HTTPError(400, str(e), reason="Invalid GPU request") from e
+        except ControllerUnavailable as e:
+            raise web.HTTPError(503, str(e)) from e
+        spawner.user_options = filled
+
+    # -------------------------------------------------------------- progress
+    _progress_events: list[dict[str, Any]]
+    _progress_changed: asyncio.Event
+
+    def _progress_log(self) -> list[dict[str, Any]]:
+        # Created on first use: the hub may ask for progress before start() runs.
+        if not hasattr(self, "_progress_events"):
+            self._progress_events = []
+            self._progress_changed = asyncio.Event()
+        return self._progress_events
+
+    def _report(self, message: str, percent: int) -> None:
+        self._progress_log().append({"progress": percent, "message": message})
+        changed, self._progress_changed = self._progress_changed, asyncio.Event()
+        changed.set()
+
+    async def progress(self) -> Any:
+        """Queue position and reason while waiting, then placement; the hub streams these."""
+        seen = 0
+        while True:
+            events = self._progress_log()
+            while seen < len(events):
+                yield events[seen]
+                seen += 1
+            await self._progress_changed.wait()
+
+    # -------------------------------------------------------------- start
+    async def start(self) -> Any:
+        self._progress_log()
+        try:
+            status = await self.controller.open_session(self._request_body(self.user_options))
+        except RequestRejected as e:
+            raise web.HTTPError(400, str(e)) from e
+        assert status is not None
+        self.workload_id = status.id
+        renewer = asyncio.create_task(self._renew_while_waiting(status.id))
+        started = False
+        try:
+            status = await self._wait_for_placement(status)
+            assert status.placement is not None
+            self.gpu_uuids = status.placement.gpu_uuids
+            self.node_name = status.placement.node
+            self._report(
+                f"GPUs assigned: {len(self.gpu_uuids)} × {status.gpu_type} on "
+                f"{self.node_name}; starting the server",
+                60,
+            )
+            ip, port = await super().start()
+            started = True
+            renewer.cancel()
+            await self.controller.running(status.id)
+            await self._wait_ready(ip, port)
+            self._report("Server is up", 100)
+            return ip, port
+        except BaseException as error:  # cancellation included: never leave GPUs behind
+            renewer.cancel()
+            await asyncio.shield(self._abandon(started, error))
+            raise
+        finally:
+            renewer.cancel()
+
+    async def _abandon(self, started: bool, error: BaseException) -> None:
+        workload_id = self.workload_id
+        if workload_id is None:
+            return
+        if started:
+            await super().stop(now=True)
+            if not await processes.end_all(workload_id):
+                self.log.error(
+                    "processes of workload %s survived SIGKILL; GPUs kept allocated", workload_id
+                )
+                return
+        outcome = "withdrawn" if isinstance(error, asyncio.CancelledError) else "failed"
+        with contextlib.suppress(ControllerError):
+            await self.controller.release(
+                workload_id, outcome, f"spawn ended early: {error!r}" if outcome == "failed" else ""
+            )
+        self.workload_id = None
+        self.gpu_uuids = ()
+
+    async def _renew_while_waiting(self, workload_id: int) -> None:
+        while True:
+            await asyncio.sleep(self.lease_renew_interval)
+            try:
+                await self.controller.renew(workload_id)
+            except ControllerUnavailable as e:
+                self.log.warning("could not renew the GPU request %s: %s", workload_id, e)
+
+    async def _wait_for_placement(self, status: WorkloadStatus) -> WorkloadStatus:
+        deadline = time.monotonic() + self.queue_timeout
+        last_message = ""
+        while True:
+            if status.state == "admitted" and status.placement is not None:
+                return status
+            if status.state not in ("pending", "admitted"):
+                raise web.HTTPError(409, f"the GPU request ended while waiting: {status.reason}")
+            message = (
+                f"Queued: position {status.queue_position} — {status.reason}"
+                if status.queue_position
+                else f"Waiting for GPUs: {status.reason}"
+            )
+            if message != last_message:
+                self._report(message, 10)
+                last_message = message
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise web.HTTPError(
+                    503,
+                    f"gave up after waiting {int(self.queue_timeout)} s in the GPU queue: "
+                    f"{status.reason}",
+                )
+            try:
+                status = await self.controller.watch(
+                    status.id, status.version, int(min(LONG_POLL_SECONDS, max(remaining, 1)))
+                )
+            except ControllerUnavailable as e:
+                self._report(f"gpufleet controller unreachable, retrying: {e}", 10)
+                await asyncio.sleep(1)
+
+    async def _wait_ready(self, ip: str, port: int) -> None:
+        """Probe the new server until it answers, so the hub's first check finds it up."""
+        url = f"http://{ip or '127.0.0.1'}:{port}{self.server.base_url}api"
+        deadline = time.monotonic() + self.http_timeout
+        async with httpx.AsyncClient(timeout=2) as client:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    return  # it died: the hub's own check reports the failure
+                try:
+                    if (await client.get(url)).status_code < 500:
+                        return
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(self.readiness_interval)
+
+    # -------------------------------------------------------------- stop
+    async def stop(self, now: bool = False) -> None:
+        await super().stop(now=now)
+        workload_id = self.workload_id
+        if workload_id is None:
+            return
+        if not await processes.end_all(workload_id):
+            self.log.error(
+                "processes of workload %s survived SIGKILL; its GPUs stay allocated until an "
+                "admin releases them",
+                workload_id,
+            )
+            return
+        try:
+            await self.controller.release(workload_id, "stopped")
+        except RequestRejected as e:
+            self.log.warning("releasing workload %s: %s", workload_id, e)
+        self.workload_id = None
+        self.gpu_uuids = ()
+        self.node_name = ""
+        self._progress_log().clear()

@@ -1,0 +1,85 @@
+"""Finding and ending every process of a session, wherever it went.
+
+A session's processes are not one process group: Jupyter starts each kernel in a session
+of its own (``start_new_session``), and a user may start more. What they share is the
+environment they inherited, so every process of a workload carries
+``GPUFLEET_WORKLOAD_ID=<id>`` and is found by reading ``/proc/<pid>/environ`` (readable by
+the same user, or by root). GPUs are released only once no such process remains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+MARKER_VARIABLE = "GPUFLEET_WORKLOAD_ID"
+
+
+def marker(workload_id: int) -> bytes:
+    return f"{MARKER_VARIABLE}={workload_id}".encode()
+
+
+def marked_pids(workload_id: int, proc: Path = Path("/proc")) -> list[int]:
+    """Live processes whose initial environment carries the workload's marker."""
+    wanted = marker(workload_id)
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if state == "Z":  # a zombie holds no GPU memory; its parent reaps it
+            continue
+        if wanted in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            continue
+    for pgid in groups:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+    for pid in pids:  # a process may have left its group
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+async def _gone_within(workload_id: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not marked_pids(workload_id):
+            return True
+        await asyncio.sleep(0.1)
+    return not marked_pids(workload_id)
+
+
+async def end_all(workload_id: int, term_grace: float = 5.0, kill_wait: float = 5.0) -> bool:
+    """SIGTERM every marked process group, then SIGKILL what remains.
+
+    Returns True once no marked process is left, False if some survived SIGKILL (a process
+    stuck in the kernel): the caller must then keep the GPUs allocated.
+    """
+    pids = marked_pids(workload_id)
+    if not pids:
+        return True
+    _signal_groups(pids, signal.SIGTERM)
+    if await _gone_within(workload_id, term_grace):
+        return True
+    _signal_groups(marked_pids(workload_id), signal.SIGKILL)
+    return await _gone_within(workload_id, kill_wait)
