@@ -19,6 +19,7 @@ from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
+from .. import failpoints
 from ..admission import FleetSnapshot, NodeView, PendingRequest, admit
 from ..errors import InvalidRequest, LeaseLost, NotFound
 from ..validation import Catalogue, ProfileRule, SessionRequest, validate_session_request
@@ -578,6 +579,8 @@ class FleetStore:
             # The partial unique index turns any double allocation into an IntegrityError
             # here, which rolls the whole cycle back.
             session.flush()
+            if plan.admissions:
+                failpoints.reach("admission-before-commit")
             admitted = tuple(
                 AdmittedWait(w.id, w.project.name, w.gpu_type, (now - w.created_at).total_seconds())
                 for w in (pending[a.workload_id] for a in plan.admissions)

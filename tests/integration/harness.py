@@ -1,0 +1,343 @@
+"""A real JupyterHub (with its proxy, the controller and the node agent) on loopback.
+
+The hub runs ``jupyterhub_config.py`` from the repository through a small test config
+that adds an admin service token and shortens intervals. Everything listens on a free
+block of four ports, under a temporary data directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def wait_for(
+    condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1
+) -> T:
+    """Poll ``condition`` until it returns something truthy; fail with ``what`` after timeout."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value {last!r}")
+
+
+def free_port_block(size: int = 4) -> int:
+    for _ in range(200):
+        base = random.randrange(20000, 40000)
+        sockets = []
+        try:
+            for port in range(base, base + size):
+                s = socket.socket()
+                s.bind(("127.0.0.1", port))
+                sockets.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no free block of ports on 127.0.0.1")
+
+
+TEST_CONFIG = """
+import os
+c = get_config()
+load_subconfig(os.environ["GPUFLEET_REPO_CONFIG"])
+c.JupyterHub.services.append(
+    {"name": "test-admin", "api_token": os.environ["GPUFLEET_TEST_TOKEN"]}
+)
+c.JupyterHub.load_roles.append({
+    "name": "test-admin",
+    "scopes": ["admin:users", "admin:servers", "tokens", "admin:groups", "read:users",
+               "custom:gpufleet:admin"],
+    "services": ["test-admin"],
+})
+c.FleetController.admission_interval = 0.2
+c.FleetController.request_lease_seconds = 6
+c.FleetController.log_style = "text"
+c.LocalGPUSpawner.lease_renew_interval = 1
+c.JupyterHub.log_level = "INFO"
+"""
+
+
+@dataclass
+class Hub:
+    data_dir: Path
+    base_port: int
+    token: str
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.base_port}"
+
+    @property
+    def api(self) -> str:
+        return f"{self.url}/hub/api"
+
+    @property
+    def controller_api(self) -> str:
+        return f"{self.url}/services/gpufleet/api/v1"
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            GPUFLEET_REPO_CONFIG=str(REPO / "jupyterhub_config.py"),
+            GPUFLEET_DATA_DIR=str(self.data_dir),
+            GPUFLEET_BASE_PORT=str(self.base_port),
+            GPUFLEET_TEST_TOKEN=self.token,
+            GPUFLEET_FAILPOINTS_DIR=str(self.data_dir / "failpoints"),
+            PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}",
+        )
+        return env
+
+    @classmethod
+    def create(cls, root: Path) -> Hub:
+        data_dir = root / "data"
+        (data_dir / "failpoints").mkdir(parents=True)
+        (root / "test_config.py").write_text(textwrap.dedent(TEST_CONFIG))
+        return cls(data_dir, free_port_block(), uuid.uuid4().hex, root / "hub.log")
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyterhub",
+                "-f",
+                str(self.log_path.parent / "test_config.py"),
+            ],
+            cwd=self.log_path.parent,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_for(self._ready, 90, "the hub, the controller and two healthy nodes")
+
+    def _ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the hub exited ({self.proc.returncode}); see {self.log_path}")
+        try:
+            nodes = self.controller("GET", "/nodes").json()["items"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        return sum(n["health"] == "ok" for n in nodes) >= 2
+
+    def stop(self) -> None:
+        """Stop the hub gracefully (it stops its services and proxy), then every server."""
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def kill_everything(self) -> None:
+        """Last resort at the end of the session: nothing of this hub may outlive the tests."""
+        self.stop()
+        for pid in pids_with_env("GPUFLEET_DATA_DIR", str(self.data_dir)):
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                continue
+
+    # ------------------------------------------------------------- HTTP
+    def hub_api(
+        self, method: str, path: str, token: str | None = None, **kw: Any
+    ) -> httpx.Response:
+        headers = {"Authorization": f"token {token or self.token}"}
+        return httpx.request(method, f"{self.api}{path}", headers=headers, timeout=60, **kw)
+
+    def controller(
+        self, method: str, path: str, token: str | None = None, **kw: Any
+    ) -> httpx.Response:
+        headers = {"Authorization": f"token {token or self.token}"}
+        return httpx.request(
+            method, f"{self.controller_api}{path}", headers=headers, timeout=60, **kw
+        )
+
+    def user_token(self, username: str) -> str:
+        response = self.hub_api(
+            "POST", f"/users/{username}/tokens", json={"note": "gpufleet tests", "expires_in": 3600}
+        )
+        response.raise_for_status()
+        return str(response.json()["token"])
+
+    # ------------------------------------------------------------- servers
+    def spawn(self, username: str, server: str = "", **options: Any) -> httpx.Response:
+        path = f"/users/{username}/servers/{server}" if server else f"/users/{username}/server"
+        return self.hub_api("POST", path, json=options)
+
+    def stop_server(self, username: str, server: str = "") -> httpx.Response:
+        path = f"/users/{username}/servers/{server}" if server else f"/users/{username}/server"
+        return self.hub_api("DELETE", path)
+
+    def server_model(self, username: str, server: str = "") -> dict[str, Any] | None:
+        user = self.hub_api("GET", f"/users/{username}").json()
+        model: dict[str, Any] | None = user.get("servers", {}).get(server)
+        return model
+
+    def wait_ready(self, username: str, server: str = "", timeout: float = 120) -> dict[str, Any]:
+        return wait_for(
+            lambda: (m := self.server_model(username, server)) and m.get("ready") and m,
+            timeout,
+            f"server {username}/{server or '(default)'} ready",
+        )
+
+    def wait_gone(self, username: str, server: str = "", timeout: float = 60) -> bool:
+        return wait_for(
+            lambda: self.server_model(username, server) is None,
+            timeout,
+            f"server {username}/{server or '(default)'} gone",
+        )
+
+    def workloads(self, **params: Any) -> list[dict[str, Any]]:
+        response = self.controller("GET", "/workloads", params={"limit": 1000, **params})
+        response.raise_for_status()
+        items: list[dict[str, Any]] = response.json()["items"]
+        return items
+
+    def workload_of(self, username: str, server: str = "") -> dict[str, Any] | None:
+        for w in self.workloads(username=username):
+            if w["server_name"] == server and w["state"] != "ended":
+                return w
+        return None
+
+    def stop_all_servers(self) -> None:
+        users = self.hub_api("GET", "/users", params={"state": "active"}).json()
+        for user in users:
+            for name in user.get("servers", {}):
+                self.stop_server(user["name"], name)
+        wait_for(
+            lambda: not [w for w in self.workloads() if w["state"] != "ended"],
+            60,
+            "every workload ended",
+        )
+
+    def controller_pid(self) -> int | None:
+        pids = [
+            p
+            for p in pids_with_env("GPUFLEET_DATA_DIR", str(self.data_dir))
+            if "gpufleet.hub.app" in cmdline(p)
+        ]
+        return pids[0] if pids else None
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return ""
+
+
+def pids_with_env(name: str, value: str) -> list[int]:
+    wanted = f"{name}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+    return found
+
+
+def server_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def run_in_kernel(hub: Hub, username: str, server: str, code: str, token: str) -> str:
+    """Execute ``code`` in a new kernel of the user's server; returns what it printed."""
+    import asyncio
+
+    from tornado.httpclient import HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    prefix = f"/user/{username}/{server + '/' if server else ''}"
+    headers = {"Authorization": f"token {token}"}
+    kernel = httpx.post(f"{hub.url}{prefix}api/kernels", headers=headers, json={}, timeout=60)
+    kernel.raise_for_status()
+    kernel_id = kernel.json()["id"]
+
+    async def execute() -> str:
+        ws_url = f"ws://127.0.0.1:{hub.base_port}{prefix}api/kernels/{kernel_id}/channels"
+        conn = await websocket_connect(HTTPRequest(ws_url, headers=headers))
+        msg_id = uuid.uuid4().hex
+        conn.write_message(
+            json.dumps(
+                {
+                    "header": {
+                        "msg_id": msg_id,
+                        "username": username,
+                        "session": uuid.uuid4().hex,
+                        "msg_type": "execute_request",
+                        "version": "5.3",
+                    },
+                    "parent_header": {},
+                    "metadata": {},
+                    "channel": "shell",
+                    "content": {
+                        "code": code,
+                        "silent": False,
+                        "store_history": False,
+                        "user_expressions": {},
+                        "allow_stdin": False,
+                    },
+                }
+            )
+        )
+        out = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            raw = await conn.read_message()
+            if raw is None:
+                break
+            msg = json.loads(raw)
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind = msg["header"]["msg_type"]
+            if kind == "stream":
+                out.append(msg["content"]["text"])
+            elif kind == "error":
+                raise AssertionError("kernel error: " + "\n".join(msg["content"]["traceback"]))
+            elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        conn.close()
+        return "".join(out)
+
+    try:
+        return asyncio.run(execute())
+    finally:
+        httpx.delete(f"{hub.url}{prefix}api/kernels/{kernel_id}", headers=headers, timeout=30)
