@@ -114,7 +114,7 @@ class NodeAgent(Application):
     def _default_node_name(self) -> str:
         return socket.gethostname()
 
-    def initialize(self, argv: list[str] | None = None) -> None:  # type: ignore[override]
+    def initialize(self, argv: list[str] | None = None) -> None:
         self.parse_command_line(argv)
         path = os.path.abspath(self.config_file)
         if not os.path.exists(path):

@@ -62,7 +62,7 @@ class ConfigFileMixin(Application):
 
     aliases = {"config": "ConfigFileMixin.config_file", "log-level": "Application.log_level"}
 
-    def initialize(self, argv: list[str] | None = None) -> None:  # type: ignore[override]
+    def initialize(self, argv: list[str] | None = None) -> None:
         self.parse_command_line(argv)
         if self.subapp is not None:
             return  # the subcommand initialised itself
@@ -197,7 +197,7 @@ class FleetController(DatabaseMixin):
         ["json", "text"], "json", help="Log lines as JSON objects or as plain text."
     ).tag(config=True)
 
-    def initialize(self, argv: list[str] | None = None) -> None:  # type: ignore[override]
+    def initialize(self, argv: list[str] | None = None) -> None:
         super().initialize(argv)
         if self.subapp is not None:
             return
@@ -292,21 +292,28 @@ class FleetController(DatabaseMixin):
     # ----------------------------------------------------------- loops
     async def _hold_lease(self) -> None:
         while True:
+            was_leader = self.is_leader
             try:
                 held = self.store.try_acquire_lease(self.now())
-            except SQLAlchemyError:
-                self.log.exception("could not renew the database lease")
+                if held and not was_leader:
+                    extended = self.store.extend_leases(self.now(), self.request_lease)
+                    self.log.info(
+                        "holding the database lease as %s; renewed %d waiting request(s)",
+                        self.store.holder,
+                        extended,
+                    )
+            except (SQLAlchemyError, LeaseLost):
+                self.log.exception("could not take or renew the database lease")
                 held = False
-            if held and not self.is_leader:
-                self.log.info("holding the database lease as %s", self.store.holder)
-                self.kick()
-            elif not held and self.is_leader:
+            if not held and was_leader:
                 self.log.warning("lost the database lease; standing by")
             elif not held:
                 self.log.info("another controller holds the database lease; standing by")
             self.is_leader = held
             if held:
                 self._became_leader.set()
+                if not was_leader:
+                    self.kick()
             await asyncio.sleep(self.db_lease_seconds / 3)
 
     async def _admission_loop(self) -> None:
@@ -370,8 +377,11 @@ class FleetController(DatabaseMixin):
     # ----------------------------------------------------------- start
     def make_web_app(self) -> web.Application:
         return web.Application(
-            routes(self.service_prefix, self),  # type: ignore[arg-type]
+            routes(self.service_prefix, self),
             log_function=self._log_request,
+            # Signs the hub's OAuth cookie for the controller's pages; a restart logs
+            # browsers in again through the hub, which is silent.
+            cookie_secret=os.urandom(32),
         )
 
     def _log_request(self, handler: web.RequestHandler) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,23 +78,37 @@ def _secret_file(path: Path) -> str:
     return path.read_text().strip()
 
 
+def _script(name: str) -> str:
+    # The console script, not `python -m`: that would put the working directory first on
+    # sys.path, where a source checkout's gpufleet/ folder hides the installed subpackages.
+    return str(Path(sys.executable).parent / name)
+
+
 def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> Deployment:
     """Set up the hub, the spawner and the gpufleet services; returns where things live."""
     d = deployment(config_file)
     d.data_dir.mkdir(parents=True, exist_ok=True)
     env = {
-        "GPUFLEET_CONFIG": str(d.config_file),
+        # The controller and agent read the file the hub was started with: the one that
+        # called configure(), unless $GPUFLEET_CONFIG names an outer file that loads it.
+        "GPUFLEET_CONFIG": os.environ.get("GPUFLEET_CONFIG", str(d.config_file)),
         "GPUFLEET_DATA_DIR": str(d.data_dir),
         "GPUFLEET_BASE_PORT": str(d.public_port),
         "GPUFLEET_BIND_IP": d.bind_ip,
         "GPUFLEET_CONTROLLER_API_URL": d.controller_api_url,
     }
+    if "GPUFLEET_FAILPOINTS_DIR" in os.environ:  # crash tests (scheduler/failpoints.py)
+        env["GPUFLEET_FAILPOINTS_DIR"] = os.environ["GPUFLEET_FAILPOINTS_DIR"]
 
     # --- the hub and its proxy
     c.JupyterHub.bind_url = d.public_url
     c.JupyterHub.hub_bind_url = f"http://{d.bind_ip}:{d.hub_api_port}"
     c.ConfigurableHTTPProxy.api_url = f"http://{d.bind_ip}:{d.proxy_api_port}"
     c.ConfigurableHTTPProxy.pid_file = str(d.data_dir / "proxy.pid")
+    # scripts/install puts the proxy inside the repository when it is not on PATH.
+    local_proxy = d.config_file.parent / ".tools/node_modules/.bin/configurable-http-proxy"
+    if shutil.which("configurable-http-proxy") is None and local_proxy.exists():
+        c.ConfigurableHTTPProxy.command = [str(local_proxy)]
     c.JupyterHub.db_url = f"sqlite:///{d.data_dir / 'jupyterhub.sqlite'}"
     c.JupyterHub.cookie_secret_file = str(d.data_dir / "jupyterhub_cookie_secret")
     c.JupyterHub.allow_named_servers = True
@@ -120,14 +135,14 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
             "name": CONTROLLER_SERVICE,
             "display": True,
             "url": d.controller_url,
-            "command": [sys.executable, "-m", "gpufleet.hub.app"],
+            "command": [_script("gpufleet-controller")],
             "environment": env,
             "oauth_no_confirm": True,
             "oauth_client_allowed_scopes": [scopes.USE, scopes.ADMIN],
         },
         {
             "name": AGENT_SERVICE,
-            "command": [sys.executable, "-m", "gpufleet.agent.app"],
+            "command": [_script("gpufleet-agent")],
             "environment": env,
         },
         {"name": SPAWNER_SERVICE, "api_token": c.LocalGPUSpawner.controller_token},

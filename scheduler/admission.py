@@ -129,11 +129,14 @@ def admit(snapshot: FleetSnapshot) -> AdmissionPlan:
             project_usage[quota_key] += request.gpus
             user_usage[user_key] += request.gpus
             continue
-        if cause is not WaitCause.BEHIND:
+        # The head of a queue holds only the queue it waits on: a user at their cap does
+        # not hold back the rest of the project, nor a quota wait the user's other types.
+        if cause is WaitCause.QUOTA:
             blocked_quota.setdefault(quota_key, request.workload_id)
+        elif cause is WaitCause.USER_CAP:
             blocked_user.setdefault(user_key, request.workload_id)
-            if cause is WaitCause.CAPACITY:
-                blocked_capacity.setdefault(request.gpu_type, request.workload_id)
+        elif cause is WaitCause.CAPACITY:
+            blocked_capacity.setdefault(request.gpu_type, request.workload_id)
         positions[request.gpu_type] += 1
         waiting.append(Waiting(request.workload_id, positions[request.gpu_type], reason))
     return AdmissionPlan(tuple(admissions), tuple(waiting))

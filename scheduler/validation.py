@@ -5,6 +5,7 @@ Every rejection says what to change. Nothing is recorded for a rejected request.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -50,7 +51,7 @@ def parse_gpu_count(value: object) -> int:
         raise InvalidRequest("the GPU count must be a whole number such as 1 or 2")
     if isinstance(value, int):
         count = value
-    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    elif isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
         count = int(value.strip())
     else:
         raise InvalidRequest(f"the GPU count must be a whole number such as 1 or 2, not {value!r}")

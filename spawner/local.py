@@ -16,7 +16,6 @@ The handshake (the backend contract in docs/backend-contract.md):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from typing import Any
@@ -105,12 +104,14 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
     workload_id: int | None = None
     gpu_uuids: tuple[str, ...] = ()
     node_name: str = ""
+    marker: str = ""  # inherited by every process of the session (see processes.py)
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
         self.workload_id = state.get("gpufleet_workload_id")
         self.gpu_uuids = tuple(state.get("gpufleet_gpu_uuids", ()))
         self.node_name = state.get("gpufleet_node", "")
+        self.marker = state.get("gpufleet_marker", "")
 
     def get_state(self) -> dict[str, Any]:
         state: dict[str, Any] = super().get_state()
@@ -118,6 +119,7 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
             state["gpufleet_workload_id"] = self.workload_id
             state["gpufleet_gpu_uuids"] = list(self.gpu_uuids)
             state["gpufleet_node"] = self.node_name
+            state["gpufleet_marker"] = self.marker
         return state
 
     def clear_state(self) -> None:
@@ -160,8 +162,8 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
         if self._system_user():
             from jupyterhub.spawner import LocalProcessSpawner
 
-            return LocalProcessSpawner.user_env(self, env)  # type: ignore[no-any-return]
-        return super().user_env(env)  # type: ignore[no-any-return]
+            return LocalProcessSpawner.user_env(self, env)
+        return super().user_env(env)
 
     def get_args(self) -> list[str]:
         args: list[str] = super().get_args()
@@ -172,7 +174,8 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
     def get_env(self) -> dict[str, str]:
         env: dict[str, str] = super().get_env()
         if self.workload_id is not None:
-            env[processes.MARKER_VARIABLE] = str(self.workload_id)
+            env[processes.MARKER_VARIABLE] = self.marker
+            env["GPUFLEET_WORKLOAD_ID"] = str(self.workload_id)
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpu_uuids)
             env["NVIDIA_VISIBLE_DEVICES"] = ",".join(self.gpu_uuids)
@@ -221,7 +224,9 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
         except RequestRejected as e:
             raise web.HTTPError(400, str(e), reason="Invalid GPU request") from e
         except ControllerUnavailable as e:
-            raise web.HTTPError(503, str(e)) from e
+            # A controller restart must not fail spawns: start() retries and validates then.
+            spawner.log.warning("could not check %s's GPU request now: %s", spawner.user.name, e)
+            return
         spawner.user_options = filled
 
     # -------------------------------------------------------------- progress
@@ -253,12 +258,9 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
     # -------------------------------------------------------------- start
     async def start(self) -> Any:
         self._progress_log()
-        try:
-            status = await self.controller.open_session(self._request_body(self.user_options))
-        except RequestRejected as e:
-            raise web.HTTPError(400, str(e)) from e
-        assert status is not None
+        status = await self._open_request()
         self.workload_id = status.id
+        self.marker = processes.new_marker()
         renewer = asyncio.create_task(self._renew_while_waiting(status.id))
         started = False
         try:
@@ -285,24 +287,58 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
         finally:
             renewer.cancel()
 
+    async def _open_request(self) -> WorkloadStatus:
+        """Queue the request; while the controller restarts, keep trying (and say so)."""
+        deadline = time.monotonic() + self.queue_timeout
+        while True:
+            try:
+                status = await self.controller.open_session(
+                    self._request_body(await self._fill_defaults(self.user_options or {}))
+                )
+            except RequestRejected as e:
+                raise web.HTTPError(400, str(e)) from e
+            except ControllerUnavailable as e:
+                if time.monotonic() > deadline:
+                    raise web.HTTPError(503, str(e)) from e
+                self._report(f"gpufleet controller unreachable, retrying: {e}", 5)
+                await asyncio.sleep(1)
+                continue
+            assert status is not None
+            return status
+
     async def _abandon(self, started: bool, error: BaseException) -> None:
+        if started:
+            await super().stop(now=True)
+        if isinstance(error, asyncio.CancelledError):
+            await self._release("withdrawn", "")
+        else:
+            await self._release("failed", f"the spawn failed: {error}")
+
+    async def _release(self, outcome: str, message: str) -> None:
+        """Release the GPUs once nothing of the session runs; else keep them allocated."""
         workload_id = self.workload_id
         if workload_id is None:
             return
-        if started:
-            await super().stop(now=True)
-            if not await processes.end_all(workload_id):
-                self.log.error(
-                    "processes of workload %s survived SIGKILL; GPUs kept allocated", workload_id
-                )
-                return
-        outcome = "withdrawn" if isinstance(error, asyncio.CancelledError) else "failed"
-        with contextlib.suppress(ControllerError):
-            await self.controller.release(
-                workload_id, outcome, f"spawn ended early: {error!r}" if outcome == "failed" else ""
+        if self.marker and not await processes.end_all(self.marker):
+            self.log.error(
+                "processes of workload %s survived SIGKILL; its GPUs stay allocated until an "
+                "admin releases them",
+                workload_id,
             )
+            return
+        try:
+            await self.controller.release(workload_id, outcome, message)
+        except RequestRejected as e:
+            self.log.warning("releasing workload %s: %s", workload_id, e)
+        except ControllerUnavailable as e:
+            # The workload stays in the spawner's state; the next stop() retries.
+            self.log.error("could not release workload %s: %s", workload_id, e)
+            return
         self.workload_id = None
         self.gpu_uuids = ()
+        self.node_name = ""
+        self.marker = ""
+        self._progress_log().clear()
 
     async def _renew_while_waiting(self, workload_id: int) -> None:
         while True:
@@ -361,21 +397,4 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
     # -------------------------------------------------------------- stop
     async def stop(self, now: bool = False) -> None:
         await super().stop(now=now)
-        workload_id = self.workload_id
-        if workload_id is None:
-            return
-        if not await processes.end_all(workload_id):
-            self.log.error(
-                "processes of workload %s survived SIGKILL; its GPUs stay allocated until an "
-                "admin releases them",
-                workload_id,
-            )
-            return
-        try:
-            await self.controller.release(workload_id, "stopped")
-        except RequestRejected as e:
-            self.log.warning("releasing workload %s: %s", workload_id, e)
-        self.workload_id = None
-        self.gpu_uuids = ()
-        self.node_name = ""
-        self._progress_log().clear()
+        await self._release("stopped", "")

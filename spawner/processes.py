@@ -13,18 +13,19 @@ import asyncio
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 
-MARKER_VARIABLE = "GPUFLEET_WORKLOAD_ID"
+MARKER_VARIABLE = "GPUFLEET_SESSION_MARKER"
 
 
-def marker(workload_id: int) -> bytes:
-    return f"{MARKER_VARIABLE}={workload_id}".encode()
+def new_marker() -> str:
+    return uuid.uuid4().hex
 
 
-def marked_pids(workload_id: int, proc: Path = Path("/proc")) -> list[int]:
-    """Live processes whose initial environment carries the workload's marker."""
-    wanted = marker(workload_id)
+def marked_pids(marker: str, proc: Path = Path("/proc")) -> list[int]:
+    """Live processes whose initial environment carries ``marker``."""
+    wanted = f"{MARKER_VARIABLE}={marker}".encode()
     found = []
     for entry in proc.iterdir():
         if not entry.name.isdigit():
@@ -60,26 +61,26 @@ def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
             continue
 
 
-async def _gone_within(workload_id: int, seconds: float) -> bool:
+async def _gone_within(marker: str, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not marked_pids(workload_id):
+        if not marked_pids(marker):
             return True
         await asyncio.sleep(0.1)
-    return not marked_pids(workload_id)
+    return not marked_pids(marker)
 
 
-async def end_all(workload_id: int, term_grace: float = 5.0, kill_wait: float = 5.0) -> bool:
+async def end_all(marker: str, term_grace: float = 5.0, kill_wait: float = 5.0) -> bool:
     """SIGTERM every marked process group, then SIGKILL what remains.
 
     Returns True once no marked process is left, False if some survived SIGKILL (a process
     stuck in the kernel): the caller must then keep the GPUs allocated.
     """
-    pids = marked_pids(workload_id)
+    pids = marked_pids(marker)
     if not pids:
         return True
     _signal_groups(pids, signal.SIGTERM)
-    if await _gone_within(workload_id, term_grace):
+    if await _gone_within(marker, term_grace):
         return True
-    _signal_groups(marked_pids(workload_id), signal.SIGKILL)
-    return await _gone_within(workload_id, kill_wait)
+    _signal_groups(marked_pids(marker), signal.SIGKILL)
+    return await _gone_within(marker, kill_wait)

@@ -201,7 +201,8 @@ class WorkloadActionHandler(APIHandler):
                         "failed": "the server failed to start",
                     }[body.outcome]
                 )
-                store.end(now, wid, body.outcome, message)
+                ended = store.end(now, wid, body.outcome, message)
+                self.controller.metrics.ended.labels(ended.kind.value, body.outcome).inc()
         self.controller.notifier.changed([wid])
         self.controller.kick()
         with store.read() as session:
@@ -217,7 +218,7 @@ class SpawnOptionsHandler(APIHandler):
         store = self.controller.store
         with store.read() as session:
             catalogue = store.catalogue(session, username)
-            usage = Counter[tuple[str, str]]()
+            usage = Counter[tuple[int, str]]()
             for project_id, gpu_type, count in session.execute(
                 select(Allocation.project_id, Allocation.gpu_type, func.count())
                 .where(Allocation.closed_at.is_(None))

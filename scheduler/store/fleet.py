@@ -10,7 +10,8 @@ one transaction: a controller killed at any point leaves either all of them or n
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -137,8 +138,15 @@ class FleetStore:
         if result.rowcount != 1:  # type: ignore[attr-defined]
             raise LeaseLost(f"controller {self.holder} no longer holds the database lease")
 
-    def _write(self, now: datetime) -> _WriteTransaction:
-        return _WriteTransaction(self, now)
+    @contextmanager
+    def _write(self, now: datetime) -> Iterator[Session]:
+        """A write transaction that commits only while this controller holds the lease.
+
+        A lost lease raises inside the transaction, which then rolls back and closes.
+        """
+        with db.transaction(self._sessions) as session:
+            self._fence(session, now)
+            yield session
 
     def read(self) -> Session:
         return self._sessions()
@@ -497,6 +505,23 @@ class FleetStore:
             workload=workload,
         )
 
+    def extend_leases(self, now: datetime, lease: timedelta) -> int:
+        """Give every waiting request a full lease again.
+
+        Called when a controller becomes the writer: spawners could not renew while no
+        controller answered, and a request must not expire for the controller's absence.
+        """
+        with self._write(now) as session:
+            result = session.execute(
+                update(Workload)
+                .where(
+                    Workload.state.in_((WorkloadState.pending, WorkloadState.admitted)),
+                    Workload.lease_expires_at < now + lease,
+                )
+                .values(lease_expires_at=now + lease)
+            )
+            return int(result.rowcount)  # type: ignore[attr-defined]
+
     def expire_leases(self, now: datetime) -> list[int]:
         """End pending or admitted workloads whose requester stopped renewing."""
         with self._write(now) as session:
@@ -649,24 +674,6 @@ class FleetStore:
     def record_event(self, now: datetime, kind: str, message: str, **fields: Any) -> None:
         with self._write(now) as session:
             _event(session, now, kind, message, **fields)
-
-
-class _WriteTransaction:
-    """A fenced write transaction: commits only while this controller holds the lease."""
-
-    def __init__(self, store: FleetStore, now: datetime):
-        self.store = store
-        self.now = now
-        self._context: Any = None
-
-    def __enter__(self) -> Session:
-        self._context = db.transaction(self.store._sessions)
-        session: Session = self._context.__enter__()
-        self.store._fence(session, self.now)
-        return session
-
-    def __exit__(self, *exc_info: Any) -> bool | None:
-        return self._context.__exit__(*exc_info)  # type: ignore[no-any-return]
 
 
 def _get_workload(session: Session, workload_id: int) -> Workload:

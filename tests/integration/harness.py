@@ -63,16 +63,16 @@ def free_port_block(size: int = 4) -> int:
 TEST_CONFIG = """
 import os
 c = get_config()
-load_subconfig(os.environ["GPUFLEET_REPO_CONFIG"])
+load_subconfig({repo_config!r})
 c.JupyterHub.services.append(
-    {"name": "test-admin", "api_token": os.environ["GPUFLEET_TEST_TOKEN"]}
+    {{"name": "test-admin", "api_token": os.environ.get("GPUFLEET_TEST_TOKEN", "")}}
 )
-c.JupyterHub.load_roles.append({
+c.JupyterHub.load_roles.append({{
     "name": "test-admin",
     "scopes": ["admin:users", "admin:servers", "tokens", "admin:groups", "read:users",
                "custom:gpufleet:admin"],
     "services": ["test-admin"],
-})
+}})
 c.FleetController.admission_interval = 0.2
 c.FleetController.request_lease_seconds = 6
 c.FleetController.log_style = "text"
@@ -105,7 +105,7 @@ class Hub:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
-            GPUFLEET_REPO_CONFIG=str(REPO / "jupyterhub_config.py"),
+            GPUFLEET_CONFIG=str(self.log_path.parent / "test_config.py"),
             GPUFLEET_DATA_DIR=str(self.data_dir),
             GPUFLEET_BASE_PORT=str(self.base_port),
             GPUFLEET_TEST_TOKEN=self.token,
@@ -115,10 +115,14 @@ class Hub:
         return env
 
     @classmethod
-    def create(cls, root: Path) -> Hub:
+    def create(cls, root: Path, extra_config: str = "") -> Hub:
+        """A hub under ``root``; ``extra_config`` is appended to the test config."""
         data_dir = root / "data"
         (data_dir / "failpoints").mkdir(parents=True)
-        (root / "test_config.py").write_text(textwrap.dedent(TEST_CONFIG))
+        (root / "test_config.py").write_text(
+            textwrap.dedent(TEST_CONFIG).format(repo_config=str(REPO / "jupyterhub_config.py"))
+            + textwrap.dedent(extra_config)
+        )
         return cls(data_dir, free_port_block(), uuid.uuid4().hex, root / "hub.log")
 
     # ------------------------------------------------------------- lifecycle
@@ -248,7 +252,7 @@ class Hub:
         pids = [
             p
             for p in pids_with_env("GPUFLEET_DATA_DIR", str(self.data_dir))
-            if "gpufleet.hub.app" in cmdline(p)
+            if "gpufleet-controller" in cmdline(p)
         ]
         return pids[0] if pids else None
 

@@ -1,6 +1,7 @@
 """Alembic environment: the engine comes from the caller (``db.upgrade``), never from an ini."""
 
 from alembic import context
+
 from gpufleet.scheduler.store.models import Base
 
 config = context.config

@@ -1,0 +1,65 @@
+"""Fixtures shared by every test tier: a real PostgreSQL server and store engines.
+
+The PostgreSQL server starts once per test run, and only when a test asks for it. Every test
+gets its own fresh database (PostgreSQL) or file (SQLite), so tests never share rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine
+
+from gpufleet.scheduler.store import db
+
+from .postgres import PostgresServer, PostgresUnavailable, skip_requested
+
+BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One real PostgreSQL server for the whole run, stopped at the end."""
+    if skip_requested():
+        pytest.skip("GPUFLEET_SKIP_POSTGRES=1: PostgreSQL tests skipped")
+    try:
+        server = PostgresServer.start()
+    except PostgresUnavailable as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """A SQLAlchemy URL of a fresh, empty database, dropped after the test."""
+    name = postgres_server.create_database()
+    try:
+        yield postgres_server.url(name)
+    finally:
+        postgres_server.drop_database(name)
+
+
+@pytest.fixture(params=BACKENDS)
+def empty_engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    """An engine on an empty database (no schema), once per backend."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'gpufleet.sqlite'}"
+    else:
+        url = request.getfixturevalue("postgres_url")
+    engine = db.make_engine(url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def engine(empty_engine: Engine) -> Engine:
+    """An engine on a database migrated to this version's head, once per backend."""
+    db.upgrade(empty_engine)
+    return empty_engine

@@ -1,0 +1,566 @@
+"""The store against real databases: SQLite and PostgreSQL (the ``engine`` fixture runs both).
+
+Migrations, the schema check, the invariants the schema enforces, and FleetStore's flows:
+admission with quotas, ending, lease expiry, fencing of a second controller, node health.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, func, inspect, select, text, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from gpufleet.scheduler.errors import InvalidRequest, LeaseLost, SchemaMismatch
+from gpufleet.scheduler.store import db
+from gpufleet.scheduler.store.fleet import (
+    AdmittedWait,
+    CycleResult,
+    FleetStore,
+    GpuSpec,
+    NodeSpec,
+)
+from gpufleet.scheduler.store.models import (
+    Allocation,
+    Base,
+    Cluster,
+    ControllerLease,
+    Event,
+    Gpu,
+    Node,
+    NodeHealth,
+    Project,
+    Workload,
+    WorkloadKind,
+    WorkloadState,
+    Zone,
+)
+from gpufleet.scheduler.validation import Catalogue, ProfileRule, SessionRequest
+
+T0 = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
+REQUEST_LEASE = timedelta(seconds=30)
+APP_TABLES = {t.name for t in Base.metadata.sorted_tables}
+
+
+def t(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+# ------------------------------------------------------------------ migrations
+def test_upgrade_creates_every_table_at_head_and_downgrade_removes_them(
+    empty_engine: Engine,
+) -> None:
+    assert db.is_empty(empty_engine)
+    assert db.current_revision(empty_engine) is None
+
+    db.upgrade(empty_engine)
+    assert db.current_revision(empty_engine) == db.head_revision()
+    assert set(inspect(empty_engine).get_table_names()) == APP_TABLES | {"alembic_version"}
+    assert not db.is_empty(empty_engine)
+    db.check_schema(empty_engine)  # at head: no complaint
+
+    db.downgrade(empty_engine, "base")
+    assert db.current_revision(empty_engine) is None
+    assert set(inspect(empty_engine).get_table_names()) == {"alembic_version"}
+
+    db.upgrade(empty_engine)  # and back up again, cleanly
+    assert db.current_revision(empty_engine) == db.head_revision()
+
+
+def test_the_migrations_build_exactly_what_the_models_declare(engine: Engine) -> None:
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"compare_type": True})
+        assert compare_metadata(context, Base.metadata) == []
+
+
+def test_check_schema_on_an_empty_database_names_the_upgrade_command(
+    empty_engine: Engine,
+) -> None:
+    with pytest.raises(SchemaMismatch, match="has no gpufleet schema") as caught:
+        db.check_schema(empty_engine)
+    assert "`gpufleet-controller upgrade-db`" in str(caught.value)
+
+
+def test_check_schema_after_a_downgrade_to_base_names_the_upgrade_command(
+    engine: Engine,
+) -> None:
+    db.downgrade(engine, "base")
+    with pytest.raises(SchemaMismatch, match="`gpufleet-controller upgrade-db`"):
+        db.check_schema(engine)
+
+
+def test_check_schema_refuses_a_database_from_a_newer_gpufleet(engine: Engine) -> None:
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    with pytest.raises(SchemaMismatch) as caught:
+        db.check_schema(engine)
+    message = str(caught.value)
+    assert "revision 9999, which this version of gpufleet does not know" in message
+    assert f"it expects {db.head_revision()}" in message
+
+
+# ------------------------------------------------------ schema-level invariants
+def _seed_one_gpu_and_two_workloads(session: Session) -> tuple[int, int, int]:
+    """One project, one node with one GPU, two workloads; returns their ids."""
+    project = Project(name="vision")
+    zone = Zone(cluster=Cluster(name="local"), name="zone-a")
+    node = Node(name="a1", zone=zone, gpu_type="A100")
+    session.add_all([project, node])
+    session.flush()
+    session.add(Gpu(uuid="GPU-a1-0", node_id=node.id, index=0, gpu_type="A100"))
+    workloads = [
+        Workload(
+            kind=WorkloadKind.session,
+            project=project,
+            username=user,
+            gpu_type="A100",
+            gpus_per_pod=1,
+            created_at=T0,
+        )
+        for user in ("alice", "bob")
+    ]
+    session.add_all(workloads)
+    session.flush()
+    return node.id, workloads[0].id, workloads[1].id
+
+
+def _allocation(session: Session, workload_id: int, opened_at: datetime) -> Allocation:
+    workload = session.get_one(Workload, workload_id)
+    return Allocation(
+        workload_id=workload_id,
+        gpu_uuid="GPU-a1-0",
+        node_id=session.get_one(Gpu, "GPU-a1-0").node_id,
+        project_id=workload.project_id,
+        username=workload.username,
+        gpu_type="A100",
+        opened_at=opened_at,
+    )
+
+
+def test_one_gpu_cannot_have_two_open_allocations(engine: Engine) -> None:
+    factory = db.session_factory(engine)
+    with db.transaction(factory) as session:
+        _, first, second = _seed_one_gpu_and_two_workloads(session)
+        session.add(_allocation(session, first, t(1)))
+
+    with pytest.raises(IntegrityError), db.transaction(factory) as session:
+        session.add(_allocation(session, second, t(2)))
+
+    with db.transaction(factory) as session:  # once the first is closed, the GPU is free
+        session.execute(update(Allocation).values(closed_at=t(3)))
+        session.add(_allocation(session, second, t(4)))
+    with factory() as session:
+        rows = session.execute(
+            select(Allocation.workload_id, Allocation.closed_at).order_by(Allocation.id)
+        ).all()
+    assert rows == [(first, t(3)), (second, None)]
+
+
+# ------------------------------------------------------------------ FleetStore
+PROJECTS: list[dict[str, Any]] = [
+    {"name": "vision", "display_name": "Computer vision", "quotas": {"A100": {"guaranteed": 2}}},
+    {"name": "nlp", "quotas": {"A100": {"guaranteed": 4}, "H100": {"guaranteed": 2}}},
+]
+PROFILES: list[dict[str, Any]] = [
+    {"name": "pytorch", "default": True},
+    {"name": "jax", "gpu_types": ["H100"]},
+]
+PRIORITY_CLASSES = [{"name": "standard", "rank": 100}]
+GROUPS = {"vision": ["alice", "bob"], "nlp": ["carol"]}
+
+
+def node_spec(name: str, gpu_type: str, indices: Iterable[int]) -> NodeSpec:
+    return NodeSpec(
+        name=name,
+        cluster="local",
+        zone="zone-a",
+        gpu_type=gpu_type,
+        gpus=tuple(GpuSpec(f"GPU-{name}-{i}", i) for i in indices),
+    )
+
+
+NODES = [
+    node_spec("a1", "A100", range(4)),
+    node_spec("a2", "A100", range(2)),
+    node_spec("h1", "H100", range(2)),
+]
+
+
+@pytest.fixture
+def store(engine: Engine) -> FleetStore:
+    """A controller holding the lease over a small fleet: 6 A100 on two nodes, 2 H100."""
+    store = FleetStore(engine, "controller-a", lease_ttl=timedelta(seconds=15))
+    assert store.try_acquire_lease(T0)
+    store.apply_config(T0, PROJECTS, PROFILES, PRIORITY_CLASSES)
+    assert store.register_nodes(T0, "agent-1", NODES) == ["a1", "a2", "h1"]
+    assert store.sync_memberships(T0, GROUPS) == 3
+    return store
+
+
+def ask(
+    store: FleetStore,
+    now: datetime,
+    username: str,
+    *,
+    server: str = "",
+    project: str = "vision",
+    gpu_type: str = "A100",
+    gpus: object = 1,
+    profile: str | None = None,
+) -> int:
+    request = SessionRequest(username, server, project, gpu_type, gpus, profile)
+    return store.open_session_request(now, request, REQUEST_LEASE).id
+
+
+def workload(store: FleetStore, workload_id: int) -> Workload:
+    with store.read() as session:
+        found = session.get(Workload, workload_id)
+        assert found is not None
+        return found
+
+
+def allocations(store: FleetStore) -> list[tuple[int, str, datetime | None]]:
+    with store.read() as session:
+        return [
+            tuple(row)
+            for row in session.execute(
+                select(Allocation.workload_id, Allocation.gpu_uuid, Allocation.closed_at).order_by(
+                    Allocation.id
+                )
+            )
+        ]
+
+
+def row_counts(engine: Engine) -> dict[str, object]:
+    """Rows per table, and the lease's expiry (every fenced write renews it)."""
+    with engine.connect() as connection:
+        counts: dict[str, object] = {
+            table.name: connection.execute(select(func.count()).select_from(table)).scalar_one()
+            for table in Base.metadata.sorted_tables
+        }
+        counts["lease expires at"] = connection.execute(
+            select(ControllerLease.expires_at)
+        ).scalar_one()
+    return counts
+
+
+def events(store: FleetStore, kind: str) -> list[str]:
+    with store.read() as session:
+        return list(
+            session.scalars(select(Event.message).where(Event.kind == kind).order_by(Event.id))
+        )
+
+
+def test_a_cycle_admits_within_the_quota_and_queues_beyond_it_with_the_reason(
+    store: FleetStore,
+) -> None:
+    alice = ask(store, t(1), "alice")
+    bob = ask(store, t(2), "bob")
+    alice_again = ask(store, t(3), "alice", server="second")
+
+    assert store.admission_cycle(t(4)) == CycleResult(
+        admitted=(
+            AdmittedWait(alice, "vision", "A100", 3.0),
+            AdmittedWait(bob, "vision", "A100", 2.0),
+        ),
+        changed=(alice, bob, alice_again),
+    )
+    # Best fit: the 2-GPU node a2 fills up first, a1 stays whole.
+    assert allocations(store) == [(alice, "GPU-a2-0", None), (bob, "GPU-a2-1", None)]
+    assert workload(store, alice).state == WorkloadState.admitted
+    assert workload(store, alice).reason == "admitted on a2"
+    waiting = workload(store, alice_again)
+    assert waiting.state == WorkloadState.pending
+    assert waiting.queue_position == 1
+    assert waiting.reason == "1 × A100 requested; project vision uses 2 of 2 guaranteed A100"
+    assert events(store, "waiting") == [
+        f"workload {alice_again} waits: 1 × A100 requested; project vision uses 2 of 2 "
+        "guaranteed A100"
+    ]
+    # Nothing changed: the next cycle decides nothing and records nothing.
+    assert store.admission_cycle(t(5)) == CycleResult(admitted=(), changed=())
+    assert len(events(store, "waiting")) == 1
+
+
+def test_ending_closes_allocations_without_deleting_them_and_frees_the_gpu(
+    store: FleetStore,
+) -> None:
+    alice = ask(store, t(1), "alice", gpus=2)
+    bob = ask(store, t(2), "bob")
+    store.admission_cycle(t(3))
+    assert workload(store, bob).state == WorkloadState.pending
+
+    ended = store.end(t(10), alice, "stopped", "the user stopped the server")
+    assert (ended.state, ended.outcome, ended.ended_at) == (WorkloadState.ended, "stopped", t(10))
+    assert allocations(store) == [
+        (alice, "GPU-a2-0", t(10)),
+        (alice, "GPU-a2-1", t(10)),
+    ]
+
+    result = store.admission_cycle(t(11))
+    assert result.admitted == (AdmittedWait(bob, "vision", "A100", 9.0),)
+    assert allocations(store) == [
+        (alice, "GPU-a2-0", t(10)),
+        (alice, "GPU-a2-1", t(10)),
+        (bob, "GPU-a2-0", None),
+    ]
+    # Ending twice changes nothing: the end time stays the first one.
+    assert store.end(t(20), alice, "failed", "again").ended_at == t(10)
+
+
+def test_an_unrenewed_request_expires_and_a_renewed_or_running_one_does_not(
+    store: FleetStore,
+) -> None:
+    alice = ask(store, t(0), "alice")
+    bob = ask(store, t(0), "bob")
+    carol = ask(store, t(0), "carol", project="nlp")
+    store.renew(t(20), bob, REQUEST_LEASE)  # bob's spawner still waits: lease until t(50)
+
+    assert store.expire_leases(t(29)) == []
+    assert sorted(store.expire_leases(t(31))) == [alice, carol]
+    for gone in (alice, carol):
+        expired = workload(store, gone)
+        assert (expired.state, expired.outcome) == (WorkloadState.ended, "expired")
+        assert "stopped renewing" in expired.reason
+    assert workload(store, bob).state == WorkloadState.pending
+
+    store.admission_cycle(t(32))
+    store.mark_running(t(33), bob)
+    assert store.expire_leases(t(1000)) == []  # a running session holds no request lease
+    assert workload(store, bob).state == WorkloadState.running
+
+
+def test_an_admitted_request_whose_lease_lapses_gives_its_gpus_back(store: FleetStore) -> None:
+    alice = ask(store, t(0), "alice")
+    store.admission_cycle(t(1))
+    assert store.expire_leases(t(31)) == [alice]
+    assert allocations(store) == [(alice, "GPU-a2-0", t(31))]
+
+
+def test_a_new_start_of_the_same_server_supersedes_the_older_request(store: FleetStore) -> None:
+    first = ask(store, t(1), "alice")
+    other_server = ask(store, t(2), "alice", server="gpu2")
+    second = ask(store, t(3), "alice")  # the spawn was retried while the first still waited
+
+    old = workload(store, first)
+    assert (old.state, old.outcome, old.ended_at) == (WorkloadState.ended, "superseded", t(3))
+    assert old.reason == "a new start of the same server replaced this request"
+    assert workload(store, other_server).state == WorkloadState.pending  # another server
+
+    store.admission_cycle(t(4))
+    assert allocations(store) == [(other_server, "GPU-a2-0", None), (second, "GPU-a2-1", None)]
+    third = ask(store, t(5), "alice")  # superseding an admitted request gives its GPU back
+    assert workload(store, second).outcome == "superseded"
+    assert allocations(store) == [(other_server, "GPU-a2-0", None), (second, "GPU-a2-1", t(5))]
+    assert workload(store, third).state == WorkloadState.pending
+
+
+def test_a_running_server_cannot_be_requested_again(store: FleetStore, engine: Engine) -> None:
+    first = ask(store, t(1), "alice")
+    store.admission_cycle(t(2))
+    store.mark_running(t(3), first)
+    before = row_counts(engine)
+
+    with pytest.raises(InvalidRequest) as caught:
+        ask(store, t(4), "alice")
+    assert str(caught.value) == (
+        f"server (default) of alice still holds GPUs as workload {first} (running); stop it "
+        "before starting it again"
+    )
+    assert row_counts(engine) == before
+    assert workload(store, first).state == WorkloadState.running
+
+
+def test_a_second_controller_waits_for_the_lease_and_then_fences_the_first(
+    store: FleetStore, engine: Engine
+) -> None:
+    second = FleetStore(engine, "controller-b", lease_ttl=timedelta(seconds=15))
+    assert not second.try_acquire_lease(t(5))  # held until t(15)
+    store.heartbeat(t(10), "agent-1", ["a1"])  # every write renews: held until t(25)
+    assert not second.try_acquire_lease(t(20))
+    with pytest.raises(LeaseLost):  # a controller that never held the lease cannot write
+        second.heartbeat(t(20), "agent-1", ["a1"])
+
+    assert second.try_acquire_lease(t(26))  # the first stopped renewing: taken over
+    alice = ask(second, t(27), "alice")  # the new holder writes
+    before = row_counts(engine)
+
+    writes: list[Callable[[datetime], object]] = [
+        lambda now: ask(store, now, "bob"),
+        lambda now: store.admission_cycle(now),
+        lambda now: store.end(now, alice, "stopped", ""),
+        lambda now: store.renew(now, alice, REQUEST_LEASE),
+        lambda now: store.expire_leases(now + timedelta(hours=1)),
+        lambda now: store.heartbeat(now, "agent-1", ["a1"]),
+        lambda now: store.mark_silent_nodes(now, timedelta(seconds=0)),
+        lambda now: store.register_nodes(now, "agent-1", [node_spec("a3", "A100", [0])]),
+        lambda now: store.sync_memberships(now, {}),
+        lambda now: store.apply_config(now, [], [], [{"name": "low", "rank": 1}]),
+        lambda now: store.record_event(now, "note", "from the old controller"),
+    ]
+    for write in writes:
+        with pytest.raises(LeaseLost, match="controller-a no longer holds the database lease"):
+            write(t(28))
+    assert row_counts(engine) == before  # nothing of the fenced-off writes was committed
+    assert not store.try_acquire_lease(t(29))
+    with engine.connect() as connection:
+        lease = connection.execute(select(ControllerLease.holder, ControllerLease.epoch)).one()
+    assert tuple(lease) == ("controller-b", 2)
+    assert workload(second, alice).state == WorkloadState.pending
+
+
+def test_a_restarted_controller_with_the_same_name_fences_its_old_self(
+    store: FleetStore, engine: Engine
+) -> None:
+    restarted = FleetStore(engine, "controller-a")
+    assert restarted.try_acquire_lease(t(1))  # its own lease, although still live
+    assert restarted.epoch == 2
+    with pytest.raises(LeaseLost):
+        ask(store, t(2), "alice")
+    assert workload(restarted, ask(restarted, t(3), "alice")).state == WorkloadState.pending
+
+
+def test_a_fenced_off_write_gives_its_connection_back_at_once(
+    store: FleetStore, engine: Engine
+) -> None:
+    second = FleetStore(engine, "controller-b")
+    assert second.try_acquire_lease(t(100))
+    with pytest.raises(LeaseLost) as caught:  # the caller still holds the error, as a log may
+        store.heartbeat(t(101), "agent-1", ["a1"])
+    still_open = engine.pool.checkedout()  # type: ignore[attr-defined]
+    del caught  # the leaked transaction is cleaned up only with the error: do not leak it on
+    gc.collect()
+    assert still_open == 0, "the fenced-off transaction is still open"
+
+
+def test_silent_nodes_become_unknown_and_receive_no_work_until_they_report(
+    store: FleetStore,
+) -> None:
+    assert store.heartbeat(t(20), "agent-1", ["a1", "ghost"]) == ["ghost"]
+    assert sorted(store.mark_silent_nodes(t(31), timedelta(seconds=30))) == ["a2", "h1"]
+    with store.read() as session:
+        health = dict(session.execute(select(Node.name, Node.health)).all())
+    assert health == {"a1": NodeHealth.ok, "a2": NodeHealth.unknown, "h1": NodeHealth.unknown}
+
+    alice = ask(store, t(32), "alice")
+    carol = ask(store, t(33), "carol", project="nlp", gpu_type="H100")
+    store.admission_cycle(t(34))
+    assert allocations(store) == [(alice, "GPU-a1-0", None)]  # best fit would pick a2
+    assert workload(store, carol).reason == (
+        "1 × H100 requested; no schedulable node has H100 right now "
+        "(cordoned, unhealthy or not reporting)"
+    )
+
+    store.heartbeat(t(40), "agent-1", ["h1"])
+    assert store.admission_cycle(t(41)).admitted == (AdmittedWait(carol, "nlp", "H100", 8.0),)
+    assert events(store, "node-back") == ["node h1 is reporting again"]
+
+
+def test_a_gpu_that_is_no_longer_reported_is_marked_absent_and_not_offered(
+    store: FleetStore,
+) -> None:
+    store.register_nodes(t(5), "agent-1", [node_spec("a1", "A100", (0, 1, 2))])
+    with store.read() as session:
+        present = dict(
+            session.execute(select(Gpu.uuid, Gpu.present).where(Gpu.uuid.like("GPU-a1-%"))).all()
+        )
+        catalogue = store.catalogue(session, "carol")
+    assert present == {"GPU-a1-0": True, "GPU-a1-1": True, "GPU-a1-2": True, "GPU-a1-3": False}
+    assert events(store, "gpu-missing") == ["GPU GPU-a1-3 (index 3) is no longer reported on a1"]
+    assert catalogue.largest_node == {"A100": 3, "H100": 2}
+
+    with pytest.raises(InvalidRequest, match="the largest A100 node has 3"):
+        ask(store, t(6), "carol", project="nlp", gpus=4)
+    carol = ask(store, t(7), "carol", project="nlp", gpus=3)
+    store.admission_cycle(t(8))
+    assert [uuid for _, uuid, _ in allocations(store)] == ["GPU-a1-0", "GPU-a1-1", "GPU-a1-2"]
+    assert workload(store, carol).state == WorkloadState.admitted
+
+
+def test_catalogue_offers_the_users_projects_types_and_profiles(store: FleetStore) -> None:
+    with store.read() as session:
+        assert store.catalogue(session, "alice") == Catalogue(
+            largest_node={"A100": 4, "H100": 2},
+            user_projects=frozenset({"vision"}),
+            profiles={
+                "jax": ProfileRule(gpu_types=("H100",)),
+                "pytorch": ProfileRule(is_default=True),
+            },
+        )
+        assert store.catalogue(session, "mallory").user_projects == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"gpus": "two"}, "whole number"),
+        ({"gpus": 0}, "at least 1 GPU"),
+        ({"project": "nlp"}, "alice is not a member of project 'nlp'"),
+        ({"gpu_type": "V100"}, "unknown GPU type 'V100'; this fleet has: A100, H100"),
+        ({"gpus": 5}, "the largest A100 node has 4"),
+        ({"profile": "jax"}, "profile 'jax' runs on H100, not 'A100'"),
+        ({"username": "mallory"}, "mallory is in no gpufleet project"),
+    ],
+)
+def test_bad_requests_are_rejected_without_writing_anything(
+    store: FleetStore, engine: Engine, changes: dict[str, Any], message: str
+) -> None:
+    fields: dict[str, Any] = {"username": "alice", "server_name": "", "project": "vision"}
+    fields |= {"gpu_type": "A100", "gpus": 1, "profile": None} | changes
+    request = SessionRequest(**fields)
+    before = row_counts(engine)
+
+    with pytest.raises(InvalidRequest, match=message):
+        store.check_session_request(request)
+    with pytest.raises(InvalidRequest, match=message):
+        store.open_session_request(t(1), request, REQUEST_LEASE)
+    assert row_counts(engine) == before
+
+
+def test_a_valid_dry_run_records_nothing(store: FleetStore, engine: Engine) -> None:
+    before = row_counts(engine)
+    store.check_session_request(SessionRequest("alice", "", "vision", "A100", "2"))
+    assert row_counts(engine) == before
+
+
+def test_memberships_follow_the_hub_groups(store: FleetStore) -> None:
+    assert store.sync_memberships(t(1), GROUPS) == 0
+    assert store.sync_memberships(t(2), {"vision": ["alice"], "nlp": ["carol", "bob"]}) == 2
+    with store.read() as session:
+        assert [p.name for p in store.projects_of(session, "bob")] == ["nlp"]
+    with pytest.raises(InvalidRequest, match="bob is not a member of project 'vision'"):
+        ask(store, t(3), "bob")
+    assert workload(store, ask(store, t(4), "bob", project="nlp")).state == WorkloadState.pending
+
+
+def test_apply_config_updates_quotas_in_place(store: FleetStore) -> None:
+    changed = [
+        {"name": "vision", "quotas": {"H100": {"guaranteed": 1}}, "per_user_gpu_cap": 1},
+        PROJECTS[1],
+    ]
+    store.apply_config(t(1), changed, PROFILES, PRIORITY_CLASSES)
+    alice = ask(store, t(2), "alice")
+    bob = ask(store, t(3), "bob", gpu_type="H100", gpus=2)
+    store.admission_cycle(t(4))
+    assert workload(store, alice).reason == (
+        "1 × A100 requested; project vision uses 0 of 0 guaranteed A100"
+    )
+    assert workload(store, bob).reason == (
+        "2 × H100 requested; project vision uses 0 of 1 guaranteed H100"
+    )
+
+
+def test_apply_config_rejects_an_undeclared_parent_and_writes_nothing(
+    store: FleetStore, engine: Engine
+) -> None:
+    before = row_counts(engine)
+    with pytest.raises(InvalidRequest, match="names parent 'lab', which is not declared"):
+        store.apply_config(t(1), [{"name": "new", "parent": "lab"}], PROFILES, PRIORITY_CLASSES)
+    assert row_counts(engine) == before

@@ -1,0 +1,159 @@
+"""Validation of session requests: every rejection tells the user what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufleet.scheduler.errors import InvalidRequest
+from gpufleet.scheduler.validation import (
+    Catalogue,
+    ProfileRule,
+    SessionRequest,
+    ValidRequest,
+    parse_gpu_count,
+    validate_session_request,
+)
+
+CATALOGUE = Catalogue(
+    largest_node={"A100": 4, "H100": 8},
+    user_projects=frozenset({"vision", "nlp"}),
+    profiles={
+        "pytorch": ProfileRule(is_default=True),
+        "jax-h100": ProfileRule(gpu_types=("H100",)),
+        "vision-only": ProfileRule(projects=("vision",)),
+    },
+)
+
+
+def request(**changes: object) -> SessionRequest:
+    fields: dict[str, object] = {
+        "username": "alice",
+        "server_name": "",
+        "project": "vision",
+        "gpu_type": "A100",
+        "gpus": 1,
+        "profile": None,
+    }
+    fields.update(changes)
+    return SessionRequest(**fields)
+
+
+def rejection(req: SessionRequest, catalogue: Catalogue = CATALOGUE) -> str:
+    with pytest.raises(InvalidRequest) as caught:
+        validate_session_request(req, catalogue)
+    return str(caught.value)
+
+
+# ----------------------------------------------------------------- GPU count
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("two", "the GPU count must be a whole number such as 1 or 2, not 'two'"),
+        ("1.5", "the GPU count must be a whole number such as 1 or 2, not '1.5'"),
+        ("", "the GPU count must be a whole number such as 1 or 2, not ''"),
+        (2.0, "the GPU count must be a whole number such as 1 or 2, not 2.0"),
+        (None, "the GPU count must be a whole number such as 1 or 2, not None"),
+        (True, "the GPU count must be a whole number such as 1 or 2"),
+        (False, "the GPU count must be a whole number such as 1 or 2"),
+        (0, "ask for at least 1 GPU (got 0)"),
+        (-1, "ask for at least 1 GPU (got -1)"),
+        ("0", "ask for at least 1 GPU (got 0)"),
+        ("-1", "ask for at least 1 GPU (got -1)"),
+    ],
+)
+def test_a_bad_gpu_count_is_rejected_with_what_to_type(value: object, message: str) -> None:
+    assert rejection(request(gpus=value)) == message
+
+
+@pytest.mark.parametrize("value", ["--1", "²"])
+def test_a_malformed_number_gets_the_whole_number_message(value: str) -> None:
+    with pytest.raises(InvalidRequest, match="whole number"):
+        parse_gpu_count(value)
+
+
+@pytest.mark.parametrize(("value", "count"), [(1, 1), ("2", 2), (" 3 ", 3), (8, 8)])
+def test_a_gpu_count_as_typed_in_a_form_becomes_an_int(value: object, count: int) -> None:
+    assert parse_gpu_count(value) == count
+
+
+# ---------------------------------------------------------------- membership
+def test_a_user_in_no_project_is_told_to_ask_an_admin() -> None:
+    catalogue = Catalogue(largest_node={"A100": 4}, user_projects=frozenset())
+    assert rejection(request(), catalogue) == (
+        "alice is in no gpufleet project; ask an admin to add you to a project's group"
+    )
+
+
+def test_a_project_that_is_not_the_users_lists_the_users_projects() -> None:
+    assert rejection(request(project="robotics")) == (
+        "alice is not a member of project 'robotics'; choose one of: nlp, vision"
+    )
+
+
+# ------------------------------------------------------------------ profiles
+def test_an_unknown_profile_lists_the_profiles() -> None:
+    assert rejection(request(profile="tensorflow")) == (
+        "unknown profile 'tensorflow'; choose one of: jax-h100, pytorch, vision-only"
+    )
+
+
+def test_a_profile_not_offered_to_the_project_is_rejected() -> None:
+    assert rejection(request(project="nlp", profile="vision-only")) == (
+        "profile 'vision-only' is not offered to project 'nlp'"
+    )
+
+
+def test_a_profile_for_another_gpu_type_names_the_types_it_runs_on() -> None:
+    assert rejection(request(gpu_type="A100", profile="jax-h100")) == (
+        "profile 'jax-h100' runs on H100, not 'A100'"
+    )
+
+
+# ----------------------------------------------------------------- GPU types
+def test_an_unknown_gpu_type_lists_the_fleets_types() -> None:
+    assert rejection(request(gpu_type="V100")) == (
+        "unknown GPU type 'V100'; this fleet has: A100, H100"
+    )
+
+
+def test_a_gpu_type_in_an_empty_fleet_says_none_registered_yet() -> None:
+    catalogue = Catalogue(largest_node={}, user_projects=frozenset({"vision"}))
+    assert rejection(request(), catalogue) == (
+        "unknown GPU type 'A100'; this fleet has: none registered yet"
+    )
+
+
+def test_more_gpus_than_the_largest_node_names_the_largest_node() -> None:
+    assert rejection(request(gpus=5)) == (
+        "5 × A100 cannot fit: a session runs on one node and the largest A100 node has 4"
+    )
+
+
+# --------------------------------------------------------------------- valid
+def test_a_valid_request_is_normalised_and_gets_the_default_profile() -> None:
+    assert validate_session_request(request(gpus="2"), CATALOGUE) == ValidRequest(
+        project="vision", gpu_type="A100", gpus=2, profile="pytorch"
+    )
+
+
+def test_the_largest_node_itself_is_allowed() -> None:
+    valid = validate_session_request(
+        request(project="nlp", gpu_type="H100", gpus=8, profile="jax-h100"), CATALOGUE
+    )
+    assert valid == ValidRequest(project="nlp", gpu_type="H100", gpus=8, profile="jax-h100")
+
+
+def test_without_a_default_the_first_profile_by_name_is_picked() -> None:
+    catalogue = Catalogue(
+        largest_node={"A100": 4},
+        user_projects=frozenset({"vision"}),
+        profiles={"zeta": ProfileRule(), "alpha": ProfileRule()},
+    )
+    assert validate_session_request(request(), catalogue).profile == "alpha"
+
+
+def test_without_profiles_the_request_has_none() -> None:
+    catalogue = Catalogue(largest_node={"A100": 4}, user_projects=frozenset({"vision"}))
+    assert validate_session_request(request(gpus=4), catalogue) == ValidRequest(
+        project="vision", gpu_type="A100", gpus=4, profile=None
+    )
