@@ -35,6 +35,7 @@ from .api.base import Identity
 from .api.handlers import routes
 from .metrics import ControllerMetrics
 from .notifier import Notifier
+from .pages import page_routes
 
 DEFAULT_PRIORITY_CLASSES = [
     {"name": "critical", "rank": 300, "description": "never preempted by lower classes"},
@@ -80,12 +81,16 @@ class ConfigFileMixin(Application):
 class DatabaseMixin(ConfigFileMixin):
     data_dir = Unicode(
         help="Where the embedded defaults keep their files (SQLite database, snapshots). "
-        "Defaults to $GPUFLEET_DATA_DIR, else ./.gpufleet.",
+        "Defaults to $GPUFLEET_DATA_DIR, else .gpufleet beside the configuration file.",
     ).tag(config=True)
 
     @default("data_dir")
     def _default_data_dir(self) -> str:
-        return os.environ.get("GPUFLEET_DATA_DIR", os.path.abspath(".gpufleet"))
+        # The same default as gpufleet.hub.setup: beside the configuration file.
+        beside_config = os.path.join(
+            os.path.dirname(os.path.abspath(self.config_file)), ".gpufleet"
+        )
+        return os.environ.get("GPUFLEET_DATA_DIR", beside_config)
 
     db_url = Unicode(
         help="SQLAlchemy URL of the controller's database: SQLite (default, a file in "
@@ -107,6 +112,11 @@ class UpgradeDB(DatabaseMixin):
     description = "Create the gpufleet database, or upgrade it to this version's schema."
 
     def start(self) -> None:
+        # The config file says c.FleetController.db_url; this subcommand reads the same.
+        section = self.config.FleetController
+        for name in ("data_dir", "db_url"):
+            if name in section:
+                setattr(self, name, section[name])
         engine = self.make_engine()
         before = db.current_revision(engine)
         db.upgrade(engine)
@@ -228,7 +238,8 @@ class FleetController(DatabaseMixin):
         if self.hub_api_url and self.hub_api_token:
             from jupyterhub.services.auth import HubOAuth
 
-            self.hub_auth = HubOAuth(api_token=self.hub_api_token, cache_max_age=60)
+            # The singleton: the pages' OAuth callback handler finds the same instance.
+            self.hub_auth = HubOAuth.instance(api_token=self.hub_api_token, cache_max_age=60)
 
     # ----------------------------------------------------------- plumbing
     @staticmethod
@@ -377,7 +388,7 @@ class FleetController(DatabaseMixin):
     # ----------------------------------------------------------- start
     def make_web_app(self) -> web.Application:
         return web.Application(
-            routes(self.service_prefix, self),
+            [*routes(self.service_prefix, self), *page_routes(self.service_prefix, self)],
             log_function=self._log_request,
             # Signs the hub's OAuth cookie for the controller's pages; a restart logs
             # browsers in again through the hub, which is silent.

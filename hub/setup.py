@@ -152,7 +152,11 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
     # c.JupyterHub.load_groups.update(...) after this call.
     c.JupyterHub.load_groups = {ADMIN_GROUP: {"users": list(admin_users)}}
     c.JupyterHub.load_roles = [
-        {"name": "user", "scopes": ["self", scopes.USE]},
+        # access:services lets a user's browser complete the controller's OAuth (its pages).
+        {
+            "name": "user",
+            "scopes": ["self", scopes.USE, f"access:services!service={CONTROLLER_SERVICE}"],
+        },
         {
             "name": "gpufleet-admin",
             "description": "Administer gpufleet: projects, quotas, nodes, every workload",

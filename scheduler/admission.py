@@ -28,6 +28,9 @@ from datetime import datetime
 
 @dataclass(frozen=True)
 class NodeView:
+    """The GPUs of one type on one node. A node with MIG slices of several profiles (each
+    its own GPU type, e.g. ``A100-80GB:1g.10gb``) appears once per type."""
+
     name: str
     zone: str
     gpu_type: str
@@ -93,8 +96,8 @@ class WaitCause(enum.Enum):
 
 
 def admit(snapshot: FleetSnapshot) -> AdmissionPlan:
-    free: dict[str, list[str]] = {
-        node.name: list(node.free_gpus) for node in snapshot.nodes if node.schedulable
+    free: dict[tuple[str, str], list[str]] = {
+        _key(node): list(node.free_gpus) for node in snapshot.nodes if node.schedulable
     }
     nodes_by_type: dict[str, list[NodeView]] = defaultdict(list)
     for node in snapshot.nodes:
@@ -123,8 +126,8 @@ def admit(snapshot: FleetSnapshot) -> AdmissionPlan:
             if placement is None:
                 cause, reason = WaitCause.CAPACITY, _capacity_reason(request, nodes_by_type, free)
         if placement is not None:
-            taken = tuple(free[placement.name][: request.gpus])
-            del free[placement.name][: request.gpus]
+            taken = tuple(free[_key(placement)][: request.gpus])
+            del free[_key(placement)][: request.gpus]
             admissions.append(Admission(request.workload_id, placement.name, taken))
             project_usage[quota_key] += request.gpus
             user_usage[user_key] += request.gpus
@@ -186,7 +189,7 @@ def _why_behind(
 def _capacity_reason(
     request: PendingRequest,
     nodes_by_type: Mapping[str, list[NodeView]],
-    free: Mapping[str, list[str]],
+    free: Mapping[tuple[str, str], list[str]],
 ) -> str:
     nodes = nodes_by_type.get(request.gpu_type, [])
     if not nodes:
@@ -194,17 +197,23 @@ def _capacity_reason(
             f"{_gpus(request.gpus, request.gpu_type)} requested; no schedulable node has "
             f"{request.gpu_type} right now (cordoned, unhealthy or not reporting)"
         )
-    largest = max(nodes, key=lambda n: (len(free[n.name]), n.name))
-    total_free = sum(len(free[n.name]) for n in nodes)
+    largest = max(nodes, key=lambda n: (len(free[_key(n)]), n.name))
+    total_free = sum(len(free[_key(n)]) for n in nodes)
     return (
         f"{_gpus(request.gpus, request.gpu_type)} requested on one node; the largest free "
-        f"block is {len(free[largest.name])} on {largest.name} ({largest.zone}); "
+        f"block is {len(free[_key(largest)])} on {largest.name} ({largest.zone}); "
         f"{total_free} free in all"
     )
 
 
-def _best_fit(nodes: list[NodeView], free: Mapping[str, list[str]], needed: int) -> NodeView | None:
-    fitting = [node for node in nodes if len(free[node.name]) >= needed]
+def _best_fit(
+    nodes: list[NodeView], free: Mapping[tuple[str, str], list[str]], needed: int
+) -> NodeView | None:
+    fitting = [node for node in nodes if len(free[_key(node)]) >= needed]
     if not fitting:
         return None
-    return min(fitting, key=lambda n: (len(free[n.name]), n.name))
+    return min(fitting, key=lambda n: (len(free[_key(n)]), n.name))
+
+
+def _key(node: NodeView) -> tuple[str, str]:
+    return (node.name, node.gpu_type)

@@ -622,17 +622,21 @@ class FleetStore:
         for node in session.scalars(
             select(Node).options(selectinload(Node.gpus), selectinload(Node.zone))
         ):
-            present = [g for g in node.gpus if g.present]
-            nodes.append(
-                NodeView(
-                    name=node.name,
-                    zone=node.zone.name,
-                    gpu_type=node.gpu_type,
-                    free_gpus=tuple(g.uuid for g in present if g.uuid not in taken),
-                    total_gpus=len(present),
-                    schedulable=node.health == NodeHealth.ok and not node.cordoned,
+            by_type: dict[str, list[Gpu]] = defaultdict(list)
+            for gpu in node.gpus:
+                if gpu.present:
+                    by_type[gpu.gpu_type].append(gpu)
+            for gpu_type, present in sorted(by_type.items()):
+                nodes.append(
+                    NodeView(
+                        name=node.name,
+                        zone=node.zone.name,
+                        gpu_type=gpu_type,
+                        free_gpus=tuple(g.uuid for g in present if g.uuid not in taken),
+                        total_gpus=len(present),
+                        schedulable=node.health == NodeHealth.ok and not node.cordoned,
+                    )
                 )
-            )
         pending = {
             w.id: w
             for w in session.scalars(

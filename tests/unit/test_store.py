@@ -564,3 +564,54 @@ def test_apply_config_rejects_an_undeclared_parent_and_writes_nothing(
     with pytest.raises(InvalidRequest, match="names parent 'lab', which is not declared"):
         store.apply_config(t(1), [{"name": "new", "parent": "lab"}], PROFILES, PRIORITY_CLASSES)
     assert row_counts(engine) == before
+
+
+def test_mig_slices_are_gpu_types_of_their_own(engine: Engine) -> None:
+    """A node with MIG slices offers them as their own type beside its whole GPUs."""
+    store = FleetStore(engine, "controller-a")
+    assert store.try_acquire_lease(T0)
+    store.apply_config(
+        T0,
+        [
+            {
+                "name": "vision",
+                "quotas": {"A100-80GB": {"guaranteed": 1}, "A100-80GB:1g.10gb": {"guaranteed": 7}},
+            }
+        ],
+        [],
+        [{"name": "standard", "rank": 200}],
+    )
+    slices = tuple(GpuSpec(f"MIG-{i}", i, gpu_type="A100-80GB:1g.10gb") for i in range(7))
+    store.register_nodes(
+        T0,
+        "agent",
+        [
+            NodeSpec(
+                "mig-node",
+                "local",
+                "zone-a",
+                "A100-80GB",
+                (*slices, GpuSpec("GPU-whole", 7)),
+            )
+        ],
+    )
+    store.sync_memberships(T0, {"vision": ["alice"]})
+    with store.read() as session:
+        assert store.catalogue(session, "alice").largest_node == {
+            "A100-80GB": 1,
+            "A100-80GB:1g.10gb": 7,
+        }
+    lease = timedelta(seconds=30)
+    small = store.open_session_request(
+        T0, SessionRequest("alice", "s", "vision", "A100-80GB:1g.10gb", 3), lease
+    )
+    whole = store.open_session_request(
+        T0, SessionRequest("alice", "w", "vision", "A100-80GB", 1), lease
+    )
+    store.admission_cycle(T0)
+    with store.read() as session:
+        got = {
+            w.id: sorted(a.gpu_uuid for a in w.allocations)
+            for w in session.scalars(select(Workload))
+        }
+    assert got == {small.id: ["MIG-0", "MIG-1", "MIG-2"], whole.id: ["GPU-whole"]}

@@ -1,0 +1,63 @@
+"""`gpufleet-controller` refuses a database at another schema and says what to run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from gpufleet.scheduler.store import db
+
+CONTROLLER = str(Path(sys.executable).parent / "gpufleet-controller")
+
+
+def write_config(tmp_path: Path, db_path: Path) -> Path:
+    config = tmp_path / "jupyterhub_config.py"
+    config.write_text(f"c = get_config()\nc.FleetController.db_url = 'sqlite:///{db_path}'\n")
+    return config
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CONTROLLER, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_upgrade_db_creates_the_schema_and_reports_the_revisions(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.sqlite"
+    result = run("upgrade-db", "--config", str(write_config(tmp_path, path)))
+    assert result.returncode == 0, result.stderr
+    assert f"-> {db.head_revision()}" in result.stdout
+    assert db.current_revision(db.make_engine(f"sqlite:///{path}")) == db.head_revision()
+
+
+@pytest.mark.parametrize(
+    ("prepare", "expected"),
+    [
+        ("CREATE TABLE unrelated (id INTEGER)", "has no gpufleet schema"),
+        ("UPGRADE; UPDATE alembic_version SET version_num = 'ffff'", "does not know"),
+    ],
+)
+def test_start_stops_on_a_schema_mismatch_naming_the_fix(
+    tmp_path: Path, prepare: str, expected: str
+) -> None:
+    path = tmp_path / "fleet.sqlite"
+    engine = db.make_engine(f"sqlite:///{path}")
+    for statement in prepare.split("; "):
+        if statement == "UPGRADE":
+            db.upgrade(engine)
+        else:
+            with engine.begin() as connection:
+                connection.execute(text(statement))
+    result = run("--config", str(write_config(tmp_path, path)))
+    assert result.returncode == 3
+    assert expected in result.stderr
+    if expected == "has no gpufleet schema":
+        assert "gpufleet-controller upgrade-db" in result.stderr
+
+
+def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
+    result = run("--config", str(tmp_path / "nope.py"))
+    assert result.returncode == 1
+    assert "nope.py does not exist" in result.stderr
