@@ -52,7 +52,7 @@ PAGE = """<!doctype html>
 """
 
 
-class PageHandler(HubOAuthenticated, web.RequestHandler):  # type: ignore[misc]
+class PageHandler(HubOAuthenticated, web.RequestHandler):
     controller: FleetController
     identity: Identity | None
 

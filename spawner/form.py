@@ -91,9 +91,12 @@ def render_form(options: dict[str, Any], previous: dict[str, Any] | None = None)
     <input class="form-control" type="number" name="gpus" id="gpufleet-gpus" min="1"
       max="{largest}" step="1" value="{escape(str(previous.get("gpus", 1)))}">
   </div>
-  <p class="text-muted small">Your projects: <ul class="small">{quota_lines}</ul>
-  When the project's GPUs are all in use your session waits in a queue and starts by
-  itself as soon as GPUs free up.</p>
+  <div class="text-muted small" id="gpufleet-note">
+    <p class="mb-1">Your projects:</p>
+    <ul class="small">{quota_lines}</ul>
+    <p>When the project's GPUs are all in use your session waits in a queue and starts by
+    itself as soon as GPUs free up.</p>
+  </div>
 </div>
 """
 

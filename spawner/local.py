@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -36,6 +37,13 @@ from .client import (
 from .form import options_from_form, render_form
 
 LONG_POLL_SECONDS = 20
+
+
+def invalid_request(message: str) -> web.HTTPError:
+    """A 400 whose text the hub shows as it is, on the form and on the pending page."""
+    error = web.HTTPError(400, message)
+    error.jupyterhub_message = f"Invalid GPU request: {message}"  # type: ignore[attr-defined]
+    return error
 
 
 class LocalGPUSpawner(SimpleLocalProcessSpawner):
@@ -222,12 +230,23 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
             filled = await spawner._fill_defaults(user_options or {})
             await spawner.controller.open_session(spawner._request_body(filled), dry_run=True)
         except RequestRejected as e:
-            raise web.HTTPError(400, str(e), reason="Invalid GPU request") from e
+            raise invalid_request(str(e)) from e
         except ControllerUnavailable as e:
             # A controller restart must not fail spawns: start() retries and validates then.
             spawner.log.warning("could not check %s's GPU request now: %s", spawner.user.name, e)
             return
         spawner.user_options = filled
+
+    async def run_options_from_form(self, form_data: dict[str, list[str]]) -> dict[str, Any]:
+        """Parse the form and check the choice with the controller before the spawn starts.
+
+        The hub awaits this before it redirects to the pending page, so a rejection always
+        comes back on the form, however slow the controller; API spawns are checked by
+        ``apply_user_options``.
+        """
+        options: dict[str, Any] = options_from_form(form_data)
+        await LocalGPUSpawner._check_user_options(self, options)
+        return options
 
     # -------------------------------------------------------------- progress
     _progress_events: list[dict[str, Any]]
@@ -276,7 +295,8 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
             ip, port = await super().start()
             started = True
             renewer.cancel()
-            await self.controller.running(status.id)
+            workload_id = status.id
+            await self._until_answered(lambda: self.controller.running(workload_id), 120)
             await self._wait_ready(ip, port)
             self._report("Server is up", 100)
             return ip, port
@@ -289,22 +309,31 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
 
     async def _open_request(self) -> WorkloadStatus:
         """Queue the request; while the controller restarts, keep trying (and say so)."""
-        deadline = time.monotonic() + self.queue_timeout
+
+        async def open_session() -> WorkloadStatus:
+            body = self._request_body(await self._fill_defaults(self.user_options or {}))
+            status = await self.controller.open_session(body)
+            assert status is not None
+            return status
+
+        try:
+            return await self._until_answered(open_session, self.queue_timeout)
+        except RequestRejected as e:
+            raise invalid_request(str(e)) from e
+
+    async def _until_answered(
+        self, call: Callable[[], Awaitable[WorkloadStatus]], seconds: float
+    ) -> WorkloadStatus:
+        """``call()``, retried while the controller is unreachable (a restart takes ~30 s)."""
+        deadline = time.monotonic() + seconds
         while True:
             try:
-                status = await self.controller.open_session(
-                    self._request_body(await self._fill_defaults(self.user_options or {}))
-                )
-            except RequestRejected as e:
-                raise web.HTTPError(400, str(e)) from e
+                return await call()
             except ControllerUnavailable as e:
                 if time.monotonic() > deadline:
                     raise web.HTTPError(503, str(e)) from e
                 self._report(f"gpufleet controller unreachable, retrying: {e}", 5)
                 await asyncio.sleep(1)
-                continue
-            assert status is not None
-            return status
 
     async def _abandon(self, started: bool, error: BaseException) -> None:
         if started:

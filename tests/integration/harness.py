@@ -18,6 +18,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -237,6 +238,17 @@ class Hub:
                 return w
         return None
 
+    def wait_ended(self, workload: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
+        """The workload once it has ended (its ``outcome`` says how)."""
+
+        def ended() -> dict[str, Any] | None:
+            response = self.controller("GET", f"/workloads/{workload['id']}")
+            response.raise_for_status()
+            body: dict[str, Any] = response.json()
+            return body if body["state"] == "ended" else None
+
+        return wait_for(ended, timeout, f"workload {workload['id']} to end")
+
     def stop_all_servers(self) -> None:
         users = self.hub_api("GET", "/users", params={"state": "active"}).json()
         for user in users:
@@ -342,6 +354,8 @@ def run_in_kernel(hub: Hub, username: str, server: str, code: str, token: str) -
         return "".join(out)
 
     try:
-        return asyncio.run(execute())
+        # In a thread of its own: Playwright's sync API may hold this thread's event loop.
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, execute()).result()
     finally:
         httpx.delete(f"{hub.url}{prefix}api/kernels/{kernel_id}", headers=headers, timeout=30)

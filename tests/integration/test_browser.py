@@ -18,10 +18,18 @@ from .harness import Hub, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
 QUEUE_TIMEOUT_MS = 30_000
+# For checks on a page that has finished loading: a failure need not wait 30 s.
+SETTLED_MS = 2_000
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium() -> Iterator[Browser]:
+    """One Chromium for this module's tests.
+
+    Module-scoped on purpose: while Playwright's sync API is started it keeps an asyncio
+    loop running in the main thread, so asyncio.run() (harness.run_in_kernel) and
+    pytest-asyncio tests in other modules would fail if it outlived this module.
+    """
     if not ui.CHROMIUM.exists():
         pytest.skip(f"no Chromium at {ui.CHROMIUM} (set GPUFLEET_CHROMIUM)")
     # Assertions wait for the hub and the controller: far longer than Playwright's 5 s
@@ -126,8 +134,8 @@ def test_rejection_reads_as_an_invalid_gpu_request_without_http_jargon(
     expect(error).to_contain_text("at least 1 GPU")
     # The spawner raises HTTPError(400, reason="Invalid GPU request"); what a researcher
     # reads should be that, not "HTTP 400: error (...)".
-    expect(error).to_contain_text("Invalid GPU request")
-    expect(error).not_to_contain_text("HTTP 400")
+    expect(error).to_contain_text("Invalid GPU request", timeout=SETTLED_MS)
+    expect(error).not_to_contain_text("HTTP 400", timeout=SETTLED_MS)
 
 
 def test_rejection_comes_back_on_the_form_even_when_the_controller_is_slow(
@@ -158,7 +166,7 @@ def test_rejection_comes_back_on_the_form_even_when_the_controller_is_slow(
         late.cancel()
         resume()
 
-    expect(page).to_have_url(re.compile(r"/hub/spawn(\?|$)"))
+    expect(page).to_have_url(re.compile(r"/hub/spawn(\?|$)"), timeout=SETTLED_MS)
     expect(page.locator(".spawn-error-msg")).to_contain_text("at least 1 GPU")
     expect(page.locator("#gpufleet-spawn-form")).to_be_visible()
     wait_for(lambda: fleet.server_model("alice") is None, 30, "alice's failed spawn cleaned up")
@@ -226,7 +234,7 @@ def test_form_note_about_the_queue_renders_as_one_block(
     ui.open_spawn_form(page)
 
     note = page.locator("#gpufleet-spawn-form .text-muted")
-    expect(note).to_have_count(1)
-    expect(note).to_contain_text("Your projects")
-    expect(note.locator("li[data-project]")).to_have_count(1)
-    expect(note).to_contain_text("your session waits in a queue")
+    expect(note).to_have_count(1, timeout=SETTLED_MS)
+    expect(note).to_contain_text("Your projects", timeout=SETTLED_MS)
+    expect(note.locator("li[data-project]")).to_have_count(1, timeout=SETTLED_MS)
+    expect(note).to_contain_text("your session waits in a queue", timeout=SETTLED_MS)

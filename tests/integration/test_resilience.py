@@ -69,18 +69,7 @@ def test_hub_restart_leaves_no_ghost_request(fleet: Hub) -> None:
     fleet.stop()  # the hub, its proxy and services; alice's server keeps running
     fleet.start()
 
-    ended = wait_for(
-        lambda: next(
-            (
-                w
-                for w in fleet.workloads(username="bob")
-                if w["id"] == ghost["id"] and w["state"] == "ended"
-            ),
-            None,
-        ),
-        60,
-        "the abandoned request to expire",
-    )
+    ended = fleet.wait_ended(ghost, 60)
     assert ended["outcome"] == "expired"
     assert fleet.server_model("bob") is None
     alice = fleet.workload_of("alice")

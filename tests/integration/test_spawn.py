@@ -98,18 +98,7 @@ def test_cancelling_a_queued_spawn_frees_its_place(fleet: Hub) -> None:
     )
 
     fleet.stop_server("bob")
-    ended = wait_for(
-        lambda: next(
-            (
-                w
-                for w in fleet.workloads(username="bob")
-                if w["id"] == bob["id"] and w["state"] == "ended"
-            ),
-            None,
-        ),
-        30,
-        "bob's request withdrawn",
-    )
+    ended = fleet.wait_ended(bob, 30)
     assert ended["outcome"] == "withdrawn"
     wait_for(
         lambda: (w := fleet.workload_of("alice", "second")) and w["queue_position"] == 1,
@@ -141,18 +130,7 @@ def test_stopping_releases_gpus_only_after_every_process_is_gone(fleet: Hub) -> 
     assert server_environ(leftover)["GPUFLEET_SESSION_MARKER"]
 
     fleet.stop_server("carol")
-    ended = wait_for(
-        lambda: next(
-            (
-                w
-                for w in fleet.workloads(username="carol")
-                if w["id"] == workload["id"] and w["state"] == "ended"
-            ),
-            None,
-        ),
-        60,
-        "carol's workload ended",
-    )
+    ended = fleet.wait_ended(workload, 60)
     assert ended["outcome"] == "stopped"
     for pid in (kernel_pid, leftover):
         try:
