@@ -16,6 +16,7 @@ The handshake (the backend contract in docs/backend-contract.md):
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -39,11 +40,36 @@ from .form import options_from_form, render_form
 LONG_POLL_SECONDS = 20
 
 
-def invalid_request(message: str) -> web.HTTPError:
+class InvalidGPURequest(web.HTTPError):
     """A 400 whose text the hub shows as it is, on the form and on the pending page."""
-    error = web.HTTPError(400, message)
-    error.jupyterhub_message = f"Invalid GPU request: {message}"  # type: ignore[attr-defined]
-    return error
+
+    def __init__(self, message: str):
+        super().__init__(400, message)
+        self.jupyterhub_message = f"Invalid GPU request: {message}"
+
+
+def invalid_request(message: str) -> InvalidGPURequest:
+    return InvalidGPURequest(message)
+
+
+class _RejectionsAreNotCrashes(logging.Filter):
+    """JupyterHub logs any exception from a spawn hook with its traceback; a request the
+    user must correct is not a crash, so its record becomes one informative line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, InvalidGPURequest):
+            record.msg = f"{record.getMessage()}: {error.jupyterhub_message}"
+            record.args = ()
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def _quiet_rejections(log: logging.Logger) -> None:
+    if not any(isinstance(f, _RejectionsAreNotCrashes) for f in log.filters):
+        log.addFilter(_RejectionsAreNotCrashes())
 
 
 class LocalGPUSpawner(SimpleLocalProcessSpawner):
@@ -226,6 +252,7 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
 
     @staticmethod
     async def _check_user_options(spawner: LocalGPUSpawner, user_options: dict[str, Any]) -> None:
+        _quiet_rejections(spawner.log)  # type: ignore[arg-type]
         try:
             filled = await spawner._fill_defaults(user_options or {})
             await spawner.controller.open_session(spawner._request_body(filled), dry_run=True)
