@@ -13,55 +13,40 @@ import contextlib
 import os
 import socket
 import sys
-import uuid
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import httpx
-from traitlets import Dict, Float, List, Unicode, default
+from traitlets import Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
 from .. import __version__
+from ..recovery.nvml import GpuSample, NvmlError
+from .exporter import GpuState, start_exporter
+from .gpus import (
+    NodePlace,
+    declared_gpu_uuid,
+    declared_inventory,
+    gpu_type_of,
+    nodes_body,
+    start_fake_nvml,
+    try_real_nvml,
+)
+from .metrics import Assignment
 
-DECLARED_UUID_NAMESPACE = uuid.UUID("6c1f2a56-55a5-4b6e-9d0e-9f2b0c9a4d11")
+
+def _sample_body(sample: GpuSample) -> dict[str, Any]:
+    body = {k: v for k, v in asdict(sample).items() if v is not None}
+    body["processes"] = [list(p) for p in sample.processes]
+    return body
 
 
-def declared_gpu_uuid(node: str, index: int) -> str:
-    """A stable, made-up GPU UUID for a declared GPU (same node and index, same UUID)."""
-    return f"GPU-{uuid.uuid5(DECLARED_UUID_NAMESPACE, f'{node}/{index}')}"
-
-
-def declared_inventory(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The registration body for declared nodes: {name, zone, gpu_type, gpus: N, ...}."""
-    inventory = []
-    for spec in nodes:
-        missing = {"name", "zone", "gpu_type", "gpus"} - spec.keys()
-        if missing:
-            raise ValueError(
-                f"declared node {spec.get('name', spec)!r} lacks {', '.join(sorted(missing))}"
-            )
-        count = int(spec["gpus"])
-        memory = int(spec.get("gpu_memory_bytes", 80 * 10**9))
-        inventory.append(
-            {
-                "name": spec["name"],
-                "cluster": spec.get("cluster", "local"),
-                "zone": spec["zone"],
-                "gpu_type": spec["gpu_type"],
-                "cpus": float(spec.get("cpus", os.cpu_count() or 1)),
-                "memory_bytes": int(spec.get("memory_bytes", 0)),
-                "labels": dict(spec.get("labels", {})),
-                "gpus": [
-                    {
-                        "uuid": declared_gpu_uuid(spec["name"], index),
-                        "index": index,
-                        "pci_bus_id": f"00000000:{0x10 + index:02X}:00.0",
-                        "memory_bytes": memory,
-                    }
-                    for index in range(count)
-                ],
-            }
-        )
-    return inventory
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
 
 
 class NodeAgent(Application):
@@ -108,6 +93,48 @@ class NodeAgent(Application):
         5.0, help="Seconds between heartbeats; keep it well under node_heartbeat_timeout."
     ).tag(config=True)
 
+    sample_interval = Float(5.0, help="Seconds between GPU samples sent to the controller.").tag(
+        config=True
+    )
+
+    nvml = Enum(
+        ["auto", "real", "fake", "off"],
+        "auto",
+        help="Where GPUs come from. 'real': this machine's NVML. 'fake': the declared nodes, "
+        "served by gpufleet's fake NVML library (machines without GPUs; live numbers for the "
+        "demo and tests). 'off': the declared nodes as they are, no samples. 'auto': real "
+        "NVML when it finds GPUs, else fake when nodes are declared.",
+    ).tag(config=True)
+
+    data_dir = Unicode(
+        help="Where the agent keeps its files (the fake NVML library and its control file). "
+        "Defaults to $GPUFLEET_DATA_DIR/agent.",
+    ).tag(config=True)
+
+    @default("data_dir")
+    def _default_data_dir(self) -> str:
+        return os.path.join(os.environ.get("GPUFLEET_DATA_DIR", ".gpufleet"), "agent")
+
+    metrics_port = Integer(
+        help="Port of the Prometheus exporter (dcgm-exporter's metric names); 0 turns it "
+        "off. Defaults to $GPUFLEET_BASE_PORT + 4.",
+    ).tag(config=True)
+
+    @default("metrics_port")
+    def _default_metrics_port(self) -> int:
+        return int(os.environ.get("GPUFLEET_BASE_PORT", "8000")) + 4
+
+    metrics_ip = Unicode("127.0.0.1", help="Address of the Prometheus exporter.").tag(config=True)
+
+    zone = Unicode("default", help="This node's zone when it reports real GPUs.").tag(config=True)
+    cluster = Unicode("local", help="This node's cluster when it reports real GPUs.").tag(
+        config=True
+    )
+    gpu_type_names = Dict(
+        help="NVML model name → the fleet's GPU type, e.g. {'NVIDIA A100-SXM4-80GB': "
+        "'A100-80GB'}. Unlisted models get a derived name ('A100-80GB').",
+    ).tag(config=True)
+
     node_name = Unicode(help="This node's name when it reports real GPUs.").tag(config=True)
 
     @default("node_name")
@@ -128,8 +155,49 @@ class NodeAgent(Application):
                 file=sys.stderr,
             )
             self.exit(1)
+        self.gpus: GpuState | None = None
         self.inventory = declared_inventory(self.declared_nodes)
 
+    # ------------------------------------------------------------ GPUs
+    def open_gpus(self) -> GpuState | None:
+        """NVML (real or fake) as configured; None for a declared-only inventory."""
+        nvml = None
+        if self.nvml in ("auto", "real"):
+            nvml = try_real_nvml()
+            if nvml is None and self.nvml == "real":
+                print(f"{self.name}: nvml = 'real' but NVML finds no GPU", file=sys.stderr)
+                self.exit(1)
+            if nvml is not None:
+                inventory = nvml.inventory()
+                places = {
+                    g.uuid: NodePlace(
+                        self.node_name,
+                        self.cluster,
+                        self.zone,
+                        gpu_type_of(g.name, g.memory_total_bytes, self.gpu_type_names),
+                        {},
+                    )
+                    for g in inventory
+                }
+                return GpuState(nvml, inventory, places, nvml.driver_version())
+        if self.nvml in ("auto", "fake") and self.declared_nodes:
+            nvml = start_fake_nvml(self.declared_nodes, Path(self.data_dir) / "fake-nvml")
+            places = {
+                declared_gpu_uuid(spec["name"], i): NodePlace(
+                    spec["name"],
+                    spec.get("cluster", "local"),
+                    spec["zone"],
+                    spec["gpu_type"],
+                    spec.get("labels", {}),
+                )
+                for spec in self.declared_nodes
+                for i in range(int(spec["gpus"]))
+            }
+            inventory = nvml.inventory()
+            return GpuState(nvml, inventory, places, nvml.driver_version())
+        return None
+
+    # ------------------------------------------------------------ loops
     async def _post(self, client: httpx.AsyncClient, path: str, body: Any) -> dict[str, Any]:
         response = await client.post(f"{self.controller_api_url}{path}", json=body)
         response.raise_for_status()
@@ -137,29 +205,85 @@ class NodeAgent(Application):
         return answer
 
     async def run(self) -> None:
+        self.gpus = self.open_gpus()
+        if self.gpus is not None:
+            self.inventory = nodes_body(
+                self.gpus.inventory,
+                self.gpus.places,
+                float(os.cpu_count() or 1),
+                _memory_bytes(),
+            )
+            self.log.info(
+                "%d GPU(s) through NVML on %d node(s)",
+                len(self.gpus.inventory),
+                len(self.inventory),
+            )
+            if self.metrics_port:
+                start_exporter(self.gpus, self.node_name, self.metrics_ip, self.metrics_port)
         headers = {"Authorization": f"token {self.api_token}"}
-        registered = False
         async with httpx.AsyncClient(headers=headers, timeout=10) as client:
-            while True:
+            loops = [self._heartbeats(client)]
+            if self.gpus is not None:
+                loops += [self._samples(client, self.gpus), self._xids(client, self.gpus)]
+            await asyncio.gather(*loops)
+
+    async def _heartbeats(self, client: httpx.AsyncClient) -> None:
+        registered = False
+        while True:
+            try:
+                if not registered:
+                    await self._post(client, "/agent/register", {"nodes": self.inventory})
+                    registered = True
+                    self.log.info("registered %d node(s) with the controller", len(self.inventory))
+                else:
+                    answer = await self._post(
+                        client,
+                        "/agent/heartbeat",
+                        {"nodes": [n["name"] for n in self.inventory]},
+                    )
+                    registered = not answer["unknown"]
+                    if self.gpus is not None:
+                        self.gpus.assignments = {
+                            uuid: Assignment(a["workload_id"], a["username"], a["name"])
+                            for uuid, a in answer.get("assignments", {}).items()
+                        }
+            except httpx.HTTPError as e:
+                self.log.warning("controller unreachable (%s); retrying", e)
+                await asyncio.sleep(min(self.heartbeat_interval, 1.0))
+                continue
+            await asyncio.sleep(self.heartbeat_interval if registered else 0.2)
+
+    async def _samples(self, client: httpx.AsyncClient, gpus: GpuState) -> None:
+        while True:
+            try:
+                samples = await asyncio.to_thread(gpus.sample)
+            except NvmlError as e:
+                self.log.error("%s; trying again", e)
+                await asyncio.sleep(self.sample_interval)
+                continue
+            try:
+                await self._post(
+                    client, "/agent/samples", {"samples": [_sample_body(s) for s in samples]}
+                )
+            except httpx.HTTPError as e:
+                self.log.warning("could not send GPU samples (%s)", e)
+            await asyncio.sleep(self.sample_interval)
+
+    async def _xids(self, client: httpx.AsyncClient, gpus: GpuState) -> None:
+        """Forward every XID as NVML delivers it (the wait blocks, so it runs in a thread)."""
+        while True:
+            event = await asyncio.to_thread(gpus.nvml.wait_xid, 500)
+            if event is None:
+                continue
+            gpus.last_xid[event.uuid] = event.xid
+            self.log.warning("XID %d on GPU %s", event.xid, event.uuid)
+            for _ in range(10):
                 try:
-                    if not registered:
-                        await self._post(client, "/agent/register", {"nodes": self.inventory})
-                        registered = True
-                        self.log.info(
-                            "registered %d node(s) with the controller", len(self.inventory)
-                        )
-                    else:
-                        answer = await self._post(
-                            client,
-                            "/agent/heartbeat",
-                            {"nodes": [n["name"] for n in self.inventory]},
-                        )
-                        registered = not answer["unknown"]
+                    await self._post(client, "/agent/xid", {"uuid": event.uuid, "xid": event.xid})
+                    break
                 except httpx.HTTPError as e:
-                    self.log.warning("controller unreachable (%s); retrying", e)
-                    await asyncio.sleep(min(self.heartbeat_interval, 1.0))
-                    continue
-                await asyncio.sleep(self.heartbeat_interval if registered else 0.2)
+                    self.log.warning("could not report XID %d (%s); retrying", event.xid, e)
+                    await asyncio.sleep(0.5)
 
     def start(self) -> None:
         with contextlib.suppress(KeyboardInterrupt):

@@ -122,6 +122,21 @@ OPERATIONS = (
         schemas.HeartbeatOut,
     ),
     Operation(
+        "post",
+        "/agent/samples",
+        "A node agent's latest GPU samples",
+        (scopes.AGENT,),
+        schemas.SamplesIn,
+    ),
+    Operation(
+        "post",
+        "/agent/xid",
+        "A node agent reports an XID error as it happens",
+        (scopes.AGENT,),
+        schemas.XidIn,
+        status=202,
+    ),
+    Operation(
         "get",
         "/events",
         "The event log (yours, or everything for admins)",

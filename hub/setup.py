@@ -8,7 +8,7 @@ deployments (and the test suite) can run side by side on one machine:
 - ``GPUFLEET_DATA_DIR``: databases, cookie secret, the spawner's token, user homes;
   default ``.gpufleet`` beside the config file;
 - ``GPUFLEET_BASE_PORT``: the public URL listens on it, the proxy's API on +1, the hub's
-  API on +2, the controller on +3; default 8000;
+  API on +2, the controller on +3, the node agent's Prometheus exporter on +4; default 8000;
 - ``GPUFLEET_BIND_IP``: default 127.0.0.1.
 """
 

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
-from ...scheduler.store.fleet import GpuSpec, NodeSpec
+from ...scheduler.store.inventory import GpuSpec, NodeSpec
 from ...scheduler.store.models import (
     Allocation,
     Event,
@@ -329,7 +329,47 @@ class AgentHeartbeatHandler(APIHandler):
             unknown = self.controller.store.heartbeat(
                 self.controller.now(), identity.name, body.nodes
             )
-        self.send(schemas.HeartbeatOut(unknown=unknown))
+        with self.controller.store.read() as session:
+            rows = session.execute(
+                select(Allocation.gpu_uuid, Workload)
+                .join(Workload, Allocation.workload_id == Workload.id)
+                .join(Node, Allocation.node_id == Node.id)
+                .where(Allocation.closed_at.is_(None), Node.name.in_(body.nodes))
+            ).all()
+            assignments = {
+                uuid: schemas.AssignmentOut(
+                    workload_id=w.id, username=w.username, name=w.name, kind=w.kind.value
+                )
+                for uuid, w in rows
+            }
+        self.send(schemas.HeartbeatOut(unknown=unknown, assignments=assignments))
+
+
+class AgentSamplesHandler(APIHandler):
+    async def post(self) -> None:
+        identity = self.require(scopes.AGENT)
+        body = self.body(schemas.SamplesIn)
+        with store_errors_as_http():
+            unknown = self.controller.store.record_samples(
+                self.controller.now(),
+                identity.name,
+                [s.model_dump(exclude_none=True) for s in body.samples],
+            )
+        self.controller.kick()  # a lost or returned GPU changes what can be placed
+        self.send({"unknown": unknown})
+
+
+class AgentXidHandler(APIHandler):
+    async def post(self) -> None:
+        identity = self.require(scopes.AGENT)
+        body = self.body(schemas.XidIn)
+        with store_errors_as_http():
+            known = self.controller.store.record_xid(
+                self.controller.now(), identity.name, body.uuid, body.xid
+            )
+        if not known:
+            raise NotFoundError(f"there is no GPU {body.uuid}; register its node first")
+        self.send({"recorded": True}, status=202)
 
 
 class EventsHandler(APIHandler):
@@ -371,6 +411,8 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/nodes", NodesHandler),
         (rf"{api}/agent/register", AgentRegisterHandler),
         (rf"{api}/agent/heartbeat", AgentHeartbeatHandler),
+        (rf"{api}/agent/samples", AgentSamplesHandler),
+        (rf"{api}/agent/xid", AgentXidHandler),
         (rf"{api}/events", EventsHandler),
         (rf"{prefix.rstrip('/')}/metrics", MetricsHandler),
     ]

@@ -93,8 +93,53 @@ class HeartbeatIn(Strict):
     nodes: list[str]
 
 
+class AssignmentOut(BaseModel):
+    workload_id: int
+    username: str
+    name: str
+    kind: str
+
+
 class HeartbeatOut(BaseModel):
     unknown: list[str] = Field(description="nodes the controller does not know: register them")
+    assignments: dict[str, AssignmentOut] = Field(
+        default_factory=dict, description="GPU UUID → the workload holding it now"
+    )
+
+
+class GpuSampleIn(Strict):
+    """One GPU's sample; a reading the GPU does not support is absent, not zero."""
+
+    uuid: str = Field(min_length=1, max_length=96)
+    index: int = Field(ge=0)
+    at: float
+    lost: bool = False
+    utilization_gpu_pct: int | None = Field(default=None, ge=0, le=100)
+    utilization_memory_pct: int | None = Field(default=None, ge=0, le=100)
+    memory_used_bytes: int | None = Field(default=None, ge=0)
+    memory_total_bytes: int | None = Field(default=None, ge=0)
+    power_watts: float | None = Field(default=None, ge=0)
+    temperature_c: int | None = None
+    clocks_event_reasons: int | None = Field(default=None, ge=0)
+    ecc_uncorrected_volatile: int | None = Field(default=None, ge=0)
+    ecc_corrected_volatile: int | None = Field(default=None, ge=0)
+    ecc_uncorrected_aggregate: int | None = Field(default=None, ge=0)
+    ecc_corrected_aggregate: int | None = Field(default=None, ge=0)
+    remapped_rows_correctable: int | None = Field(default=None, ge=0)
+    remapped_rows_uncorrectable: int | None = Field(default=None, ge=0)
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failure: bool | None = None
+    pcie_replays: int | None = Field(default=None, ge=0)
+    processes: list[tuple[int, int]] = Field(default_factory=list)
+
+
+class SamplesIn(Strict):
+    samples: list[GpuSampleIn]
+
+
+class XidIn(Strict):
+    uuid: str = Field(min_length=1, max_length=96)
+    xid: int = Field(ge=0)
 
 
 class NodeOut(BaseModel):

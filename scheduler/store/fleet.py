@@ -1,35 +1,30 @@
 """FleetStore: every read and write of the fleet's state, as short transactions.
 
-The invariant: the state is changed only through the methods of this class, and every
-write transaction first re-asserts this controller's lease (``_fence``). A controller
-that lost its lease raises :class:`LeaseLost` inside the transaction, which rolls back, so
-two controllers can never both commit. Decisions of one admission cycle are committed in
-one transaction: a controller killed at any point leaves either all of them or none.
+The state is changed only through the methods of FleetStore and the classes it builds on
+(``base.StoreBase``: lease and fenced writes; ``inventory.InventoryStore``: what node
+agents report). Decisions of one admission cycle are committed in one transaction: a
+controller killed at any point leaves either all of them or none.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, func, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from .. import failpoints
 from ..admission import FleetSnapshot, NodeView, PendingRequest, admit
-from ..errors import InvalidRequest, LeaseLost, NotFound
+from ..errors import InvalidRequest, NotFound
 from ..validation import Catalogue, ProfileRule, SessionRequest, validate_session_request
-from . import db
+from .base import _event
+from .inventory import InventoryStore
 from .models import (
     Allocation,
-    Cluster,
-    ControllerLease,
-    Event,
     Gpu,
     Membership,
     Node,
@@ -42,35 +37,10 @@ from .models import (
     Workload,
     WorkloadKind,
     WorkloadState,
-    Zone,
 )
 
-LEASE_NAME = "controller"
 ACTIVE_STATES = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
 OPEN_STATES = (WorkloadState.pending, *ACTIVE_STATES)
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    uuid: str
-    index: int
-    pci_bus_id: str = ""
-    memory_bytes: int = 0
-    gpu_type: str | None = None  # a MIG slice names its own type; None: the node's
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """What a node agent reports about one node."""
-
-    name: str
-    cluster: str
-    zone: str
-    gpu_type: str
-    gpus: tuple[GpuSpec, ...]
-    cpus: float = 0.0
-    memory_bytes: int = 0
-    labels: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -87,70 +57,7 @@ class CycleResult:
     changed: tuple[int, ...]  # every workload whose visible state changed (admitted included)
 
 
-class FleetStore:
-    def __init__(self, engine: Engine, holder: str, lease_ttl: timedelta = timedelta(seconds=15)):
-        self.engine = engine
-        self.holder = holder
-        self.lease_ttl = lease_ttl
-        self.epoch: int | None = None
-        self._sessions = db.session_factory(engine)
-
-    # ----------------------------------------------------------------- lease
-    def try_acquire_lease(self, now: datetime) -> bool:
-        """Take the controller lease if it is free, expired or already ours."""
-        with db.transaction(self._sessions) as session:
-            lease = session.get(ControllerLease, LEASE_NAME, with_for_update=True)
-            if lease is None:
-                lease = ControllerLease(
-                    name=LEASE_NAME,
-                    holder=self.holder,
-                    epoch=1,
-                    acquired_at=now,
-                    expires_at=now + self.lease_ttl,
-                )
-                session.add(lease)
-            elif lease.holder == self.holder and lease.epoch == self.epoch:
-                lease.expires_at = now + self.lease_ttl
-            elif lease.expires_at <= now or lease.holder == self.holder:
-                lease.holder = self.holder
-                lease.epoch += 1
-                lease.acquired_at = now
-                lease.expires_at = now + self.lease_ttl
-            else:
-                return False
-            try:
-                session.flush()
-            except IntegrityError:  # another controller created the row first
-                return False
-            self.epoch = lease.epoch
-            return True
-
-    def _fence(self, session: Session, now: datetime) -> None:
-        result = session.execute(
-            update(ControllerLease)
-            .where(
-                ControllerLease.name == LEASE_NAME,
-                ControllerLease.holder == self.holder,
-                ControllerLease.epoch == self.epoch,
-            )
-            .values(expires_at=now + self.lease_ttl)
-        )
-        if result.rowcount != 1:  # type: ignore[attr-defined]
-            raise LeaseLost(f"controller {self.holder} no longer holds the database lease")
-
-    @contextmanager
-    def _write(self, now: datetime) -> Iterator[Session]:
-        """A write transaction that commits only while this controller holds the lease.
-
-        A lost lease raises inside the transaction, which then rolls back and closes.
-        """
-        with db.transaction(self._sessions) as session:
-            self._fence(session, now)
-            yield session
-
-    def read(self) -> Session:
-        return self._sessions()
-
+class FleetStore(InventoryStore):
     # ------------------------------------------------------------- bootstrap
     def apply_config(
         self,
@@ -209,128 +116,6 @@ class FleetStore:
                 profile.allowed_projects = list(spec.get("projects", []))
                 profile.is_default = bool(spec.get("default", False))
                 session.add(profile)
-
-    # ------------------------------------------------------------- inventory
-    def register_nodes(self, now: datetime, agent: str, nodes: Iterable[NodeSpec]) -> list[str]:
-        """Record what an agent reports; a node it reports is healthy and heard from now."""
-        names = []
-        with self._write(now) as session:
-            for spec in nodes:
-                zone = self._zone(session, spec.cluster, spec.zone)
-                node = session.scalar(select(Node).where(Node.name == spec.name))
-                back = node is not None and node.health == NodeHealth.unknown
-                if node is None:
-                    node = Node(name=spec.name, zone=zone, gpu_type=spec.gpu_type)
-                    session.add(node)
-                    _event(
-                        session,
-                        now,
-                        "node-registered",
-                        f"node {spec.name} registered by "
-                        f"{agent} with {len(spec.gpus)} × {spec.gpu_type}",
-                        node=spec.name,
-                    )
-                elif back:
-                    _event(
-                        session,
-                        now,
-                        "node-back",
-                        f"node {spec.name} is reporting again",
-                        node=spec.name,
-                        cause=agent,
-                    )
-                node.zone = zone
-                node.gpu_type = spec.gpu_type
-                node.cpus = spec.cpus
-                node.memory_bytes = spec.memory_bytes
-                node.labels = dict(spec.labels)
-                node.agent = agent
-                node.health = NodeHealth.ok
-                node.last_heartbeat_at = now
-                session.flush()
-                known = {g.uuid: g for g in node.gpus}
-                for gpu_spec in spec.gpus:
-                    gpu = known.pop(gpu_spec.uuid, None) or session.get(Gpu, gpu_spec.uuid)
-                    if gpu is None:
-                        gpu = Gpu(uuid=gpu_spec.uuid, node_id=node.id)
-                        session.add(gpu)
-                    gpu.node_id = node.id
-                    gpu.index = gpu_spec.index
-                    gpu.gpu_type = gpu_spec.gpu_type or spec.gpu_type
-                    gpu.pci_bus_id = gpu_spec.pci_bus_id
-                    gpu.memory_bytes = gpu_spec.memory_bytes
-                    gpu.present = True
-                for missing in known.values():
-                    if missing.present:
-                        missing.present = False
-                        _event(
-                            session,
-                            now,
-                            "gpu-missing",
-                            f"GPU {missing.uuid} (index "
-                            f"{missing.index}) is no longer reported on {spec.name}",
-                            node=spec.name,
-                            cause=agent,
-                        )
-                names.append(spec.name)
-        return names
-
-    def _zone(self, session: Session, cluster_name: str, zone_name: str) -> Zone:
-        cluster = session.scalar(select(Cluster).where(Cluster.name == cluster_name))
-        if cluster is None:
-            cluster = Cluster(name=cluster_name)
-            session.add(cluster)
-            session.flush()
-        zone = session.scalar(
-            select(Zone).where(Zone.cluster_id == cluster.id, Zone.name == zone_name)
-        )
-        if zone is None:
-            zone = Zone(cluster=cluster, name=zone_name)
-            session.add(zone)
-            session.flush()
-        return zone
-
-    def heartbeat(self, now: datetime, agent: str, node_names: Iterable[str]) -> list[str]:
-        """Refresh the named nodes; returns the names this controller does not know."""
-        names = set(node_names)
-        with self._write(now) as session:
-            nodes = session.scalars(select(Node).where(Node.name.in_(names))).all()
-            for node in nodes:
-                if node.health == NodeHealth.unknown:
-                    node.health = NodeHealth.ok
-                    _event(
-                        session,
-                        now,
-                        "node-back",
-                        f"node {node.name} is reporting again",
-                        node=node.name,
-                        cause=agent,
-                    )
-                node.last_heartbeat_at = now
-                node.agent = agent
-            return sorted(names - {n.name for n in nodes})
-
-    def mark_silent_nodes(self, now: datetime, timeout: timedelta) -> list[str]:
-        """Nodes whose heartbeat is older than ``timeout`` become unknown: no new work."""
-        with self._write(now) as session:
-            silent = session.scalars(
-                select(Node).where(
-                    Node.health != NodeHealth.unknown,
-                    (Node.last_heartbeat_at.is_(None)) | (Node.last_heartbeat_at < now - timeout),
-                )
-            ).all()
-            for node in silent:
-                node.health = NodeHealth.unknown
-                _event(
-                    session,
-                    now,
-                    "node-lost",
-                    f"node {node.name} has not reported for "
-                    f"{int(timeout.total_seconds())} s; it receives no new work",
-                    node=node.name,
-                    reason="heartbeat-lost",
-                )
-            return [n.name for n in silent]
 
     # ------------------------------------------------------------ membership
     def sync_memberships(self, now: datetime, groups: Mapping[str, Iterable[str]]) -> int:
@@ -624,7 +409,7 @@ class FleetStore:
         ):
             by_type: dict[str, list[Gpu]] = defaultdict(list)
             for gpu in node.gpus:
-                if gpu.present:
+                if gpu.present and not gpu.lost:
                     by_type[gpu.gpu_type].append(gpu)
             for gpu_type, present in sorted(by_type.items()):
                 nodes.append(
@@ -685,31 +470,3 @@ def _get_workload(session: Session, workload_id: int) -> Workload:
     if workload is None:
         raise NotFound(f"there is no workload {workload_id}")
     return workload
-
-
-def _event(
-    session: Session,
-    now: datetime,
-    kind: str,
-    message: str,
-    *,
-    reason: str = "",
-    cause: str = "",
-    workload: Workload | None = None,
-    node: str | None = None,
-    data: dict[str, Any] | None = None,
-) -> None:
-    session.add(
-        Event(
-            at=now,
-            kind=kind,
-            message=message,
-            reason=reason,
-            cause=cause,
-            workload_id=workload.id if workload is not None else None,
-            project=workload.project.name if workload is not None else None,
-            username=workload.username if workload is not None else None,
-            node=node,
-            data=data or {},
-        )
-    )

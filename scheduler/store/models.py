@@ -31,6 +31,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -243,6 +244,11 @@ class Gpu(Base):
     pci_bus_id: Mapped[str] = mapped_column(String(32), default="")
     memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     present: Mapped[bool] = mapped_column(Boolean, default=True)
+    # NVML says the GPU fell off the bus: it receives no new work until it is back.
+    lost: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    sampled_at: Mapped[datetime | None] = mapped_column(default=None)
+    # The latest sample as the node agent sent it (utilisation, memory, ECC, processes...).
+    last_sample: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")
 
     node: Mapped[Node] = relationship(back_populates="gpus")
 

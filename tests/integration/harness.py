@@ -2,7 +2,7 @@
 
 The hub runs ``jupyterhub_config.py`` from the repository through a small test config
 that adds an admin service token and shortens intervals. Everything listens on a free
-block of four ports, under a temporary data directory.
+block of five ports, under a temporary data directory.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value {last!r}")
 
 
-def free_port_block(size: int = 4) -> int:
+def free_port_block(size: int = 5) -> int:
     for _ in range(200):
         base = random.randrange(20000, 40000)
         sockets = []
@@ -78,6 +78,8 @@ c.FleetController.admission_interval = 0.2
 c.FleetController.request_lease_seconds = 6
 c.FleetController.log_style = "text"
 c.LocalGPUSpawner.lease_renew_interval = 1
+c.NodeAgent.heartbeat_interval = 1
+c.NodeAgent.sample_interval = 0.5
 c.JupyterHub.log_level = "INFO"
 """
 
@@ -260,13 +262,25 @@ class Hub:
             "every workload ended",
         )
 
-    def controller_pid(self) -> int | None:
+    def service_pid(self, script: str) -> int | None:
+        """The pid of this hub's ``gpufleet-controller`` or ``gpufleet-agent``."""
         pids = [
             p
             for p in pids_with_env("GPUFLEET_DATA_DIR", str(self.data_dir))
-            if "gpufleet-controller" in cmdline(p)
+            if script in cmdline(p)
         ]
         return pids[0] if pids else None
+
+    def controller_pid(self) -> int | None:
+        return self.service_pid("gpufleet-controller")
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.base_port + 4}/metrics"
+
+    @property
+    def fake_nvml_control(self) -> Path:
+        return self.data_dir / "agent" / "fake-nvml" / "control"
 
 
 def cmdline(pid: int) -> str:

@@ -20,13 +20,8 @@ from sqlalchemy.orm import Session
 
 from gpufleet.scheduler.errors import InvalidRequest, LeaseLost, SchemaMismatch
 from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.fleet import (
-    AdmittedWait,
-    CycleResult,
-    FleetStore,
-    GpuSpec,
-    NodeSpec,
-)
+from gpufleet.scheduler.store.fleet import AdmittedWait, CycleResult, FleetStore
+from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
 from gpufleet.scheduler.store.models import (
     Allocation,
     Base,

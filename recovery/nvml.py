@@ -1,0 +1,245 @@
+"""The NVML adapter: GPU inventory, samples and XID events through nvidia-ml-py.
+
+A thin layer over ``pynvml`` that returns plain dataclasses. A reading the device (or the
+driver) does not support is left out (``None``), never reported as zero: a dashboard must
+not show 0 °C for a GPU without a sensor. A lost GPU still yields a sample, marked lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class NvmlError(Exception):
+    """Base class for the NVML adapter's errors."""
+
+
+class NvmlUnavailable(NvmlError):
+    """No NVML library could be loaded or initialised (no driver, no GPU)."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    uuid: str
+    index: int
+    name: str
+    pci_bus_id: str
+    memory_total_bytes: int
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    uuid: str
+    index: int
+    at: float  # time.time() of the sample
+    lost: bool = False
+    utilization_gpu_pct: int | None = None
+    utilization_memory_pct: int | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    power_watts: float | None = None
+    temperature_c: int | None = None
+    clocks_event_reasons: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_volatile: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    ecc_corrected_aggregate: int | None = None
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failure: bool | None = None
+    pcie_replays: int | None = None
+    processes: tuple[tuple[int, int], ...] = field(default=())  # (pid, used bytes)
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    uuid: str
+    index: int
+    xid: int
+    at: float
+
+
+def _nvml() -> Any:
+    import pynvml
+
+    return pynvml
+
+
+def _decode(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Nvml:
+    """One NVML session. Use as a context manager, or call ``close``."""
+
+    def __init__(self) -> None:
+        nvml = _nvml()
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as e:
+            raise NvmlUnavailable(f"NVML could not start: {e}") from e
+        self._nvml = nvml
+        self._event_set: Any = None
+
+    def __enter__(self) -> Nvml:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._event_set is not None:
+            self._nvml.nvmlEventSetFree(self._event_set)
+            self._event_set = None
+        self._nvml.nvmlShutdown()
+
+    # ------------------------------------------------------------ readings
+    def _optional(self, call: Callable[[], T]) -> T | None:
+        """``call()``, or None where the device or driver does not support it."""
+        nvml = self._nvml
+        try:
+            return call()
+        except (
+            nvml.NVMLError_NotSupported,
+            nvml.NVMLError_FunctionNotFound,
+            nvml.NVMLError_NoPermission,
+        ):
+            return None
+
+    def driver_version(self) -> str:
+        return _decode(self._nvml.nvmlSystemGetDriverVersion())
+
+    def _handles(self) -> Iterator[tuple[int, Any]]:
+        """(index, handle) for every device; the handle is None for a lost GPU."""
+        nvml = self._nvml
+        for index in range(nvml.nvmlDeviceGetCount()):
+            try:
+                yield index, nvml.nvmlDeviceGetHandleByIndex(index)
+            except nvml.NVMLError_GpuIsLost:
+                yield index, None
+
+    def inventory(self) -> list[GpuInfo]:
+        """The GPUs NVML can describe now; a lost GPU is not offered as inventory."""
+        nvml = self._nvml
+        gpus = []
+        for index, handle in self._handles():
+            if handle is None:
+                continue
+            with contextlib.suppress(nvml.NVMLError_GpuIsLost):
+                gpus.append(
+                    GpuInfo(
+                        uuid=_decode(nvml.nvmlDeviceGetUUID(handle)),
+                        index=index,
+                        name=_decode(nvml.nvmlDeviceGetName(handle)),
+                        pci_bus_id=_decode(nvml.nvmlDeviceGetPciInfo(handle).busId),
+                        memory_total_bytes=int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
+                    )
+                )
+        return gpus
+
+    def sample(self, known: dict[int, str] | None = None) -> list[GpuSample]:
+        """One sample of every GPU. ``known`` maps index → UUID for GPUs already seen, so
+        a GPU that is lost (and can no longer tell its UUID) is still reported."""
+        nvml = self._nvml
+        samples = []
+        try:
+            for index, handle in self._handles():
+                now = time.time()
+                uuid = (known or {}).get(index, f"index-{index}")
+                try:
+                    if handle is None:
+                        raise nvml.NVMLError_GpuIsLost()
+                    uuid = _decode(nvml.nvmlDeviceGetUUID(handle))
+                    samples.append(self._sample_one(handle, uuid, index, now))
+                except nvml.NVMLError_GpuIsLost:
+                    samples.append(GpuSample(uuid, index, now, lost=True))
+        except nvml.NVMLError as e:
+            raise NvmlError(f"NVML failed while sampling: {e}") from e
+        return samples
+
+    def _sample_one(self, handle: Any, uuid: str, index: int, now: float) -> GpuSample:
+        nvml = self._nvml
+        optional = self._optional
+        utilization = optional(lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
+        memory = optional(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+        power_mw = optional(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
+        remapped = optional(lambda: nvml.nvmlDeviceGetRemappedRows(handle))
+        processes = optional(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle)) or []
+
+        def ecc(kind: int, counter: int) -> int | None:
+            return optional(lambda: int(nvml.nvmlDeviceGetTotalEccErrors(handle, kind, counter)))
+
+        return GpuSample(
+            uuid=uuid,
+            index=index,
+            at=now,
+            utilization_gpu_pct=None if utilization is None else int(utilization.gpu),
+            utilization_memory_pct=None if utilization is None else int(utilization.memory),
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_total_bytes=None if memory is None else int(memory.total),
+            power_watts=None if power_mw is None else power_mw / 1000.0,
+            temperature_c=optional(
+                lambda: int(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
+            ),
+            clocks_event_reasons=optional(
+                lambda: int(nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+            ),
+            ecc_uncorrected_volatile=ecc(
+                nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+            ),
+            ecc_corrected_volatile=ecc(
+                nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_VOLATILE_ECC
+            ),
+            ecc_uncorrected_aggregate=ecc(
+                nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_AGGREGATE_ECC
+            ),
+            ecc_corrected_aggregate=ecc(
+                nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_AGGREGATE_ECC
+            ),
+            remapped_rows_correctable=None if remapped is None else int(remapped[0]),
+            remapped_rows_uncorrectable=None if remapped is None else int(remapped[1]),
+            remapped_rows_pending=None if remapped is None else bool(remapped[2]),
+            remapped_rows_failure=None if remapped is None else bool(remapped[3]),
+            pcie_replays=optional(lambda: int(nvml.nvmlDeviceGetPcieReplayCounter(handle))),
+            processes=tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in processes),
+        )
+
+    # ------------------------------------------------------------ events
+    def watch_xids(self) -> None:
+        """Register every GPU for critical XID events (once)."""
+        nvml = self._nvml
+        if self._event_set is not None:
+            return
+        self._event_set = nvml.nvmlEventSetCreate()
+        for _, handle in self._handles():
+            if handle is None:
+                continue
+            with contextlib.suppress(nvml.NVMLError_NotSupported, nvml.NVMLError_GpuIsLost):
+                nvml.nvmlDeviceRegisterEvents(
+                    handle, nvml.nvmlEventTypeXidCriticalError, self._event_set
+                )
+
+    def wait_xid(self, timeout_ms: int) -> XidEvent | None:
+        """The next XID event, or None after ``timeout_ms`` (blocks: call from a thread)."""
+        nvml = self._nvml
+        self.watch_xids()
+        try:
+            event = nvml.nvmlEventSetWait(self._event_set, timeout_ms)
+        except nvml.NVMLError_Timeout:
+            return None
+        if event.eventType != nvml.nvmlEventTypeXidCriticalError:
+            return None
+        handle = event.device
+        return XidEvent(
+            uuid=_decode(nvml.nvmlDeviceGetUUID(handle)),
+            index=int(nvml.nvmlDeviceGetIndex(handle)),
+            xid=int(event.eventData),
+            at=time.time(),
+        )
