@@ -272,7 +272,12 @@ class NodeAgent(Application):
     async def _xids(self, client: httpx.AsyncClient, gpus: GpuState) -> None:
         """Forward every XID as NVML delivers it (the wait blocks, so it runs in a thread)."""
         while True:
-            event = await asyncio.to_thread(gpus.nvml.wait_xid, 500)
+            try:
+                event = await asyncio.to_thread(gpus.nvml.wait_xid, 500)
+            except NvmlError as e:
+                self.log.error("%s; trying again", e)
+                await asyncio.sleep(1)
+                continue
             if event is None:
                 continue
             gpus.last_xid[event.uuid] = event.xid

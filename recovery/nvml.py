@@ -87,6 +87,7 @@ class Nvml:
             raise NvmlUnavailable(f"NVML could not start: {e}") from e
         self._nvml = nvml
         self._event_set: Any = None
+        self._identity: dict[int, tuple[str, int]] = {}  # handle address -> (uuid, index)
 
     def __enter__(self) -> Nvml:
         return self
@@ -218,10 +219,13 @@ class Nvml:
         if self._event_set is not None:
             return
         self._event_set = nvml.nvmlEventSetCreate()
-        for _, handle in self._handles():
+        for index, handle in self._handles():
             if handle is None:
                 continue
             with contextlib.suppress(nvml.NVMLError_NotSupported, nvml.NVMLError_GpuIsLost):
+                # An XID often comes with the GPU falling off the bus, after which it can
+                # no longer say who it is: remember that now.
+                self._identity[_address(handle)] = (_decode(nvml.nvmlDeviceGetUUID(handle)), index)
                 nvml.nvmlDeviceRegisterEvents(
                     handle, nvml.nvmlEventTypeXidCriticalError, self._event_set
                 )
@@ -234,12 +238,15 @@ class Nvml:
             event = nvml.nvmlEventSetWait(self._event_set, timeout_ms)
         except nvml.NVMLError_Timeout:
             return None
+        except nvml.NVMLError as e:
+            raise NvmlError(f"NVML failed while waiting for events: {e}") from e
         if event.eventType != nvml.nvmlEventTypeXidCriticalError:
             return None
-        handle = event.device
-        return XidEvent(
-            uuid=_decode(nvml.nvmlDeviceGetUUID(handle)),
-            index=int(nvml.nvmlDeviceGetIndex(handle)),
-            xid=int(event.eventData),
-            at=time.time(),
-        )
+        uuid, index = self._identity.get(_address(event.device), ("unknown", -1))
+        return XidEvent(uuid=uuid, index=index, xid=int(event.eventData), at=time.time())
+
+
+def _address(handle: Any) -> int:
+    import ctypes
+
+    return int(ctypes.cast(handle, ctypes.c_void_p).value or 0)

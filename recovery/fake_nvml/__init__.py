@@ -167,17 +167,14 @@ def load_in_process(library: Path, control_path: Path) -> None:
     library in this process (pynvml keeps the first one it loads).
     """
     import ctypes
+    import sys
 
-    os.environ[CONTROL_ENV] = str(Path(control_path).resolve())
-    lib = ctypes.CDLL(str(Path(library).resolve()), mode=ctypes.RTLD_GLOBAL)
-    try:
-        import pynvml
-    except ImportError:
-        return
+    pynvml = sys.modules.get("pynvml")
     loaded = getattr(pynvml, "nvmlLib", None)
     if loaded is not None and not hasattr(loaded, "gpufleet_fake_nvml_format"):
         raise RuntimeError("pynvml already loaded the real NVML library in this process")
-    del lib
+    os.environ[CONTROL_ENV] = str(Path(control_path).resolve())
+    ctypes.CDLL(str(Path(library).resolve()), mode=ctypes.RTLD_GLOBAL)
 
 
 # ---------------------------------------------------------------- control file

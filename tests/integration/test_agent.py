@@ -202,3 +202,25 @@ def _port_open(hub: Hub) -> bool:
     except httpx.HTTPError:
         return False
     return True
+
+
+def test_an_xid_from_a_gpu_that_fell_off_the_bus_names_that_gpu(
+    fleet: Hub, gpus: list[FakeGpu]
+) -> None:
+    before = len(events(fleet, "gpu-xid"))
+    changed = [replace(g, lost=True, xid_events=[79]) if g.index == 6 else g for g in gpus]
+    write_control(fleet.fake_nvml_control, changed)
+    event = wait_for(
+        lambda: (e := events(fleet, "gpu-xid")) and len(e) > before and e[0],
+        10,
+        "the XID event at the controller",
+    )
+    assert f"XID 79 on GPU {gpus[6].uuid}" in str(event["message"])
+    wait_for(
+        lambda: next(
+            (e for e in events(fleet, "gpu-lost") if gpus[6].uuid in str(e["message"])), None
+        ),
+        15,
+        "gpu-lost",
+    )
+    assert fleet.service_pid("gpufleet-agent") is not None

@@ -292,8 +292,6 @@ def test_readings_round_trip(start: Any, control: Path) -> None:
     assert nv.error("nvmlDeviceGetNvLinkState(h, 12)") == "NVMLError_InvalidArgument"
     procs = nv.eval("[(p.pid, p.usedGpuMemory) for p in nvmlDeviceGetComputeRunningProcesses(h)]")
     assert procs == [[4242, 20 * GIB], [4343, 10 * GIB]]
-    procs_v2 = nv.eval("[p.pid for p in nvmlDeviceGetComputeRunningProcesses_v2(h)]")
-    assert procs_v2 == [4242, 4343]
     # The other GPU has no processes and defaults elsewhere.
     nv.exec("h1 = nvmlDeviceGetHandleByIndex(1)")
     assert nv.eval("nvmlDeviceGetComputeRunningProcesses(h1)") == []
@@ -553,7 +551,7 @@ def test_struct_layouts_match_pynvml() -> None:
     assert pynvml.nvmlMemory_v2 == 40 | (2 << 24)
     assert ctypes.sizeof(pynvml.c_nvmlUtilization_t) == 8
     assert ctypes.sizeof(pynvml.nvmlPciInfo_t) == 68
-    assert ctypes.sizeof(pynvml.c_nvmlProcessInfo_v3_t) == 24
+    assert ctypes.sizeof(pynvml.c_nvmlProcessInfo_t) == 24
     assert ctypes.sizeof(pynvml.c_nvmlEventData_t) == 32
 
 
