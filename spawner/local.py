@@ -252,7 +252,7 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
 
     @staticmethod
     async def _check_user_options(spawner: LocalGPUSpawner, user_options: dict[str, Any]) -> None:
-        _quiet_rejections(spawner.log)  # type: ignore[arg-type]
+        _quiet_rejections(spawner.log)
         try:
             filled = await spawner._fill_defaults(user_options or {})
             await spawner.controller.open_session(spawner._request_body(filled), dry_run=True)
