@@ -121,6 +121,7 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
     c.LocalGPUSpawner.controller_api_url = d.controller_api_url
     c.LocalGPUSpawner.controller_token = _secret_file(d.data_dir / "spawner-token")
     c.LocalGPUSpawner.home_dir_template = str(d.data_dir / "homes" / "{username}")
+    c.LocalGPUSpawner.fake_nvml_dir = str(d.data_dir / "agent" / "fake-nvml")
     c.Spawner.default_url = "/lab"
     c.Spawner.http_timeout = 120
     c.Spawner.server_token_scopes = [

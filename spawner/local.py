@@ -109,6 +109,14 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
         "check backs off; probing here lets the hub find the server up on its first try.",
     ).tag(config=True)
 
+    fake_nvml_dir = Unicode(
+        "",
+        help="Where the node agent keeps gpufleet's fake NVML library, on machines without "
+        "GPUs (set by gpufleet.hub.setup.configure). When the library is there, sessions "
+        "load it too, so NVML inside a session (nvidia-ml-py, dashboards) shows exactly "
+        "the session's GPUs.",
+    ).tag(config=True)
+
     user_mode = Enum(
         ["auto", "system", "single"],
         "auto",
@@ -216,6 +224,13 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
             env["GPUFLEET_GPU_UUIDS"] = ",".join(self.gpu_uuids)
             env["GPUFLEET_NODE"] = self.node_name
             env["GPUFLEET_PROJECT"] = str(self.user_options.get("project", ""))
+            fake = os.path.join(self.fake_nvml_dir, "libnvidia-ml.so.1")
+            if self.fake_nvml_dir and os.path.exists(fake):
+                # It honours NVIDIA_VISIBLE_DEVICES, as a container runtime would.
+                env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                    p for p in (self.fake_nvml_dir, env.get("LD_LIBRARY_PATH", "")) if p
+                )
+                env["GPUFLEET_FAKE_NVML_CONTROL"] = os.path.join(self.fake_nvml_dir, "control")
         return env
 
     # -------------------------------------------------------------- form

@@ -21,6 +21,9 @@
  * Writers must replace the file atomically (write a temporary file, then rename it over the
  * control file); the Python writer does. If the file disappears, the last state is kept.
  *
+ * A process started with NVIDIA_VISIBLE_DEVICES (UUIDs or indices, comma-separated) sees
+ * only those GPUs, renumbered from 0, as inside a container; gpufleet's sessions rely on it.
+ *
  * Functions that are not exported here make pynvml raise NVMLError_FunctionNotFound, which
  * is what callers see with an old driver: only what gpufleet uses is implemented.
  *
@@ -520,6 +523,41 @@ static void parse_line(struct fake_state *st, char *line) {
     }
 }
 
+/* Whether `list` (NVIDIA_VISIBLE_DEVICES: comma-separated UUIDs or indices) names `g`. */
+static int listed(const char *list, const struct fake_gpu *g, unsigned int index) {
+    char copy[4096], number[16];
+    char *save = NULL;
+    copy_str(copy, sizeof copy, list);
+    snprintf(number, sizeof number, "%u", index);
+    for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        while (*tok == ' ')
+            tok++;
+        if (strcmp(tok, g->uuid) == 0 || strcmp(tok, number) == 0)
+            return 1;
+    }
+    return 0;
+}
+
+/* Like the NVIDIA container runtime: a process started with NVIDIA_VISIBLE_DEVICES sees
+ * only the GPUs it names (unset, empty or "all": every GPU; "none" or "void": none). The
+ * GPUs it keeps are numbered from 0 in control-file order, so a session's NVML shows
+ * exactly the GPUs gpufleet gave it. */
+static void apply_visibility(struct fake_state *st) {
+    const char *visible = getenv("NVIDIA_VISIBLE_DEVICES");
+    if (!visible || !*visible || strcmp(visible, "all") == 0)
+        return;
+    unsigned int kept = 0;
+    for (unsigned int i = 0; i < st->count; i++) {
+        if (strcmp(visible, "none") != 0 && strcmp(visible, "void") != 0 &&
+            listed(visible, &st->gpus[i], i)) {
+            if (kept != i)
+                st->gpus[kept] = st->gpus[i];
+            kept++;
+        }
+    }
+    st->count = kept;
+}
+
 /* Re-read the control file if it changed since the last read. Caller holds g_lock.
  * Returns 0 when the file could not be read (the previous state is kept). */
 static int refresh_locked(void) {
@@ -555,6 +593,7 @@ static int refresh_locked(void) {
         parse_line(st, line);
     free(line);
     fclose(f);
+    apply_visibility(st);
 
     memcpy(g_driver_version, st->driver_version, sizeof g_driver_version);
     g_cuda_driver_version = st->cuda_driver_version;

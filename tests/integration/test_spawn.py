@@ -19,6 +19,18 @@ def kernel_gpus(hub: Hub, username: str, server: str = "") -> tuple[list[str], s
     return devices.split(","), order
 
 
+NVML_PROBE = (
+    "import pynvml; pynvml.nvmlInit(); "
+    "print(','.join(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) "
+    "for i in range(pynvml.nvmlDeviceGetCount())))"
+)
+
+
+def nvml_gpus(hub: Hub, username: str) -> list[str]:
+    output = run_in_kernel(hub, username, "", NVML_PROBE, hub.user_token(username))
+    return output.strip().split(",")
+
+
 def test_two_sessions_see_exactly_their_own_gpus(fleet: Hub) -> None:
     assert fleet.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2).status_code in (
         201,
@@ -43,6 +55,9 @@ def test_two_sessions_see_exactly_their_own_gpus(fleet: Hub) -> None:
     assert devices == alice_uuids
     assert order == "PCI_BUS_ID"
     assert kernel_gpus(fleet, "carol")[0] == carol_uuids
+    # NVML inside the session (here the fake library, as a container would) shows the same.
+    assert nvml_gpus(fleet, "alice") == alice_uuids
+    assert nvml_gpus(fleet, "carol") == carol_uuids
 
 
 def test_named_servers_hold_separate_gpus(fleet: Hub) -> None:

@@ -177,8 +177,11 @@ def control(tmp_path: Path) -> Path:
 def start(library: Path, control: Path) -> Iterator[Any]:
     children: list[PynvmlChild] = []
 
-    def start_child(init: bool = True) -> PynvmlChild:
+    def start_child(init: bool = True, visible: str | None = None) -> PynvmlChild:
         env = {**os.environ, **fake_nvml.environment(library.parent, control)}
+        env.pop("NVIDIA_VISIBLE_DEVICES", None)
+        if visible is not None:
+            env["NVIDIA_VISIBLE_DEVICES"] = visible
         child = PynvmlChild(env)
         children.append(child)
         if init:
@@ -229,6 +232,22 @@ def test_inventory_round_trips(start: Any, control: Path) -> None:
     assert nv.eval("nvmlDeviceGetIndex(nvmlDeviceGetHandleByPciBusId('0000:C1:00.0'))") == 1
     assert nv.error("nvmlDeviceGetHandleByUUID('GPU-nope')") == "NVMLError_NotFound"
     assert nv.error("nvmlDeviceGetHandleByIndex(2)") == "NVMLError_InvalidArgument"
+
+
+def test_a_process_sees_only_its_visible_devices(start: Any, control: Path) -> None:
+    """As in a container: NVIDIA_VISIBLE_DEVICES names the GPUs, renumbered from 0."""
+    gpus = [*two_gpus(), FakeGpu("GPU-cccccccc-0000-0000-0000-000000000003", index=2)]
+    write_control(control, gpus)
+    one = start(visible=f"{gpus[2].uuid},{gpus[0].uuid}")
+    assert one.eval("nvmlDeviceGetCount()") == 2
+    uuids = "[nvmlDeviceGetUUID(nvmlDeviceGetHandleByIndex(i)) for i in range(2)]"
+    assert one.eval(uuids) == [gpus[0].uuid, gpus[2].uuid]
+    assert one.eval("nvmlDeviceGetIndex(nvmlDeviceGetHandleByIndex(1))") == 1
+    assert start(visible="1").eval("nvmlDeviceGetUUID(nvmlDeviceGetHandleByIndex(0))") == (
+        gpus[1].uuid
+    )
+    assert start(visible="none").eval("nvmlDeviceGetCount()") == 0
+    assert start(visible="all").eval("nvmlDeviceGetCount()") == 3
 
 
 def test_readings_round_trip(start: Any, control: Path) -> None:
