@@ -27,7 +27,7 @@ from jupyterhub.spawner import SimpleLocalProcessSpawner, set_user_setuid
 from tornado import web
 from traitlets import Enum, Float, Unicode, default
 
-from . import processes
+from ..recovery import processes
 from .client import (
     ControllerClient,
     ControllerError,

@@ -1,10 +1,17 @@
-"""Finding and ending every process of a session, wherever it went.
+"""Finding and ending every process of a workload (a session or a job rank), wherever it went.
 
 A session's processes are not one process group: Jupyter starts each kernel in a session
 of its own (``start_new_session``), and a user may start more. What they share is the
 environment they inherited, so every process of a workload carries
-``GPUFLEET_WORKLOAD_ID=<id>`` and is found by reading ``/proc/<pid>/environ`` (readable by
-the same user, or by root). GPUs are released only once no such process remains.
+``GPUFLEET_SESSION_MARKER=<random UUID>`` and is found by reading ``/proc/<pid>/environ``
+(readable by the same user, or by root). GPUs are released only once no such process
+remains. The marker is random per start, not the workload id: two deployments on one
+machine (or a test suite beside a demo) number their workloads independently.
+
+Used by the local backend's spawner (sessions) and by the node agent's rank runner (job
+ranks), so the rule "nothing of it runs any more" is written once. DESIGN.md's import
+table lets the spawner import only the client and the snapshotter; this stdlib-only
+module is the exception (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -43,6 +50,12 @@ def marked_pids(marker: str, proc: Path = Path("/proc")) -> list[int]:
 
 
 def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
+    """Signal each process group holding one of ``pids``, once.
+
+    Once, because a workload that checkpoints on SIGTERM must not get the signal twice;
+    every pid is in the group it was found in, and a process that moves away in between
+    is caught by the next pass (the SIGKILL pass looks again).
+    """
     groups = set()
     for pid in pids:
         try:
@@ -52,11 +65,6 @@ def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
     for pgid in groups:
         try:
             os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            continue
-    for pid in pids:  # a process may have left its group
-        try:
-            os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             continue
 
