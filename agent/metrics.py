@@ -124,6 +124,30 @@ FIELDS = (
         lambda s: s.pcie_replays,
         counter=True,
     ),
+    Gauge(
+        "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
+        "NVLink replay errors, all links.",
+        lambda s: s.nvlink_replay_errors,
+        counter=True,
+    ),
+    Gauge(
+        "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
+        "NVLink recovery errors, all links.",
+        lambda s: s.nvlink_recovery_errors,
+        counter=True,
+    ),
+    Gauge(
+        "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+        "NVLink flit CRC errors, all links.",
+        lambda s: s.nvlink_crc_flit_errors,
+        counter=True,
+    ),
+    Gauge(
+        "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
+        "NVLink data CRC errors, all links.",
+        lambda s: s.nvlink_crc_data_errors,
+        counter=True,
+    ),
 )
 
 

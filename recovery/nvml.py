@@ -55,6 +55,11 @@ class GpuSample:
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
     pcie_replays: int | None = None
+    # Summed over the GPU's active NVLink links; None without NVLink.
+    nvlink_replay_errors: int | None = None
+    nvlink_recovery_errors: int | None = None
+    nvlink_crc_flit_errors: int | None = None
+    nvlink_crc_data_errors: int | None = None
     processes: tuple[tuple[int, int], ...] = field(default=())  # (pid, used bytes)
 
 
@@ -209,8 +214,39 @@ class Nvml:
             remapped_rows_pending=None if remapped is None else bool(remapped[2]),
             remapped_rows_failure=None if remapped is None else bool(remapped[3]),
             pcie_replays=optional(lambda: int(nvml.nvmlDeviceGetPcieReplayCounter(handle))),
+            **self._nvlink_errors(handle),
             processes=tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in processes),
         )
+
+    def _nvlink_errors(self, handle: Any) -> dict[str, int]:
+        """Error counters summed over active links; empty for a GPU without NVLink."""
+        nvml = self._nvml
+        counters = {
+            "nvlink_replay_errors": nvml.NVML_NVLINK_ERROR_DL_REPLAY,
+            "nvlink_recovery_errors": nvml.NVML_NVLINK_ERROR_DL_RECOVERY,
+            "nvlink_crc_flit_errors": nvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+            "nvlink_crc_data_errors": nvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
+        }
+        totals: dict[str, int] = {}
+        for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                if nvml.nvmlDeviceGetNvLinkState(handle, link) != nvml.NVML_FEATURE_ENABLED:
+                    continue
+            except (
+                nvml.NVMLError_NotSupported,
+                nvml.NVMLError_FunctionNotFound,
+                nvml.NVMLError_InvalidArgument,
+            ):
+                break  # no NVLink, or past the last link
+            for name, counter in counters.items():
+                value = self._optional(
+                    lambda c=counter, n=link: int(
+                        nvml.nvmlDeviceGetNvLinkErrorCounter(handle, n, c)
+                    )
+                )
+                if value is not None:
+                    totals[name] = totals.get(name, 0) + value
+        return totals
 
     # ------------------------------------------------------------ events
     def watch_xids(self) -> None:

@@ -130,6 +130,10 @@ class GpuSampleIn(Strict):
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
     pcie_replays: int | None = Field(default=None, ge=0)
+    nvlink_replay_errors: int | None = Field(default=None, ge=0)
+    nvlink_recovery_errors: int | None = Field(default=None, ge=0)
+    nvlink_crc_flit_errors: int | None = Field(default=None, ge=0)
+    nvlink_crc_data_errors: int | None = Field(default=None, ge=0)
     processes: list[tuple[int, int]] = Field(default_factory=list)
 
 

@@ -224,3 +224,29 @@ def test_an_xid_from_a_gpu_that_fell_off_the_bus_names_that_gpu(
         "gpu-lost",
     )
     assert fleet.service_pid("gpufleet-agent") is not None
+
+
+def test_nvlink_errors_are_summed_over_links(fleet: Hub, gpus: list[FakeGpu]) -> None:
+    from pynvml import NVML_NVLINK_ERROR_DL_CRC_FLIT, NVML_NVLINK_ERROR_DL_REPLAY
+
+    changed = [
+        replace(
+            g,
+            nvlink_errors={
+                0: {NVML_NVLINK_ERROR_DL_CRC_FLIT: 5},
+                3: {NVML_NVLINK_ERROR_DL_CRC_FLIT: 2, NVML_NVLINK_ERROR_DL_REPLAY: 1},
+            },
+        )
+        if g.index == 3
+        else replace(g, nvlink_links=0)
+        if g.index == 4
+        else g
+        for g in gpus
+    ]
+    write_control(fleet.fake_nvml_control, changed)
+    metrics = scrape(fleet)
+    flit = by_uuid(metrics, "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL_total")
+    assert flit[gpus[3].uuid] == 7 and flit[gpus[0].uuid] == 0
+    assert gpus[4].uuid not in flit  # a GPU without NVLink reports nothing, not zero
+    replay = by_uuid(metrics, "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL_total")
+    assert replay[gpus[3].uuid] == 1
