@@ -8,6 +8,7 @@ not show 0 °C for a GPU without a sensor. A lost GPU still yields a sample, mar
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -178,6 +179,7 @@ class Nvml:
         power_mw = optional(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
         remapped = optional(lambda: nvml.nvmlDeviceGetRemappedRows(handle))
         processes = optional(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle)) or []
+        links = self._nvlink_errors(handle)
 
         def ecc(kind: int, counter: int) -> int | None:
             return optional(lambda: int(nvml.nvmlDeviceGetTotalEccErrors(handle, kind, counter)))
@@ -214,7 +216,10 @@ class Nvml:
             remapped_rows_pending=None if remapped is None else bool(remapped[2]),
             remapped_rows_failure=None if remapped is None else bool(remapped[3]),
             pcie_replays=optional(lambda: int(nvml.nvmlDeviceGetPcieReplayCounter(handle))),
-            **self._nvlink_errors(handle),
+            nvlink_replay_errors=links.get("nvlink_replay_errors"),
+            nvlink_recovery_errors=links.get("nvlink_recovery_errors"),
+            nvlink_crc_flit_errors=links.get("nvlink_crc_flit_errors"),
+            nvlink_crc_data_errors=links.get("nvlink_crc_data_errors"),
             processes=tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in processes),
         )
 
@@ -228,6 +233,10 @@ class Nvml:
             "nvlink_crc_data_errors": nvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
         }
         totals: dict[str, int] = {}
+
+        def read_counter(link: int, counter: int) -> int:
+            return int(nvml.nvmlDeviceGetNvLinkErrorCounter(handle, link, counter))
+
         for link in range(nvml.NVML_NVLINK_MAX_LINKS):
             try:
                 if nvml.nvmlDeviceGetNvLinkState(handle, link) != nvml.NVML_FEATURE_ENABLED:
@@ -239,11 +248,7 @@ class Nvml:
             ):
                 break  # no NVLink, or past the last link
             for name, counter in counters.items():
-                value = self._optional(
-                    lambda c=counter, n=link: int(
-                        nvml.nvmlDeviceGetNvLinkErrorCounter(handle, n, c)
-                    )
-                )
+                value = self._optional(functools.partial(read_counter, link, counter))
                 if value is not None:
                     totals[name] = totals.get(name, 0) + value
         return totals
