@@ -27,6 +27,14 @@ from .base import APIHandler, store_errors_as_http
 MAX_WAIT_SECONDS = 60
 
 
+# What workload_out reads, loaded up front.
+WORKLOAD_DETAILS = (
+    selectinload(Workload.project),
+    selectinload(Workload.allocations).selectinload(Allocation.gpu),
+    selectinload(Workload.allocations).selectinload(Allocation.node),
+)
+
+
 def workload_out(workload: Workload) -> schemas.WorkloadOut:
     return schemas.WorkloadOut(
         id=workload.id,
@@ -61,13 +69,7 @@ def workload_out(workload: Workload) -> schemas.WorkloadOut:
 
 def load_workload(session: Session, workload_id: int) -> Workload:
     workload = session.scalar(
-        select(Workload)
-        .where(Workload.id == workload_id)
-        .options(
-            selectinload(Workload.project),
-            selectinload(Workload.allocations).selectinload(Allocation.gpu),
-            selectinload(Workload.allocations).selectinload(Allocation.node),
-        )
+        select(Workload).where(Workload.id == workload_id).options(*WORKLOAD_DETAILS)
     )
     if workload is None:
         raise NotFoundError(f"there is no workload {workload_id}")
@@ -133,7 +135,9 @@ class WorkloadsHandler(APIHandler):
             username = identity.name
         for state in states:
             if state not in WorkloadState.__members__:
-                raise_bad_state(state)
+                raise BadRequest(
+                    f"unknown state {state!r}; use one of: {', '.join(WorkloadState.__members__)}"
+                )
         query = select(Workload)
         if username is not None:
             query = query.where(Workload.username == username)
@@ -145,18 +149,10 @@ class WorkloadsHandler(APIHandler):
                 query.order_by(Workload.id.desc())
                 .offset(offset)
                 .limit(limit)
-                .options(
-                    selectinload(Workload.project),
-                    selectinload(Workload.allocations).selectinload(Allocation.gpu),
-                    selectinload(Workload.allocations).selectinload(Allocation.node),
-                )
+                .options(*WORKLOAD_DETAILS)
             ).all()
             items = [workload_out(w) for w in rows]
         self.send(schemas.WorkloadList(items=items, total=total, offset=offset, limit=limit))
-
-
-def raise_bad_state(state: str) -> None:
-    raise BadRequest(f"unknown state {state!r}; use one of: {', '.join(WorkloadState.__members__)}")
 
 
 class WorkloadHandler(APIHandler):
