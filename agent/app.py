@@ -86,7 +86,9 @@ class NodeAgent(Application):
         Dict(),
         help="""Nodes this agent reports when it has no NVML GPUs: [{"name": "node-a",
         "cluster": "local", "zone": "zone-a", "gpu_type": "A100-80GB", "gpus": 4,
-        "labels": {...}}]. GPU UUIDs are made up and stable.""",
+        "labels": {...}, "mig": ["3g.40gb", "3g.40gb"] (optional: each GPU split into these
+        MIG slices, each a GPU type of its own, "A100-80GB:3g.40gb")}]. UUIDs are made up
+        and stable.""",
     ).tag(config=True)
 
     heartbeat_interval = Float(
@@ -170,7 +172,7 @@ class NodeAgent(Application):
             if nvml is not None:
                 inventory = nvml.inventory()
                 places = {
-                    g.uuid: NodePlace(
+                    (g.parent_uuid or g.uuid): NodePlace(
                         self.node_name,
                         self.cluster,
                         self.zone,

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import Metric
 
 from ..recovery.nvml import GpuInfo, GpuSample, Nvml
-from .gpus import NodePlace
+from .gpus import NodePlace, whole_gpus
 from .metrics import Assignment, GpuCollector, families
 
 
@@ -26,12 +26,12 @@ class GpuState:
     def sample(self) -> list[GpuSample]:
         # NVML calls come from the sampling loop and from scrapes: one at a time.
         with self._lock:
-            return self.nvml.sample({g.index: g.uuid for g in self.inventory})
+            return self.nvml.sample({g.index: g.uuid for g in whole_gpus(self.inventory).values()})
 
 
 def start_exporter(gpus: GpuState, hostname: str, ip: str, port: int) -> CollectorRegistry:
     """Serve /metrics on ``ip:port`` from a daemon thread; each scrape reads NVML."""
-    by_uuid = {g.uuid: g for g in gpus.inventory}
+    by_uuid = whole_gpus(gpus.inventory)  # metrics are per GPU, MIG or not
 
     hosts = {uuid: place.name for uuid, place in gpus.places.items()}
 

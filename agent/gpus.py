@@ -31,6 +31,17 @@ def declared_gpu_uuid(node: str, index: int) -> str:
     return f"GPU-{uuid.uuid5(DECLARED_UUID_NAMESPACE, f'{node}/{index}')}"
 
 
+def declared_mig_uuid(node: str, index: int, slice_index: int) -> str:
+    """A stable, made-up UUID for MIG slice ``slice_index`` of a declared GPU."""
+    return f"MIG-{uuid.uuid5(DECLARED_UUID_NAMESPACE, f'{node}/{index}/mig/{slice_index}')}"
+
+
+def mig_memory_bytes(profile: str) -> int:
+    """Memory of a MIG profile from its name: "3g.40gb" → 40 GB (10 GB if it says none)."""
+    size = re.search(r"(\d+)gb", profile.lower())
+    return int(size.group(1)) * 10**9 if size else 10 * 10**9
+
+
 def declared_inventory(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The registration body for declared nodes: {name, zone, gpu_type, gpus: N, ...}."""
     inventory = []
@@ -51,18 +62,38 @@ def declared_inventory(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "cpus": float(spec.get("cpus", os.cpu_count() or 1)),
                 "memory_bytes": int(spec.get("memory_bytes", 0)),
                 "labels": dict(spec.get("labels", {})),
-                "gpus": [
-                    {
-                        "uuid": declared_gpu_uuid(spec["name"], index),
-                        "index": index,
-                        "pci_bus_id": f"00000000:{0x10 + index:02X}:00.0",
-                        "memory_bytes": memory,
-                    }
-                    for index in range(count)
-                ],
+                "gpus": _declared_devices(spec, count, memory),
             }
         )
     return inventory
+
+
+def _declared_devices(spec: Mapping[str, Any], count: int, memory: int) -> list[dict[str, Any]]:
+    """A declared node's devices: its GPUs, or with ``"mig": [profiles]`` each GPU's slices."""
+    devices: list[dict[str, Any]] = []
+    for index in range(count):
+        pci = f"00000000:{0x10 + index:02X}:00.0"
+        if not spec.get("mig"):
+            devices.append(
+                {
+                    "uuid": declared_gpu_uuid(spec["name"], index),
+                    "index": index,
+                    "pci_bus_id": pci,
+                    "memory_bytes": memory,
+                }
+            )
+            continue
+        for j, profile in enumerate(spec["mig"]):
+            devices.append(
+                {
+                    "uuid": declared_mig_uuid(spec["name"], index, j),
+                    "index": len(devices),
+                    "pci_bus_id": pci,
+                    "memory_bytes": mig_memory_bytes(profile),
+                    "gpu_type": f"{spec['gpu_type']}:{profile}",
+                }
+            )
+    return devices
 
 
 @dataclass(frozen=True)
@@ -89,13 +120,31 @@ def gpu_type_of(model: str, memory_bytes: int, names: Mapping[str, str]) -> str:
     return f"{base}-{gigabytes}GB"
 
 
+def whole_gpus(inventory: Sequence[GpuInfo]) -> dict[str, GpuInfo]:
+    """UUID → whole GPU, for samples and metrics (which are per GPU, not per MIG slice)."""
+    whole: dict[str, GpuInfo] = {}
+    for gpu in inventory:
+        if gpu.parent_uuid is None:
+            whole[gpu.uuid] = gpu
+        elif gpu.parent_uuid not in whole:
+            whole[gpu.parent_uuid] = GpuInfo(
+                uuid=gpu.parent_uuid,
+                index=gpu.index,
+                name=gpu.name.split(" MIG ")[0],
+                pci_bus_id=gpu.pci_bus_id,
+                memory_total_bytes=0,
+            )
+    return whole
+
+
 def nodes_body(
     gpus: Sequence[GpuInfo], place_of: Mapping[str, NodePlace], cpus: float, memory: int
 ) -> list[dict[str, Any]]:
     """The registration body: GPUs grouped under the node each belongs to."""
     nodes: dict[str, dict[str, Any]] = {}
     for gpu in gpus:
-        place = place_of.get(gpu.uuid)
+        # A MIG slice sits where its GPU sits, as a GPU type of its own.
+        place = place_of.get(gpu.parent_uuid or gpu.uuid)
         if place is None:
             continue
         node = nodes.setdefault(
@@ -111,20 +160,21 @@ def nodes_body(
                 "gpus": [],
             },
         )
-        node["gpus"].append(
-            {
-                "uuid": gpu.uuid,
-                "index": len(node["gpus"]),
-                "pci_bus_id": gpu.pci_bus_id,
-                "memory_bytes": gpu.memory_total_bytes,
-            }
-        )
+        entry: dict[str, Any] = {
+            "uuid": gpu.uuid,
+            "index": len(node["gpus"]),
+            "pci_bus_id": gpu.pci_bus_id,
+            "memory_bytes": gpu.memory_total_bytes,
+        }
+        if gpu.mig_profile:
+            entry["gpu_type"] = f"{place.gpu_type}:{gpu.mig_profile}"
+        node["gpus"].append(entry)
     return list(nodes.values())
 
 
 def declared_fake_gpus(declared: Sequence[Mapping[str, Any]]) -> list[FakeGpu]:
     """The fake NVML devices for the declared nodes, in declaration order."""
-    from ..recovery.fake_nvml import FakeGpu
+    from ..recovery.fake_nvml import FakeGpu, FakeMig
 
     gpus: list[FakeGpu] = []
     for spec in declared:
@@ -135,6 +185,14 @@ def declared_fake_gpus(declared: Sequence[Mapping[str, Any]]) -> list[FakeGpu]:
                     index=len(gpus),
                     pci_bus_id=f"00000000:{0x10 + len(gpus):02X}:00.0",
                     memory_total_bytes=int(spec.get("gpu_memory_bytes", 80 * 10**9)),
+                    mig_devices=[
+                        FakeMig(
+                            declared_mig_uuid(spec["name"], i, j),
+                            profile,
+                            mig_memory_bytes(profile),
+                        )
+                        for j, profile in enumerate(spec.get("mig", []))
+                    ],
                 )
             )
     return gpus

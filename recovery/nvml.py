@@ -27,11 +27,15 @@ class NvmlUnavailable(NvmlError):
 
 @dataclass(frozen=True)
 class GpuInfo:
+    """A schedulable device: a whole GPU, or a MIG slice of one (``parent_uuid`` set)."""
+
     uuid: str
-    index: int
+    index: int  # the whole GPU's NVML index (a slice shares its parent's)
     name: str
     pci_bus_id: str
     memory_total_bytes: int
+    parent_uuid: str | None = None
+    mig_profile: str | None = None  # e.g. "1g.10gb"
 
 
 @dataclass(frozen=True)
@@ -133,23 +137,50 @@ class Nvml:
                 yield index, None
 
     def inventory(self) -> list[GpuInfo]:
-        """The GPUs NVML can describe now; a lost GPU is not offered as inventory."""
+        """The devices NVML can describe now: whole GPUs, or the MIG slices of a GPU in
+        MIG mode (the GPU itself is then not offered). A lost GPU is not offered."""
         nvml = self._nvml
-        gpus = []
+        gpus: list[GpuInfo] = []
         for index, handle in self._handles():
             if handle is None:
                 continue
             with contextlib.suppress(nvml.NVMLError_GpuIsLost):
-                gpus.append(
-                    GpuInfo(
-                        uuid=_decode(nvml.nvmlDeviceGetUUID(handle)),
-                        index=index,
-                        name=_decode(nvml.nvmlDeviceGetName(handle)),
-                        pci_bus_id=_decode(nvml.nvmlDeviceGetPciInfo(handle).busId),
-                        memory_total_bytes=int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
-                    )
+                whole = GpuInfo(
+                    uuid=_decode(nvml.nvmlDeviceGetUUID(handle)),
+                    index=index,
+                    name=_decode(nvml.nvmlDeviceGetName(handle)),
+                    pci_bus_id=_decode(nvml.nvmlDeviceGetPciInfo(handle).busId),
+                    memory_total_bytes=int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
                 )
+                slices = self._mig_slices(handle, whole)
+                gpus.extend(slices if slices is not None else [whole])
         return gpus
+
+    def _mig_slices(self, handle: Any, whole: GpuInfo) -> list[GpuInfo] | None:
+        """The MIG slices of a GPU in MIG mode; None when MIG is off or unsupported."""
+        nvml = self._nvml
+        mode = self._optional(lambda: nvml.nvmlDeviceGetMigMode(handle))
+        if mode is None or mode[0] != nvml.NVML_DEVICE_MIG_ENABLE:
+            return None
+        slices = []
+        for i in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
+            try:
+                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+            except nvml.NVMLError_NotFound:
+                continue
+            name = _decode(nvml.nvmlDeviceGetName(mig))
+            slices.append(
+                GpuInfo(
+                    uuid=_decode(nvml.nvmlDeviceGetUUID(mig)),
+                    index=whole.index,
+                    name=name,
+                    pci_bus_id=whole.pci_bus_id,
+                    memory_total_bytes=int(nvml.nvmlDeviceGetMemoryInfo(mig).total),
+                    parent_uuid=whole.uuid,
+                    mig_profile=name.rsplit(" MIG ", 1)[-1] if " MIG " in name else None,
+                )
+            )
+        return slices
 
     def sample(self, known: dict[int, str] | None = None) -> list[GpuSample]:
         """One sample of every GPU. ``known`` maps index → UUID for GPUs already seen, so

@@ -17,8 +17,10 @@ can change readings, lose a GPU or queue an XID while the process under test run
     write_control(tmp / "nvml.ctl", gpus)
 
 NVML functions the fake does not export make pynvml raise ``NVMLError_FunctionNotFound``;
-readings listed in ``FakeGpu.unsupported`` raise ``NVMLError_NotSupported``. The file format is
-documented at the top of ``fake_nvml.c``.
+readings listed in ``FakeGpu.unsupported`` raise ``NVMLError_NotSupported``. A GPU whose
+``mig_devices`` is not empty is in MIG mode, and pynvml enumerates those ``FakeMig`` slices
+(``nvmlDeviceGetMigDeviceHandleByIndex`` …). The file format is documented at the top of
+``fake_nvml.c``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ __all__ = [
     "SOURCE",
     "UNSUPPORTABLE",
     "FakeGpu",
+    "FakeMig",
     "FakeNvmlBuildError",
     "Xid",
     "build",
@@ -80,15 +83,18 @@ UNSUPPORTABLE = frozenset(
         "processes",  # nvmlDeviceGetComputeRunningProcesses(_v2/_v3)
         "serial",  # nvmlDeviceGetSerial
         "xid_events",  # nvmlDeviceRegisterEvents(XidCriticalError)
-        "mig",  # nvmlDeviceGetMigMode
+        "mig",  # nvmlDeviceGetMigMode, ...MaxMigDeviceCount, ...MigDeviceHandleByIndex
         "cuda_compute_capability",  # nvmlDeviceGetCudaComputeCapability
     }
 )
 
-_MAX_GPUS = 32  # MAX_GPUS, MAX_PROCS, MAX_XIDS, MAX_LINKS in fake_nvml.c
+_MAX_GPUS = 32  # MAX_GPUS, MAX_PROCS, MAX_XIDS, MAX_LINKS, MAX_MIGS in fake_nvml.c
 _MAX_PROCS = 64
 _MAX_XIDS = 64
 _MAX_LINKS = 36
+_MAX_MIGS = 7
+_MIG_UUID_MAX = 95  # struct fake_mig: char uuid[96], profile[32]
+_MIG_PROFILE_MAX = 31
 _NVLINK_COUNTERS = 5  # NVML_NVLINK_ERROR_COUNT
 _BUS_ID = re.compile(r"^([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])$")
 
@@ -202,6 +208,35 @@ class Xid:
 
 
 @dataclass
+class FakeMig:
+    """One MIG device (slice) of a ``FakeGpu`` in MIG mode, as pynvml sees it through
+    ``nvmlDeviceGetMigDeviceHandleByIndex``/``nvmlDeviceGetHandleByUUID``: its UUID
+    (``MIG-…``), its name (``"<GPU name> MIG <profile>"``) and its memory."""
+
+    uuid: str
+    profile: str  # e.g. "1g.10gb", "3g.40gb"
+    memory_total_bytes: int
+    memory_used_bytes: int = 0
+
+    def _line(self, gpu_index: int) -> str:
+        where = f"GPU {gpu_index}: MIG device {self.uuid!r}"
+        if not self.uuid.startswith("MIG-"):
+            raise ValueError(f"{where}: a MIG uuid must start with 'MIG-'")
+        for name, text, limit in (
+            ("uuid", self.uuid, _MIG_UUID_MAX),
+            ("profile", self.profile, _MIG_PROFILE_MAX),
+        ):
+            if not text or any(c in text for c in ",\r\n") or len(text.encode()) > limit:
+                raise ValueError(
+                    f"{where}: {name} must be 1..{limit} bytes on one line, without ','"
+                )
+        total, used = int(self.memory_total_bytes), int(self.memory_used_bytes)
+        if total < 0 or used < 0:
+            raise ValueError(f"{where}: memory must not be negative")
+        return f"gpu.{gpu_index}.mig={self.uuid},{self.profile},{total},{used}"
+
+
+@dataclass
 class FakeGpu:
     """One fake GPU, as ``write_control`` describes it to the library.
 
@@ -210,7 +245,9 @@ class FakeGpu:
     list again does not deliver them again. ``unsupported`` names readings (see
     ``UNSUPPORTABLE``) whose calls return NVML_ERROR_NOT_SUPPORTED. ``lost`` makes every call
     on the GPU return NVML_ERROR_GPU_IS_LOST, including getting its handle by index.
-    ``nvlink_errors`` maps link → {NVML_NVLINK_ERROR_* counter: value}.
+    ``nvlink_errors`` maps link → {NVML_NVLINK_ERROR_* counter: value}. A non-empty
+    ``mig_devices`` (at most 7, uuids ``MIG-…``, unique) puts the GPU in MIG mode; the
+    top-level count and index enumeration still list whole GPUs only, as in real NVML.
     """
 
     uuid: str
@@ -245,6 +282,7 @@ class FakeGpu:
     lost: bool = False
     xid_events: list[int | Xid] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)
+    mig_devices: list[FakeMig] = field(default_factory=list)
 
     def queue_xid(self, code: int) -> Xid:
         """Queue a critical XID for delivery; returns it (with its sequence number)."""
@@ -279,6 +317,13 @@ class FakeGpu:
             )
         if not 0 <= self.nvlink_links <= _MAX_LINKS:
             raise ValueError(f"GPU {self.index}: nvlink_links must be 0..{_MAX_LINKS}")
+        if len(self.mig_devices) > _MAX_MIGS:
+            raise ValueError(f"GPU {self.index}: at most {_MAX_MIGS} MIG devices")
+        mig_uuids = [m.uuid for m in self.mig_devices]
+        if len(set(mig_uuids)) != len(mig_uuids):
+            raise ValueError(f"GPU {self.index}: MIG device uuids must be unique")
+        if self.mig_devices and "mig" in self.unsupported:
+            raise ValueError(f"GPU {self.index}: MIG devices on a GPU whose MIG is unsupported")
 
         # Give plain-int XIDs their sequence number once, in place (see the class doc).
         self.xid_events[:] = [x if isinstance(x, Xid) else Xid(int(x)) for x in self.xid_events]
@@ -325,6 +370,7 @@ class FakeGpu:
         lines += [f"{p}process={int(pid)},{int(used)}" for pid, used in self.processes]
         lines += [f"{p}xid={x.seq},{x.code}" for x in self.xid_events if isinstance(x, Xid)]
         lines += [f"{p}unsupported={name}" for name in sorted(self.unsupported)]
+        lines += [mig._line(self.index) for mig in self.mig_devices]
         return lines
 
 
@@ -346,6 +392,11 @@ def write_control(
         raise ValueError(f"at most {_MAX_GPUS} fake GPUs")
     if "\n" in driver_version:
         raise ValueError("driver_version must be one line")
+    mig_uuids = [m.uuid for g in gpus for m in g.mig_devices]
+    uuids = mig_uuids + [g.uuid for g in gpus]
+    repeated = sorted({u for u in mig_uuids if uuids.count(u) > 1})
+    if repeated:
+        raise ValueError(f"MIG device uuids must be unique; repeated: {repeated}")
     lines = [
         "# gpufleet fake NVML control file; format: recovery/fake_nvml/fake_nvml.c",
         "format=1",

@@ -23,6 +23,7 @@
  *
  * A process started with NVIDIA_VISIBLE_DEVICES (UUIDs or indices, comma-separated) sees
  * only those GPUs, renumbered from 0, as inside a container; gpufleet's sessions rely on it.
+ * The list may also name MIG device UUIDs (MIG-...): see "MIG" below.
  *
  * Functions that are not exported here make pynvml raise NVMLError_FunctionNotFound, which
  * is what callers see with an old driver: only what gpufleet uses is implemented.
@@ -70,6 +71,11 @@
  *   lost=0                            1: every call on this GPU returns NVML_ERROR_GPU_IS_LOST
  *                                     (getting its handle too), the count still includes it
  *   xid=<seq>,<code>                  repeatable; a critical XID event to deliver (see below)
+ *   mig=<uuid>,<profile>,<memory_total_bytes>,<memory_used_bytes>
+ *                                     repeatable, at most 7 (later lines are ignored); one MIG
+ *                                     device each, in MIG index order (see "MIG" below).
+ *                                     The uuid and profile contain no ','; e.g.
+ *                                     mig=MIG-1a2b...,1g.10gb,10737418240,0
  *   unsupported=<feature>             repeatable; calls for it return NVML_ERROR_NOT_SUPPORTED.
  *       Features: memory utilization power power_limit temperature clocks_event_reasons
  *       ecc remapped_rows pcie_replay_counter nvlink processes serial xid_events mig
@@ -84,9 +90,31 @@
  * that GPU. XIDs already listed when the set registers are delivered too (a test may write
  * the XID before the process under test starts waiting).
  *
- * MIG: nvmlDeviceGetMigMode reports MIG disabled; MIG device enumeration returns
- * NVML_ERROR_NOT_SUPPORTED. All state is guarded by one mutex, so one thread may sample
- * while another waits for events.
+ * MIG: a GPU with at least one `mig` line is in MIG mode (unless `unsupported=mig`, which
+ * makes it a GPU without MIG support and its `mig` lines are ignored):
+ *   nvmlDeviceGetMigMode                 current = pending = NVML_DEVICE_MIG_ENABLE (1); a GPU
+ *                                        without `mig` lines: NVML_DEVICE_MIG_DISABLE (0)
+ *   nvmlDeviceGetMaxMigDeviceCount       7; NVML_ERROR_NOT_SUPPORTED without MIG mode
+ *   nvmlDeviceGetMigDeviceHandleByIndex  the index-th `mig` line; NVML_ERROR_NOT_FOUND for
+ *                                        index >= the number of lines (< 7), INVALID_ARGUMENT
+ *                                        from 7 on, NOT_SUPPORTED without MIG mode
+ *   nvmlDeviceGetHandleByUUID            also finds MIG devices by their uuid
+ *   nvmlDeviceIsMigDeviceHandle, nvmlDeviceGetDeviceHandleFromMigDeviceHandle
+ * A MIG device handle is its own opaque pointer (never a GPU's). Calls that accept one:
+ * nvmlDeviceGetUUID (the MIG uuid), nvmlDeviceGetName ("<GPU name> MIG <profile>"),
+ * nvmlDeviceGetMemoryInfo(_v2) (the MIG's memory), the two above, and nvmlDeviceGetIndex
+ * and nvmlDeviceGetUtilizationRates, which return NVML_ERROR_NOT_SUPPORTED for it (as on
+ * real MIG). Every other call returns NVML_ERROR_INVALID_ARGUMENT for a MIG handle. A MIG
+ * handle whose GPU is lost, or whose `mig` line is gone, returns NVML_ERROR_GPU_IS_LOST;
+ * `unsupported` features of the GPU apply to its MIG devices too. nvmlDeviceGetCount and
+ * nvmlDeviceGetHandleByIndex still count and return whole GPUs only, as in real NVML.
+ * NVIDIA_VISIBLE_DEVICES may name MIG uuids: a GPU one of whose MIG devices is named is
+ * kept with only its named MIG devices (renumbered from 0 in control-file order), even if
+ * the GPU itself is named too; a GPU named (by uuid or index) with none of its MIG devices
+ * named is kept whole.
+ *
+ * All state is guarded by one mutex, so one thread may sample while another waits for
+ * events.
  */
 
 #define _GNU_SOURCE
@@ -146,6 +174,7 @@ enum {
 #define NVML_AGGREGATE_ECC 1
 #define NVML_NVLINK_ERROR_COUNT 5
 #define NVML_DEVICE_MIG_DISABLE 0
+#define NVML_DEVICE_MIG_ENABLE 1
 #define NVML_VALUE_NOT_AVAILABLE_UINT 0xFFFFFFFFu
 #define nvmlEventTypeXidCriticalError 0x0000000000000008ULL
 
@@ -216,6 +245,7 @@ _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t");
 #define MAX_PROCS 64
 #define MAX_XIDS 64
 #define MAX_LINKS 36
+#define MAX_MIGS 7 /* NVML's most MIG devices per GPU (A100, H100) */
 #define EVENT_POLL_MS 20
 
 /* Features a control file can mark unsupported (bit per feature). */
@@ -269,6 +299,12 @@ struct fake_xid {
     unsigned long long code;
 };
 
+struct fake_mig {
+    char uuid[96];
+    char profile[32]; /* "1g.10gb" */
+    unsigned long long memory_total, memory_used;
+};
+
 struct fake_gpu {
     char uuid[96];
     char name[96];
@@ -294,6 +330,8 @@ struct fake_gpu {
     struct fake_xid xids[MAX_XIDS];
     int lost;
     unsigned int unsupported; /* F_* bits */
+    unsigned int nmigs;
+    struct fake_mig migs[MAX_MIGS];
 };
 
 struct fake_state {
@@ -324,6 +362,11 @@ static int g_cuda_driver_version;
 static unsigned int g_count;
 /* Device handles are pointers into this array; it is overwritten in place on re-read. */
 static struct fake_gpu g_gpus[MAX_GPUS];
+/* MIG device handles are pointers into this array, one per (GPU slot, MIG index). They are
+ * never dereferenced: being outside g_gpus, calls that need a whole GPU reject them. */
+static struct fake_mig_handle {
+    unsigned long long unused; /* aligned like struct fake_gpu, whose pointer type it takes */
+} g_mig_handles[MAX_GPUS][MAX_MIGS];
 static struct fake_event_set *g_event_sets;
 
 /* ------------------------------------------------------------------ control file */
@@ -482,6 +525,27 @@ static int set_gpu_field(struct fake_gpu *g, const char *key, const char *value)
         g->nxids++;
         return 1;
     }
+    if (!strcmp(key, "mig")) {
+        /* <uuid>,<profile>,<memory_total_bytes>,<memory_used_bytes> */
+        char copy[256];
+        char *save = NULL;
+        if (g->nmigs >= MAX_MIGS || strlen(value) >= sizeof copy)
+            return 0;
+        copy_str(copy, sizeof copy, value);
+        char *uuid = strtok_r(copy, ",", &save);
+        char *profile = strtok_r(NULL, ",", &save);
+        char *total = strtok_r(NULL, ",", &save);
+        char *used = strtok_r(NULL, ",", &save);
+        if (!used || strtok_r(NULL, ",", &save) || !parse_u64(total, &a) || !parse_u64(used, &b))
+            return 0;
+        struct fake_mig *m = &g->migs[g->nmigs];
+        copy_str(m->uuid, sizeof m->uuid, uuid);
+        copy_str(m->profile, sizeof m->profile, profile);
+        m->memory_total = a;
+        m->memory_used = b;
+        g->nmigs++;
+        return 1;
+    }
     if (!strcmp(key, "unsupported")) {
         for (size_t i = 0; i < sizeof FEATURES / sizeof FEATURES[0]; i++) {
             if (!strcmp(value, FEATURES[i].name)) {
@@ -523,25 +587,47 @@ static void parse_line(struct fake_state *st, char *line) {
     }
 }
 
-/* Whether `list` (NVIDIA_VISIBLE_DEVICES: comma-separated UUIDs or indices) names `g`. */
-static int listed(const char *list, const struct fake_gpu *g, unsigned int index) {
-    char copy[4096], number[16];
+/* Whether `list` (NVIDIA_VISIBLE_DEVICES: comma-separated UUIDs or indices) names `what`. */
+static int listed(const char *list, const char *what) {
+    char copy[4096];
     char *save = NULL;
+    if (!*what)
+        return 0;
     copy_str(copy, sizeof copy, list);
-    snprintf(number, sizeof number, "%u", index);
     for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         while (*tok == ' ')
             tok++;
-        if (strcmp(tok, g->uuid) == 0 || strcmp(tok, number) == 0)
+        if (strcmp(tok, what) == 0)
             return 1;
     }
     return 0;
 }
 
+/* Whether `list` keeps GPU `g` (at control-file index `index`). When it names MIG devices
+ * of `g`, only those are kept (in their order); otherwise `g` is kept whole if named. */
+static int visible_gpu(const char *list, struct fake_gpu *g, unsigned int index) {
+    char number[16];
+    unsigned int kept = 0;
+    for (unsigned int j = 0; j < g->nmigs; j++) {
+        if (listed(list, g->migs[j].uuid)) {
+            if (kept != j)
+                g->migs[kept] = g->migs[j];
+            kept++;
+        }
+    }
+    if (kept) {
+        g->nmigs = kept;
+        return 1;
+    }
+    snprintf(number, sizeof number, "%u", index);
+    return listed(list, g->uuid) || listed(list, number);
+}
+
 /* Like the NVIDIA container runtime: a process started with NVIDIA_VISIBLE_DEVICES sees
  * only the GPUs it names (unset, empty or "all": every GPU; "none" or "void": none). The
  * GPUs it keeps are numbered from 0 in control-file order, so a session's NVML shows
- * exactly the GPUs gpufleet gave it. */
+ * exactly the GPUs gpufleet gave it. Naming a MIG uuid keeps its GPU with only the named
+ * MIG devices (see visible_gpu). */
 static void apply_visibility(struct fake_state *st) {
     const char *visible = getenv("NVIDIA_VISIBLE_DEVICES");
     if (!visible || !*visible || strcmp(visible, "all") == 0)
@@ -549,7 +635,7 @@ static void apply_visibility(struct fake_state *st) {
     unsigned int kept = 0;
     for (unsigned int i = 0; i < st->count; i++) {
         if (strcmp(visible, "none") != 0 && strcmp(visible, "void") != 0 &&
-            listed(visible, &st->gpus[i], i)) {
+            visible_gpu(visible, &st->gpus[i], i)) {
             if (kept != i)
                 st->gpus[kept] = st->gpus[i];
             kept++;
@@ -634,22 +720,61 @@ static int slot_of(nvmlDevice_t device) {
     return (int)(offset / (ptrdiff_t)sizeof g_gpus[0]);
 }
 
+/* Whether a GPU is in MIG mode: it has MIG devices and MIG is not marked unsupported. */
+static int mig_enabled(const struct fake_gpu *g) {
+    return g->nmigs > 0 && !(g->unsupported & F_MIG);
+}
+
+static nvmlDevice_t mig_handle(unsigned int slot, unsigned int index) {
+    return (nvmlDevice_t)(void *)&g_mig_handles[slot][index];
+}
+
+/* The (GPU slot, MIG index) of a MIG device handle; -1 if `device` is not one. */
+static int mig_of(nvmlDevice_t device, unsigned int *index) {
+    if (!device)
+        return -1;
+    ptrdiff_t offset = (const char *)device - (const char *)g_mig_handles;
+    ptrdiff_t size = (ptrdiff_t)sizeof g_mig_handles[0][0];
+    if (offset < 0 || offset >= (ptrdiff_t)sizeof g_mig_handles || offset % size)
+        return -1;
+    *index = (unsigned int)(offset / size % MAX_MIGS);
+    return (int)(offset / size / MAX_MIGS);
+}
+
 /* begin(), then resolve a device handle: invalid handle, lost GPU (or one that left the
- * control file) and unsupported feature are reported here. On failure the lock is released. */
-static nvmlReturn_t begin_device(nvmlDevice_t device, unsigned int feature,
-                                 struct fake_gpu **gpu) {
+ * control file) and unsupported feature are reported here. A MIG device handle is accepted
+ * only when `mig` is not NULL; *mig is then the MIG device, or NULL for a whole GPU, and
+ * *gpu its GPU. On failure the lock is released. */
+static nvmlReturn_t begin_handle(nvmlDevice_t device, unsigned int feature,
+                                 struct fake_gpu **gpu, struct fake_mig **mig) {
     nvmlReturn_t rc = begin();
     if (rc != NVML_SUCCESS)
         return rc;
+    unsigned int mig_index = 0;
+    int is_mig = 0;
     int slot = slot_of(device);
+    if (slot < 0 && mig) {
+        slot = mig_of(device, &mig_index);
+        is_mig = 1;
+    }
     if (slot < 0)
         return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
     if ((unsigned int)slot >= g_count || g_gpus[slot].lost)
         return unlock_with(NVML_ERROR_GPU_IS_LOST);
+    if (is_mig && (!mig_enabled(&g_gpus[slot]) || mig_index >= g_gpus[slot].nmigs))
+        return unlock_with(NVML_ERROR_GPU_IS_LOST); /* its `mig` line is gone */
     if (g_gpus[slot].unsupported & feature)
         return unlock_with(NVML_ERROR_NOT_SUPPORTED);
     *gpu = &g_gpus[slot];
+    if (mig)
+        *mig = is_mig ? &g_gpus[slot].migs[mig_index] : NULL;
     return NVML_SUCCESS;
+}
+
+/* begin_handle for calls that need a whole GPU (a MIG handle is INVALID_ARGUMENT). */
+static nvmlReturn_t begin_device(nvmlDevice_t device, unsigned int feature,
+                                 struct fake_gpu **gpu) {
+    return begin_handle(device, feature, gpu, NULL);
 }
 
 static nvmlReturn_t copy_out(char *dst, unsigned int length, const char *src) {
@@ -798,6 +923,17 @@ EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *de
     for (unsigned int i = 0; i < g_count; i++)
         if (!strcmp(g_gpus[i].uuid, uuid))
             return unlock_with(handle_for_slot(i, device));
+    for (unsigned int i = 0; i < g_count; i++) {
+        const struct fake_gpu *g = &g_gpus[i];
+        for (unsigned int j = 0; mig_enabled(g) && j < g->nmigs; j++) {
+            if (!strcmp(g->migs[j].uuid, uuid)) {
+                if (g->lost)
+                    return unlock_with(NVML_ERROR_GPU_IS_LOST);
+                *device = mig_handle(i, j);
+                return unlock_with(NVML_SUCCESS);
+            }
+        }
+    }
     return unlock_with(NVML_ERROR_NOT_FOUND);
 }
 
@@ -823,9 +959,12 @@ EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlD
 
 EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
     struct fake_gpu *g;
-    nvmlReturn_t rc = begin_device(device, F_NONE, &g);
+    struct fake_mig *m;
+    nvmlReturn_t rc = begin_handle(device, F_NONE, &g, &m);
     if (rc != NVML_SUCCESS)
         return rc;
+    if (m)
+        return unlock_with(NVML_ERROR_NOT_SUPPORTED);
     if (!index)
         return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
     *index = (unsigned int)(g - g_gpus);
@@ -834,18 +973,24 @@ EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 
 EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
     struct fake_gpu *g;
-    nvmlReturn_t rc = begin_device(device, F_NONE, &g);
+    struct fake_mig *m;
+    nvmlReturn_t rc = begin_handle(device, F_NONE, &g, &m);
     if (rc != NVML_SUCCESS)
         return rc;
-    return unlock_with(copy_out(uuid, length, g->uuid));
+    return unlock_with(copy_out(uuid, length, m ? m->uuid : g->uuid));
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
     struct fake_gpu *g;
-    nvmlReturn_t rc = begin_device(device, F_NONE, &g);
+    struct fake_mig *m;
+    nvmlReturn_t rc = begin_handle(device, F_NONE, &g, &m);
     if (rc != NVML_SUCCESS)
         return rc;
-    return unlock_with(copy_out(name, length, g->name));
+    if (!m)
+        return unlock_with(copy_out(name, length, g->name));
+    char mig_name[sizeof g->name + sizeof m->profile + 8];
+    snprintf(mig_name, sizeof mig_name, "%s MIG %s", g->name, m->profile);
+    return unlock_with(copy_out(name, length, mig_name));
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t device, char *serial, unsigned int length) {
@@ -889,40 +1034,52 @@ EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int 
 
 /* ------------------------------------------------------------------ readings */
 
+/* The memory of a GPU or, when `m` is not NULL, of one of its MIG devices. */
+static void memory_of(const struct fake_gpu *g, const struct fake_mig *m,
+                      unsigned long long *total, unsigned long long *used) {
+    *total = m ? m->memory_total : g->memory_total;
+    *used = m ? m->memory_used : g->memory_used;
+    if (*used > *total)
+        *used = *total;
+}
+
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     struct fake_gpu *g;
-    nvmlReturn_t rc = begin_device(device, F_MEMORY, &g);
+    struct fake_mig *m;
+    nvmlReturn_t rc = begin_handle(device, F_MEMORY, &g, &m);
     if (rc != NVML_SUCCESS)
         return rc;
     if (!memory)
         return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
-    memory->total = g->memory_total;
-    memory->used = g->memory_used < g->memory_total ? g->memory_used : g->memory_total;
+    memory_of(g, m, &memory->total, &memory->used);
     memory->free = memory->total - memory->used;
     return unlock_with(NVML_SUCCESS);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
     struct fake_gpu *g;
-    nvmlReturn_t rc = begin_device(device, F_MEMORY, &g);
+    struct fake_mig *m;
+    nvmlReturn_t rc = begin_handle(device, F_MEMORY, &g, &m);
     if (rc != NVML_SUCCESS)
         return rc;
     if (!memory)
         return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
     if (memory->version != nvmlMemory_v2)
         return unlock_with(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
-    memory->total = g->memory_total;
+    memory_of(g, m, &memory->total, &memory->used);
     memory->reserved = 0;
-    memory->used = g->memory_used < g->memory_total ? g->memory_used : g->memory_total;
     memory->free = memory->total - memory->used;
     return unlock_with(NVML_SUCCESS);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *util) {
     struct fake_gpu *g;
-    nvmlReturn_t rc = begin_device(device, F_UTILIZATION, &g);
+    struct fake_mig *m;
+    nvmlReturn_t rc = begin_handle(device, F_UTILIZATION, &g, &m);
     if (rc != NVML_SUCCESS)
         return rc;
+    if (m) /* real NVML has no utilization per MIG device */
+        return unlock_with(NVML_ERROR_NOT_SUPPORTED);
     if (!util)
         return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
     util->gpu = g->utilization_gpu;
@@ -1112,40 +1269,63 @@ EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *curr
         return rc;
     if (!currentMode || !pendingMode)
         return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
-    *currentMode = NVML_DEVICE_MIG_DISABLE;
-    *pendingMode = NVML_DEVICE_MIG_DISABLE;
+    *currentMode = mig_enabled(g) ? NVML_DEVICE_MIG_ENABLE : NVML_DEVICE_MIG_DISABLE;
+    *pendingMode = *currentMode;
     return unlock_with(NVML_SUCCESS);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice) {
     struct fake_gpu *g;
-    nvmlReturn_t rc = begin_device(device, F_NONE, &g);
+    struct fake_mig *m;
+    nvmlReturn_t rc = begin_handle(device, F_NONE, &g, &m);
     if (rc != NVML_SUCCESS)
         return rc;
     if (!isMigDevice)
         return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
-    *isMigDevice = 0;
+    *isMigDevice = m != NULL;
     return unlock_with(NVML_SUCCESS);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count) {
     struct fake_gpu *g;
-    nvmlReturn_t rc = begin_device(device, F_NONE, &g);
+    nvmlReturn_t rc = begin_device(device, F_MIG, &g);
     if (rc != NVML_SUCCESS)
         return rc;
-    (void)count;
-    return unlock_with(NVML_ERROR_NOT_SUPPORTED);
+    if (!mig_enabled(g))
+        return unlock_with(NVML_ERROR_NOT_SUPPORTED);
+    if (!count)
+        return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
+    *count = MAX_MIGS;
+    return unlock_with(NVML_SUCCESS);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
                                                         nvmlDevice_t *migDevice) {
     struct fake_gpu *g;
-    nvmlReturn_t rc = begin_device(device, F_NONE, &g);
+    nvmlReturn_t rc = begin_device(device, F_MIG, &g);
     if (rc != NVML_SUCCESS)
         return rc;
-    (void)index;
-    (void)migDevice;
-    return unlock_with(NVML_ERROR_NOT_SUPPORTED);
+    if (!mig_enabled(g))
+        return unlock_with(NVML_ERROR_NOT_SUPPORTED);
+    if (!migDevice || index >= MAX_MIGS)
+        return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
+    if (index >= g->nmigs)
+        return unlock_with(NVML_ERROR_NOT_FOUND);
+    *migDevice = mig_handle((unsigned int)(g - g_gpus), index);
+    return unlock_with(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice,
+                                                                 nvmlDevice_t *device) {
+    struct fake_gpu *g;
+    struct fake_mig *m;
+    nvmlReturn_t rc = begin_handle(migDevice, F_NONE, &g, &m);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (!m || !device)
+        return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
+    *device = g;
+    return unlock_with(NVML_SUCCESS);
 }
 
 /* ------------------------------------------------------------------ events */

@@ -23,14 +23,18 @@ from typing import Any
 import pytest
 
 from gpufleet.recovery import fake_nvml
-from gpufleet.recovery.fake_nvml import FakeGpu, Xid, write_control
+from gpufleet.recovery.fake_nvml import FakeGpu, FakeMig, Xid, write_control
 
 pynvml = pytest.importorskip("pynvml")
 
 CHILD = r"""
-import json, sys, threading, time
+import ctypes, json, sys, threading, time
 import pynvml
 from pynvml import *
+
+def address(handle):
+    # A device handle's pointer value, to tell handles apart.
+    return ctypes.cast(handle, ctypes.c_void_p).value
 
 def fields(s):
     out = {}
@@ -315,7 +319,7 @@ def test_readings_round_trip(start: Any, control: Path) -> None:
     nv.exec("h1 = nvmlDeviceGetHandleByIndex(1)")
     assert nv.eval("nvmlDeviceGetComputeRunningProcesses(h1)") == []
     assert nv.eval("nvmlDeviceGetNvLinkErrorCounter(h1, 3, NVML_NVLINK_ERROR_DL_CRC_FLIT)") == 0
-    # MIG is reported disabled; MIG devices cannot be enumerated.
+    # Without MIG devices, MIG is reported disabled and cannot be enumerated.
     assert nv.eval("nvmlDeviceGetMigMode(h)") == [0, 0]
     assert nv.error("nvmlDeviceGetMigDeviceHandleByIndex(h, 0)") == "NVMLError_NotSupported"
 
@@ -437,6 +441,182 @@ def test_calls_before_init_are_uninitialized(start: Any, control: Path) -> None:
     nv = start()
     nv.exec("nvmlShutdown()")
     assert nv.error("nvmlDeviceGetCount()") == "NVMLError_Uninitialized"
+
+
+# ---------------------------------------------------------------- MIG
+
+
+MIG_A = "MIG-0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+MIG_B = "MIG-11223344-5566-7788-99aa-bbccddeeff00"
+MIG_C = "MIG-99999999-8888-7777-6666-555555555555"
+
+
+def mig_gpus() -> list[FakeGpu]:
+    """GPU 0 in MIG mode with two slices, GPU 1 whole (MIG disabled)."""
+    gpus = two_gpus()
+    gpus[0].mig_devices = [
+        FakeMig(MIG_A, "3g.40gb", 40 * GIB, 12 * GIB),
+        FakeMig(MIG_B, "1g.10gb", 10 * GIB),
+    ]
+    return gpus
+
+
+def test_mig_devices_enumerate(start: Any, control: Path) -> None:
+    gpus = mig_gpus()
+    write_control(control, gpus)
+    nv = start()
+    assert nv.eval("nvmlDeviceGetCount()") == 2  # whole GPUs only
+    nv.exec("h = nvmlDeviceGetHandleByIndex(0)")
+    assert nv.eval("nvmlDeviceGetMigMode(h)") == [
+        pynvml.NVML_DEVICE_MIG_ENABLE,
+        pynvml.NVML_DEVICE_MIG_ENABLE,
+    ]
+    assert nv.eval("nvmlDeviceGetMaxMigDeviceCount(h)") == 7
+    assert nv.eval("nvmlDeviceIsMigDeviceHandle(h).value") == 0
+
+    nv.exec("m = [nvmlDeviceGetMigDeviceHandleByIndex(h, i) for i in range(2)]")
+    assert nv.eval("[nvmlDeviceGetUUID(x) for x in m]") == [MIG_A, MIG_B]
+    assert nv.eval("[nvmlDeviceGetName(x) for x in m]") == [
+        "NVIDIA A100-SXM4-80GB MIG 3g.40gb",
+        "NVIDIA A100-SXM4-80GB MIG 1g.10gb",
+    ]
+    assert nv.eval("[nvmlDeviceIsMigDeviceHandle(x).value for x in m]") == [1, 1]
+    assert nv.eval("fields(nvmlDeviceGetMemoryInfo(m[0]))") == {
+        "total": 40 * GIB,
+        "used": 12 * GIB,
+        "free": 28 * GIB,
+    }
+    memory_v2 = nv.eval("fields(nvmlDeviceGetMemoryInfo(m[1], nvmlMemory_v2))")
+    assert (memory_v2["total"], memory_v2["used"], memory_v2["free"]) == (10 * GIB, 0, 10 * GIB)
+    # The parent is the whole GPU; its own readings are unchanged.
+    assert nv.eval("nvmlDeviceGetUUID(nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m[1]))") == (
+        gpus[0].uuid
+    )
+    assert nv.eval("nvmlDeviceGetIndex(nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m[0]))") == 0
+    assert nv.eval("nvmlDeviceGetMemoryInfo(h).total") == 80 * GIB
+    # Handles are distinct per MIG device and from the GPU's.
+    assert nv.eval("len({address(h), address(m[0]), address(m[1])})") == 3
+
+    # Past the last MIG device: NOT_FOUND below the maximum, INVALID_ARGUMENT from it on.
+    assert nv.error("nvmlDeviceGetMigDeviceHandleByIndex(h, 2)") == "NVMLError_NotFound"
+    assert nv.error("nvmlDeviceGetMigDeviceHandleByIndex(h, 6)") == "NVMLError_NotFound"
+    assert nv.error("nvmlDeviceGetMigDeviceHandleByIndex(h, 7)") == "NVMLError_InvalidArgument"
+    # A whole GPU's handle is no MIG handle.
+    assert nv.error("nvmlDeviceGetDeviceHandleFromMigDeviceHandle(h)") == (
+        "NVMLError_InvalidArgument"
+    )
+
+
+def test_mig_handles_are_not_whole_gpus(start: Any, control: Path) -> None:
+    write_control(control, mig_gpus())
+    nv = start()
+    nv.exec("m = nvmlDeviceGetMigDeviceHandleByIndex(nvmlDeviceGetHandleByIndex(0), 0)")
+    # As on real MIG: no per-slice utilization, no NVML index.
+    assert nv.error("nvmlDeviceGetUtilizationRates(m)") == "NVMLError_NotSupported"
+    assert nv.error("nvmlDeviceGetIndex(m)") == "NVMLError_NotSupported"
+    # Calls that need a whole GPU reject a MIG handle.
+    for call in (
+        "nvmlDeviceGetPowerUsage(m)",
+        "nvmlDeviceGetMigMode(m)",
+        "nvmlDeviceGetMaxMigDeviceCount(m)",
+        "nvmlDeviceGetMigDeviceHandleByIndex(m, 0)",
+        "nvmlDeviceGetTotalEccErrors(m, NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC)",
+    ):
+        assert nv.error(call) == "NVMLError_InvalidArgument", call
+
+
+def test_a_gpu_without_mig_devices_has_mig_disabled(start: Any, control: Path) -> None:
+    write_control(control, mig_gpus())
+    nv = start()
+    nv.exec("h1 = nvmlDeviceGetHandleByIndex(1)")
+    assert nv.eval("nvmlDeviceGetMigMode(h1)") == [0, 0]
+    assert nv.error("nvmlDeviceGetMaxMigDeviceCount(h1)") == "NVMLError_NotSupported"
+    assert nv.error("nvmlDeviceGetMigDeviceHandleByIndex(h1, 0)") == "NVMLError_NotSupported"
+    assert nv.eval("fields(nvmlDeviceGetUtilizationRates(h1))") == {"gpu": 0, "memory": 0}
+
+
+def test_handle_by_mig_uuid(start: Any, control: Path) -> None:
+    gpus = mig_gpus()
+    write_control(control, gpus)
+    nv = start()
+    nv.exec(f"m = nvmlDeviceGetHandleByUUID({MIG_B!r})")
+    assert nv.eval("nvmlDeviceIsMigDeviceHandle(m).value") == 1
+    assert nv.eval("nvmlDeviceGetUUID(m)") == MIG_B
+    assert nv.eval("nvmlDeviceGetMemoryInfo(m).total") == 10 * GIB
+    by_index = "nvmlDeviceGetMigDeviceHandleByIndex(nvmlDeviceGetHandleByIndex(0), 1)"
+    assert nv.eval(f"address(m) == address({by_index})")
+    assert nv.error(f"nvmlDeviceGetHandleByUUID({MIG_C!r})") == "NVMLError_NotFound"
+
+
+def test_mig_devices_follow_control_changes(start: Any, control: Path) -> None:
+    gpus = mig_gpus()
+    write_control(control, gpus)
+    nv = start()
+    nv.exec("h = nvmlDeviceGetHandleByIndex(0)")
+    nv.exec("m = [nvmlDeviceGetMigDeviceHandleByIndex(h, i) for i in range(2)]")
+
+    gpus[0].mig_devices[1].memory_used_bytes = 3 * GIB
+    write_control(control, gpus)
+    assert nv.eval("nvmlDeviceGetMemoryInfo(m[1]).used") == 3 * GIB
+
+    # A lost parent makes its MIG devices lost too.
+    gpus[0].lost = True
+    write_control(control, gpus)
+    for call in (
+        "nvmlDeviceGetUUID(m[0])",
+        "nvmlDeviceGetName(m[0])",
+        "nvmlDeviceGetMemoryInfo(m[1])",
+        "nvmlDeviceGetUtilizationRates(m[1])",
+        "nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m[0])",
+        f"nvmlDeviceGetHandleByUUID({MIG_A!r})",
+    ):
+        assert nv.error(call) == "NVMLError_GpuIsLost", call
+
+    # Back, with one MIG device fewer: the handle of the removed one is stale.
+    gpus[0].lost = False
+    gpus[0].mig_devices.pop()
+    write_control(control, gpus)
+    assert nv.eval("nvmlDeviceGetUUID(m[0])") == MIG_A
+    assert nv.error("nvmlDeviceGetUUID(m[1])") == "NVMLError_GpuIsLost"
+    assert nv.error("nvmlDeviceGetMigDeviceHandleByIndex(h, 1)") == "NVMLError_NotFound"
+
+    # MIG mode off again.
+    gpus[0].mig_devices = []
+    write_control(control, gpus)
+    assert nv.eval("nvmlDeviceGetMigMode(h)") == [0, 0]
+    assert nv.error("nvmlDeviceGetUUID(m[0])") == "NVMLError_GpuIsLost"
+
+
+def test_a_process_sees_only_its_visible_mig_devices(start: Any, control: Path) -> None:
+    gpus = [*mig_gpus(), FakeGpu("GPU-cccccccc-0000-0000-0000-000000000003", index=2)]
+    gpus[2].mig_devices = [FakeMig(MIG_C, "7g.80gb", 80 * GIB)]
+    write_control(control, gpus)
+
+    # One MIG uuid: its parent GPU, renumbered 0, with only that MIG device.
+    one = start(visible=MIG_B)
+    assert one.eval("nvmlDeviceGetCount()") == 1
+    one.exec("h = nvmlDeviceGetHandleByIndex(0)")
+    assert one.eval("nvmlDeviceGetUUID(h)") == gpus[0].uuid
+    assert one.eval("nvmlDeviceGetUUID(nvmlDeviceGetMigDeviceHandleByIndex(h, 0))") == MIG_B
+    assert one.error("nvmlDeviceGetMigDeviceHandleByIndex(h, 1)") == "NVMLError_NotFound"
+    assert one.error(f"nvmlDeviceGetHandleByUUID({MIG_A!r})") == "NVMLError_NotFound"
+
+    # MIG uuids of two GPUs, plus a whole GPU named by index.
+    mixed = start(visible=f"{MIG_C},1,{MIG_A}")
+    assert mixed.eval("nvmlDeviceGetCount()") == 3
+    uuids = "[nvmlDeviceGetUUID(nvmlDeviceGetHandleByIndex(i)) for i in range(3)]"
+    assert mixed.eval(uuids) == [gpus[0].uuid, gpus[1].uuid, gpus[2].uuid]
+    migs = (
+        "[nvmlDeviceGetUUID(nvmlDeviceGetMigDeviceHandleByIndex(nvmlDeviceGetHandleByIndex(i), 0))"
+        " for i in (0, 2)]"
+    )
+    assert mixed.eval(migs) == [MIG_A, MIG_C]
+    assert mixed.error(f"nvmlDeviceGetHandleByUUID({MIG_B!r})") == "NVMLError_NotFound"
+    assert mixed.eval("nvmlDeviceGetMigMode(nvmlDeviceGetHandleByIndex(1))") == [0, 0]
+
+    # A GPU named by its own uuid keeps all its MIG devices.
+    whole = start(visible=gpus[0].uuid)
+    assert whole.eval(f"nvmlDeviceGetUUID(nvmlDeviceGetHandleByUUID({MIG_B!r}))") == MIG_B
 
 
 # ---------------------------------------------------------------- XID events
@@ -612,6 +792,36 @@ def test_write_control_is_atomic_and_validates(tmp_path: Path) -> None:
         write_control(path, [FakeGpu("GPU-a", index=0, pci_bus_id="07:00")])
     with pytest.raises(ValueError, match="one line"):
         write_control(path, [FakeGpu("GPU-a", index=0, name="A\nB")])
+
+
+def test_write_control_writes_and_validates_mig_devices(tmp_path: Path) -> None:
+    path = tmp_path / "ctl"
+    write_control(path, mig_gpus())
+    lines = path.read_text().splitlines()
+    assert f"gpu.0.mig={MIG_A},3g.40gb,{40 * GIB},{12 * GIB}" in lines
+    assert f"gpu.0.mig={MIG_B},1g.10gb,{10 * GIB},0" in lines
+    assert not [line for line in lines if line.startswith("gpu.1.mig=")]
+
+    def gpu_with(*migs: FakeMig, unsupported: set[str] | None = None) -> list[FakeGpu]:
+        return [FakeGpu("GPU-a", index=0, mig_devices=list(migs), unsupported=unsupported or set())]
+
+    eight = [FakeMig(f"MIG-{i}", "1g.10gb", GIB) for i in range(8)]
+    with pytest.raises(ValueError, match="at most 7"):
+        write_control(path, gpu_with(*eight))
+    write_control(path, gpu_with(*eight[:7]))
+    with pytest.raises(ValueError, match="MIG-"):
+        write_control(path, gpu_with(FakeMig("GPU-x", "1g.10gb", GIB)))
+    with pytest.raises(ValueError, match="unique"):
+        write_control(path, gpu_with(FakeMig("MIG-x", "1g.10gb", GIB), FakeMig("MIG-x", "1g", 1)))
+    other = FakeGpu("GPU-b", index=1, mig_devices=[FakeMig("MIG-x", "1g.10gb", GIB)])
+    with pytest.raises(ValueError, match="unique"):
+        write_control(path, [*gpu_with(FakeMig("MIG-x", "1g.10gb", GIB)), other])
+    with pytest.raises(ValueError, match="','"):
+        write_control(path, gpu_with(FakeMig("MIG-x", "1g,10gb", GIB)))
+    with pytest.raises(ValueError, match="negative"):
+        write_control(path, gpu_with(FakeMig("MIG-x", "1g.10gb", -1)))
+    with pytest.raises(ValueError, match="unsupported"):
+        write_control(path, gpu_with(FakeMig("MIG-x", "1g.10gb", GIB), unsupported={"mig"}))
 
 
 def test_xid_sequence_numbers_stick(tmp_path: Path) -> None:
