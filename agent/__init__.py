@@ -1,1 +1,2 @@
-"""gpufleet.agent"""
+"""The node agent: GPU inventory, samples, XID events and metrics through NVML, and the
+rank runner for job ranks on the local backend."""

@@ -1,1 +1,1 @@
-"""gpufleet.spawner"""
+"""GPU spawners: the controller handshake and the local process backend."""

@@ -1,1 +1,1 @@
-"""gpufleet.hub.api"""
+"""REST API v1 of the fleet controller."""
