@@ -27,7 +27,8 @@ from traitlets import Bool, Dict, Enum, Float, List, Unicode, default
 from traitlets.config import Application
 
 from .. import __version__
-from ..scheduler.errors import LeaseLost, SchedulerError, SchemaMismatch
+from ..scheduler.errors import InputError, LeaseLost, SchedulerError, SchemaMismatch
+from ..scheduler.model import project_tree
 from ..scheduler.store import db
 from ..scheduler.store.fleet import FleetStore
 from . import logs
@@ -212,6 +213,10 @@ class FleetController(DatabaseMixin):
         if self.subapp is not None:
             return
         logs.configure(self.log, self.log_style, self.log_level)  # type: ignore[arg-type]
+        try:
+            project_tree(self.projects)
+        except InputError as e:
+            self.exit_with(f"c.FleetController.projects: {e}", code=2)
         self.notifier = Notifier()
         self.engine = self.make_engine()
         try:

@@ -33,3 +33,10 @@ class LeaseLost(StoreError):
 
 class NotFound(StoreError):
     """The named row (workload, node, project) does not exist."""
+
+
+class InputError(SchedulerError):
+    """A trace, fleet or projects file (or declaration) that cannot be used as written.
+
+    The message names the file, line or entry and what to fix.
+    """

@@ -61,3 +61,14 @@ def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
     result = run("--config", str(tmp_path / "nope.py"))
     assert result.returncode == 1
     assert "nope.py does not exist" in result.stderr
+
+
+def test_a_bad_project_declaration_stops_start_up_with_what_to_fix(tmp_path: Path) -> None:
+    config = write_config(tmp_path, tmp_path / "fleet.sqlite")
+    config.write_text(
+        config.read_text()
+        + "c.FleetController.projects = [{'name': 'vision', 'parent': 'research'}]\n"
+    )
+    result = run("--config", str(config))
+    assert result.returncode == 2
+    assert "c.FleetController.projects: project 'vision' names parent 'research'" in (result.stderr)
