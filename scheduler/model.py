@@ -8,8 +8,9 @@ cluster and one zone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import InputError
 
@@ -75,7 +76,7 @@ def _whole(value: object, what: str, minimum: int = 0, allow_none: bool = False)
     return value
 
 
-def project_tree(specs: list[Mapping[str, object]]) -> ProjectTree:
+def project_tree(specs: Sequence[Mapping[str, Any]]) -> ProjectTree:
     """Validate project declarations (the ``c.FleetController.projects`` / projects-file
     shape: name, parent, kind, quotas, weight, default_priority, per_user_gpu_cap).
 
