@@ -26,9 +26,10 @@ from ..recovery.nvml import GpuSample, NvmlError
 from .exporter import GpuState, start_exporter
 from .gpus import (
     NodePlace,
-    declared_gpu_uuid,
     declared_inventory,
+    declared_places,
     gpu_type_of,
+    machine_memory_bytes,
     nodes_body,
     start_fake_nvml,
     try_real_nvml,
@@ -40,13 +41,6 @@ def _sample_body(sample: GpuSample) -> dict[str, Any]:
     body = {k: v for k, v in asdict(sample).items() if v is not None}
     body["processes"] = [list(p) for p in sample.processes]
     return body
-
-
-def _memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 0
 
 
 class NodeAgent(Application):
@@ -184,17 +178,7 @@ class NodeAgent(Application):
                 return GpuState(nvml, inventory, places, nvml.driver_version())
         if self.nvml in ("auto", "fake") and self.declared_nodes:
             nvml = start_fake_nvml(self.declared_nodes, Path(self.data_dir) / "fake-nvml")
-            places = {
-                declared_gpu_uuid(spec["name"], i): NodePlace(
-                    spec["name"],
-                    spec.get("cluster", "local"),
-                    spec["zone"],
-                    spec["gpu_type"],
-                    spec.get("labels", {}),
-                )
-                for spec in self.declared_nodes
-                for i in range(int(spec["gpus"]))
-            }
+            places = declared_places(self.declared_nodes)
             inventory = nvml.inventory()
             return GpuState(nvml, inventory, places, nvml.driver_version())
         return None
@@ -213,7 +197,7 @@ class NodeAgent(Application):
                 self.gpus.inventory,
                 self.gpus.places,
                 float(os.cpu_count() or 1),
-                _memory_bytes(),
+                machine_memory_bytes(),
             )
             self.log.info(
                 "%d GPU(s) through NVML on %d node(s)",

@@ -22,28 +22,29 @@ class GpuState:
     assignments: dict[str, Assignment] = field(default_factory=dict)
     last_xid: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    whole: dict[str, GpuInfo] = field(init=False)
+    _uuid_of_index: dict[int, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Samples and metrics are per whole GPU, MIG or not; the inventory does not change.
+        self.whole = whole_gpus(self.inventory)
+        self._uuid_of_index = {g.index: g.uuid for g in self.whole.values()}
 
     def sample(self) -> list[GpuSample]:
         # NVML calls come from the sampling loop and from scrapes: one at a time.
         with self._lock:
-            return self.nvml.sample({g.index: g.uuid for g in whole_gpus(self.inventory).values()})
+            return self.nvml.sample(self._uuid_of_index)
 
 
 def start_exporter(gpus: GpuState, hostname: str, ip: str, port: int) -> CollectorRegistry:
     """Serve /metrics on ``ip:port`` from a daemon thread; each scrape reads NVML."""
-    by_uuid = whole_gpus(gpus.inventory)  # metrics are per GPU, MIG or not
-
-    hosts = {uuid: place.name for uuid, place in gpus.places.items()}
+    hosts = {
+        uuid: gpus.places[uuid].name if uuid in gpus.places else hostname for uuid in gpus.whole
+    }
 
     def read() -> list[Metric]:
-        samples = gpus.sample()
         return families(
-            samples,
-            by_uuid,
-            {**dict.fromkeys(by_uuid, hostname), **hosts},
-            gpus.driver_version,
-            gpus.assignments,
-            gpus.last_xid,
+            gpus.sample(), gpus.whole, hosts, gpus.driver_version, gpus.assignments, gpus.last_xid
         )
 
     registry = CollectorRegistry()

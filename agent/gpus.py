@@ -42,69 +42,109 @@ def mig_memory_bytes(profile: str) -> int:
     return int(size.group(1)) * 10**9 if size else 10 * 10**9
 
 
-def declared_inventory(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The registration body for declared nodes: {name, zone, gpu_type, gpus: N, ...}."""
-    inventory = []
-    for spec in nodes:
-        missing = {"name", "zone", "gpu_type", "gpus"} - spec.keys()
-        if missing:
-            raise ValueError(
-                f"declared node {spec.get('name', spec)!r} lacks {', '.join(sorted(missing))}"
-            )
-        count = int(spec["gpus"])
-        memory = int(spec.get("gpu_memory_bytes", 80 * 10**9))
-        inventory.append(
-            {
-                "name": spec["name"],
-                "cluster": spec.get("cluster", "local"),
-                "zone": spec["zone"],
-                "gpu_type": spec["gpu_type"],
-                "cpus": float(spec.get("cpus", os.cpu_count() or 1)),
-                "memory_bytes": int(spec.get("memory_bytes", 0)),
-                "labels": dict(spec.get("labels", {})),
-                "gpus": _declared_devices(spec, count, memory),
-            }
-        )
-    return inventory
-
-
-def _declared_devices(spec: Mapping[str, Any], count: int, memory: int) -> list[dict[str, Any]]:
-    """A declared node's devices: its GPUs, or with ``"mig": [profiles]`` each GPU's slices."""
-    devices: list[dict[str, Any]] = []
-    for index in range(count):
-        pci = f"00000000:{0x10 + index:02X}:00.0"
-        if not spec.get("mig"):
-            devices.append(
-                {
-                    "uuid": declared_gpu_uuid(spec["name"], index),
-                    "index": index,
-                    "pci_bus_id": pci,
-                    "memory_bytes": memory,
-                }
-            )
-            continue
-        for j, profile in enumerate(spec["mig"]):
-            devices.append(
-                {
-                    "uuid": declared_mig_uuid(spec["name"], index, j),
-                    "index": len(devices),
-                    "pci_bus_id": pci,
-                    "memory_bytes": mig_memory_bytes(profile),
-                    "gpu_type": f"{spec['gpu_type']}:{profile}",
-                }
-            )
-    return devices
-
-
 @dataclass(frozen=True)
 class NodePlace:
-    """Where a GPU's node sits in the fleet."""
+    """Where a GPU's node sits in the fleet (and, when declared, its CPUs and memory)."""
 
     name: str
     cluster: str
     zone: str
     gpu_type: str
     labels: Mapping[str, str]
+    cpus: float | None = None  # None: this machine's
+    memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class _DeclaredGpu:
+    node: Mapping[str, Any]
+    index: int  # across every declared node, as the fake library numbers them
+    uuid: str
+    pci_bus_id: str  # on its node
+    memory_bytes: int
+    slices: tuple[tuple[str, str, int], ...]  # (uuid, MIG profile, memory)
+
+
+def _declared(nodes: Sequence[Mapping[str, Any]]) -> list[_DeclaredGpu]:
+    """Every declared GPU with its made-up, stable identity; checks the declarations."""
+    gpus: list[_DeclaredGpu] = []
+    for spec in nodes:
+        missing = {"name", "zone", "gpu_type", "gpus"} - spec.keys()
+        if missing:
+            raise ValueError(
+                f"declared node {spec.get('name', spec)!r} lacks {', '.join(sorted(missing))}"
+            )
+        for i in range(int(spec["gpus"])):
+            gpus.append(
+                _DeclaredGpu(
+                    node=spec,
+                    index=len(gpus),
+                    uuid=declared_gpu_uuid(spec["name"], i),
+                    pci_bus_id=f"00000000:{0x10 + i:02X}:00.0",  # as on its own node
+                    memory_bytes=int(spec.get("gpu_memory_bytes", 80 * 10**9)),
+                    slices=tuple(
+                        (declared_mig_uuid(spec["name"], i, j), profile, mig_memory_bytes(profile))
+                        for j, profile in enumerate(spec.get("mig", []))
+                    ),
+                )
+            )
+    return gpus
+
+
+def declared_places(nodes: Sequence[Mapping[str, Any]]) -> dict[str, NodePlace]:
+    """GPU UUID → its declared node's place."""
+    return {
+        gpu.uuid: NodePlace(
+            gpu.node["name"],
+            gpu.node.get("cluster", "local"),
+            gpu.node["zone"],
+            gpu.node["gpu_type"],
+            dict(gpu.node.get("labels", {})),
+            cpus=float(gpu.node["cpus"]) if "cpus" in gpu.node else None,
+            memory_bytes=int(gpu.node["memory_bytes"]) if "memory_bytes" in gpu.node else None,
+        )
+        for gpu in _declared(nodes)
+    }
+
+
+def declared_gpus(nodes: Sequence[Mapping[str, Any]]) -> list[GpuInfo]:
+    """The declared devices as NVML would describe them: whole GPUs, or their MIG slices."""
+    model = "NVIDIA A100-SXM4-80GB"  # the fake library's default model name
+    devices: list[GpuInfo] = []
+    for gpu in _declared(nodes):
+        if not gpu.slices:
+            devices.append(GpuInfo(gpu.uuid, gpu.index, model, gpu.pci_bus_id, gpu.memory_bytes))
+        devices.extend(
+            GpuInfo(
+                uuid,
+                gpu.index,
+                f"{model} MIG {profile}",
+                gpu.pci_bus_id,
+                memory,
+                parent_uuid=gpu.uuid,
+                mig_profile=profile,
+            )
+            for uuid, profile, memory in gpu.slices
+        )
+    return devices
+
+
+def declared_inventory(nodes: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The registration body for declared nodes without NVML (``nvml = "off"``): the same
+    body the fake library's inventory gives."""
+    return nodes_body(
+        declared_gpus(nodes),
+        declared_places(nodes),
+        float(os.cpu_count() or 1),
+        machine_memory_bytes(),
+    )
+
+
+def machine_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
 
 
 def gpu_type_of(model: str, memory_bytes: int, names: Mapping[str, str]) -> str:
@@ -154,8 +194,8 @@ def nodes_body(
                 "cluster": place.cluster,
                 "zone": place.zone,
                 "gpu_type": place.gpu_type,
-                "cpus": cpus,
-                "memory_bytes": memory,
+                "cpus": place.cpus if place.cpus is not None else cpus,
+                "memory_bytes": place.memory_bytes if place.memory_bytes is not None else memory,
                 "labels": dict(place.labels),
                 "gpus": [],
             },
@@ -176,26 +216,17 @@ def declared_fake_gpus(declared: Sequence[Mapping[str, Any]]) -> list[FakeGpu]:
     """The fake NVML devices for the declared nodes, in declaration order."""
     from ..recovery.fake_nvml import FakeGpu, FakeMig
 
-    gpus: list[FakeGpu] = []
-    for spec in declared:
-        for i in range(int(spec["gpus"])):
-            gpus.append(
-                FakeGpu(
-                    uuid=declared_gpu_uuid(spec["name"], i),
-                    index=len(gpus),
-                    pci_bus_id=f"00000000:{0x10 + len(gpus):02X}:00.0",
-                    memory_total_bytes=int(spec.get("gpu_memory_bytes", 80 * 10**9)),
-                    mig_devices=[
-                        FakeMig(
-                            declared_mig_uuid(spec["name"], i, j),
-                            profile,
-                            mig_memory_bytes(profile),
-                        )
-                        for j, profile in enumerate(spec.get("mig", []))
-                    ],
-                )
-            )
-    return gpus
+    return [
+        FakeGpu(
+            uuid=gpu.uuid,
+            index=gpu.index,
+            # One library serves every declared node: bus ids must differ across them.
+            pci_bus_id=f"00000000:{0x10 + gpu.index:02X}:00.0",
+            memory_total_bytes=gpu.memory_bytes,
+            mig_devices=[FakeMig(uuid, profile, memory) for uuid, profile, memory in gpu.slices],
+        )
+        for gpu in _declared(declared)
+    ]
 
 
 def start_fake_nvml(declared: Sequence[Mapping[str, Any]], directory: Path) -> Nvml:

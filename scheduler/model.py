@@ -33,6 +33,9 @@ class Project:
     weight: float = 1.0
     default_priority: str = "standard"
     per_user_cap: int | None = None
+    display_name: str = ""
+    hub_group: str = ""  # the JupyterHub group whose members are the project's
+    allowed_priorities: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ def _whole(value: object, what: str, minimum: int = 0, allow_none: bool = False)
 
 def project_tree(specs: Sequence[Mapping[str, Any]]) -> ProjectTree:
     """Validate project declarations (the ``c.FleetController.projects`` / projects-file
-    shape: name, parent, kind, quotas, weight, default_priority, per_user_gpu_cap).
+    shape: name, parent, kind, quotas, weight, default_priority, per_user_gpu_cap,
+    display_name, hub_group, allowed_priorities).
 
     Parents come before their children; every error names the project and what to fix.
     """
@@ -131,5 +135,8 @@ def project_tree(specs: Sequence[Mapping[str, Any]]) -> ProjectTree:
                 minimum=1,
                 allow_none=True,
             ),
+            display_name=str(spec.get("display_name") or name),
+            hub_group=str(spec.get("hub_group") or name),
+            allowed_priorities=tuple(str(p) for p in spec.get("allowed_priorities") or ()),
         )
     return ProjectTree(projects)

@@ -48,10 +48,6 @@ class InvalidGPURequest(web.HTTPError):
         self.jupyterhub_message = f"Invalid GPU request: {message}"
 
 
-def invalid_request(message: str) -> InvalidGPURequest:
-    return InvalidGPURequest(message)
-
-
 class _RejectionsAreNotCrashes(logging.Filter):
     """JupyterHub logs any exception from a spawn hook with its traceback; a request the
     user must correct is not a crash, so its record becomes one informative line."""
@@ -272,7 +268,7 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
             filled = await spawner._fill_defaults(user_options or {})
             await spawner.controller.open_session(spawner._request_body(filled), dry_run=True)
         except RequestRejected as e:
-            raise invalid_request(str(e)) from e
+            raise InvalidGPURequest(str(e)) from e
         except ControllerUnavailable as e:
             # A controller restart must not fail spawns: start() retries and validates then.
             spawner.log.warning("could not check %s's GPU request now: %s", spawner.user.name, e)
@@ -361,7 +357,7 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
         try:
             return await self._until_answered(open_session, self.queue_timeout)
         except RequestRejected as e:
-            raise invalid_request(str(e)) from e
+            raise InvalidGPURequest(str(e)) from e
 
     async def _until_answered(
         self, call: Callable[[], Awaitable[WorkloadStatus]], seconds: float

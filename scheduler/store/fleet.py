@@ -19,7 +19,8 @@ from sqlalchemy.orm import Session, selectinload
 
 from .. import failpoints
 from ..admission import FleetSnapshot, NodeView, PendingRequest, admit
-from ..errors import InvalidRequest, NotFound
+from ..errors import InputError, InvalidRequest, NotFound
+from ..model import project_tree
 from ..validation import Catalogue, ProfileRule, SessionRequest, validate_session_request
 from .base import _event
 from .inventory import InventoryStore
@@ -66,7 +67,15 @@ class FleetStore(InventoryStore):
         profiles: Sequence[Mapping[str, Any]],
         priority_classes: Sequence[Mapping[str, Any]],
     ) -> None:
-        """Create or update the projects, profiles and priority classes the config declares."""
+        """Create or update the projects, profiles and priority classes the config declares.
+
+        Projects are validated first (``model.project_tree``): nothing is written for a
+        declaration that cannot be used.
+        """
+        try:
+            tree = project_tree(projects)
+        except InputError as e:
+            raise InvalidRequest(str(e)) from e
         with self._write(now) as session:
             for spec in priority_classes:
                 pc = session.get(PriorityClass, spec["name"]) or PriorityClass(name=spec["name"])
@@ -75,31 +84,25 @@ class FleetStore(InventoryStore):
                 pc.description = spec.get("description", "")
                 session.add(pc)
             by_name = {p.name: p for p in session.scalars(select(Project))}
-            for spec in projects:
-                project = by_name.get(spec["name"]) or Project(name=spec["name"])
+            for declared in tree:
+                project = by_name.get(declared.name) or Project(name=declared.name)
                 by_name[project.name] = project
-                project.display_name = spec.get("display_name", project.name)
-                project.kind = ProjectKind(spec.get("kind", "project"))
-                parent = spec.get("parent")
-                if parent is not None and parent not in by_name:
-                    raise InvalidRequest(
-                        f"project {project.name!r} names parent {parent!r}, which is not "
-                        "declared before it in the projects list"
-                    )
-                project.parent = by_name[parent] if parent else None
-                project.hub_group = spec.get("hub_group", project.name)
-                project.default_priority = spec.get("default_priority", "standard")
-                project.allowed_priorities = list(spec.get("allowed_priorities", []))
-                project.fair_share_weight = float(spec.get("weight", 1.0))
-                project.per_user_gpu_cap = spec.get("per_user_gpu_cap")
+                project.display_name = declared.display_name
+                project.kind = ProjectKind(declared.kind)
+                project.parent = by_name[declared.parent] if declared.parent else None
+                project.hub_group = declared.hub_group
+                project.default_priority = declared.default_priority
+                project.allowed_priorities = list(declared.allowed_priorities)
+                project.fair_share_weight = declared.weight
+                project.per_user_gpu_cap = declared.per_user_cap
                 session.add(project)
                 session.flush()
                 quotas = {q.gpu_type: q for q in project.quotas}
-                for gpu_type, q in spec.get("quotas", {}).items():
+                for gpu_type, q in declared.quotas.items():
                     quota = quotas.pop(gpu_type, None) or ProjectQuota(gpu_type=gpu_type)
-                    quota.guaranteed = int(q.get("guaranteed", 0))
-                    quota.borrow_limit = q.get("borrow_limit")
-                    quota.lend_limit = q.get("lend_limit")
+                    quota.guaranteed = q.guaranteed
+                    quota.borrow_limit = q.borrow_limit
+                    quota.lend_limit = q.lend_limit
                     if quota not in project.quotas:
                         project.quotas.append(quota)
                 for stale in quotas.values():

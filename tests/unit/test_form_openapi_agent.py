@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gpufleet.agent.app import declared_gpu_uuid, declared_inventory
+from gpufleet.agent.gpus import declared_gpu_uuid, declared_inventory
 from gpufleet.hub.api import schemas
 from gpufleet.hub.openapi import OPERATIONS, openapi_document
 from gpufleet.spawner.form import options_from_form, render_form
