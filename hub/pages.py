@@ -13,9 +13,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 from tornado import template, web
 
-from ..scheduler.store.models import Allocation, Node, Workload, WorkloadState, Zone
+from ..scheduler.store.models import Workload, WorkloadState
 from . import scopes
 from .api.base import Identity
+from .api.handlers import node_rows
 
 if TYPE_CHECKING:
     from .app import FleetController
@@ -45,9 +46,9 @@ PAGE = """<!doctype html>
 {% if identity.is_admin %}<h2>Nodes</h2>
 <table id="nodes"><tr><th>node</th><th>zone</th><th>GPU type</th><th>GPUs</th><th>free</th>
 <th>health</th></tr>
-{% for n in nodes %}<tr><td>{{ n["name"] }}</td><td>{{ n["zone"] }}</td>
-<td>{{ n["gpu_type"] }}</td><td>{{ n["gpus"] }}</td><td>{{ n["free"] }}</td>
-<td>{{ n["health"] }}</td></tr>{% end %}</table>{% end %}
+{% for n in nodes %}<tr><td>{{ n.name }}</td><td>{{ n.zone }}</td>
+<td>{{ n.gpu_type }}</td><td>{{ n.gpus }}</td><td>{{ n.free_gpus }}</td>
+<td>{{ n.health }}</td></tr>{% end %}</table>{% end %}
 </body></html>
 """
 
@@ -85,33 +86,9 @@ class MyWorkloadsPage(PageHandler):
         )
         if not identity.is_admin:
             query = query.where(Workload.username == identity.name)
-        nodes: list[dict[str, Any]] = []
         with self.controller.store.read() as session:
             workloads = list(session.scalars(query))
-            if identity.is_admin:
-                taken = set(
-                    session.scalars(
-                        select(Allocation.gpu_uuid).where(Allocation.closed_at.is_(None))
-                    )
-                )
-                for node in session.scalars(
-                    select(Node)
-                    .order_by(Node.name)
-                    .options(
-                        selectinload(Node.gpus), selectinload(Node.zone).selectinload(Zone.cluster)
-                    )
-                ):
-                    present = [g for g in node.gpus if g.present]
-                    nodes.append(
-                        {
-                            "name": node.name,
-                            "zone": node.zone.name,
-                            "gpu_type": node.gpu_type,
-                            "gpus": len(present),
-                            "health": node.health.value,
-                            "free": sum(1 for g in present if g.uuid not in taken),
-                        }
-                    )
+            nodes = node_rows(session) if identity.is_admin else []
         self.finish(
             template.Template(PAGE).generate(
                 title="gpufleet",

@@ -258,35 +258,39 @@ class SpawnOptionsHandler(APIHandler):
         )
 
 
+def node_rows(session: Session) -> list[schemas.NodeOut]:
+    """Every node with its GPUs and free GPUs (present, not lost, not allocated)."""
+    taken = set(session.scalars(select(Allocation.gpu_uuid).where(Allocation.closed_at.is_(None))))
+    nodes = session.scalars(
+        select(Node)
+        .order_by(Node.name)
+        .options(selectinload(Node.gpus), selectinload(Node.zone).selectinload(Zone.cluster))
+    )
+    rows = []
+    for n in nodes:
+        present = [g for g in n.gpus if g.present]
+        rows.append(
+            schemas.NodeOut(
+                name=n.name,
+                cluster=n.zone.cluster.name,
+                zone=n.zone.name,
+                gpu_type=n.gpu_type,
+                health=n.health.value,
+                cordoned=n.cordoned,
+                gpus=len(present),
+                free_gpus=sum(1 for g in present if not g.lost and g.uuid not in taken),
+                last_heartbeat_at=n.last_heartbeat_at,
+            )
+        )
+    return rows
+
+
 class NodesHandler(APIHandler):
     async def get(self) -> None:
         self.require(scopes.USE, scopes.SPAWN, scopes.AGENT)
         with self.controller.store.read() as session:
-            taken = Counter(
-                session.scalars(select(Allocation.node_id).where(Allocation.closed_at.is_(None)))
-            )
-            nodes = session.scalars(
-                select(Node)
-                .order_by(Node.name)
-                .options(
-                    selectinload(Node.gpus), selectinload(Node.zone).selectinload(Zone.cluster)
-                )
-            ).all()
-            out = [
-                schemas.NodeOut(
-                    name=n.name,
-                    cluster=n.zone.cluster.name,
-                    zone=n.zone.name,
-                    gpu_type=n.gpu_type,
-                    health=n.health.value,
-                    cordoned=n.cordoned,
-                    gpus=sum(1 for g in n.gpus if g.present),
-                    free_gpus=sum(1 for g in n.gpus if g.present) - taken[n.id],
-                    last_heartbeat_at=n.last_heartbeat_at,
-                )
-                for n in nodes
-            ]
-        self.send({"items": [o.model_dump(mode="json") for o in out]})
+            rows = node_rows(session)
+        self.send({"items": [row.model_dump(mode="json") for row in rows]})
 
 
 class AgentRegisterHandler(APIHandler):

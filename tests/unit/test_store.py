@@ -610,3 +610,20 @@ def test_mig_slices_are_gpu_types_of_their_own(engine: Engine) -> None:
             for w in session.scalars(select(Workload))
         }
     assert got == {small.id: ["MIG-0", "MIG-1", "MIG-2"], whole.id: ["GPU-whole"]}
+
+
+def test_a_lost_gpu_is_neither_free_nor_offered_and_its_loss_is_an_event(
+    store: FleetStore,
+) -> None:
+    from gpufleet.hub.api.handlers import node_rows
+
+    store.record_samples(t(1), "agent-1", [{"uuid": "GPU-h1-0", "index": 0, "lost": True}])
+    assert events(store, "gpu-lost") == [
+        "GPU GPU-h1-0 (index 0) on h1 is lost (NVML: fallen off the bus); it receives no new work"
+    ]
+    carol = ask(store, t(2), "carol", project="nlp", gpu_type="H100", gpus=2)
+    store.admission_cycle(t(2))
+    assert workload(store, carol).state == WorkloadState.pending
+    with store.read() as session:
+        h1 = next(row for row in node_rows(session) if row.name == "h1")
+    assert (h1.gpus, h1.free_gpus) == (2, 1)
