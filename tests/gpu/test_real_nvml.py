@@ -67,3 +67,41 @@ def test_exporter_families_from_a_real_gpu(nvml: Nvml) -> None:
 
 def test_xid_wait_times_out_quietly_on_a_healthy_gpu(nvml: Nvml) -> None:
     assert nvml.wait_xid(200) is None
+
+
+def test_a_busy_gpu_shows_utilisation_memory_and_its_process(nvml: Nvml) -> None:
+    """What the culler relies on: work on the GPU is visible in NVML's readings."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    import os
+    import threading
+    import time
+
+    stop = threading.Event()
+
+    def load() -> None:
+        a = torch.randn(8192, 8192, device="cuda")
+        while not stop.is_set():
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        busy = None
+        while time.monotonic() < deadline:
+            samples = nvml.sample()
+            busy = next((s for s in samples if (s.utilization_gpu_pct or 0) > 0), None)
+            if busy is not None and busy.memory_used_bytes and busy.memory_used_bytes > 2**28:
+                break
+            time.sleep(0.2)
+        assert busy is not None, "no GPU reported utilisation above 0 while under load"
+        assert busy.memory_used_bytes is not None and busy.memory_used_bytes > 2**28
+        if not busy.processes:
+            pytest.xfail("this driver or sandbox lists no compute processes")
+        assert os.getpid() in {pid for pid, _ in busy.processes}
+    finally:
+        stop.set()
+        worker.join(timeout=30)
