@@ -1,0 +1,182 @@
+"""Where a gang fits: free GPUs per node, grouped by zone, for one scheduling cycle.
+
+A workload's pods all land in one cluster and zone, or none do. Inside a zone each pod goes
+to the node with the fewest free GPUs that still holds it (best fit), so partly used nodes
+fill first and whole nodes stay free for the pods that need a whole node. Among zones the
+fullest one that fits wins, for the same reason at a larger scale.
+
+The index keeps, per zone, its nodes bucketed by free-GPU count, so "do p pods of k GPUs
+fit in this zone" costs one pass over at most (GPUs per node + 1) buckets.
+Free GPUs only shrink during a cycle (GPUs of stopping workloads come back between
+cycles, once those are gone): a shape that failed stays failed for the rest of the cycle.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+from .snapshot import NodeState, Pod
+
+ZoneKey = tuple[str, str, str]  # cluster, zone, GPU type
+
+
+class Capacity:
+    def __init__(self, nodes: Iterable[NodeState]):
+        self.nodes: dict[tuple[str, str], NodeState] = {}
+        self.free: dict[tuple[str, str], list[str]] = {}  # copied from the node when taken from
+        self.zone_of: dict[tuple[str, str], ZoneKey] = {}
+        # zone -> free count -> nodes with that many free (dicts as ordered sets)
+        self.buckets: dict[ZoneKey, dict[int, dict[tuple[str, str], None]]] = {}
+        self.zone_free: dict[ZoneKey, int] = defaultdict(int)
+        self.zones_by_type: dict[str, list[ZoneKey]] = defaultdict(list)
+        self.free_by_type: dict[str, int] = defaultdict(int)
+        # Every node of the type, schedulable or not: what the fleet could ever hold.
+        self.totals_by_zone: dict[ZoneKey, list[int]] = defaultdict(list)
+        for node in nodes:
+            zone: ZoneKey = (node.cluster, node.zone, node.gpu_type)
+            self.totals_by_zone[zone].append(node.total)
+            if not node.schedulable:
+                continue
+            key = (node.name, node.gpu_type)
+            self.nodes[key] = node
+            self.zone_of[key] = zone
+            if zone not in self.buckets:
+                self.buckets[zone] = defaultdict(dict)
+                self.zones_by_type[node.gpu_type].append(zone)
+            self.buckets[zone][len(node.free)][key] = None
+            self.zone_free[zone] += len(node.free)
+            self.free_by_type[node.gpu_type] += len(node.free)
+        for zones in self.zones_by_type.values():
+            zones.sort()
+        # Memos: the most pods of a size any zone could ever hold, and the largest free
+        # block per (type, pod size) with the type's version when it was computed.
+        self._ever: dict[tuple[str, int], int] = {}
+        self._version: dict[str, int] = defaultdict(int)
+        self._block: dict[tuple[str, int], tuple[int, tuple[int, str] | None]] = {}
+
+    def free_count(self, key: tuple[str, str]) -> int:
+        taken = self.free.get(key)
+        return len(taken) if taken is not None else len(self.nodes[key].free)
+
+    # --------------------------------------------------------------- fitting
+    def pods_fitting(self, zone: ZoneKey, per_pod: int) -> int:
+        return sum(
+            len(nodes) * (count // per_pod)
+            for count, nodes in self.buckets[zone].items()
+            if count >= per_pod and nodes
+        )
+
+    def best_zone(
+        self, gpu_type: str, per_pod: int, pods: int, excluded: frozenset[ZoneKey] = frozenset()
+    ) -> ZoneKey | None:
+        """The fullest zone where the gang fits, or None."""
+        best: ZoneKey | None = None
+        for zone in self.zones_by_type.get(gpu_type, ()):
+            if zone in excluded or self.zone_free[zone] < per_pod * pods:
+                continue
+            if best is not None and self.zone_free[zone] >= self.zone_free[best]:
+                continue
+            if self.pods_fitting(zone, per_pod) >= pods:
+                best = zone
+        return best
+
+    def closest_zone(
+        self, gpu_type: str, per_pod: int, excluded: frozenset[ZoneKey] = frozenset()
+    ) -> tuple[ZoneKey, int] | None:
+        """The zone that holds the most pods of this size now, and how many."""
+        best: tuple[ZoneKey, int] | None = None
+        for zone in self.zones_by_type.get(gpu_type, ()):
+            if zone in excluded:
+                continue
+            fitting = self.pods_fitting(zone, per_pod)
+            if best is None or fitting > best[1]:
+                best = (zone, fitting)
+        return best
+
+    def ever_fits(self, gpu_type: str, per_pod: int, pods: int) -> bool:
+        """Whether any zone of the fleet, empty and healthy, could hold the gang."""
+        most = self._ever.get((gpu_type, per_pod))
+        if most is None:
+            most = self._ever[(gpu_type, per_pod)] = max(
+                (
+                    sum(total // per_pod for total in totals)
+                    for (_, _, zone_type), totals in self.totals_by_zone.items()
+                    if zone_type == gpu_type
+                ),
+                default=0,
+            )
+        return most >= pods
+
+    def largest_block(self, gpu_type: str, per_pod: int, pods: int) -> tuple[int, str] | None:
+        """What the request could get now, for its reason: the most free GPUs on one node
+        for a single pod, else the most GPUs its pods could get in one zone."""
+        memo = (gpu_type, per_pod if pods > 1 else 0)
+        version = self._version[gpu_type]
+        cached = self._block.get(memo)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        block: tuple[int, str] | None = None
+        for zone in self.zones_by_type.get(gpu_type, ()):
+            if pods > 1:
+                size = self.pods_fitting(zone, per_pod) * per_pod
+            else:
+                size = max((c for c, nodes in self.buckets[zone].items() if nodes), default=0)
+            if block is None or size > block[0]:
+                block = (size, zone[1])
+        self._block[memo] = (version, block)
+        return block
+
+    # ------------------------------------------------------------- placing
+    def place(self, zone: ZoneKey, per_pod: int, pods: int) -> tuple[Pod, ...]:
+        """Take the GPUs of a gang the caller checked fits (``best_zone``)."""
+        buckets = self.buckets[zone]
+        placed = []
+        for _ in range(pods):
+            count = min(c for c, nodes in buckets.items() if c >= per_pod and nodes)
+            key = next(iter(buckets[count]))
+            placed.append(Pod(key[0], self.take(key, per_pod)))
+        return tuple(placed)
+
+    def place_selected(
+        self, gpu_type: str, per_pod: int, pods: int, selector: Mapping[str, str]
+    ) -> tuple[ZoneKey, tuple[Pod, ...]] | None:
+        """The slow path for a workload with a node selector: only matching nodes count."""
+        by_zone: dict[ZoneKey, list[tuple[str, str]]] = defaultdict(list)
+        for key, node in self.nodes.items():
+            if node.gpu_type == gpu_type and all(
+                node.labels.get(k) == v for k, v in selector.items()
+            ):
+                by_zone[self.zone_of[key]].append(key)
+        best: tuple[ZoneKey, list[tuple[str, str]]] | None = None
+        for zone, keys in sorted(by_zone.items()):
+            if sum(self.free_count(k) // per_pod for k in keys) >= pods and (
+                best is None or self.zone_free[zone] < self.zone_free[best[0]]
+            ):
+                best = (zone, keys)
+        if best is None:
+            return None
+        zone, keys = best
+        placed = []
+        for _ in range(pods):
+            key = min(
+                (k for k in keys if self.free_count(k) >= per_pod),
+                key=lambda k: (self.free_count(k), k),
+            )
+            placed.append(Pod(key[0], self.take(key, per_pod)))
+        return zone, tuple(placed)
+
+    def take(self, key: tuple[str, str], gpus: int) -> tuple[str, ...]:
+        free = self.free.get(key)
+        if free is None:
+            free = self.free[key] = list(self.nodes[key].free)
+        zone = self.zone_of[key]
+        before = len(free)
+        taken = tuple(free[:gpus])
+        del free[:gpus]
+        del self.buckets[zone][before][key]
+        self.buckets[zone][before - gpus][key] = None
+        self.zone_free[zone] -= gpus
+        self.free_by_type[key[1]] -= gpus
+        self._version[key[1]] += 1
+        return taken

@@ -1,0 +1,207 @@
+"""Quota accounting for one scheduling cycle: usage, limits and fair share over the tree.
+
+Per tree node and GPU type:
+- a project's ``guaranteed`` is its own; an inner node's is the larger of what it declares
+  and its children's sum (a declared surplus is a pool its projects share);
+- the cap is ``guaranteed + borrow_limit`` where a borrow limit is set, else none: a
+  workload is admitted only if every node on its project's path stays within its cap;
+- a lend limit ``L`` keeps ``max(0, guaranteed - used - L)`` of the node's unused guarantee
+  for its own subtree: workloads outside that subtree cannot count those GPUs as free.
+
+Fair share (for ordering borrowers): a node's share is what its subtree borrows from
+outside (usage above its guarantee) over what its parent's subtree could lend at the start
+of the cycle, divided by its weight, dominant over GPU types. A project's key is the tuple
+of shares from the top of the tree down to it, compared lexicographically: siblings compete
+inside their parent first, so a team that stays within its own guarantee (its projects
+borrowing each other's idle GPUs) goes before a team that borrows from outside — unused
+guarantee is lent inside the nearest subtree first.
+
+Usage only grows during a cycle (admissions); GPUs come back only between cycles, once
+their workloads are gone. Shares therefore only grow too, which the planner's lazy queue
+ordering relies on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+from .model import Project, ProjectTree
+
+UNLIMITED = math.inf
+
+
+class QuotaBook:
+    def __init__(
+        self,
+        tree: ProjectTree,
+        usage: Iterable[tuple[str, str, int]],  # (project, gpu type, GPUs) per workload
+        capacity: Mapping[str, int],  # GPU type -> schedulable GPUs in the fleet
+    ):
+        self.projects: dict[str, Project] = dict(tree.projects)
+        self.capacity = capacity
+        self._path: dict[str, tuple[str, ...]] = {}
+        self.children: dict[str | None, list[str]] = defaultdict(list)
+        for project in self.projects.values():
+            self.children[project.parent].append(project.name)
+        self._share: dict[str, float] = {}
+        self.used: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for project, gpu_type, gpus in usage:
+            self.add(project, gpu_type, gpus)
+        self.guaranteed: dict[str, dict[str, int]] = {}
+        for name in self._bottom_up():
+            self.guaranteed[name] = self._subtree_guarantee(name)
+        self._limited = [
+            name
+            for name, p in self.projects.items()
+            if any(q.lend_limit is not None for q in p.quotas.values())
+        ]
+        self._lendable = self._lendable_at_start()
+
+    # ------------------------------------------------------------- the tree
+    def ensure(self, name: str) -> None:
+        """A project the tree does not declare runs as a top-level project without
+        guarantee (the simulator's trace groups; a project removed from the config)."""
+        if name not in self.projects:
+            self.projects[name] = Project(name=name, default_priority="opportunistic")
+            self.children[None].append(name)
+            self.guaranteed[name] = {}
+
+    def path(self, name: str) -> tuple[str, ...]:
+        """The project and its ancestors, nearest first."""
+        path = self._path.get(name)
+        if path is None:
+            self.ensure(name)
+            chain = [name]
+            parent = self.projects[name].parent
+            while parent is not None:
+                chain.append(parent)
+                parent = self.projects[parent].parent
+            path = self._path[name] = tuple(chain)
+        return path
+
+    def _bottom_up(self) -> list[str]:
+        order: list[str] = []
+        stack: list[str | None] = [None]
+        while stack:
+            node = stack.pop()
+            for child in self.children.get(node, ()):
+                order.append(child)
+                stack.append(child)
+        return order[::-1]
+
+    def _subtree_guarantee(self, name: str) -> dict[str, int]:
+        own = {t: q.guaranteed for t, q in self.projects[name].quotas.items()}
+        children = self.children.get(name, ())
+        if not children:
+            return own
+        total: dict[str, int] = defaultdict(int)
+        for child in children:
+            for gpu_type, gpus in self.guaranteed[child].items():
+                total[gpu_type] += gpus
+        for gpu_type, gpus in own.items():
+            total[gpu_type] = max(total[gpu_type], gpus)
+        return dict(total)
+
+    # ------------------------------------------------------------ accounting
+    def add(self, project: str, gpu_type: str, gpus: int) -> None:
+        for name in self.path(project):
+            self.used[name][gpu_type] += gpus
+            self._share.pop(name, None)
+
+    def guarantee(self, name: str, gpu_type: str) -> int:
+        return self.guaranteed.get(name, {}).get(gpu_type, 0)
+
+    def usage(self, name: str, gpu_type: str) -> int:
+        return self.used[name][gpu_type] if name in self.used else 0
+
+    def cap(self, name: str, gpu_type: str) -> float:
+        quota = self.projects[name].quotas.get(gpu_type)
+        if quota is None or quota.borrow_limit is None:
+            return UNLIMITED
+        return self.guarantee(name, gpu_type) + quota.borrow_limit
+
+    def within_guarantee(self, project: str, gpu_type: str, gpus: int) -> bool:
+        return self.usage(project, gpu_type) + gpus <= self.guarantee(project, gpu_type)
+
+    def over_cap(self, project: str, gpu_type: str, gpus: int) -> str | None:
+        """The nearest node on the project's path that the request would take over its cap."""
+        for name in self.path(project):
+            if self.usage(name, gpu_type) + gpus > self.cap(name, gpu_type):
+                return name
+        return None
+
+    def borrow_room(self, project: str, gpu_type: str) -> float:
+        """How many more GPUs the project may use beyond what it uses now, by its caps."""
+        return min(self.cap(n, gpu_type) - self.usage(n, gpu_type) for n in self.path(project))
+
+    # --------------------------------------------------------------- lending
+    def _reserve(self, name: str, gpu_type: str) -> int:
+        quota = self.projects[name].quotas.get(gpu_type)
+        if quota is None or quota.lend_limit is None:
+            return 0
+        unused = self.guarantee(name, gpu_type) - self.usage(name, gpu_type)
+        return max(0, unused - quota.lend_limit)
+
+    def withheld_from(self, project: str, gpu_type: str) -> int:
+        """Free GPUs the project may not take: unused guarantee that other subtrees keep
+        for themselves by their lend limits. Nested limits count once (the larger)."""
+        if not self._limited:
+            return 0
+        path = set(self.path(project))
+        withheld = 0
+        for name in self._limited:
+            if name in path:
+                continue
+            # Counted at the outermost limited node outside the path that encloses it.
+            outer = next(
+                (a for a in self.path(name)[1:] if a in self._limited and a not in path), None
+            )
+            if outer is None:
+                withheld += self._protected(name, gpu_type)
+        return withheld
+
+    def _protected(self, name: str, gpu_type: str) -> int:
+        inner = sum(self._protected(c, gpu_type) for c in self.children.get(name, ()))
+        return max(self._reserve(name, gpu_type), inner)
+
+    # ------------------------------------------------------------ fair share
+    def _lendable_at_start(self) -> dict[str | None, dict[str, float]]:
+        """What each subtree could lend its members at the start of the cycle: its
+        children's unused guarantee within their lend limits (the fleet's unguaranteed
+        GPUs too, at the top). Never below 1, so a share is always defined."""
+        lendable: dict[str | None, dict[str, float]] = {}
+        for parent, children in list(self.children.items()):
+            per_type: dict[str, float] = defaultdict(float)
+            for child in children:
+                for gpu_type, guaranteed in self.guaranteed.get(child, {}).items():
+                    unused = max(0, guaranteed - self.usage(child, gpu_type))
+                    quota = self.projects[child].quotas.get(gpu_type)
+                    if quota is not None and quota.lend_limit is not None:
+                        unused = min(unused, quota.lend_limit)
+                    per_type[gpu_type] += unused
+            if parent is None:
+                for gpu_type, total in self.capacity.items():
+                    top = sum(self.guarantee(c, gpu_type) for c in children)
+                    per_type[gpu_type] += max(0, total - top)
+            lendable[parent] = per_type
+        return lendable
+
+    def share(self, name: str) -> float:
+        cached = self._share.get(name)
+        if cached is not None:
+            return cached
+        project = self.projects[name]
+        lendable = self._lendable.get(project.parent, {})
+        dominant = 0.0
+        for gpu_type, used in self.used[name].items():
+            borrowed = used - self.guarantee(name, gpu_type)
+            if borrowed > 0:
+                dominant = max(dominant, borrowed / max(1.0, lendable.get(gpu_type, 0.0)))
+        value = self._share[name] = dominant / project.weight
+        return value
+
+    def share_key(self, project: str) -> tuple[float, ...]:
+        """Shares from the top of the tree down to the project (lexicographic order)."""
+        return tuple(self.share(n) for n in reversed(self.path(project)))

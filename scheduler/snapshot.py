@@ -1,0 +1,172 @@
+"""What the scheduling core reads and returns: plain, frozen values and nothing else.
+
+``plan(snapshot, now) -> Plan`` (``scheduler/plan.py``) reads a ``SchedulingSnapshot``:
+the schedulable nodes with their free GPUs, the running workloads with where they run,
+the queue, the project tree and the policy. It returns a ``Plan``: admissions with a
+placement for every pod, preemptions with the workload they make room for, and for every
+workload left waiting its position and a reason a person can act on.
+
+Times are seconds since the epoch (floats): the controller passes wall-clock time, the
+simulator its virtual clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .model import ProjectTree
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """The GPUs of one type on one node (a node with MIG slices of several profiles appears
+    once per profile, each its own GPU type such as ``A100-80GB:3g.40gb``)."""
+
+    name: str
+    cluster: str
+    zone: str
+    gpu_type: str
+    total: int  # usable GPUs: present, not lost
+    free: tuple[str, ...]  # ids of the free ones, in device order
+    schedulable: bool = True  # false when cordoned, unhealthy or its heartbeat is lost
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pod:
+    node: str
+    gpus: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Running:
+    """A workload holding GPUs: admitted, running, or stopping (GPUs held until it is gone)."""
+
+    id: int
+    project: str
+    user: str
+    kind: str  # "session" or "job"
+    gpu_type: str
+    cluster: str
+    zone: str
+    pods: tuple[Pod, ...]
+    priority: str = "standard"
+    preemptible: bool = True
+    started_at: float = 0.0
+    # The last checkpoint (job) or snapshot (session): what a stop would not lose.
+    last_progress_at: float | None = None
+    # Marked idle by the culler and its project's idle policy lets anyone reclaim it.
+    idle_reclaimable: bool = False
+    stopping: bool = False
+    # The waiting workload a preemption stops it for; its GPUs are promised to that one.
+    stopping_for: int | None = None
+
+    @property
+    def gpus(self) -> int:
+        return sum(len(p.gpus) for p in self.pods)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A workload in the queue: ``pods`` × ``gpus_per_pod`` GPUs of one type, all in one
+    cluster and zone, or none of them."""
+
+    id: int
+    project: str
+    user: str
+    kind: str
+    gpu_type: str
+    gpus_per_pod: int
+    pods: int = 1
+    priority: str = "standard"
+    created_at: float = 0.0
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def gpus(self) -> int:
+        return self.pods * self.gpus_per_pod
+
+
+class Mode(enum.StrEnum):
+    """What the core enforces: gpufleet's full policy, or the simulator's baselines."""
+
+    GPUFLEET = "gpufleet"  # guarantees, borrowing, fair share, priorities, preemption
+    STATIC = "static"  # guarantees only: no borrowing, no preemption
+    FIFO = "fifo"  # no quotas: arrival order, no preemption
+
+
+@dataclass(frozen=True)
+class Policy:
+    mode: Mode = Mode.GPUFLEET
+    # A workload that started less than this long ago is not preempted (idle ones aside,
+    # which have been idle longer than that anyway).
+    min_run_time_s: float = 300.0
+    # Preemption searches per cycle; later candidates try again next cycle. Bounds the
+    # cycle's time when thousands of requests could each ask for room.
+    max_preemption_searches: int = 64
+
+
+@dataclass(frozen=True)
+class SchedulingSnapshot:
+    nodes: tuple[NodeState, ...]
+    running: tuple[Running, ...]
+    queue: tuple[Pending, ...]
+    projects: ProjectTree
+    # Priority class name -> rank, higher first; a class not named here ranks 0.
+    priorities: Mapping[str, int] = field(default_factory=dict)
+    # Class name -> whether its workloads may be preempted inside their project.
+    preemptible: Mapping[str, bool] = field(default_factory=dict)
+    policy: Policy = field(default_factory=Policy)
+
+
+class WaitCause(enum.StrEnum):
+    """Why a workload waits; a metric label and the key of the reason's wording."""
+
+    QUOTA = "quota"  # its project (or an enclosing team) is at its limit
+    USER_CAP = "user-cap"  # the user is at the project's per-user cap
+    CAPACITY = "capacity"  # no zone has room, and nothing may be preempted for it
+    RESERVED = "reserved"  # first in line for its GPU type: a zone is held for it
+    BEHIND = "behind"  # an earlier request of its project holds its place
+    PREEMPTING = "preempting"  # victims are stopping to make room for it
+    NEVER_FITS = "never-fits"  # larger than any zone of the fleet could ever hold
+
+
+class PreemptionCause(enum.StrEnum):
+    IDLE = "idle-reclaim"  # an idle session, reclaimed by whoever needs its GPUs
+    GUARANTEE = "guarantee-reclaim"  # a borrower, reclaimed for a project within guarantee
+    PRIORITY = "priority"  # a lower class of the same project
+    BORROWER_PRIORITY = "borrower-priority"  # a lower-class borrower, for a higher-class one
+
+
+@dataclass(frozen=True)
+class Admission:
+    workload_id: int
+    cluster: str
+    zone: str
+    pods: tuple[Pod, ...]
+    borrowed: int = 0  # GPUs above the project's guarantee: reclaimable when it needs them
+
+
+@dataclass(frozen=True)
+class Preemption:
+    victim_id: int
+    for_workload_id: int
+    cause: PreemptionCause
+    reason: str
+
+
+@dataclass(frozen=True)
+class Waiting:
+    workload_id: int
+    position: int  # 1-based, among the waiting workloads of the same GPU type
+    cause: WaitCause
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    admissions: tuple[Admission, ...] = ()
+    preemptions: tuple[Preemption, ...] = ()
+    waiting: tuple[Waiting, ...] = ()

@@ -1,0 +1,494 @@
+"""The scheduling core with literal inputs: ``plan(snapshot, now) == Plan(...)``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpufleet.scheduler.model import project_tree
+from gpufleet.scheduler.plan import plan
+from gpufleet.scheduler.snapshot import (
+    Admission,
+    Mode,
+    NodeState,
+    Pending,
+    Plan,
+    Pod,
+    Policy,
+    Preemption,
+    PreemptionCause,
+    Running,
+    SchedulingSnapshot,
+    WaitCause,
+    Waiting,
+)
+
+NOW = 100_000.0
+RANKS = {"critical": 300, "standard": 200, "opportunistic": 100}
+PREEMPTIBLE = {"opportunistic": True}
+
+
+def ids(node: str, *indices: int) -> tuple[str, ...]:
+    return tuple(f"{node}/{i}" for i in indices)
+
+
+def node(
+    name: str,
+    free: Sequence[int] = range(8),
+    total: int = 8,
+    zone: str = "z1",
+    cluster: str = "c1",
+    gpu_type: str = "H100",
+    schedulable: bool = True,
+    labels: Mapping[str, str] | None = None,
+) -> NodeState:
+    return NodeState(
+        name, cluster, zone, gpu_type, total, ids(name, *free), schedulable, labels or {}
+    )
+
+
+def pending(
+    wid: int,
+    project: str,
+    gpus: int,
+    pods: int = 1,
+    user: str = "ann",
+    priority: str = "standard",
+    at: float = 0.0,
+    gpu_type: str = "H100",
+    **extra: Any,
+) -> Pending:
+    return Pending(wid, project, user, "job", gpu_type, gpus, pods, priority, at, **extra)
+
+
+def running(
+    wid: int,
+    project: str,
+    placement: Mapping[str, Sequence[int]],
+    priority: str = "standard",
+    started: float = 0.0,
+    zone: str = "z1",
+    kind: str = "job",
+    **extra: Any,
+) -> Running:
+    pods = tuple(Pod(n, ids(n, *gpus)) for n, gpus in placement.items())
+    return Running(
+        wid,
+        project,
+        "bob",
+        kind,
+        "H100",
+        "c1",
+        zone,
+        pods,
+        priority,
+        PREEMPTIBLE.get(priority, False),
+        started,
+        **extra,
+    )
+
+
+def projects(**quotas: Any) -> Any:
+    """projects(vision=8, nlp=(8, 0)) -> guaranteed 8 (and a borrow limit of 0)."""
+    specs = []
+    for name, quota in quotas.items():
+        guaranteed, borrow = quota if isinstance(quota, tuple) else (quota, None)
+        specs.append(
+            {"name": name, "quotas": {"H100": {"guaranteed": guaranteed, "borrow_limit": borrow}}}
+        )
+    return project_tree(specs)
+
+
+def snap(
+    nodes: Sequence[NodeState],
+    queue: Sequence[Pending] = (),
+    run: Sequence[Running] = (),
+    tree: Any = None,
+    **policy: Any,
+) -> SchedulingSnapshot:
+    return SchedulingSnapshot(
+        tuple(nodes),
+        tuple(run),
+        tuple(queue),
+        tree if tree is not None else projects(),
+        RANKS,
+        PREEMPTIBLE,
+        Policy(**policy),
+    )
+
+
+# ------------------------------------------------------------------ placement
+def test_a_small_request_fills_the_partly_used_node_first() -> None:
+    result = plan(
+        snap(
+            [node("n1"), node("n2", free=[4, 5, 6, 7])],
+            [pending(1, "vision", 2)],
+            [running(9, "vision", {"n2": [0, 1, 2, 3]})],
+            projects(vision=16),
+        ),
+        NOW,
+    )
+    assert result == Plan(
+        admissions=(
+            Admission(
+                1,
+                "c1",
+                "z1",
+                (Pod("n2", ids("n2", 4, 5)),),
+            ),
+        )
+    )
+
+
+def test_a_gang_lands_whole_in_one_zone_taking_whole_nodes() -> None:
+    nodes = [
+        node("a1", zone="z1"),
+        node("a2", zone="z1", free=[0, 1, 2, 3]),
+        node("b1", zone="z2"),
+        node("b2", zone="z2"),
+    ]
+    result = plan(snap(nodes, [pending(1, "vision", 8, pods=2)], tree=projects(vision=32)), NOW)
+    assert result.admissions == (
+        Admission(
+            1, "c1", "z2", (Pod("b1", ids("b1", *range(8))), Pod("b2", ids("b2", *range(8))))
+        ),
+    )
+
+
+def test_no_partial_gang_and_the_reason_names_the_largest_block() -> None:
+    nodes = [node("a1", zone="z1"), node("b1", zone="z2"), node("b2", zone="z2", free=[0])]
+    result = plan(snap(nodes, [pending(1, "vision", 8, pods=2)], tree=projects(vision=32)), NOW)
+    assert result == Plan(
+        waiting=(
+            Waiting(
+                1,
+                1,
+                WaitCause.RESERVED,
+                "needs 16 × H100 in one zone; largest free block is 8 in z1; project vision "
+                "uses 0/32 guaranteed and may borrow without limit; first in line for H100: "
+                "z1 is held for it as GPUs free up",
+            ),
+        )
+    )
+
+
+def test_cordoned_unhealthy_and_other_type_nodes_receive_nothing() -> None:
+    nodes = [
+        node("bad", schedulable=False),
+        node("a100", gpu_type="A100"),
+        node("ok", free=[0]),
+    ]
+    result = plan(snap(nodes, [pending(1, "vision", 2)], tree=projects(vision=8)), NOW)
+    assert result.admissions == ()
+    assert result.waiting[0].reason.startswith(
+        "needs 2 × H100 on one node; largest free block is 1 in z1"
+    )
+
+
+def test_a_node_selector_restricts_placement_to_labelled_nodes() -> None:
+    nodes = [node("plain", free=[0, 1]), node("ib", labels={"network": "ib"})]
+    request = pending(1, "vision", 2, node_selector={"network": "ib"})
+    result = plan(snap(nodes, [request], tree=projects(vision=8)), NOW)
+    assert result.admissions == (Admission(1, "c1", "z1", (Pod("ib", ids("ib", 0, 1)),)),)
+
+
+def test_a_request_no_zone_could_ever_hold_is_told_so() -> None:
+    result = plan(snap([node("n1"), node("n2", zone="z2")], [pending(1, "v", 8, pods=2)]), NOW)
+    assert result.waiting == (
+        Waiting(
+            1,
+            1,
+            WaitCause.NEVER_FITS,
+            "needs 16 × H100 (2 pods × 8) in one zone; no zone of the fleet holds that many "
+            "even when empty: ask for fewer GPUs, or for smaller pods",
+        ),
+    )
+    unknown = plan(snap([node("n1")], [pending(2, "v", 1, gpu_type="B200")]), NOW)
+    assert unknown.waiting[0].reason == "needs 1 × B200; no node of the fleet has B200"
+
+
+def test_the_first_blocked_request_holds_a_zone_and_smaller_ones_fill_the_rest() -> None:
+    nodes = [node("a1", zone="z1", free=[0, 1, 2, 3]), node("b1", zone="z2", free=[0, 1])]
+    queue = [pending(1, "vision", 8, at=1), pending(2, "vision", 2, at=2)]
+    result = plan(snap(nodes, queue, tree=projects(vision=64)), NOW)
+    # z1 is closest to holding 8: held for workload 1; workload 2 goes to z2, not z1.
+    assert result.admissions == (Admission(2, "c1", "z2", (Pod("b1", ids("b1", 0, 1)),)),)
+    assert result.waiting[0].cause is WaitCause.RESERVED
+
+
+# ---------------------------------------------------------------------- quota
+def test_a_project_at_its_borrow_limit_waits_with_the_numbers() -> None:
+    result = plan(
+        snap(
+            [node("n1")],
+            [pending(1, "vision", 2), pending(2, "vision", 1, at=5)],
+            [running(9, "vision", {"n1": [0, 1, 2, 3]})],
+            projects(vision=(4, 0)),
+        ),
+        NOW,
+    )
+    assert result.waiting == (
+        Waiting(
+            1,
+            1,
+            WaitCause.QUOTA,
+            "needs 2 × H100; project vision uses 4/4 guaranteed H100 and may borrow 0 more",
+        ),
+        Waiting(
+            2,
+            2,
+            WaitCause.BEHIND,
+            "waiting behind an earlier request for H100 in project vision (workload 1): "
+            "needs 2 × H100; project vision uses 4/4 guaranteed H100 and may borrow 0 more",
+        ),
+    )
+
+
+def test_an_inner_node_caps_its_subtree() -> None:
+    tree = project_tree(
+        [
+            {"name": "org", "kind": "organisation", "quotas": {"H100": {"borrow_limit": 2}}},
+            {"name": "a", "parent": "org", "quotas": {"H100": {"guaranteed": 2}}},
+            {"name": "b", "parent": "org", "quotas": {"H100": {"guaranteed": 2}}},
+        ]
+    )
+    result = plan(
+        snap([node("n1")], [pending(1, "a", 4)], [running(9, "b", {"n1": [0, 1, 2]})], tree), NOW
+    )
+    assert result.waiting[0].reason == (
+        "needs 4 × H100; organisation org caps its projects at 6 × H100 and they use 3"
+    )
+
+
+def test_the_per_user_cap_holds_only_that_users_later_requests() -> None:
+    tree = project_tree(
+        [{"name": "v", "per_user_gpu_cap": 2, "quotas": {"H100": {"guaranteed": 8}}}]
+    )
+    queue = [
+        pending(1, "v", 2, user="ann", at=1),
+        pending(2, "v", 1, user="ann", at=2),
+        pending(3, "v", 1, user="bob", at=3),
+    ]
+    result = plan(snap([node("n1")], queue, tree=tree), NOW)
+    assert [a.workload_id for a in result.admissions] == [1, 3]
+    assert result.waiting == (
+        Waiting(
+            2,
+            1,
+            WaitCause.USER_CAP,
+            "needs 1 × H100; ann uses 2 of the 2-GPU per-user cap in project v",
+        ),
+    )
+
+
+def test_static_quotas_never_borrow_and_fifo_ignores_quotas() -> None:
+    nodes = [node("n1")]
+    queue = [pending(1, "v", 4, at=1), pending(2, "v", 4, at=2)]
+    static = plan(snap(nodes, queue, tree=projects(v=4), mode=Mode.STATIC), NOW)
+    assert [a.workload_id for a in static.admissions] == [1]
+    assert static.waiting[0].cause is WaitCause.QUOTA
+    fifo = plan(snap(nodes, queue, tree=projects(v=0), mode=Mode.FIFO), NOW)
+    assert [a.workload_id for a in fifo.admissions] == [1, 2]
+
+
+def test_borrowing_admits_beyond_the_guarantee_and_says_how_much() -> None:
+    result = plan(snap([node("n1")], [pending(1, "v", 6)], tree=projects(v=4, w=4)), NOW)
+    assert result.admissions == (Admission(1, "c1", "z1", (Pod("n1", ids("n1", *range(6))),), 2),)
+
+
+def test_a_lend_limit_keeps_part_of_the_unused_guarantee_idle() -> None:
+    tree = project_tree(
+        [
+            {"name": "owner", "quotas": {"H100": {"guaranteed": 6, "lend_limit": 2}}},
+            {"name": "other"},
+        ]
+    )
+    result = plan(snap([node("n1")], [pending(1, "other", 5)], tree=tree), NOW)
+    # 8 free, of which owner keeps 4 (6 unused, 2 lent at most): 5 do not fit, 4 do.
+    assert result.admissions == ()
+    fits = plan(snap([node("n1")], [pending(1, "other", 4)], tree=tree), NOW)
+    assert len(fits.admissions) == 1
+
+
+# ------------------------------------------------------------------- ordering
+def test_within_guarantee_first_then_borrowers_by_class_then_fair_share() -> None:
+    tree = projects(a=0, b=0, c=2)
+    # a already borrows 2, b borrows nothing: b goes first among equal classes.
+    queue = [
+        pending(1, "a", 2, at=1),
+        pending(2, "b", 2, at=2),
+        pending(3, "c", 2, at=3),
+        pending(4, "a", 2, at=4, priority="critical"),
+    ]
+    result = plan(
+        snap([node("n1", free=[2, 3, 4, 5, 6, 7])], queue, [running(9, "a", {"n1": [0, 1]})], tree),
+        NOW,
+    )
+    assert [a.workload_id for a in result.admissions] == [3, 4, 2]
+
+
+def test_unused_guarantee_goes_to_the_nearest_subtree_first() -> None:
+    tree = project_tree(
+        [
+            {"name": "t1", "kind": "team"},
+            {"name": "idle", "parent": "t1", "quotas": {"H100": {"guaranteed": 4}}},
+            {"name": "near", "parent": "t1"},
+            {"name": "t2", "kind": "team"},
+            {"name": "far", "parent": "t2", "quotas": {"H100": {"guaranteed": 4}}},
+        ]
+    )
+    queue = [pending(1, "far", 6, at=1), pending(2, "near", 2, at=2)]
+    # far borrows from outside its team; near borrows its sibling's idle guarantee. Only
+    # one of them fits: near, although it asked later.
+    nodes = [node("n1", free=range(6)), node("n2", free=[])]
+    result = plan(snap(nodes, queue, [running(9, "far", {"n2": range(8)})], tree), NOW)
+    assert [a.workload_id for a in result.admissions] == [2]
+    assert result.waiting[0].workload_id == 1
+
+
+# ----------------------------------------------------------------- preemption
+def test_a_project_within_its_guarantee_reclaims_exactly_what_it_needs() -> None:
+    borrowers = [running(10 + i, "b", {"n1": [2 * i, 2 * i + 1]}, started=i) for i in range(4)]
+    result = plan(
+        snap([node("n1", free=[])], [pending(1, "a", 4)], borrowers, projects(a=4, b=4)),
+        NOW,
+    )
+    # b's guarantee covers its two earliest workloads; the two latest are the borrowers,
+    # the latest first: it has done the least work since it started.
+    assert result.preemptions == (
+        Preemption(
+            13,
+            1,
+            PreemptionCause.GUARANTEE,
+            "it ran on GPUs borrowed beyond project b's guarantee, which workload 1 of project "
+            "a needed within its own guarantee",
+        ),
+        Preemption(12, 1, PreemptionCause.GUARANTEE, result.preemptions[0].reason),
+    )
+    assert result.waiting[0].cause is WaitCause.PREEMPTING
+    assert (
+        result.waiting[0].reason == "needs 4 × H100; stopping workload(s) 13, 12 to free 4 GPU(s)"
+    )
+
+
+def test_reclaim_never_evicts_far_more_than_it_needs() -> None:
+    nodes = [node(f"n{i}", free=[]) for i in range(8)]
+    borrowers = [
+        running(100 + 8 * i + j, "b", {f"n{i}": [j]}, started=8 * i + j)
+        for i in range(8)
+        for j in range(8)
+    ]
+    result = plan(snap(nodes, [pending(1, "a", 8)], borrowers, projects(a=48, b=16)), NOW)
+    victims = {p.victim_id for p in result.preemptions}
+    assert len(victims) == 8  # one node's worth: 8 single-GPU workloads, not 48
+    assert len({b.pods[0].node for b in borrowers if b.id in victims}) == 1
+
+
+def test_workloads_within_their_guarantee_are_never_evicted_by_another_project() -> None:
+    inside = running(9, "b", {"n1": range(8)}, priority="opportunistic")
+    result = plan(
+        snap(
+            [node("n1", free=[])],
+            [pending(1, "a", 4, priority="critical")],
+            [inside],
+            projects(a=4, b=8),
+        ),
+        NOW,
+    )
+    assert result.preemptions == ()
+    assert result.waiting[0].cause is WaitCause.RESERVED
+
+
+def test_an_idle_session_is_reclaimed_even_for_a_borrower() -> None:
+    idle = running(9, "b", {"n1": range(8)}, kind="session", idle_reclaimable=True)
+    result = plan(
+        snap([node("n1", free=[])], [pending(1, "a", 8)], [idle], projects(a=0, b=8)), NOW
+    )
+    assert result.preemptions == (
+        Preemption(
+            9, 1, PreemptionCause.IDLE, "idle; its GPUs were reclaimed for workload 1 of project a"
+        ),
+    )
+
+
+def test_idle_sessions_go_first_and_the_minimum_run_time_protects_new_work() -> None:
+    young = running(8, "b", {"n1": range(4)}, started=NOW - 10)
+    old = running(9, "b", {"n1": range(4, 8)}, started=0)
+    idle = running(7, "b", {"n2": range(8)}, kind="session", idle_reclaimable=True, started=NOW - 5)
+    tree = projects(a=8, b=0)
+    result = plan(
+        snap(
+            [node("n1", free=[]), node("n2", free=[])],
+            [pending(1, "a", 8)],
+            [young, old, idle],
+            tree,
+        ),
+        NOW,
+    )
+    assert [p.victim_id for p in result.preemptions] == [7]
+    no_idle = plan(snap([node("n1", free=[])], [pending(1, "a", 8)], [young, old], tree), NOW)
+    assert no_idle.preemptions == ()  # young is protected, old alone does not make room
+    later = plan(snap([node("n1", free=[])], [pending(1, "a", 8)], [young, old], tree), NOW + 300)
+    assert {p.victim_id for p in later.preemptions} == {8, 9}
+
+
+def test_a_higher_class_preempts_a_lower_one_inside_its_project_at_its_cap() -> None:
+    low = running(9, "v", {"n1": range(8)}, priority="opportunistic")
+    result = plan(
+        snap(
+            [node("n1", free=[])],
+            [pending(1, "v", 8, priority="critical")],
+            [low],
+            projects(v=(8, 0)),
+        ),
+        NOW,
+    )
+    assert [(p.victim_id, p.cause) for p in result.preemptions] == [(9, PreemptionCause.PRIORITY)]
+    standard = running(9, "v", {"n1": range(8)}, priority="standard")  # not preemptible
+    spared = plan(
+        snap(
+            [node("n1", free=[])],
+            [pending(1, "v", 8, priority="critical")],
+            [standard],
+            projects(v=(8, 0)),
+        ),
+        NOW,
+    )
+    assert spared.preemptions == () and spared.waiting[0].cause is WaitCause.QUOTA
+
+
+def test_a_borrower_preempts_only_lower_class_preemptible_borrowers() -> None:
+    low = running(9, "b", {"n1": range(8)}, priority="opportunistic")
+    tree = projects(a=0, b=0)
+    result = plan(snap([node("n1", free=[])], [pending(1, "a", 8)], [low], tree), NOW)
+    assert [(p.victim_id, p.cause) for p in result.preemptions] == [
+        (9, PreemptionCause.BORROWER_PRIORITY)
+    ]
+    equal = plan(
+        snap([node("n1", free=[])], [pending(1, "a", 8, priority="opportunistic")], [low], tree),
+        NOW,
+    )
+    assert equal.preemptions == ()
+
+
+def test_while_its_victims_stop_a_request_asks_for_no_more() -> None:
+    stopping = running(9, "b", {"n1": range(8)}, stopping=True, stopping_for=1)
+    other = running(10, "b", {"n2": range(8)})
+    result = plan(
+        snap(
+            [node("n1", free=[]), node("n2", free=[])],
+            [pending(1, "a", 8)],
+            [stopping, other],
+            projects(a=8, b=0),
+        ),
+        NOW,
+    )
+    assert result.preemptions == ()
+    assert result.waiting == (
+        Waiting(
+            1,
+            1,
+            WaitCause.PREEMPTING,
+            "needs 8 × H100; waiting for 8 GPU(s) being freed by preempted workload(s) 9",
+        ),
+    )
