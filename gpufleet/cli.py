@@ -1,11 +1,29 @@
 """The ``gpufleet`` command. Researcher and admin commands (submit, jobs, queue, nodes, ...)
-come with the SDK; today it reports its version and where the server commands are."""
+come with the SDK; today it reports its version, where the server commands are, and runs
+the what-if simulator (``gpufleet simulate``, docs/simulator.md).
+
+Exit codes: 0 done; 1 a part of gpufleet this install lacks; 2 bad input (arguments,
+trace, fleet or projects file), with a message that names the file and what to fix.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from .scheduler.simulator_report import SimulationResult, Waits
+
+EXIT_MISSING_EXTRA = 1
+EXIT_BAD_INPUT = 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,9 +33,168 @@ def main(argv: list[str] | None = None) -> int:
         "`jupyterhub -f jupyterhub_config.py`, `gpufleet-controller upgrade-db`.",
     )
     parser.add_argument("--version", action="version", version=f"gpufleet {__version__}")
-    parser.parse_args(argv)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_simulate(commands)
+    args = parser.parse_args(argv)
+    if args.command == "simulate":
+        return simulate_command(args)
     parser.print_help()
     return 0
+
+
+# ---------------------------------------------------------------------- simulate
+def _add_simulate(commands: Any) -> None:
+    sim = commands.add_parser(
+        "simulate",
+        help="replay a job trace under a proposed quota configuration",
+        description="Replay a job trace on a fleet under a project tree and a policy; "
+        "write one JSON record per job and print a summary. Formats: docs/simulator.md.",
+    )
+    sim.add_argument("trace", type=Path, help="CSV: job_id,submit_s,duration_s,num_gpus,group")
+    sim.add_argument("--fleet", type=Path, required=True, help="YAML: clusters, zones, pools")
+    sim.add_argument(
+        "--projects",
+        type=Path,
+        help="YAML: the project tree with quotas; without it every group is opportunistic",
+    )
+    sim.add_argument(
+        "--policy",
+        choices=("gpufleet", "fifo", "static"),
+        default="gpufleet",
+        help="gpufleet: guarantees, borrowing, preemption; static: guarantees, no "
+        "borrowing; fifo: arrival order, no quotas (default: %(default)s)",
+    )
+    sim.add_argument(
+        "--out",
+        type=Path,
+        default=Path("simulation.json"),
+        help="where to write the JSON result; '-' for standard output, the table then "
+        "going to standard error (default: %(default)s)",
+    )
+    sim.add_argument("--min-run-time", type=float, default=300.0, metavar="SECONDS")
+    sim.add_argument("--checkpoint-interval", type=float, default=1800.0, metavar="SECONDS")
+    sim.add_argument("--session-snapshot", type=float, default=20.0, metavar="SECONDS")
+    sim.add_argument("--job-grace", type=float, default=30.0, metavar="SECONDS")
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    try:
+        from .scheduler import inputs, simulator
+        from .scheduler.errors import InputError
+        from .scheduler.model import ProjectTree
+        from .scheduler.simulator_report import result_json
+    except ImportError as e:
+        print(
+            f"gpufleet simulate needs the server extra ({e.name} is missing): "
+            "pip install 'gpufleet[server]'",
+            file=sys.stderr,
+        )
+        return EXIT_MISSING_EXTRA
+    to_stdout = str(args.out) == "-"
+    console = Console(stderr=to_stdout)
+    try:
+        jobs = inputs.read_trace(args.trace)
+        nodes = inputs.read_fleet(args.fleet)
+        projects = inputs.read_projects(args.projects) if args.projects else ProjectTree({})
+        options = simulator.SimulationOptions(
+            session_snapshot_s=args.session_snapshot,
+            job_checkpoint_grace_s=args.job_grace,
+            checkpoint_interval_s=args.checkpoint_interval,
+            min_run_time_s=args.min_run_time,
+        )
+        try:
+            result = simulator.simulate(jobs, nodes, projects, args.policy, options)
+        except simulator.TraceJobError as e:
+            # read_trace numbers data lines from 2 (after the header), in file order.
+            line = next(i for i, j in enumerate(jobs, start=2) if j.job_id == e.job_id)
+            raise InputError(f"{args.trace}:{line}: {e}") from e
+    except InputError as e:
+        print(f"gpufleet simulate: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        print(f"gpufleet simulate: cannot read {e.filename}: {e.strerror}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    document = json.dumps(result_json(result))
+    if to_stdout:
+        sys.stdout.write(document + "\n")
+    else:
+        try:
+            args.out.write_text(document + "\n")
+        except OSError as e:
+            print(f"gpufleet simulate: cannot write {args.out}: {e.strerror}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    print_summary(result, console)
+    if not to_stdout:
+        console.print(f"Result: {args.out}")
+    return 0
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def print_summary(result: SimulationResult, console: Console) -> None:
+    """The summary as tables: totals, then waits and JCT per project and per priority."""
+    from rich.table import Table
+
+    s = result.summary
+    totals = Table(title=f"Simulation ({result.policy})", show_header=False)
+    totals.add_column("metric")
+    totals.add_column("value", justify="right")
+    for label, value in (
+        ("jobs (started / finished)", f"{s.jobs} ({s.started} / {s.finished})"),
+        ("never fit the fleet", str(s.never_fits)),
+        ("never started", str(s.never_started)),
+        ("GPUs", str(s.gpus)),
+        ("makespan", _duration(s.makespan_s)),
+        ("GPU utilisation", _share(s.gpu_utilisation)),
+        ("GPUs allocated while work waited", _share(s.allocation_while_waiting)),
+        ("time with work waiting", _duration(s.waiting_s)),
+        ("wait p50 / p95 / p99", _waits(s.waits)),
+        ("mean JCT", _duration(s.mean_jct_s)),
+        ("preemptions", str(s.preemptions)),
+        ("lost GPU-hours", f"{s.lost_gpu_hours:.1f}"),
+    ):
+        totals.add_row(label, value)
+    console.print(totals)
+    console.print(_waits_table("project", s.waits_by_project, s.mean_jct_by_project))
+    console.print(_waits_table("priority", s.waits_by_priority, None))
+
+
+def _waits(w: Waits) -> str:
+    return f"{_duration(w.p50)} / {_duration(w.p95)} / {_duration(w.p99)}"
+
+
+def _waits_table(
+    by: str, waits: Mapping[str, Waits], jct: Mapping[str, float | None] | None
+) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"Waits by {by}")
+    table.add_column(by)
+    table.add_column("started", justify="right")
+    for column in ("wait p50", "wait p95", "wait p99"):
+        table.add_column(column, justify="right")
+    if jct is not None:
+        table.add_column("mean JCT", justify="right")
+    for name, w in waits.items():
+        row = [name, str(w.count), _duration(w.p50), _duration(w.p95), _duration(w.p99)]
+        if jct is not None:
+            row.append(_duration(jct.get(name)))
+        table.add_row(*row)
+    return table
 
 
 if __name__ == "__main__":

@@ -1,0 +1,669 @@
+"""The what-if simulator: replay a job trace through the scheduling core on a virtual clock.
+
+``simulate(jobs, nodes, projects, policy, options) -> SimulationResult`` is pure: it reads
+plain values (``inputs.read_trace`` / ``read_fleet`` / ``read_projects`` give them) and
+returns plain values (``simulator_report``); the CLI reads the files and writes the JSON.
+
+The replay is event driven. Events are arrivals, completions, the end of a preempted
+workload's stop (its snapshot or checkpoint grace), checkpoints, and wake-ups once a new
+workload has run ``min_run_time_s`` (it may be preempted from then on). All events of one
+timestamp are applied together, then the core is asked once — ``plan(snapshot, now)`` —
+and its decisions are applied: admissions start at once and end ``remaining`` seconds
+later; a preempted workload keeps its GPUs, marked stopping, until its stop delay has
+passed, then goes back to the queue with its original submission time (so it keeps its
+place) and the work it has not checkpointed to do again. The core is asked only when
+something happened and the queue is not empty: a workload waits for the next event,
+never for a busy loop.
+
+Invariants, between two events:
+- every GPU of the fleet is either in its node's ``free`` tuple or held by exactly one
+  running (or stopping) workload, and ``free`` lists ids in device order;
+- a workload is in exactly one of: not yet arrived, the queue, running, finished;
+- the state is changed only by the event handlers and ``_apply`` of ``_Replay``, and
+  each frozen value (NodeState, Running, Pending) is replaced, never rebuilt wholesale:
+  a cycle costs the core's work plus three ``tuple(dict.values())``.
+
+Modelling choices (``docs/simulator.md`` explains them):
+- jobs checkpoint every ``checkpoint_interval_s`` from each start; a preempted job loses
+  (and redoes) the work since its last checkpoint, counted in ``lost_gpu_s`` as GPUs x
+  (end of its stop - last checkpoint); sessions snapshot everything and lose nothing;
+- GPU ids are ``node/index``; a trace job without ``gpus_per_pod`` takes one pod when it
+  fits on the largest node of its type, else whole nodes (``num_gpus`` must divide);
+- a job without ``gpu_type`` asks for the fleet's most common type (by GPUs); without
+  ``priority`` its project's ``default_priority``; a trace group that names no project
+  is added as a top-level project without quotas whose default priority is opportunistic;
+- priority ranks are ``PRIORITY_RANKS`` (the projects file carries none today); only
+  opportunistic work may be preempted by a higher class of its own project;
+- the trace has no users: each job is its own user, so a per-user cap bounds a job.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+
+from .errors import InputError, SchedulerError
+from .inputs import TraceJob
+from .model import FleetNode, Project, ProjectTree
+from .plan import plan
+from .simulator_report import (
+    ClockTotals,
+    JobRecord,
+    NeverFits,
+    Run,
+    SimulationResult,
+    summarise,
+)
+from .snapshot import (
+    Mode,
+    NodeState,
+    Pending,
+    Plan,
+    Pod,
+    Policy,
+    Running,
+    SchedulingSnapshot,
+    WaitCause,
+)
+
+__all__ = [
+    "PREEMPTIBLE_CLASSES",
+    "PRIORITY_RANKS",
+    "JobRecord",
+    "NeverFits",
+    "PlanConflict",
+    "Planner",
+    "Run",
+    "SimulationOptions",
+    "SimulationResult",
+    "TraceJobError",
+    "simulate",
+]
+
+Planner = Callable[[SchedulingSnapshot, float], Plan]
+
+# Priority classes, higher rank first. The projects file names classes but carries no
+# ranks today, so the simulator uses these.
+PRIORITY_RANKS: Mapping[str, int] = {"critical": 300, "standard": 200, "opportunistic": 100}
+# Whether a class may be preempted inside its project for a higher class.
+PREEMPTIBLE_CLASSES: Mapping[str, bool] = {
+    "critical": False,
+    "standard": False,
+    "opportunistic": True,
+}
+
+
+@dataclass(frozen=True)
+class SimulationOptions:
+    session_snapshot_s: float = 20.0  # a preempted session holds its GPUs this long
+    job_checkpoint_grace_s: float = 30.0  # a preempted job holds its GPUs this long
+    checkpoint_interval_s: float = 1800.0  # jobs checkpoint this often from each start
+    min_run_time_s: float = 300.0  # Policy.min_run_time_s
+    max_preemption_searches: int = 64  # Policy.max_preemption_searches
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint_interval_s > 0:
+            raise InputError(
+                f"checkpoint_interval_s must be positive, not {self.checkpoint_interval_s}"
+            )
+        for name in ("session_snapshot_s", "job_checkpoint_grace_s", "min_run_time_s"):
+            if not getattr(self, name) >= 0:
+                raise InputError(f"{name} must be zero or more, not {getattr(self, name)}")
+        if self.max_preemption_searches < 0:
+            raise InputError("max_preemption_searches must be zero or more")
+
+
+class PlanConflict(SchedulerError):
+    """The core returned a decision the simulated fleet cannot carry out (a GPU that is
+    not free, a workload that is not queued or not running): a bug in the core."""
+
+
+# Event kinds, in the order they are applied within one timestamp: a job that completes
+# at the moment its stop would end has completed; a checkpoint taken at that moment counts.
+FINISH, CHECKPOINT, STOPPED, ARRIVE, WAKE = range(5)
+
+
+class _Job:
+    """The replay's book on one trace job (mutable; never handed to the core)."""
+
+    __slots__ = (
+        "attempt",
+        "end",
+        "gpu_type",
+        "gpus_per_pod",
+        "lost_gpu_s",
+        "pending",
+        "pods",
+        "preemptions",
+        "priority",
+        "project",
+        "remaining",
+        "runs",
+        "stop_began",
+        "trace",
+        "wid",
+    )
+
+    def __init__(
+        self, wid: int, trace: TraceJob, project: str, priority: str, gpu_type: str, pods: int
+    ):
+        self.wid = wid
+        self.trace = trace
+        self.project = project
+        self.priority = priority
+        self.gpu_type = gpu_type
+        self.pods = pods
+        self.gpus_per_pod = trace.num_gpus // pods
+        self.remaining = trace.duration_s
+        self.attempt = 0  # bumped whenever a run ends, so stale events are recognised
+        self.runs: list[Run] = []
+        self.preemptions = 0
+        self.lost_gpu_s = 0.0
+        self.end: float | None = None
+        self.stop_began: float | None = None
+        self.pending = Pending(
+            id=wid,
+            project=project,
+            user=trace.job_id,
+            kind=trace.kind,
+            gpu_type=gpu_type,
+            gpus_per_pod=self.gpus_per_pod,
+            pods=pods,
+            priority=priority,
+            created_at=trace.submit_s,
+        )
+
+
+class _Fleet:
+    """What the fleet could ever hold, per GPU type (for shaping and never-fits)."""
+
+    def __init__(self, nodes: Sequence[FleetNode]):
+        self.zone_nodes: dict[str, dict[tuple[str, str], list[int]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        gpus_by_type: Counter[str] = Counter()
+        for node in nodes:
+            self.zone_nodes[node.gpu_type][(node.cluster, node.zone)].append(node.gpus)
+            gpus_by_type[node.gpu_type] += node.gpus
+        self.gpus_by_type = dict(sorted(gpus_by_type.items()))
+        # The most common type by GPUs; ties go to the first name.
+        self.default_type = min(gpus_by_type, key=lambda t: (-gpus_by_type[t], t), default=None)
+        self._room: dict[tuple[str, int], int] = {}
+        self.largest_node = {t: max(max(s) for s in z.values()) for t, z in self.zone_nodes.items()}
+
+    def pods_in_largest_zone(self, gpu_type: str, per_pod: int) -> int:
+        key = (gpu_type, per_pod)
+        room = self._room.get(key)
+        if room is None:
+            zones = self.zone_nodes[gpu_type].values()
+            room = self._room[key] = max(sum(size // per_pod for size in s) for s in zones)
+        return room
+
+
+class TraceJobError(InputError):
+    """A trace job that cannot be used as written; ``job_id`` names it, so whoever read
+    the file can point at its line."""
+
+    def __init__(self, job_id: str, message: str):
+        super().__init__(f"job {job_id!r}: {message}")
+        self.job_id = job_id
+
+
+def _job_error(job: TraceJob, message: str) -> TraceJobError:
+    return TraceJobError(job.job_id, message)
+
+
+def _shape(wid: int, job: TraceJob, fleet: _Fleet, tree: ProjectTree) -> _Job | NeverFits:
+    """The queue entry a trace job becomes, or why it can never fit. Raises InputError for
+    a line that cannot be used as written (the error names the job)."""
+    project = tree.projects[job.group]
+    priority = job.priority or project.default_priority
+    if priority not in PRIORITY_RANKS:
+        source = "its priority" if job.priority else f"project {project.name!r}'s default"
+        raise _job_error(job, f"{source} {priority!r} is not one of {', '.join(PRIORITY_RANKS)}")
+    if project.allowed_priorities and priority not in project.allowed_priorities:
+        raise _job_error(job, f"project {project.name!r} does not allow priority {priority!r}")
+    if job.gpus_per_pod is not None and job.num_gpus % job.gpus_per_pod:
+        raise _job_error(
+            job, f"num_gpus {job.num_gpus} is not a multiple of gpus_per_pod {job.gpus_per_pod}"
+        )
+    gpu_type = job.gpu_type or fleet.default_type
+    if gpu_type is None or gpu_type not in fleet.zone_nodes:
+        known = ", ".join(fleet.gpus_by_type) or "none"
+        return NeverFits(job.job_id, f"no node has GPU type {gpu_type!r} (the fleet has {known})")
+    largest = fleet.largest_node[gpu_type]
+    if job.gpus_per_pod is not None:
+        per_pod = job.gpus_per_pod
+    elif job.num_gpus <= largest:
+        per_pod = job.num_gpus
+    elif job.num_gpus % largest:
+        return NeverFits(
+            job.job_id,
+            f"{job.num_gpus} {gpu_type} GPUs do not divide into whole {largest}-GPU nodes; "
+            "give gpus_per_pod",
+        )
+    else:
+        per_pod = largest
+    pods = job.num_gpus // per_pod
+    room = fleet.pods_in_largest_zone(gpu_type, per_pod)
+    if room < pods:
+        return NeverFits(
+            job.job_id,
+            f"needs {pods} pod(s) of {per_pod} {gpu_type} GPUs in one zone; "
+            f"the largest zone holds {room}",
+        )
+    return _Job(wid, job, project.name, priority, gpu_type, pods)
+
+
+def _with_trace_groups(projects: ProjectTree, jobs: Iterable[TraceJob]) -> ProjectTree:
+    missing = sorted({j.group for j in jobs} - set(projects.projects))
+    if not missing:
+        return projects
+    added = {g: Project(name=g, default_priority="opportunistic") for g in missing}
+    return ProjectTree({**projects.projects, **added})
+
+
+def _with_free(node: NodeState, free: tuple[str, ...]) -> NodeState:
+    # Spelled out: dataclasses.replace costs several times more, and this runs per pod.
+    return NodeState(
+        name=node.name,
+        cluster=node.cluster,
+        zone=node.zone,
+        gpu_type=node.gpu_type,
+        total=node.total,
+        free=free,
+        schedulable=node.schedulable,
+        labels=node.labels,
+    )
+
+
+def _checkpointed(r: Running, at: float) -> Running:
+    return Running(
+        id=r.id,
+        project=r.project,
+        user=r.user,
+        kind=r.kind,
+        gpu_type=r.gpu_type,
+        cluster=r.cluster,
+        zone=r.zone,
+        pods=r.pods,
+        priority=r.priority,
+        preemptible=r.preemptible,
+        started_at=r.started_at,
+        last_progress_at=at,
+        idle_reclaimable=r.idle_reclaimable,
+        stopping=r.stopping,
+        stopping_for=r.stopping_for,
+    )
+
+
+class _Replay:
+    """The replay's state and its event loop (see the module docstring's invariants)."""
+
+    def __init__(
+        self,
+        jobs: Sequence[_Job],
+        nodes: Sequence[FleetNode],
+        tree: ProjectTree,
+        policy: Policy,
+        options: SimulationOptions,
+        planner: Planner,
+    ):
+        self.jobs = {j.wid: j for j in jobs}
+        self.tree = tree
+        self.policy = policy
+        self.options = options
+        self.planner = planner
+        self.all_gpus = {n.name: tuple(f"{n.name}/{i}" for i in range(n.gpus)) for n in nodes}
+        self.free = {name: set(ids) for name, ids in self.all_gpus.items()}
+        self.nodes = {
+            n.name: NodeState(
+                name=n.name,
+                cluster=n.cluster,
+                zone=n.zone,
+                gpu_type=n.gpu_type,
+                total=n.gpus,
+                free=self.all_gpus[n.name],
+                labels=n.labels,
+            )
+            for n in nodes
+        }
+        self.capacity = sum(n.gpus for n in nodes)
+        self.free_by_type: dict[str, int] = defaultdict(int)
+        for n in nodes:
+            self.free_by_type[n.gpu_type] += n.gpus
+        self.running: dict[int, Running] = {}
+        self.queue: dict[int, Pending] = {}
+        # GPU type -> GPUs asked -> queued requests of that size: what could start at all.
+        self.queued_sizes: dict[str, Counter[int]] = defaultdict(Counter)
+        self.events: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self.held = 0
+        self.held_by_project: dict[str, int] = defaultdict(int)
+        self.allocation: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        self.changed: set[str] = set()
+        self.last_plan = Plan()
+        self.reasons_stale = False  # a cycle was skipped since last_plan
+        self.never_fits: list[NeverFits] = []
+        self.admissions = 0
+        self.plan_calls = 0
+        for job in sorted(jobs, key=lambda j: (j.trace.submit_s, j.wid)):
+            self._push(job.trace.submit_s, ARRIVE, job.wid, 0)
+
+    def _push(self, at: float, kind: int, wid: int, attempt: int) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (at, kind, self._seq, wid, attempt))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> ClockTotals:
+        start = clock = self.events[0][0] if self.events else 0.0
+        held_s = held_waiting_s = waiting_s = 0.0
+        events = self.events
+        while events:
+            now = events[0][0]
+            elapsed = now - clock
+            if elapsed > 0:
+                held_s += self.held * elapsed
+                if self.queue:
+                    held_waiting_s += self.held * elapsed
+                    waiting_s += elapsed
+                clock = now
+            replan = False
+            while events and events[0][0] == now:
+                _, kind, _, wid, attempt = heapq.heappop(events)
+                job = self.jobs[wid]
+                if kind == ARRIVE:
+                    self._enqueue(job)
+                    replan = True
+                elif job.attempt != attempt:
+                    continue  # the run this event belongs to is over
+                elif kind == FINISH:
+                    self._finish(job, now)
+                    replan = True
+                elif kind == CHECKPOINT:
+                    self._checkpoint(job, now)
+                elif kind == STOPPED:
+                    self._stopped(job, now)
+                    replan = True
+                else:  # WAKE: the workload may now be preempted
+                    replan = True
+            if replan and self.queue:
+                if self.policy.mode is Mode.GPUFLEET or self._could_admit():
+                    self._apply(self.planner(self._snapshot(), now), now)
+                else:
+                    self.reasons_stale = True
+            for project in self.changed:
+                steps = self.allocation[project]
+                held = self.held_by_project[project]
+                if not steps or steps[-1][1] != held:
+                    steps.append((now, held))
+            self.changed.clear()
+        if self.queue and self.reasons_stale:
+            # Only for the waiting reasons of what never started: nothing can start now.
+            self.last_plan = self.planner(self._snapshot(), clock)
+            if self.last_plan.admissions or self.last_plan.preemptions:
+                raise PlanConflict("the core acted on a fleet where nothing queued fits")
+        return ClockTotals(
+            start_s=start,
+            end_s=clock,
+            held_gpu_s=held_s,
+            held_while_waiting_gpu_s=held_waiting_s,
+            waiting_s=waiting_s,
+            admissions=self.admissions,
+            plan_calls=self.plan_calls,
+        )
+
+    def _could_admit(self) -> bool:
+        """Whether some queued request is no larger than the free GPUs of its type. When
+        none is, a cycle without preemption (fifo, static) cannot change anything."""
+        return any(
+            sizes and self.free_by_type[gpu_type] >= min(sizes)
+            for gpu_type, sizes in self.queued_sizes.items()
+        )
+
+    def _snapshot(self) -> SchedulingSnapshot:
+        self.plan_calls += 1
+        self.reasons_stale = False
+        return SchedulingSnapshot(
+            nodes=tuple(self.nodes.values()),
+            running=tuple(self.running.values()),
+            queue=tuple(self.queue.values()),
+            projects=self.tree,
+            priorities=PRIORITY_RANKS,
+            preemptible=PREEMPTIBLE_CLASSES,
+            policy=self.policy,
+        )
+
+    def _enqueue(self, job: _Job) -> None:
+        self.queue[job.wid] = job.pending
+        self.queued_sizes[job.gpu_type][job.trace.num_gpus] += 1
+
+    # ------------------------------------------------------------ the decisions
+    def _apply(self, plan: Plan, now: float) -> None:
+        self.last_plan = plan
+        for admission in plan.admissions:
+            job = self.jobs[admission.workload_id]
+            if self.queue.pop(job.wid, None) is None:
+                raise PlanConflict(f"admitted workload {job.wid} is not in the queue")
+            sizes = self.queued_sizes[job.gpu_type]
+            sizes[job.trace.num_gpus] -= 1
+            if not sizes[job.trace.num_gpus]:
+                del sizes[job.trace.num_gpus]
+            self._start(job, admission.cluster, admission.zone, admission.pods, now)
+        for preemption in plan.preemptions:
+            victim = self.running.get(preemption.victim_id)
+            if victim is None:
+                raise PlanConflict(f"preempted workload {preemption.victim_id} is not running")
+            if victim.stopping:
+                continue
+            job = self.jobs[victim.id]
+            self.running[victim.id] = replace(
+                victim, stopping=True, stopping_for=preemption.for_workload_id
+            )
+            job.stop_began = now
+            delay = (
+                self.options.session_snapshot_s
+                if job.trace.kind == "session"
+                else self.options.job_checkpoint_grace_s
+            )
+            self._push(now + delay, STOPPED, job.wid, job.attempt)
+
+    def _start(self, job: _Job, cluster: str, zone: str, pods: tuple[Pod, ...], now: float) -> None:
+        for pod in pods:
+            node = self.nodes.get(pod.node)
+            if node is None or node.cluster != cluster or node.zone != zone:
+                raise PlanConflict(f"workload {job.wid}: node {pod.node!r} is not in {zone}")
+            if node.gpu_type != job.gpu_type:
+                raise PlanConflict(f"workload {job.wid}: node {pod.node!r} has no {job.gpu_type}")
+            free = self.free[pod.node]
+            taken = set(pod.gpus)
+            if not taken <= free or len(taken) != len(pod.gpus):
+                raise PlanConflict(f"workload {job.wid}: GPUs {pod.gpus} are not all free")
+            free -= taken
+            self.nodes[pod.node] = _with_free(node, tuple(g for g in node.free if g not in taken))
+            self.free_by_type[node.gpu_type] -= len(taken)
+        gpus = sum(len(p.gpus) for p in pods)
+        if gpus != job.trace.num_gpus:
+            raise PlanConflict(f"workload {job.wid} asked for {job.trace.num_gpus}, got {gpus}")
+        self.running[job.wid] = Running(
+            id=job.wid,
+            project=job.project,
+            user=job.trace.job_id,
+            kind=job.trace.kind,
+            gpu_type=job.gpu_type,
+            cluster=cluster,
+            zone=zone,
+            pods=pods,
+            priority=job.priority,
+            preemptible=PREEMPTIBLE_CLASSES[job.priority],
+            started_at=now,
+            # A job resumes from its checkpoint; a session has no snapshot until it stops.
+            last_progress_at=now if job.trace.kind == "job" else None,
+        )
+        self._hold(job.project, gpus)
+        self.admissions += 1
+        self._push(now + job.remaining, FINISH, job.wid, job.attempt)
+        if self.policy.mode is Mode.GPUFLEET:
+            # Only gpufleet preempts, so only it reads checkpoints and needs waking up
+            # when a workload becomes preemptible.
+            interval = self.options.checkpoint_interval_s
+            if job.trace.kind == "job" and interval < job.remaining:
+                self._push(now + interval, CHECKPOINT, job.wid, job.attempt)
+            if self.policy.min_run_time_s > 0:
+                self._push(now + self.policy.min_run_time_s, WAKE, job.wid, job.attempt)
+
+    def _hold(self, project: str, gpus: int) -> None:
+        self.held += gpus
+        self.held_by_project[project] += gpus
+        self.changed.add(project)
+
+    # --------------------------------------------------------------- the events
+    def _release(self, job: _Job, now: float, preempted: bool) -> Running:
+        running = self.running.pop(job.wid)
+        for pod in running.pods:
+            free = self.free[pod.node]
+            free.update(pod.gpus)
+            node = self.nodes[pod.node]
+            self.nodes[pod.node] = _with_free(
+                node, tuple(g for g in self.all_gpus[pod.node] if g in free)
+            )
+            self.free_by_type[node.gpu_type] += len(pod.gpus)
+        self._hold(job.project, -running.gpus)
+        job.runs.append(
+            Run(
+                start_s=running.started_at,
+                end_s=now,
+                cluster=running.cluster,
+                zone=running.zone,
+                nodes=tuple(dict.fromkeys(p.node for p in running.pods)),
+                gpus=tuple(g for p in running.pods for g in p.gpus),
+                preempted=preempted,
+            )
+        )
+        job.attempt += 1
+        job.stop_began = None
+        return running
+
+    def _finish(self, job: _Job, now: float) -> None:
+        self._release(job, now, preempted=False)
+        job.remaining = 0.0
+        job.end = now
+
+    def _checkpoint(self, job: _Job, now: float) -> None:
+        running = self.running[job.wid]
+        self.running[job.wid] = _checkpointed(running, now)
+        next_at = now + self.options.checkpoint_interval_s
+        if next_at < running.started_at + job.remaining:
+            self._push(next_at, CHECKPOINT, job.wid, job.attempt)
+
+    def _stopped(self, job: _Job, now: float) -> None:
+        stop_began = job.stop_began if job.stop_began is not None else now
+        running = self._release(job, now, preempted=True)
+        if job.trace.kind == "session":
+            done = stop_began - running.started_at  # the snapshot keeps everything
+        else:
+            # Checkpoints fall every interval from the start; the job is still short of
+            # its end (it would have finished first), so the last one is short of it too.
+            interval = self.options.checkpoint_interval_s
+            done = math.floor((now - running.started_at) / interval) * interval
+            job.lost_gpu_s += running.gpus * (now - running.started_at - done)
+        job.remaining -= done
+        job.preemptions += 1
+        self._enqueue(job)
+
+    # ----------------------------------------------------------------- results
+    def records(self) -> list[JobRecord]:
+        waiting = {w.workload_id: w for w in self.last_plan.waiting}
+        records = []
+        for job in self.jobs.values():
+            reason = None
+            if job.wid in self.queue:
+                why = waiting.get(job.wid)
+                if why is not None and why.cause is WaitCause.NEVER_FITS and not job.runs:
+                    self.never_fits.append(NeverFits(job.trace.job_id, why.reason))
+                    continue
+                reason = f"{why.cause}: {why.reason}" if why is not None else "not planned"
+            last = job.runs[-1] if job.runs else None
+            records.append(
+                JobRecord(
+                    job_id=job.trace.job_id,
+                    project=job.project,
+                    kind=job.trace.kind,
+                    priority=job.priority,
+                    gpu_type=job.gpu_type,
+                    num_gpus=job.trace.num_gpus,
+                    submit_s=job.trace.submit_s,
+                    start_s=job.runs[0].start_s if job.runs else None,
+                    end_s=job.end,
+                    cluster=last.cluster if last else None,
+                    zone=last.zone if last else None,
+                    nodes=last.nodes if last else (),
+                    preemptions=job.preemptions,
+                    lost_gpu_s=job.lost_gpu_s,
+                    runs=tuple(job.runs),
+                    waiting_reason=reason,
+                )
+            )
+        return records
+
+
+def simulate(
+    jobs: Sequence[TraceJob],
+    nodes: Sequence[FleetNode],
+    projects: ProjectTree,
+    policy: Mode | str = Mode.GPUFLEET,
+    options: SimulationOptions | None = None,
+    *,
+    planner: Planner | None = None,
+) -> SimulationResult:
+    """Replay ``jobs`` on ``nodes`` under ``projects`` and ``policy``; see the module doc.
+
+    Raises InputError naming the job for a trace line that cannot be used as written (an
+    unknown priority class, ``num_gpus`` not a multiple of ``gpus_per_pod``); a job that
+    could never fit the fleet is reported in ``never_fits`` instead. ``planner`` replaces
+    the scheduling core (tests script decisions with it).
+    """
+    options = options or SimulationOptions()
+    try:
+        mode = Mode(policy)
+    except ValueError:
+        raise InputError(
+            f"policy must be one of {', '.join(m.value for m in Mode)}, not {policy!r}"
+        ) from None
+    tree = _with_trace_groups(projects, jobs)
+    fleet = _Fleet(nodes)
+    shaped: list[_Job] = []
+    never_fits: list[NeverFits] = []
+    for wid, job in enumerate(jobs, start=1):
+        outcome = _shape(wid, job, fleet, tree)
+        if isinstance(outcome, NeverFits):
+            never_fits.append(outcome)
+        else:
+            shaped.append(outcome)
+    replay = _Replay(
+        shaped,
+        nodes,
+        tree,
+        Policy(
+            mode=mode,
+            min_run_time_s=options.min_run_time_s,
+            max_preemption_searches=options.max_preemption_searches,
+        ),
+        options,
+        planner or plan,
+    )
+    totals = replay.run()
+    records = replay.records()
+    never_fits.extend(replay.never_fits)
+    return SimulationResult(
+        policy=mode,
+        records=tuple(records),
+        never_fits=tuple(never_fits),
+        allocation={p: tuple(s) for p, s in sorted(replay.allocation.items())},
+        summary=summarise(records, never_fits, replay.capacity, totals),
+        capacity=fleet.gpus_by_type,
+        options=asdict(options),
+    )

@@ -1,0 +1,420 @@
+"""The what-if simulator: every job accounted for, no GPU used twice, preemption costs
+counted as documented, the baselines behaving as their names say, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import replace
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpufleet.scheduler.errors import InputError
+from gpufleet.scheduler.inputs import TraceJob, read_fleet, read_projects, read_trace
+from gpufleet.scheduler.model import FleetNode, ProjectTree, project_tree
+from gpufleet.scheduler.simulator import (
+    SimulationOptions,
+    SimulationResult,
+    TraceJobError,
+    simulate,
+)
+from gpufleet.scheduler.simulator_report import percentile, result_json
+
+GPUFLEET = str(Path(sys.executable).parent / "gpufleet")
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+
+
+def fleet(*zones: tuple[str, int, int], gpu_type: str = "V100") -> list[FleetNode]:
+    """Nodes of ``(zone, nodes, GPUs per node)`` in one cluster."""
+    return [
+        FleetNode(f"{zone}-{i}", "c", zone, gpu_type, gpus)
+        for zone, count, gpus in zones
+        for i in range(count)
+    ]
+
+
+PROJECTS = project_tree(
+    [
+        {"name": "lab", "kind": "organisation"},
+        {"name": "vision", "parent": "lab", "quotas": {"V100": {"guaranteed": 8}}},
+        {
+            "name": "nlp",
+            "parent": "lab",
+            "quotas": {"V100": {"guaranteed": 4, "borrow_limit": 4}},
+            "weight": 2,
+        },
+    ]
+)
+FLEET = fleet(("z1", 2, 8), ("z2", 3, 4))  # 28 GPUs; 16 in z1, 12 in z2
+
+
+def check_accounting(result: SimulationResult, jobs: Sequence[TraceJob], nodes: list[FleetNode]):
+    """The invariants every replay keeps, read back from the JSON form of the result."""
+    document = json.loads(json.dumps(result_json(result)))
+    records = {r["job_id"]: r for r in document["jobs"]}
+    never = {n["job_id"] for n in document["never_fits"]}
+    assert len(records) == len(document["jobs"]) and not never & set(records)
+    assert set(records) | never == {j.job_id for j in jobs}
+    zone_of = {n.name: (n.cluster, n.zone) for n in nodes}
+    zone_gpus: dict[tuple[str, str], int] = defaultdict(int)
+    for n in nodes:
+        zone_gpus[(n.cluster, n.zone)] += n.gpus
+    by_id = {j.job_id: j for j in jobs}
+    uses: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    zone_changes: dict[tuple[str, str], list[tuple[float, int]]] = defaultdict(list)
+    project_changes: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for job_id, r in records.items():
+        job = by_id[job_id]
+        assert r["submit_s"] == job.submit_s
+        if r["start_s"] is None:
+            assert r["runs"] == [] and r["end_s"] is None and r["waiting_reason"]
+            continue
+        assert r["start_s"] >= job.submit_s
+        assert r["start_s"] == r["runs"][0]["start_s"]
+        previous_end = r["submit_s"]
+        for run in r["runs"]:
+            assert previous_end <= run["start_s"] < run["end_s"]
+            previous_end = run["end_s"]
+            assert len(run["gpus"]) == job.num_gpus == len(set(run["gpus"]))
+            for gpu in run["gpus"]:
+                node = gpu.rsplit("/", 1)[0]
+                assert node in run["nodes"] and zone_of[node] == (run["cluster"], run["zone"])
+                uses[gpu].append((run["start_s"], run["end_s"]))
+            zone = (run["cluster"], run["zone"])
+            zone_changes[zone] += [(run["start_s"], job.num_gpus), (run["end_s"], -job.num_gpus)]
+            project_changes[r["project"]] += [
+                (run["start_s"], job.num_gpus),
+                (run["end_s"], -job.num_gpus),
+            ]
+        finished = [] if r["end_s"] is None else [False]
+        assert [run["preempted"] for run in r["runs"]] == [True] * r["preemptions"] + finished
+        held = sum(run["end_s"] - run["start_s"] for run in r["runs"])
+        if r["end_s"] is not None:
+            assert r["end_s"] == r["runs"][-1]["end_s"]
+            if r["preemptions"] == 0:
+                assert r["end_s"] - r["start_s"] == pytest.approx(job.duration_s)
+            elif job.kind == "job":  # redone work: what was lost, GPUs × seconds
+                assert held == pytest.approx(job.duration_s + r["lost_gpu_s"] / job.num_gpus)
+            else:  # sessions lose nothing but their snapshot time
+                snapshot_s = result.options["session_snapshot_s"]
+                assert held == pytest.approx(job.duration_s + r["preemptions"] * snapshot_s)
+    for gpu, intervals in uses.items():
+        intervals.sort()
+        for (_, end), (start, _) in pairwise(intervals):
+            assert end <= start, f"{gpu} held by two jobs at {start}"
+    for zone, changes in zone_changes.items():
+        in_use = 0
+        for _, change in sorted(changes):  # at equal times releases (negative) come first
+            in_use += change
+            assert in_use <= zone_gpus[zone]
+    # The allocation series is the per-project sum of the runs, step for step.
+    for project, changes in project_changes.items():
+        totals: dict[float, int] = defaultdict(int)
+        for at, change in changes:
+            totals[at] += change
+        expected, held_now = [], 0
+        for at in sorted(totals):
+            if totals[at]:
+                held_now += totals[at]
+                expected.append([at, held_now])
+        assert document["allocation"][project] == expected
+    summary = document["summary"]
+    assert summary["jobs"] == len(jobs)
+    assert summary["never_fits"] == len(never)
+    assert summary["started"] == sum(r["start_s"] is not None for r in records.values())
+    return records
+
+
+def usage_over_time(records: dict[str, dict], project: str) -> list[tuple[float, int]]:
+    changes = []
+    for r in records.values():
+        if r["project"] == project:
+            for run in r["runs"]:
+                changes += [(run["start_s"], len(run["gpus"])), (run["end_s"], -len(run["gpus"]))]
+    held, series = 0, []
+    for at, change in sorted(changes):
+        held += change
+        series.append((at, held))
+    return series
+
+
+jobs_strategy = st.lists(
+    st.builds(
+        TraceJob,
+        job_id=st.just(""),
+        submit_s=st.integers(0, 2000).map(float),
+        duration_s=st.integers(1, 6000).map(float),
+        num_gpus=st.sampled_from([1, 2, 4, 8, 16]),
+        group=st.sampled_from(["vision", "nlp", "guests"]),
+        kind=st.sampled_from(["job", "session"]),
+        priority=st.sampled_from([None, "critical", "standard", "opportunistic"]),
+    ),
+    max_size=25,
+).map(lambda jobs: [replace(j, job_id=f"j{i}") for i, j in enumerate(jobs)])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs=jobs_strategy, policy=st.sampled_from(["gpufleet", "fifo", "static"]))
+def test_every_job_is_accounted_for_and_no_gpu_is_used_twice(
+    jobs: list[TraceJob], policy: str
+) -> None:
+    options = SimulationOptions(min_run_time_s=60, checkpoint_interval_s=500)
+    result = simulate(jobs, FLEET, PROJECTS, policy, options)
+    records = check_accounting(result, jobs, FLEET)
+    if policy != "gpufleet":
+        assert all(r["preemptions"] == 0 for r in records.values())
+    if policy == "static":
+        for project, guaranteed in (("vision", 8), ("nlp", 4), ("guests", 0)):
+            assert all(held <= guaranteed for _, held in usage_over_time(records, project))
+    if policy == "fifo":  # nothing is left waiting for a quota
+        assert all(r["end_s"] is not None for r in records.values())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    submits=st.lists(st.integers(0, 500), min_size=1, max_size=30),
+    durations=st.lists(st.integers(1, 900), min_size=30, max_size=30),
+    size=st.sampled_from([1, 4, 8]),
+)
+def test_fifo_starts_jobs_of_one_size_in_arrival_order(
+    submits: list[int], durations: list[int], size: int
+) -> None:
+    jobs = [
+        TraceJob(f"j{i}", float(s), float(d), size, ["vision", "nlp", "x"][i % 3])
+        for i, (s, d) in enumerate(zip(submits, durations, strict=False))
+    ]
+    result = simulate(jobs, FLEET, PROJECTS, "fifo")
+    check_accounting(result, jobs, FLEET)
+    start = {r.job_id: r.start_s for r in result.records}
+    starts = [start[j.job_id] for j in sorted(jobs, key=lambda j: j.submit_s)]  # stable
+    assert None not in starts and starts == sorted(starts)
+
+
+def test_a_borrower_is_preempted_after_its_minimum_run_and_loses_work_since_its_checkpoint():
+    nodes = fleet(("z1", 1, 8))
+    jobs = [
+        TraceJob("guest", 0.0, 10_000.0, 8, "guests"),  # not a project: opportunistic
+        TraceJob("owner", 100.0, 1_000.0, 8, "vision"),  # within its guarantee of 8
+    ]
+    options = SimulationOptions(min_run_time_s=300, checkpoint_interval_s=100)
+    result = simulate(jobs, nodes, PROJECTS, "gpufleet", options)
+    guest, owner = result.records
+    # Waits until the guest has run 300 s, then 30 s of checkpoint grace.
+    assert (owner.start_s, owner.end_s) == (330.0, 1330.0)
+    assert guest.preemptions == 1
+    assert [(r.start_s, r.end_s, r.preempted) for r in guest.runs] == [
+        (0.0, 330.0, True),
+        (1330.0, 1330.0 + 10_000 - 300, False),  # checkpoints at 100, 200, 300 kept
+    ]
+    assert guest.lost_gpu_s == 8 * 30
+    assert guest.priority == "opportunistic"
+    assert result.summary.preemptions == 1
+    assert result.summary.lost_gpu_hours == pytest.approx(240 / 3600)
+    check_accounting(result, jobs, nodes)
+
+
+def test_a_preempted_session_keeps_all_its_work():
+    nodes = fleet(("z1", 1, 8))
+    jobs = [
+        TraceJob("guest", 0.0, 10_000.0, 8, "guests", kind="session"),
+        TraceJob("owner", 100.0, 1_000.0, 8, "vision"),
+    ]
+    result = simulate(jobs, nodes, PROJECTS, "gpufleet", SimulationOptions(min_run_time_s=300))
+    guest, owner = result.records
+    assert owner.start_s == 320.0  # a session's snapshot takes 20 s
+    assert [(r.start_s, r.end_s) for r in guest.runs] == [(0.0, 320.0), (1320.0, 11_020.0)]
+    assert guest.lost_gpu_s == 0
+    check_accounting(result, jobs, nodes)
+
+
+def test_static_leaves_a_group_without_guarantee_waiting_and_says_why():
+    jobs = [TraceJob("a", 0.0, 60.0, 2, "guests"), TraceJob("b", 0.0, 60.0, 8, "vision")]
+    result = simulate(jobs, FLEET, PROJECTS, "static")
+    guest, owner = result.records
+    assert guest.start_s is None and guest.waiting_reason is not None
+    assert guest.waiting_reason.startswith("quota:") and "static" in guest.waiting_reason
+    assert owner.end_s == 60.0
+    assert result.summary.never_started == 1
+    # GPUs idled while the guest waited: 8 of 28 held for the first minute.
+    assert result.summary.allocation_while_waiting == pytest.approx(8 / 28)
+
+
+def test_allocation_while_waiting_is_full_when_no_gpu_idles_while_work_queues():
+    nodes = fleet(("z1", 1, 8))
+    jobs = [TraceJob("a", 0.0, 100.0, 8, "g"), TraceJob("b", 50.0, 100.0, 8, "g")]
+    summary = simulate(jobs, nodes, ProjectTree({}), "fifo").summary
+    assert summary.allocation_while_waiting == 1.0
+    assert summary.waiting_s == 50.0
+    assert summary.gpu_utilisation == 1.0
+    assert (summary.waits.p50, summary.waits.p99, summary.mean_jct_s) == (25.0, 49.5, 125.0)
+
+
+def test_jobs_that_can_never_fit_are_reported_with_the_reason():
+    jobs = [
+        TraceJob("huge", 0.0, 60.0, 24, "vision"),  # z1 holds 16, z2 12
+        TraceJob("odd", 0.0, 60.0, 12, "vision"),  # > 8: whole 8-GPU nodes, 12 does not divide
+        TraceJob("a100", 0.0, 60.0, 1, "vision", gpu_type="A100"),
+        TraceJob("pods", 0.0, 60.0, 12, "vision", gpus_per_pod=4),  # 3 × 4 fits z2
+        TraceJob("fine", 0.0, 60.0, 16, "vision"),  # 2 whole nodes of z1
+    ]
+    result = simulate(jobs, FLEET, PROJECTS, "fifo")
+    reasons = {n.job_id: n.reason for n in result.never_fits}
+    assert set(reasons) == {"huge", "odd", "a100"}
+    assert "largest zone holds 2" in reasons["huge"]
+    assert "whole 8-GPU nodes" in reasons["odd"]
+    assert "'A100'" in reasons["a100"] and "V100" in reasons["a100"]
+    placed = {r.job_id: r for r in result.records}
+    assert placed["pods"].zone == "z2" and len(placed["pods"].nodes) == 3
+    assert placed["fine"].zone == "z1" and len(placed["fine"].nodes) == 2
+    check_accounting(result, jobs, FLEET)
+
+
+def test_the_gpu_type_defaults_to_the_fleets_most_common_one():
+    nodes = fleet(("z1", 1, 8), gpu_type="A100") + fleet(("z2", 1, 4), gpu_type="T4")
+    result = simulate([TraceJob("a", 0.0, 1.0, 1, "g")], nodes, ProjectTree({}), "fifo")
+    assert result.records[0].gpu_type == "A100"
+
+
+@pytest.mark.parametrize(
+    ("job", "message"),
+    [
+        (TraceJob("x", 0.0, 1.0, 1, "vision", priority="urgent"), "'urgent' is not one of"),
+        (TraceJob("x", 0.0, 1.0, 6, "vision", gpus_per_pod=4), "not a multiple of"),
+    ],
+)
+def test_a_trace_job_that_cannot_be_used_names_itself(job: TraceJob, message: str) -> None:
+    with pytest.raises(TraceJobError, match=message) as raised:
+        simulate([job], FLEET, PROJECTS)
+    assert raised.value.job_id == "x"
+
+
+def test_bad_options_and_policies_are_input_errors():
+    with pytest.raises(InputError, match="checkpoint_interval_s"):
+        SimulationOptions(checkpoint_interval_s=0)
+    with pytest.raises(InputError, match="policy must be one of"):
+        simulate([], FLEET, PROJECTS, "fair")
+
+
+def test_percentiles_interpolate_between_ranks():
+    assert percentile([], 0.5) is None
+    assert percentile([10.0], 0.99) == 10.0
+    assert percentile([0.0, 10.0, 20.0, 30.0], 0.5) == 15.0
+    assert percentile([float(i) for i in range(101)], 0.95) == 95.0
+
+
+# ------------------------------------------------------------------------- CLI
+FLEET_YAML = """\
+clusters:
+  - name: c
+    zones:
+      - name: z1
+        pools: [{name: big, count: 2, gpus_per_node: 8, gpu_type: V100}]
+      - name: z2
+        pools: [{name: small, count: 3, gpus_per_node: 4, gpu_type: V100}]
+"""
+PROJECTS_YAML = """\
+projects:
+  - {name: lab, kind: organisation}
+  - {name: vision, parent: lab, quotas: {V100: {guaranteed: 8}}}
+  - {name: nlp, parent: lab, quotas: {V100: {guaranteed: 4, borrow_limit: 4}}}
+"""
+TRACE_CSV = """\
+job_id,submit_s,duration_s,num_gpus,group,kind,priority
+a,0,600,8,vision,job,
+b,10,300,4,nlp,session,critical
+c,20,100,64,vision,job,
+d,30,900,16,guests,job,
+"""
+
+
+def write_inputs(tmp_path: Path, trace: str = TRACE_CSV, fleet_yaml: str = FLEET_YAML) -> None:
+    (tmp_path / "trace.csv").write_text(trace)
+    (tmp_path / "fleet.yaml").write_text(fleet_yaml)
+    (tmp_path / "projects.yaml").write_text(PROJECTS_YAML)
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # cwd outside the checkout: the strict editable install must find every subpackage.
+    return subprocess.run(
+        [GPUFLEET, "simulate", "trace.csv", "--fleet", "fleet.yaml", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cli_writes_the_result_and_prints_the_summary(tmp_path: Path) -> None:
+    write_inputs(tmp_path)
+    done = run_cli(tmp_path, "--projects", "projects.yaml", "--policy", "static", "--out", "r.json")
+    assert done.returncode == 0, done.stderr
+    assert "Simulation (static)" in done.stdout and "Waits by project" in done.stdout
+    document = json.loads((tmp_path / "r.json").read_text())
+    assert document["policy"] == "static"
+    assert [n["job_id"] for n in document["never_fits"]] == ["c"]
+    jobs = {r["job_id"]: r for r in document["jobs"]}
+    assert jobs["a"]["start_s"] == 0.0 and jobs["a"]["end_s"] == 600.0
+    assert jobs["d"]["start_s"] is None  # guests have no guarantee, static lends nothing
+    assert set(document["summary"]) >= {"gpu_utilisation", "allocation_while_waiting", "wait"}
+
+
+def test_cli_json_to_stdout(tmp_path: Path) -> None:
+    write_inputs(tmp_path)
+    done = run_cli(tmp_path, "--policy", "fifo", "--out", "-")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["summary"]["finished"] == 3
+    assert "Simulation (fifo)" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("trace", "fleet_yaml", "expected"),
+    [
+        (TRACE_CSV.replace("critical", "urgent"), FLEET_YAML, "trace.csv:3: job 'b'"),
+        (TRACE_CSV.replace("a,0,600", "a,0,soon"), FLEET_YAML, "trace.csv:2: duration_s"),
+        (TRACE_CSV, FLEET_YAML.replace(", gpu_type: V100}]\n  ", "}]\n  ", 1), "gpu_type"),
+    ],
+)
+def test_cli_bad_input_exits_2_naming_the_file(
+    tmp_path: Path, trace: str, fleet_yaml: str, expected: str
+) -> None:
+    write_inputs(tmp_path, trace, fleet_yaml)
+    done = run_cli(tmp_path)
+    assert done.returncode == 2
+    assert expected in done.stderr
+    assert not (tmp_path / "simulation.json").exists()
+
+
+def test_cli_missing_file_exits_2(tmp_path: Path) -> None:
+    done = run_cli(tmp_path)
+    assert done.returncode == 2
+    assert "trace.csv" in done.stderr
+
+
+# ------------------------------------------------------------------ the Philly window
+@pytest.mark.skipif(not (TRACES / "philly-2017-10-02-5k.csv").exists(), reason="no ../shared")
+def test_the_philly_window_replays_with_every_job_accounted_for(tmp_path: Path) -> None:
+    jobs = read_trace(TRACES / "philly-2017-10-02-5k.csv")
+    (tmp_path / "fleet.yaml").write_text(
+        "clusters:\n  - name: philly\n    zones:\n"
+        "      - {name: z1, pools: [{name: a, count: 64, gpus_per_node: 8, gpu_type: V100}]}\n"
+        "      - {name: z2, pools: [{name: b, count: 60, gpus_per_node: 8, gpu_type: V100}]}\n"
+    )
+    groups = sorted({j.group for j in jobs})
+    (tmp_path / "projects.yaml").write_text(
+        "projects:\n"
+        + "".join(
+            f"  - {{name: {g!r}, quotas: {{V100: {{guaranteed: 96}}}}}}\n" for g in groups[:5]
+        )
+    )
+    nodes = read_fleet(tmp_path / "fleet.yaml")
+    result = simulate(jobs, nodes, read_projects(tmp_path / "projects.yaml"), "gpufleet")
+    check_accounting(result, jobs, nodes)
+    assert result.summary.jobs == 5000
+    assert result.summary.finished + result.summary.never_fits == 5000
