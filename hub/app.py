@@ -1,8 +1,8 @@
 """The fleet controller: a JupyterHub managed service and the only writer of the database.
 
 It serves the REST API (and later the pages), runs the admission loop, watches node
-heartbeats and syncs project membership from hub groups. It reads the same
-``jupyterhub_config.py`` as the hub (``c.FleetController.*``).
+heartbeats, syncs project membership from hub groups and runs the reconciler. It reads
+the same ``jupyterhub_config.py`` as the hub (``c.FleetController.*``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from .api.handlers import routes
 from .metrics import ControllerMetrics
 from .notifier import Notifier
 from .pages import page_routes
+from .reconciler import Reconciler
 
 DEFAULT_PRIORITY_CLASSES = [
     {"name": "critical", "rank": 300, "description": "never preempted by lower classes"},
@@ -190,6 +191,20 @@ class FleetController(DatabaseMixin):
 
     membership_sync_interval = Float(
         15.0, help="Seconds between syncs of project membership from JupyterHub groups."
+    ).tag(config=True)
+
+    reconcile_interval = Float(
+        30.0,
+        help="Seconds between reconciler passes, which compare the database with what "
+        "really runs (the hub's servers, this machine's session processes) and repair "
+        "both ways (docs/reconciler.md).",
+    ).tag(config=True)
+
+    reconcile_grace = Float(
+        60.0,
+        help="A disagreement between the database and what runs is repaired only once the "
+        "workload has been in its state (or ended) this many seconds, so spawns, stops and "
+        "releases in progress finish first (docs/reconciler.md).",
     ).tag(config=True)
 
     db_lease_seconds = Float(
@@ -390,6 +405,29 @@ class FleetController(DatabaseMixin):
                     self.log.exception("could not sync project membership from hub groups")
             await asyncio.sleep(self.membership_sync_interval)
 
+    async def _reconcile_loop(self) -> None:
+        if not self.hub_api_url:
+            self.log.warning("no hub API ($JUPYTERHUB_API_URL): the reconciler is off")
+            return
+        reconciler = Reconciler(
+            self.store, self.metrics, self.hub_api_url, self.hub_api_token, self.log, self.now
+        )
+        while True:
+            await asyncio.sleep(self.reconcile_interval)
+            if not self.is_leader:
+                continue
+            try:
+                changed = await reconciler.run_once(timedelta(seconds=self.reconcile_grace))
+            except httpx.TransportError as e:  # the hub restarting
+                self.log.warning("reconciler: the hub's API did not answer (%s); retrying", e)
+                continue
+            except (httpx.HTTPError, SQLAlchemyError, SchedulerError):
+                self.log.exception("reconciler pass failed; retrying next pass")
+                continue
+            if changed:
+                self.notifier.changed(changed)
+                self.kick()  # released GPUs may admit waiting requests
+
     # ----------------------------------------------------------- start
     def make_web_app(self) -> web.Application:
         return web.Application(
@@ -421,7 +459,12 @@ class FleetController(DatabaseMixin):
         # Apply the declared projects and profiles once we may write.
         await self._became_leader.wait()
         self.store.apply_config(self.now(), self.projects, self.profiles, self.priority_classes)
-        for loop in (self._admission_loop, self._watch_nodes, self._sync_memberships):
+        for loop in (
+            self._admission_loop,
+            self._watch_nodes,
+            self._sync_memberships,
+            self._reconcile_loop,
+        ):
             self._tasks.append(asyncio.create_task(loop()))
         await asyncio.Event().wait()
 

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
 from ..scheduler.store.models import Allocation, Gpu, Node, Project, Workload, WorkloadState
+from .reconcile import Rule
 
 if TYPE_CHECKING:
     from ..scheduler.store.fleet import FleetStore
@@ -94,3 +95,11 @@ class ControllerMetrics:
             ["kind", "outcome"],
             registry=self.registry,
         )
+        self.repairs = Counter(
+            "gpufleet_reconciler_repairs_total",
+            "Repairs the reconciler made, by rule (docs/reconciler.md)",
+            ["rule"],
+            registry=self.registry,
+        )
+        for rule in Rule:  # every series exists from the start
+            self.repairs.labels(rule.value)

@@ -8,10 +8,11 @@ environment they inherited, so every process of a workload carries
 remains. The marker is random per start, not the workload id: two deployments on one
 machine (or a test suite beside a demo) number their workloads independently.
 
-Used by the local backend's spawner (sessions) and by the node agent's rank runner (job
-ranks), so the rule "nothing of it runs any more" is written once. DESIGN.md's import
-table lets the spawner import only the client and the snapshotter; this stdlib-only
-module is the exception (docs/architecture.md).
+Used by the local backend's spawner (sessions), by the node agent's rank runner (job
+ranks) and by the controller's reconciler (``marked_processes``: every marked process, to
+find those no open workload owns), so the rule "nothing of it runs any more" is written
+once. DESIGN.md's import table lets the spawner import only the client and the
+snapshotter; this stdlib-only module is the exception (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -32,8 +33,18 @@ def new_marker() -> str:
 
 def marked_pids(marker: str, proc: Path = Path("/proc")) -> list[int]:
     """Live processes whose initial environment carries ``marker``."""
-    wanted = f"{MARKER_VARIABLE}={marker}".encode()
-    found = []
+    return [pid for pid, found in marked_processes(proc).items() if found == marker]
+
+
+def marked_processes(proc: Path = Path("/proc")) -> dict[int, str]:
+    """Every live process that carries a marker, with its marker: ``{pid: marker}``.
+
+    The reconciler's view of what runs on this machine. A process whose environment
+    cannot be read belongs to another user and never to a session of this hub: sessions
+    run as the hub's own user, or the hub runs as root and reads everything.
+    """
+    prefix = f"{MARKER_VARIABLE}=".encode()
+    found = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -44,8 +55,10 @@ def marked_pids(marker: str, proc: Path = Path("/proc")) -> list[int]:
             continue
         if state == "Z":  # a zombie holds no GPU memory; its parent reaps it
             continue
-        if wanted in environ.split(b"\0"):
-            found.append(int(entry.name))
+        for item in environ.split(b"\0"):
+            if item.startswith(prefix) and len(item) > len(prefix):
+                found[int(entry.name)] = item[len(prefix) :].decode(errors="replace")
+                break
     return found
 
 

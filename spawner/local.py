@@ -315,9 +315,10 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
     # -------------------------------------------------------------- start
     async def start(self) -> Any:
         self._progress_log()
+        # Sent with the request, so the controller knows the marker before any process has it.
+        self.marker = processes.new_marker()
         status = await self._open_request()
         self.workload_id = status.id
-        self.marker = processes.new_marker()
         renewer = asyncio.create_task(self._renew_while_waiting(status.id))
         started = False
         try:
@@ -350,7 +351,7 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
 
         async def open_session() -> WorkloadStatus:
             body = self._request_body(await self._fill_defaults(self.user_options or {}))
-            status = await self.controller.open_session(body)
+            status = await self.controller.open_session({**body, "process_marker": self.marker})
             assert status is not None
             return status
 

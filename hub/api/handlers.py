@@ -117,6 +117,11 @@ class SessionsHandler(APIHandler):
             workload = self.controller.store.open_session_request(
                 self.controller.now(), request, self.controller.request_lease
             )
+            if body.process_marker:
+                # Before the answer: no process carries the marker until the spawner has it.
+                self.controller.store.record_process_marker(
+                    self.controller.now(), workload.id, body.process_marker
+                )
         self.controller.kick()
         with self.controller.store.read() as session:
             self.send(workload_out(load_workload(session, workload.id)), status=201)

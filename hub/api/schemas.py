@@ -21,6 +21,15 @@ class SessionRequestIn(Strict):
     gpu_type: str = Field(min_length=1, max_length=64)
     gpus: int | str = Field(description="GPUs on one node; validated with a readable message")
     profile: str | None = Field(default=None, max_length=64)
+    process_marker: str | None = Field(
+        default=None,
+        min_length=8,
+        max_length=64,
+        pattern=r"^[0-9A-Za-z_-]+$",
+        description="The random marker every process of the session will carry "
+        "(GPUFLEET_SESSION_MARKER); sent before any process starts, so the reconciler can "
+        "tell which live processes belong to which workload",
+    )
 
 
 class ReleaseIn(Strict):

@@ -2,7 +2,8 @@
 
 The state is changed only through the methods of FleetStore and the classes it builds on
 (``base.StoreBase``: lease and fenced writes; ``inventory.InventoryStore``: what node
-agents report). Decisions of one admission cycle are committed in one transaction: a
+agents report; ``reconcile.ReconcileStore``: process markers and the reconciler's
+repairs). Decisions of one admission cycle are committed in one transaction: a
 controller killed at any point leaves either all of them or none.
 """
 
@@ -39,6 +40,7 @@ from .models import (
     WorkloadKind,
     WorkloadState,
 )
+from .reconcile import ReconcileStore
 
 ACTIVE_STATES = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
 OPEN_STATES = (WorkloadState.pending, *ACTIVE_STATES)
@@ -58,7 +60,7 @@ class CycleResult:
     changed: tuple[int, ...]  # every workload whose visible state changed (admitted included)
 
 
-class FleetStore(InventoryStore):
+class FleetStore(ReconcileStore, InventoryStore):
     # ------------------------------------------------------------- bootstrap
     def apply_config(
         self,

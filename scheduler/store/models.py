@@ -286,6 +286,10 @@ class Workload(Base):
     idle_since: Mapped[datetime | None] = mapped_column(default=None)
     last_checkpoint_at: Mapped[datetime | None] = mapped_column(default=None)
     last_snapshot_at: Mapped[datetime | None] = mapped_column(default=None)
+    # The random marker every process of the workload inherits (recovery/processes.py),
+    # sent by the backend with the request, before any process starts: the reconciler
+    # tells by it which live processes belong to which workload.
+    process_marker: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
 
     project: Mapped[Project] = relationship()
     allocations: Mapped[list[Allocation]] = relationship(back_populates="workload")

@@ -77,6 +77,8 @@ c.JupyterHub.load_roles.append({{
 c.FleetController.admission_interval = 0.2
 c.FleetController.request_lease_seconds = 6
 c.FleetController.log_style = "text"
+c.FleetController.reconcile_interval = 1
+c.FleetController.reconcile_grace = 3
 c.LocalGPUSpawner.lease_renew_interval = 1
 c.NodeAgent.heartbeat_interval = 1
 c.NodeAgent.sample_interval = 0.5
