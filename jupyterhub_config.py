@@ -35,7 +35,9 @@ c.FleetController.projects = [
         "name": "vision",
         "parent": "research",
         "display_name": "Computer vision",
-        "quotas": {"A100-80GB": {"guaranteed": 4}},
+        # vision keeps to its guarantee; nlp may borrow vision's idle GPUs, and gives them
+        # back (its borrowing sessions are stopped) when vision asks within its guarantee.
+        "quotas": {"A100-80GB": {"guaranteed": 4, "borrow_limit": 0}},
         "per_user_gpu_cap": 4,
     },
     {

@@ -23,12 +23,13 @@ import httpx
 from sqlalchemy.exc import SQLAlchemyError
 from tornado import web
 from tornado.httpserver import HTTPServer
-from traitlets import Bool, Dict, Enum, Float, List, Unicode, default
+from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
 from .. import __version__
 from ..scheduler.errors import InputError, LeaseLost, SchedulerError, SchemaMismatch
 from ..scheduler.model import project_tree
+from ..scheduler.snapshot import Policy
 from ..scheduler.store import db
 from ..scheduler.store.fleet import FleetStore
 from . import logs
@@ -38,6 +39,7 @@ from .metrics import ControllerMetrics
 from .notifier import Notifier
 from .pages import page_routes
 from .reconciler import Reconciler
+from .victims import VictimStopper
 
 DEFAULT_PRIORITY_CLASSES = [
     {"name": "critical", "rank": 300, "description": "never preempted by lower classes"},
@@ -179,6 +181,23 @@ class FleetController(DatabaseMixin):
         "place freed), so a hub restart or an abandoned spawn leaves no ghost in the queue.",
     ).tag(config=True)
 
+    min_run_time_seconds = Float(
+        300.0,
+        help="A workload that started less than this long ago is not preempted to make room "
+        "(idle sessions aside): a researcher gets at least this much of what was admitted.",
+    ).tag(config=True)
+
+    max_preemption_searches = Integer(
+        64,
+        help="Waiting workloads that may look for victims in one scheduling cycle; the rest "
+        "look in later cycles. Bounds a cycle's time when thousands could ask at once.",
+    ).tag(config=True)
+
+    preemption_retry_seconds = Float(
+        30.0,
+        help="A preempted session the hub has not stopped yet is asked again this often.",
+    ).tag(config=True)
+
     admission_interval = Float(
         1.0, help="Seconds between admission cycles when nothing else triggers one."
     ).tag(config=True)
@@ -233,6 +252,12 @@ class FleetController(DatabaseMixin):
         except InputError as e:
             self.exit_with(f"c.FleetController.projects: {e}", code=2)
         self.notifier = Notifier()
+        self.victims = VictimStopper(
+            os.environ.get("JUPYTERHUB_API_URL", ""),
+            os.environ.get("JUPYTERHUB_API_TOKEN", ""),
+            self.log,
+            self.preemption_retry_seconds,
+        )
         self.engine = self.make_engine()
         try:
             if self.auto_create_schema and db.is_empty(self.engine):
@@ -327,6 +352,7 @@ class FleetController(DatabaseMixin):
             try:
                 held = self.store.try_acquire_lease(self.now())
                 if held and not was_leader:
+                    self.store.forget_mirror()  # another controller may have written
                     extended = self.store.extend_leases(self.now(), self.request_lease)
                     self.log.info(
                         "holding the database lease as %s; renewed %d waiting request(s)",
@@ -360,7 +386,7 @@ class FleetController(DatabaseMixin):
         now = self.now()
         try:
             expired = self.store.expire_leases(now)
-            result = self.store.admission_cycle(now)
+            result = self.store.scheduling_cycle(now, self.scheduling_policy)
         except LeaseLost:
             self.is_leader = False
             self.log.warning("lost the database lease during an admission cycle; standing by")
@@ -372,14 +398,29 @@ class FleetController(DatabaseMixin):
         for admitted in result.admitted:
             self.metrics.admissions.labels(admitted.gpu_type).inc()
             self.metrics.wait_time.labels(admitted.project).observe(admitted.waited_seconds)
+        for preemption in result.plan.preemptions:
+            self.metrics.preemptions.labels(preemption.cause.value).inc()
         for _ in expired:
             self.metrics.ended.labels("session", "expired").inc()
+        self.victims.stop(result.stops)
+        self.victims.retry(self.store.mirror.running.values(), self.store.mirror.server_names)
         self.notifier.changed([*expired, *result.changed])
-        if result.admitted or expired:
+        if result.admitted or expired or result.stops:
             self.log.info(
                 "admission cycle",
-                extra={"admitted": [a.workload_id for a in result.admitted], "expired": expired},
+                extra={
+                    "admitted": [a.workload_id for a in result.admitted],
+                    "preempted": [s.workload_id for s in result.stops],
+                    "expired": expired,
+                },
             )
+
+    @property
+    def scheduling_policy(self) -> Policy:
+        return Policy(
+            min_run_time_s=self.min_run_time_seconds,
+            max_preemption_searches=self.max_preemption_searches,
+        )
 
     async def _watch_nodes(self) -> None:
         while True:

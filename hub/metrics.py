@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
+from ..scheduler.snapshot import PreemptionCause
 from ..scheduler.store.models import Allocation, Gpu, Node, Project, Workload, WorkloadState
 from .reconcile import Rule
 
@@ -89,6 +90,14 @@ class ControllerMetrics:
             buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600),
             registry=self.registry,
         )
+        self.preemptions = Counter(
+            "gpufleet_preemptions_total",
+            "Workloads the scheduler stopped to make room, by cause",
+            ["cause"],
+            registry=self.registry,
+        )
+        for cause in PreemptionCause:  # every series exists from the start
+            self.preemptions.labels(cause.value)
         self.ended = Counter(
             "gpufleet_workloads_ended_total",
             "Workloads ended, by outcome",

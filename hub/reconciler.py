@@ -49,6 +49,7 @@ from ..recovery import processes
 from ..scheduler.errors import LeaseLost, SchedulerError
 from ..scheduler.store.fleet import FleetStore
 from ..scheduler.store.models import Event, Workload, WorkloadKind, WorkloadState
+from .hubapi import stop_server
 from .metrics import ControllerMetrics
 from .reconcile import (
     EndProcesses,
@@ -204,13 +205,7 @@ class Reconciler:
             self.store, repair.username, repair.server_name
         ):
             return
-        user = quote(repair.username, safe="")
-        path = (
-            f"/users/{user}/servers/{quote(repair.server_name, safe='')}"
-            if repair.server_name
-            else f"/users/{user}/server"
-        )
-        response = await client.delete(f"{self.hub_api_url}{path}")
+        response = await stop_server(client, self.hub_api_url, repair.username, repair.server_name)
         if response.status_code >= 400 and response.status_code != 404:
             # 400: the server is starting or stopping just now; the next pass looks again.
             self.log.info(

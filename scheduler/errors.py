@@ -31,6 +31,11 @@ class LeaseLost(StoreError):
     """
 
 
+class CycleConflict(StoreError):
+    """A row changed between the scheduler's read and its commit; the cycle was rolled
+    back and the next one starts from a fresh read."""
+
+
 class NotFound(StoreError):
     """The named row (workload, node, project) does not exist."""
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .placement import Capacity, ZoneKey
+from .preemption import VictimIndex
 from .quota import QuotaBook
 from .snapshot import (
     Admission,
@@ -57,6 +58,9 @@ from .snapshot import (
     WaitCause,
     Waiting,
 )
+
+# Outcomes an identical request would get too, as long as nothing changed.
+_REPEATABLE = (WaitCause.QUOTA, WaitCause.USER_CAP, WaitCause.CAPACITY, WaitCause.NEVER_FITS)
 
 
 def plan(snapshot: SchedulingSnapshot, now: float) -> Plan:
@@ -112,17 +116,22 @@ class _Planner:
         self.failed_searches: set[tuple[Any, ...]] = set()
         self.searches_left = self.policy.max_preemption_searches
         self.chosen: set[int] = set()
-        self.victim_order: dict[str, list[Running]] | None = None
-        self.borrowing: set[int] | None = None
+        self.victims: VictimIndex | None = None  # built on the cycle's first search
+        # Bumped by every change of state; a decision made in the same epoch for an
+        # identical request stands (``_decide``), and a queue's order stays valid.
+        self.epoch = 0
+        self.settled: dict[tuple[Any, ...], tuple[int, WaitCause, str]] = {}
+        self.no_room_reasons: dict[tuple[Any, ...], str] = {}
         self.admissions: list[Admission] = []
         self.preemptions: list[Preemption] = []
         self.waiting: list[Waiting] = []
-        self.positions: dict[str, int] = defaultdict(int)
+        self.positions: dict[tuple[str, str], int] = defaultdict(int)
 
     # ----------------------------------------------------------------- order
     def run(self) -> Plan:
         for request in self.snapshot.queue:
             self.book.path(request.project)  # undeclared projects join the tree first
+        self.capped = {n for n, p in self.book.projects.items() if p.per_user_cap is not None}
         if self.mode is Mode.FIFO:
             for request in sorted(self.snapshot.queue, key=lambda r: (r.created_at, r.id)):
                 self._decide(request)
@@ -139,17 +148,18 @@ class _Planner:
         for key, requests in grouped.items():
             requests.sort(key=lambda r: (-self.ranks.get(r.priority, 0), r.created_at, r.id))
             queues[key] = _Queue(requests)
-            heap.append((self._order(requests[0]), key))
+            heap.append((self._order(requests[0]), self.epoch, key))
         heapq.heapify(heap)
         blocked_users: dict[tuple[str, str], int] = {}
         while heap:
-            order, key = heapq.heappop(heap)
+            order, epoch, key = heapq.heappop(heap)
             queue = queues[key]
             request = queue.current
-            fresh = self._order(request)
-            if fresh > order:  # its project borrowed more meanwhile: take its new place
-                heapq.heappush(heap, (fresh, key))
-                continue
+            if epoch != self.epoch:  # something was admitted since: its place may be later
+                fresh = self._order(request)
+                if fresh > order:
+                    heapq.heappush(heap, (fresh, self.epoch, key))
+                    continue
             head = blocked_users.get((request.project, request.user))
             if head is not None:
                 self._wait(
@@ -174,11 +184,12 @@ class _Planner:
                     blocked_users[(request.project, request.user)] = request.id
             queue.head += 1
             if queue.head < len(queue.requests):
-                heapq.heappush(heap, (self._order(queue.current), key))
+                heapq.heappush(heap, (self._order(queue.current), self.epoch, key))
 
     def _order(self, request: Pending) -> tuple[Any, ...]:
         rank = -self.ranks.get(request.priority, 0)
-        if self.book.within_guarantee(request.project, request.gpu_type, request.gpus):
+        key = (request.project, request.gpu_type)  # within_guarantee, inlined: hot
+        if self.book.used.get(key, 0) + request.gpus <= self.book.guaranteed_of.get(key, 0):
             return (0, rank, (), request.created_at, request.id)
         if self.mode is Mode.STATIC:
             return (1, rank, (), request.created_at, request.id)
@@ -186,10 +197,47 @@ class _Planner:
 
     # -------------------------------------------------------------- decision
     def _decide(self, request: Pending) -> _Outcome:
+        """Decide, or repeat the refusal an identical request got earlier in the cycle.
+
+        At 10,000 waiting workloads most decisions are "still no room" for a request like
+        one before it. A refusal stands for the rest of the cycle: free GPUs only shrink,
+        usage only grows, zones are only held, and a failed or deferred search for victims
+        fails again — unless lend limits are set, under which another project's growing
+        use can release GPUs it kept back; then a refusal stands only until the next
+        admission. (Its reason's numbers may lag the cycle's last admissions; the next
+        cycle writes fresh ones.)"""
+        cacheable = not request.node_selector and request.id not in self.in_flight
+        if cacheable:
+            capped = request.project in self.capped
+            signature = (
+                request.project,
+                request.gpu_type,
+                request.gpus_per_pod,
+                request.pods,
+                request.priority,
+                request.user if capped else "",
+            )
+            seen = self.settled.get(signature)
+            if seen is not None and seen[0] == self._refusal_epoch:
+                return self._wait(request, seen[1], seen[2])
+        outcome = self._decide_afresh(request)
+        if cacheable and outcome.cause in _REPEATABLE:
+            assert outcome.cause is not None
+            self.settled[signature] = (self._refusal_epoch, outcome.cause, outcome.reason)
+        return outcome
+
+    @property
+    def _refusal_epoch(self) -> int:
+        return self.epoch if self.book.lends_with_limits else 0
+
+    def _decide_afresh(self, request: Pending) -> _Outcome:
         t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
         if not self.capacity.ever_fits(t, k, pods):
             return self._wait(request, WaitCause.NEVER_FITS, self._never_fits(request))
         if self.mode is not Mode.FIFO:
+            beyond = self._beyond_limits(request)
+            if beyond is not None:  # waiting would not help: it must not hold its queue
+                return self._wait(request, WaitCause.NEVER_FITS, beyond)
             refusal = self._quota_refusal(request)
             if refusal is not None:
                 # Over its own project's cap, a request may still make room inside the
@@ -223,6 +271,26 @@ class _Planner:
                 return outcome
         return self._no_room(request)
 
+    def _beyond_limits(self, request: Pending) -> str | None:
+        """Why the request exceeds what its project or user may ever hold, if it does."""
+        t, p, gpus = request.gpu_type, request.project, request.gpus
+        if self.mode is Mode.STATIC and gpus > self.book.guarantee(p, t):
+            return (
+                f"needs {_n(gpus, t)}; project {p} is guaranteed {self.book.guarantee(p, t)} "
+                f"and borrowing is off (static quotas): ask for fewer"
+            )
+        name, ceiling = self.book.ceiling(p, t)
+        if gpus > ceiling:
+            whose = f"project {p}" if name == p else f"{self.book.projects[name].kind} {name}"
+            return (
+                f"needs {_n(gpus, t)}; {whose} may never hold more than {int(ceiling)} × {t} "
+                f"(guarantee plus borrow limit): ask for fewer, or for a higher limit"
+            )
+        cap = self.book.projects[p].per_user_cap
+        if cap is not None and gpus > cap:
+            return f"needs {_n(gpus, t)}; the per-user cap in project {p} is {cap} GPUs"
+        return None
+
     def _quota_refusal(self, request: Pending) -> str | None:
         t, p = request.gpu_type, request.project
         within = self.book.within_guarantee(p, t, request.gpus)
@@ -235,11 +303,10 @@ class _Planner:
         over = self.book.over_cap(p, t, request.gpus)
         if over is None:
             return None
-        room = max(0, int(self.book.borrow_room(p, t)))
         if over == p:
             return (
                 f"needs {_n(request.gpus, t)}; project {p} uses {used}/{guaranteed} "
-                f"guaranteed {t} and may borrow {max(0, room)} more"
+                f"guaranteed {t} and may borrow {int(self.book.may_borrow(p, t))} more"
             )
         node = self.book.projects[over]
         return (
@@ -272,13 +339,15 @@ class _Planner:
         self.book.add(p, t, request.gpus)
         over_after = max(0, self.book.usage(p, t) - self.book.guarantee(p, t))
         self.user_used[(request.project, request.user)] += request.gpus
+        self.epoch += 1
         self.admissions.append(
             Admission(request.id, zone[0], zone[1], pods, borrowed=over_after - over_before)
         )
 
     def _wait(self, request: Pending, cause: WaitCause, reason: str) -> _Outcome:
-        self.positions[request.gpu_type] += 1
-        self.waiting.append(Waiting(request.id, self.positions[request.gpu_type], cause, reason))
+        queue = (request.project, request.gpu_type)
+        self.positions[queue] += 1
+        self.waiting.append(Waiting(request.id, self.positions[queue], cause, reason))
         return _Outcome(cause, reason)
 
     # --------------------------------------------------------------- reasons
@@ -296,8 +365,31 @@ class _Planner:
 
     def _no_room(self, request: Pending) -> _Outcome:
         t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
-        where = f"{_n(request.gpus, t)} in one zone" if pods > 1 else f"{_n(k, t)} on one node"
         block = self.capacity.largest_block(t, k, pods)
+        within = self.mode is not Mode.FIFO and self.book.within_guarantee(
+            request.project, t, request.gpus
+        )
+        said = (request.project, t, k, pods, within)
+        reason = self.no_room_reasons.get(said)  # per cycle: see _decide on staleness
+        if reason is None:
+            reason = self.no_room_reasons[said] = self._no_room_reason(request, block, within)
+        holder = self.reserved.get(t)
+        if holder is None and block is not None and not request.node_selector:
+            closest = self.capacity.closest_zone(t, k)
+            if closest is not None:
+                self.reserved[t] = (closest[0], request.id)
+                self.epoch += 1
+                zone = closest[0][1]
+                return self._wait(
+                    request,
+                    WaitCause.RESERVED,
+                    f"{reason}; first in line for {t}: {zone} is held for it as GPUs free up",
+                )
+        return self._wait(request, WaitCause.CAPACITY, reason)
+
+    def _no_room_reason(self, request: Pending, block: tuple[int, str] | None, within: bool) -> str:
+        t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
+        where = f"{_n(request.gpus, t)} in one zone" if pods > 1 else f"{_n(k, t)} on one node"
         if block is None:
             free = f"no schedulable node has {t} right now (cordoned, unhealthy or silent)"
         else:
@@ -306,24 +398,13 @@ class _Planner:
         if self.mode is not Mode.FIFO:
             p = request.project
             used, guaranteed = self.book.usage(p, t), self.book.guarantee(p, t)
-            room = self.book.borrow_room(p, t)
-            more = "without limit" if room == float("inf") else f"{max(0, int(room))} more"
-            if self.mode is Mode.STATIC:
-                more = "0 more"
-            quota = f"; project {p} uses {used}/{guaranteed} guaranteed and may borrow {more}"
-        reason = f"needs {where}; {free}{quota}"
-        holder = self.reserved.get(t)
-        if holder is None and block is not None and not request.node_selector:
-            closest = self.capacity.closest_zone(t, k)
-            if closest is not None:
-                self.reserved[t] = (closest[0], request.id)
-                zone = closest[0][1]
-                return self._wait(
-                    request,
-                    WaitCause.RESERVED,
-                    f"{reason}; first in line for {t}: {zone} is held for it as GPUs free up",
-                )
-        return self._wait(request, WaitCause.CAPACITY, reason)
+            if within:
+                quota = f"; within project {p}'s guarantee ({used}/{guaranteed} used)"
+            else:
+                room = self.book.may_borrow(p, t)
+                more = "without limit" if room == float("inf") else f"{int(room)} more"
+                quota = f"; project {p} uses {used}/{guaranteed} guaranteed and may borrow {more}"
+        return f"needs {where}; {free}{quota}"
 
     def _preempting(self, request: Pending) -> str:
         victims = self.in_flight[request.id]
@@ -341,15 +422,32 @@ class _Planner:
         t, p = request.gpu_type, request.project
         rank = self.ranks.get(request.priority, 0)
         within = self.book.within_guarantee(p, t, request.gpus)
+        if self.searches_left <= 0 or request.node_selector:
+            return None
         memo = (p, t, request.gpus_per_pod, request.pods, rank, within, must_free, own_project)
-        if memo in self.failed_searches or self.searches_left <= 0 or request.node_selector:
+        if memo in self.failed_searches:
             return None
         self.searches_left -= 1
-        found = self._search(request, rank, within, must_free, own_project)
+        if self.victims is None:
+            self.victims = VictimIndex(
+                self.snapshot.running, self.book, self.ranks, self.policy.min_run_time_s, self.now
+            )
+        holder = self.reserved.get(t)
+        found = self.victims.find(
+            request,
+            rank,
+            within,
+            self.capacity,
+            must_free=must_free,
+            own_project=own_project,
+            excluded=holder[0] if holder is not None and holder[1] != request.id else None,
+            chosen=self.chosen,
+        )
         if found is None:
             self.failed_searches.add(memo)
             return None
         victims = found
+        self.epoch += 1
         for victim, cause in victims:
             self.chosen.add(victim.id)
             self.preemptions.append(
@@ -380,139 +478,3 @@ class _Planner:
             f"it ran on borrowed GPUs and {who} has a higher priority class "
             f"({request.priority} over {victim.priority})"
         )
-
-    def _eligible(
-        self, victim: Running, request: Pending, rank: int, within: bool
-    ) -> PreemptionCause | None:
-        if victim.idle_reclaimable:
-            return PreemptionCause.IDLE
-        if victim.started_at + self.policy.min_run_time_s > self.now:
-            return None
-        victim_rank = self.ranks.get(victim.priority, 0)
-        if victim.project == request.project:
-            if victim.preemptible and victim_rank < rank:
-                return PreemptionCause.PRIORITY
-            return None
-        assert self.borrowing is not None
-        if victim.id not in self.borrowing:
-            return None
-        if within:
-            return PreemptionCause.GUARANTEE
-        if victim.preemptible and victim_rank < rank:
-            return PreemptionCause.BORROWER_PRIORITY
-        return None
-
-    def _prepare_victims(self) -> dict[str, list[Running]]:
-        """Once per cycle, on the first search: victim order per GPU type, and which
-        running workloads are borrowers."""
-        self.borrowing = set()
-        by_project: dict[tuple[str, str], list[Running]] = defaultdict(list)
-        for running in self.snapshot.running:
-            if not running.stopping:
-                by_project[(running.project, running.gpu_type)].append(running)
-        for (project, gpu_type), workloads in by_project.items():
-            workloads.sort(key=lambda r: (-self.ranks.get(r.priority, 0), r.started_at, r.id))
-            guaranteed = self.book.guarantee(project, gpu_type)
-            counted = 0
-            for running in workloads:
-                counted += running.gpus
-                if counted > guaranteed:
-                    self.borrowing.add(running.id)
-        order: dict[str, list[Running]] = defaultdict(list)
-        for workloads in by_project.values():
-            for running in workloads:
-                order[running.gpu_type].append(running)
-        for workloads in order.values():
-            workloads.sort(key=self._victim_key)
-        return order
-
-    def _victim_key(self, victim: Running) -> tuple[Any, ...]:
-        share = self.book.share_key(victim.project)
-        lost = victim.gpus * (self.now - max(victim.started_at, victim.last_progress_at or 0.0))
-        return (
-            not victim.idle_reclaimable,
-            self.ranks.get(victim.priority, 0),
-            tuple(-s for s in share),
-            lost,
-            victim.id,
-        )
-
-    def _search(
-        self, request: Pending, rank: int, within: bool, must_free: int, own_project: bool
-    ) -> list[tuple[Running, PreemptionCause]] | None:
-        if self.victim_order is None:
-            self.victim_order = self._prepare_victims()
-        t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
-        holder = self.reserved.get(t)
-        by_zone: dict[ZoneKey, list[tuple[Running, PreemptionCause]]] = defaultdict(list)
-        for victim in self.victim_order.get(t, ()):
-            if victim.id in self.chosen or (own_project and victim.project != request.project):
-                continue
-            zone = (victim.cluster, victim.zone, t)
-            if holder is not None and holder[0] == zone and holder[1] != request.id:
-                continue
-            if zone not in self.capacity.buckets:
-                continue
-            cause = self._eligible(victim, request, rank, within)
-            if cause is not None:
-                by_zone[zone].append((victim, cause))
-        best: tuple[tuple[Any, ...], list[tuple[Running, PreemptionCause]]] | None = None
-        for zone, candidates in by_zone.items():
-            victims = self._fewest_victims(zone, candidates, k, pods, must_free)
-            if victims is None:
-                continue
-            cost = (
-                sum(1 for _, c in victims if c is not PreemptionCause.IDLE),
-                sum(v.gpus for v, _ in victims),
-                zone,
-            )
-            if best is None or cost < best[0]:
-                best = (cost, victims)
-        return None if best is None else best[1]
-
-    def _fewest_victims(
-        self,
-        zone: ZoneKey,
-        candidates: list[tuple[Running, PreemptionCause]],
-        per_pod: int,
-        pods: int,
-        must_free: int,
-    ) -> list[tuple[Running, PreemptionCause]] | None:
-        """Victims in order until the gang fits (and, for a request over its project's
-        cap, until ``must_free`` GPUs of the project come back), then without those it
-        turns out not to need."""
-        free: dict[tuple[str, str], int] = {}
-        fitting = self.capacity.pods_fitting(zone, per_pod)
-        chosen: list[tuple[Running, PreemptionCause]] = []
-
-        def release(victim: Running, sign: int) -> int:
-            change = 0
-            for pod in victim.pods:
-                key = (pod.node, zone[2])
-                if key not in self.capacity.nodes:
-                    continue  # on an unschedulable node: freeing it gives nothing usable
-                before = free.get(key, self.capacity.free_count(key))
-                after = before + sign * len(pod.gpus)
-                free[key] = after
-                change += after // per_pod - before // per_pod
-            return change
-
-        freed = 0
-        for victim, cause in candidates:
-            fitting += release(victim, +1)
-            freed += victim.gpus
-            chosen.append((victim, cause))
-            if fitting >= pods and freed >= must_free:
-                break
-        else:
-            return None
-        # Drop, latest first, every victim the gang turns out not to need.
-        for item in reversed(chosen[:-1]):
-            lost = release(item[0], -1)
-            if fitting + lost >= pods and freed - item[0].gpus >= must_free:
-                fitting += lost
-                freed -= item[0].gpus
-                chosen.remove(item)
-            else:
-                release(item[0], +1)
-        return chosen

@@ -43,21 +43,39 @@ class QuotaBook:
         self.capacity = capacity
         self._path: dict[str, tuple[str, ...]] = {}
         self.children: dict[str | None, list[str]] = defaultdict(list)
-        for project in self.projects.values():
-            self.children[project.parent].append(project.name)
+        for declared in self.projects.values():
+            self.children[declared.parent].append(declared.name)
         self._share: dict[str, float] = {}
-        self.used: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._share_keys: dict[str, tuple[float, ...]] = {}
+        # Flat (node, GPU type) keys: these are read tens of thousands of times a cycle.
+        self.used: dict[tuple[str, str], int] = defaultdict(int)
+        self.types_used: dict[str, set[str]] = defaultdict(set)
+        self.guaranteed: dict[str, dict[str, int]] = {}
         for project, gpu_type, gpus in usage:
             self.add(project, gpu_type, gpus)
-        self.guaranteed: dict[str, dict[str, int]] = {}
         for name in self._bottom_up():
             self.guaranteed[name] = self._subtree_guarantee(name)
+        self.guaranteed_of = {
+            (name, t): g for name, per_type in self.guaranteed.items() for t, g in per_type.items()
+        }
+        self._caps = {
+            (name, t): self.guaranteed_of.get((name, t), 0) + q.borrow_limit
+            for name, p in self.projects.items()
+            for t, q in p.quotas.items()
+            if q.borrow_limit is not None
+        }
         self._limited = [
             name
             for name, p in self.projects.items()
             if any(q.lend_limit is not None for q in p.quotas.values())
         ]
         self._lendable = self._lendable_at_start()
+
+    @property
+    def lends_with_limits(self) -> bool:
+        """Whether some node keeps unused guarantee back: then free GPUs a project may take
+        can grow during a cycle (when the keeper's own use grows)."""
+        return bool(self._limited)
 
     # ------------------------------------------------------------- the tree
     def ensure(self, name: str) -> None:
@@ -66,7 +84,6 @@ class QuotaBook:
         if name not in self.projects:
             self.projects[name] = Project(name=name, default_priority="opportunistic")
             self.children[None].append(name)
-            self.guaranteed[name] = {}
 
     def path(self, name: str) -> tuple[str, ...]:
         """The project and its ancestors, nearest first."""
@@ -107,34 +124,48 @@ class QuotaBook:
     # ------------------------------------------------------------ accounting
     def add(self, project: str, gpu_type: str, gpus: int) -> None:
         for name in self.path(project):
-            self.used[name][gpu_type] += gpus
+            self.used[(name, gpu_type)] += gpus
+            self.types_used[name].add(gpu_type)
             self._share.pop(name, None)
+        if self._share_keys:
+            self._share_keys.clear()
 
     def guarantee(self, name: str, gpu_type: str) -> int:
-        return self.guaranteed.get(name, {}).get(gpu_type, 0)
+        return self.guaranteed_of.get((name, gpu_type), 0)
 
     def usage(self, name: str, gpu_type: str) -> int:
-        return self.used[name][gpu_type] if name in self.used else 0
+        return self.used.get((name, gpu_type), 0)
 
     def cap(self, name: str, gpu_type: str) -> float:
-        quota = self.projects[name].quotas.get(gpu_type)
-        if quota is None or quota.borrow_limit is None:
-            return UNLIMITED
-        return self.guarantee(name, gpu_type) + quota.borrow_limit
+        return self._caps.get((name, gpu_type), UNLIMITED)
 
     def within_guarantee(self, project: str, gpu_type: str, gpus: int) -> bool:
-        return self.usage(project, gpu_type) + gpus <= self.guarantee(project, gpu_type)
+        key = (project, gpu_type)
+        return self.used.get(key, 0) + gpus <= self.guaranteed_of.get(key, 0)
 
     def over_cap(self, project: str, gpu_type: str, gpus: int) -> str | None:
         """The nearest node on the project's path that the request would take over its cap."""
+        if not self._caps:
+            return None
         for name in self.path(project):
-            if self.usage(name, gpu_type) + gpus > self.cap(name, gpu_type):
+            key = (name, gpu_type)
+            if self.used.get(key, 0) + gpus > self._caps.get(key, UNLIMITED):
                 return name
         return None
 
-    def borrow_room(self, project: str, gpu_type: str) -> float:
-        """How many more GPUs the project may use beyond what it uses now, by its caps."""
-        return min(self.cap(n, gpu_type) - self.usage(n, gpu_type) for n in self.path(project))
+    def ceiling(self, project: str, gpu_type: str) -> tuple[str, float]:
+        """The tightest cap on the project's path, and whose: more than this the project
+        can never hold, however idle the fleet."""
+        return min(
+            ((name, self.cap(name, gpu_type)) for name in self.path(project)),
+            key=lambda named: named[1],
+        )
+
+    def may_borrow(self, project: str, gpu_type: str) -> float:
+        """How many more GPUs the project may take beyond its guarantee, by its caps."""
+        room = min(self.cap(n, gpu_type) - self.usage(n, gpu_type) for n in self.path(project))
+        unused = max(0, self.guarantee(project, gpu_type) - self.usage(project, gpu_type))
+        return max(0.0, room - unused)
 
     # --------------------------------------------------------------- lending
     def _reserve(self, name: str, gpu_type: str) -> int:
@@ -195,8 +226,8 @@ class QuotaBook:
         project = self.projects[name]
         lendable = self._lendable.get(project.parent, {})
         dominant = 0.0
-        for gpu_type, used in self.used[name].items():
-            borrowed = used - self.guarantee(name, gpu_type)
+        for gpu_type in self.types_used.get(name, ()):
+            borrowed = self.usage(name, gpu_type) - self.guarantee(name, gpu_type)
             if borrowed > 0:
                 dominant = max(dominant, borrowed / max(1.0, lendable.get(gpu_type, 0.0)))
         value = self._share[name] = dominant / project.weight
@@ -204,4 +235,9 @@ class QuotaBook:
 
     def share_key(self, project: str) -> tuple[float, ...]:
         """Shares from the top of the tree down to the project (lexicographic order)."""
-        return tuple(self.share(n) for n in reversed(self.path(project)))
+        key = self._share_keys.get(project)
+        if key is None:
+            key = self._share_keys[project] = tuple(
+                self.share(n) for n in reversed(self.path(project))
+            )
+        return key

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .model import ProjectTree
 
@@ -63,7 +64,7 @@ class Running:
     # The waiting workload a preemption stops it for; its GPUs are promised to that one.
     stopping_for: int | None = None
 
-    @property
+    @cached_property
     def gpus(self) -> int:
         return sum(len(p.gpus) for p in self.pods)
 
@@ -84,7 +85,7 @@ class Pending:
     created_at: float = 0.0
     node_selector: Mapping[str, str] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def gpus(self) -> int:
         return self.pods * self.gpus_per_pod
 
@@ -160,7 +161,10 @@ class Preemption:
 @dataclass(frozen=True)
 class Waiting:
     workload_id: int
-    position: int  # 1-based, among the waiting workloads of the same GPU type
+    # 1-based, in its project's queue for its GPU type, in the order they would start.
+    # Not a place in the whole fleet's queue: with fair sharing that one changes with every
+    # admission anywhere, while this one moves only when the project's own work does.
+    position: int
     cause: WaitCause
     reason: str
 

@@ -425,7 +425,8 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
             if status.state not in ("pending", "admitted"):
                 raise web.HTTPError(409, f"the GPU request ended while waiting: {status.reason}")
             message = (
-                f"Queued: position {status.queue_position} — {status.reason}"
+                f"Queued: position {status.queue_position} in project "
+                f"{status.raw.get('project', '')}'s {status.gpu_type} queue — {status.reason}"
                 if status.queue_position
                 else f"Waiting for GPUs: {status.reason}"
             )

@@ -3,34 +3,29 @@
 The state is changed only through the methods of FleetStore and the classes it builds on
 (``base.StoreBase``: lease and fenced writes; ``inventory.InventoryStore``: what node
 agents report; ``reconcile.ReconcileStore``: process markers and the reconciler's
-repairs). Decisions of one admission cycle are committed in one transaction: a
-controller killed at any point leaves either all of them or none.
+repairs; ``cycle.SchedulingStore``: the scheduling cycle, whose decisions are committed
+in one transaction: a controller killed at any point leaves either all of them or none).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, selectinload
 
-from .. import failpoints
-from ..admission import FleetSnapshot, NodeView, PendingRequest, admit
 from ..errors import InputError, InvalidRequest, NotFound
 from ..model import project_tree
 from ..validation import Catalogue, ProfileRule, SessionRequest, validate_session_request
 from .base import _event
+from .cycle import SchedulingStore
 from .inventory import InventoryStore
 from .models import (
-    Allocation,
     Gpu,
     Membership,
-    Node,
-    NodeHealth,
     PriorityClass,
     Profile,
     Project,
@@ -46,21 +41,7 @@ ACTIVE_STATES = (WorkloadState.admitted, WorkloadState.running, WorkloadState.st
 OPEN_STATES = (WorkloadState.pending, *ACTIVE_STATES)
 
 
-@dataclass(frozen=True)
-class AdmittedWait:
-    workload_id: int
-    project: str
-    gpu_type: str
-    waited_seconds: float
-
-
-@dataclass(frozen=True)
-class CycleResult:
-    admitted: tuple[AdmittedWait, ...]
-    changed: tuple[int, ...]  # every workload whose visible state changed (admitted included)
-
-
-class FleetStore(ReconcileStore, InventoryStore):
+class FleetStore(SchedulingStore, ReconcileStore, InventoryStore):
     # ------------------------------------------------------------- bootstrap
     def apply_config(
         self,
@@ -221,6 +202,7 @@ class FleetStore(ReconcileStore, InventoryStore):
                 pods=1,
                 gpus_per_pod=validated.gpus,
                 priority_class=project.default_priority,
+                preemptible=_preemptible(session, project.default_priority),
                 state=WorkloadState.pending,
                 reason="waiting for the next admission cycle",
                 created_at=now,
@@ -256,7 +238,9 @@ class FleetStore(ReconcileStore, InventoryStore):
             workload.state = WorkloadState.running
             workload.started_at = now
             workload.lease_expires_at = None
-            workload.reason = "running"
+            # "admitted on n1 (zone-a); 2 borrowed ..." -> "running on n1 (zone-a); 2 ..."
+            admitted = workload.reason.removeprefix("admitted")
+            workload.reason = "running" + (admitted if admitted != workload.reason else "")
             workload.version += 1
             _event(session, now, "started", f"workload {workload.id} is running", workload=workload)
             return workload
@@ -279,6 +263,10 @@ class FleetStore(ReconcileStore, InventoryStore):
         for allocation in workload.allocations:
             if allocation.closed_at is None:
                 allocation.closed_at = now
+        if workload.preempted_for_id is not None and workload.state == WorkloadState.stopping:
+            # However its backend ends it, a preempted workload ended for being preempted.
+            message = f"{workload.reason}; {message}" if message else workload.reason
+            outcome = "preempted"
         workload.state = WorkloadState.ended
         workload.queue_position = None
         workload.outcome = outcome
@@ -313,12 +301,21 @@ class FleetStore(ReconcileStore, InventoryStore):
             return int(result.rowcount)  # type: ignore[attr-defined]
 
     def expire_leases(self, now: datetime) -> list[int]:
-        """End pending or admitted workloads whose requester stopped renewing."""
+        """End pending or admitted workloads whose requester stopped renewing.
+
+        An admitted workload whose backend gave its process marker may already have
+        processes holding its GPUs: it is left to the reconciler, which ends it only once
+        nothing carrying the marker runs.
+        """
         with self._write(now) as session:
             expired = session.scalars(
                 select(Workload).where(
-                    Workload.state.in_((WorkloadState.pending, WorkloadState.admitted)),
                     Workload.lease_expires_at < now,
+                    (Workload.state == WorkloadState.pending)
+                    | (
+                        (Workload.state == WorkloadState.admitted)
+                        & Workload.process_marker.is_(None)
+                    ),
                 )
             ).all()
             for workload in expired:
@@ -332,139 +329,6 @@ class FleetStore(ReconcileStore, InventoryStore):
                 )
             return [w.id for w in expired]
 
-    # ------------------------------------------------------------- admission
-    def admission_cycle(self, now: datetime) -> CycleResult:
-        """Read the fleet, decide with the pure core, commit every decision at once."""
-        with self._write(now) as session:
-            snapshot, pending = self._snapshot(session, now)
-            plan = admit(snapshot)
-            node_ids = {n.name: n.id for n in session.scalars(select(Node))}
-            changed: list[int] = []
-            for admission in plan.admissions:
-                workload = pending[admission.workload_id]
-                for uuid in admission.gpu_uuids:
-                    session.add(
-                        Allocation(
-                            workload_id=workload.id,
-                            gpu_uuid=uuid,
-                            node_id=node_ids[admission.node],
-                            pod_index=0,
-                            project_id=workload.project_id,
-                            username=workload.username,
-                            gpu_type=workload.gpu_type,
-                            opened_at=now,
-                        )
-                    )
-                workload.state = WorkloadState.admitted
-                workload.queue_position = None
-                workload.admitted_at = now
-                workload.reason = f"admitted on {admission.node}"
-                workload.version += 1
-                changed.append(workload.id)
-                _event(
-                    session,
-                    now,
-                    "admitted",
-                    f"workload {workload.id} admitted: {len(admission.gpu_uuids)} × "
-                    f"{workload.gpu_type} on {admission.node}",
-                    workload=workload,
-                    node=admission.node,
-                    data={"gpus": list(admission.gpu_uuids)},
-                )
-            for waiting in plan.waiting:
-                workload = pending[waiting.workload_id]
-                if (workload.reason, workload.queue_position) != (
-                    waiting.reason,
-                    waiting.position,
-                ):
-                    # Position changes alone are not events (they would flood the log).
-                    if workload.reason != waiting.reason:
-                        _event(
-                            session,
-                            now,
-                            "waiting",
-                            f"workload {workload.id} waits: {waiting.reason}",
-                            workload=workload,
-                            reason="queued",
-                        )
-                    workload.reason = waiting.reason
-                    workload.queue_position = waiting.position
-                    workload.version += 1
-                    changed.append(workload.id)
-            # The partial unique index turns any double allocation into an IntegrityError
-            # here, which rolls the whole cycle back.
-            session.flush()
-            if plan.admissions:
-                failpoints.reach("admission-before-commit")
-            admitted = tuple(
-                AdmittedWait(w.id, w.project.name, w.gpu_type, (now - w.created_at).total_seconds())
-                for w in (pending[a.workload_id] for a in plan.admissions)
-            )
-            return CycleResult(admitted, tuple(changed))
-
-    def _snapshot(
-        self, session: Session, now: datetime
-    ) -> tuple[FleetSnapshot, dict[int, Workload]]:
-        taken = set(
-            session.scalars(select(Allocation.gpu_uuid).where(Allocation.closed_at.is_(None)))
-        )
-        nodes = []
-        for node in session.scalars(
-            select(Node).options(selectinload(Node.gpus), selectinload(Node.zone))
-        ):
-            by_type: dict[str, list[Gpu]] = defaultdict(list)
-            for gpu in node.gpus:
-                if gpu.present and not gpu.lost:
-                    by_type[gpu.gpu_type].append(gpu)
-            for gpu_type, present in sorted(by_type.items()):
-                nodes.append(
-                    NodeView(
-                        name=node.name,
-                        zone=node.zone.name,
-                        gpu_type=gpu_type,
-                        free_gpus=tuple(g.uuid for g in present if g.uuid not in taken),
-                        total_gpus=len(present),
-                        schedulable=node.health == NodeHealth.ok and not node.cordoned,
-                    )
-                )
-        pending = {
-            w.id: w
-            for w in session.scalars(
-                select(Workload)
-                .where(Workload.state == WorkloadState.pending)
-                .options(selectinload(Workload.project))
-            )
-        }
-        queue = tuple(
-            PendingRequest(w.id, w.project.name, w.username, w.gpu_type, w.gpus, w.created_at)
-            for w in pending.values()
-        )
-        projects = {
-            p.id: p for p in session.scalars(select(Project).options(selectinload(Project.quotas)))
-        }
-        guaranteed = {
-            (p.name, q.gpu_type): q.guaranteed for p in projects.values() for q in p.quotas
-        }
-        project_usage: dict[tuple[str, str], int] = defaultdict(int)
-        user_usage: dict[tuple[str, str], int] = defaultdict(int)
-        for project_id, username, gpu_type, count in session.execute(
-            select(Allocation.project_id, Allocation.username, Allocation.gpu_type, func.count())
-            .where(Allocation.closed_at.is_(None))
-            .group_by(Allocation.project_id, Allocation.username, Allocation.gpu_type)
-        ):
-            name = projects[project_id].name
-            project_usage[(name, gpu_type)] += count
-            user_usage[(name, username)] += count
-        snapshot = FleetSnapshot(
-            nodes=tuple(nodes),
-            queue=queue,
-            guaranteed=guaranteed,
-            project_usage=dict(project_usage),
-            user_usage=dict(user_usage),
-            user_caps={p.name: p.per_user_gpu_cap for p in projects.values()},
-        )
-        return snapshot, pending
-
     def record_event(self, now: datetime, kind: str, message: str, **fields: Any) -> None:
         with self._write(now) as session:
             _event(session, now, kind, message, **fields)
@@ -475,3 +339,8 @@ def _get_workload(session: Session, workload_id: int) -> Workload:
     if workload is None:
         raise NotFound(f"there is no workload {workload_id}")
     return workload
+
+
+def _preemptible(session: Session, priority_class: str) -> bool:
+    known = session.get(PriorityClass, priority_class)
+    return bool(known and known.preemptible_by_default)

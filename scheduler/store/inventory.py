@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ..errors import NotFound
 from .base import StoreBase, _event
 from .models import Cluster, Gpu, Node, NodeHealth, Zone
 
@@ -137,6 +138,28 @@ class InventoryStore(StoreBase):
                 node.last_heartbeat_at = now
                 node.agent = agent
             return sorted(names - {n.name for n in nodes})
+
+    def set_cordoned(self, now: datetime, node_name: str, cordoned: bool, by: str) -> bool:
+        """Cordon (no new work; what runs keeps running) or uncordon a node. Returns whether
+        anything changed; an unknown node raises NotFound."""
+        with self._write(now) as session:
+            node = session.scalar(select(Node).where(Node.name == node_name))
+            if node is None:
+                raise NotFound(f"there is no node {node_name!r}")
+            if node.cordoned == cordoned:
+                return False
+            node.cordoned = cordoned
+            verb = "cordoned" if cordoned else "uncordoned"
+            _event(
+                session,
+                now,
+                f"node-{verb}",
+                f"node {node_name} {verb} by {by}"
+                + ("; it receives no new work" if cordoned else ""),
+                node=node_name,
+                cause=by,
+            )
+            return True
 
     def mark_silent_nodes(self, now: datetime, timeout: timedelta) -> list[str]:
         """Nodes whose heartbeat is older than ``timeout`` become unknown: no new work."""

@@ -286,6 +286,9 @@ class Workload(Base):
     idle_since: Mapped[datetime | None] = mapped_column(default=None)
     last_checkpoint_at: Mapped[datetime | None] = mapped_column(default=None)
     last_snapshot_at: Mapped[datetime | None] = mapped_column(default=None)
+    # Set when the scheduler stops this workload to make room: the waiting workload its
+    # GPUs are promised to. That one asks for no more victims while this one stops.
+    preempted_for_id: Mapped[int | None] = mapped_column(Integer, default=None)
     # The random marker every process of the workload inherits (recovery/processes.py),
     # sent by the backend with the request, before any process starts: the reconciler
     # tells by it which live processes belong to which workload.

@@ -75,6 +75,8 @@ c.JupyterHub.load_roles.append({{
     "services": ["test-admin"],
 }})
 c.FleetController.admission_interval = 0.2
+c.FleetController.min_run_time_seconds = 0
+c.FleetController.preemption_retry_seconds = 2
 c.FleetController.request_lease_seconds = 6
 c.FleetController.log_style = "text"
 c.FleetController.reconcile_interval = 1

@@ -50,7 +50,7 @@ def test_my_sessions_page_shows_the_queue_position_and_reason_to_its_owner_only(
     rows, _ = page_rows(chromium, fleet, "bob")
     assert len(rows) == 1
     assert str(bob["id"]) in rows[0] and "pending" in rows[0]
-    assert "project vision uses 4 of 4 guaranteed A100-80GB" in rows[0]
+    assert "project vision uses 4/4 guaranteed A100-80GB and may borrow 0 more" in rows[0]
 
     rows, html = page_rows(chromium, fleet, "alice")
     assert len(rows) == 1 and "running" in rows[0] and "4 × A100-80GB" in rows[0]

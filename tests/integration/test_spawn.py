@@ -87,7 +87,7 @@ def test_second_user_queues_while_quota_is_full_and_starts_when_it_frees(fleet: 
     )
     assert waiting["state"] == "pending"
     assert waiting["reason"] == (
-        "2 × A100-80GB requested; project vision uses 4 of 4 guaranteed A100-80GB"
+        "needs 2 × A100-80GB; project vision uses 4/4 guaranteed A100-80GB and may borrow 0 more"
     )
     model = fleet.server_model("bob")
     assert model is not None and model["pending"] == "spawn"

@@ -164,9 +164,9 @@ def test_no_partial_gang_and_the_reason_names_the_largest_block() -> None:
                 1,
                 1,
                 WaitCause.RESERVED,
-                "needs 16 × H100 in one zone; largest free block is 8 in z1; project vision "
-                "uses 0/32 guaranteed and may borrow without limit; first in line for H100: "
-                "z1 is held for it as GPUs free up",
+                "needs 16 × H100 in one zone; largest free block is 8 in z1; within project "
+                "vision's guarantee (0/32 used); first in line for H100: z1 is held for it as "
+                "GPUs free up",
             ),
         )
     )
@@ -490,5 +490,20 @@ def test_while_its_victims_stop_a_request_asks_for_no_more() -> None:
             1,
             WaitCause.PREEMPTING,
             "needs 8 × H100; waiting for 8 GPU(s) being freed by preempted workload(s) 9",
+        ),
+    )
+
+
+def test_a_request_beyond_what_its_project_may_ever_hold_does_not_block_its_queue() -> None:
+    queue = [pending(1, "v", 8, at=1), pending(2, "v", 2, at=2)]
+    result = plan(snap([node("n1")], queue, tree=projects(v=(2, 2))), NOW)
+    assert [a.workload_id for a in result.admissions] == [2]
+    assert result.waiting == (
+        Waiting(
+            1,
+            1,
+            WaitCause.NEVER_FITS,
+            "needs 8 × H100; project v may never hold more than 4 × H100 (guarantee plus "
+            "borrow limit): ask for fewer, or for a higher limit",
         ),
     )

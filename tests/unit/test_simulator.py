@@ -234,14 +234,14 @@ def test_a_preempted_session_keeps_all_its_work():
     check_accounting(result, jobs, nodes)
 
 
-def test_static_leaves_a_group_without_guarantee_waiting_and_says_why():
+def test_static_reports_a_group_without_guarantee_as_never_fitting_and_says_why():
     jobs = [TraceJob("a", 0.0, 60.0, 2, "guests"), TraceJob("b", 0.0, 60.0, 8, "vision")]
     result = simulate(jobs, FLEET, PROJECTS, "static")
-    guest, owner = result.records
-    assert guest.start_s is None and guest.waiting_reason is not None
-    assert guest.waiting_reason.startswith("quota:") and "static" in guest.waiting_reason
+    (owner,) = result.records
+    (guest,) = result.never_fits
+    assert guest.job_id == "a"
+    assert "borrowing is off (static quotas)" in guest.reason
     assert owner.end_s == 60.0
-    assert result.summary.never_started == 1
     # GPUs idled while the guest waited: 8 of 28 held for the first minute.
     assert result.summary.allocation_while_waiting == pytest.approx(8 / 28)
 
@@ -358,10 +358,11 @@ def test_cli_writes_the_result_and_prints_the_summary(tmp_path: Path) -> None:
     assert "Simulation (static)" in done.stdout and "Waits by project" in done.stdout
     document = json.loads((tmp_path / "r.json").read_text())
     assert document["policy"] == "static"
-    assert [n["job_id"] for n in document["never_fits"]] == ["c"]
+    # c fits no zone; d's guests have no guarantee, and static quotas lend nothing.
+    assert [n["job_id"] for n in document["never_fits"]] == ["c", "d"]
     jobs = {r["job_id"]: r for r in document["jobs"]}
     assert jobs["a"]["start_s"] == 0.0 and jobs["a"]["end_s"] == 600.0
-    assert jobs["d"]["start_s"] is None  # guests have no guarantee, static lends nothing
+    assert "d" not in jobs
     assert set(document["summary"]) >= {"gpu_utilisation", "allocation_while_waiting", "wait"}
 
 

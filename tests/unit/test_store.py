@@ -19,8 +19,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gpufleet.scheduler.errors import InvalidRequest, LeaseLost, SchemaMismatch
+from gpufleet.scheduler.snapshot import Policy
 from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.fleet import AdmittedWait, CycleResult, FleetStore
+from gpufleet.scheduler.store.cycle import AdmittedWait, CycleResult
+from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
 from gpufleet.scheduler.store.models import (
     Allocation,
@@ -160,7 +162,11 @@ def test_one_gpu_cannot_have_two_open_allocations(engine: Engine) -> None:
 
 # ------------------------------------------------------------------ FleetStore
 PROJECTS: list[dict[str, Any]] = [
-    {"name": "vision", "display_name": "Computer vision", "quotas": {"A100": {"guaranteed": 2}}},
+    {
+        "name": "vision",
+        "display_name": "Computer vision",
+        "quotas": {"A100": {"guaranteed": 2, "borrow_limit": 0}},
+    },
     {"name": "nlp", "quotas": {"A100": {"guaranteed": 4}, "H100": {"guaranteed": 2}}},
 ]
 PROFILES: list[dict[str, Any]] = [
@@ -197,6 +203,10 @@ def store(engine: Engine) -> FleetStore:
     assert store.register_nodes(T0, "agent-1", NODES) == ["a1", "a2", "h1"]
     assert store.sync_memberships(T0, GROUPS) == 3
     return store
+
+
+def cycle(store: FleetStore, now: datetime) -> CycleResult:
+    return store.scheduling_cycle(now, Policy())
 
 
 def ask(
@@ -260,27 +270,29 @@ def test_a_cycle_admits_within_the_quota_and_queues_beyond_it_with_the_reason(
     bob = ask(store, t(2), "bob")
     alice_again = ask(store, t(3), "alice", server="second")
 
-    assert store.admission_cycle(t(4)) == CycleResult(
-        admitted=(
-            AdmittedWait(alice, "vision", "A100", 3.0),
-            AdmittedWait(bob, "vision", "A100", 2.0),
-        ),
-        changed=(alice, bob, alice_again),
+    result = cycle(store, t(4))
+    assert result.admitted == (
+        AdmittedWait(alice, "vision", "A100", 3.0),
+        AdmittedWait(bob, "vision", "A100", 2.0),
     )
+    assert (result.stops, result.changed) == ((), (alice, bob, alice_again))
     # Best fit: the 2-GPU node a2 fills up first, a1 stays whole.
     assert allocations(store) == [(alice, "GPU-a2-0", None), (bob, "GPU-a2-1", None)]
     assert workload(store, alice).state == WorkloadState.admitted
-    assert workload(store, alice).reason == "admitted on a2"
+    assert workload(store, alice).reason == "admitted on a2 (zone-a)"
     waiting = workload(store, alice_again)
     assert waiting.state == WorkloadState.pending
     assert waiting.queue_position == 1
-    assert waiting.reason == "1 × A100 requested; project vision uses 2 of 2 guaranteed A100"
+    assert waiting.reason == (
+        "needs 1 × A100; project vision uses 2/2 guaranteed A100 and may borrow 0 more"
+    )
     assert events(store, "waiting") == [
-        f"workload {alice_again} waits: 1 × A100 requested; project vision uses 2 of 2 "
-        "guaranteed A100"
+        f"workload {alice_again} waits: needs 1 × A100; project vision uses 2/2 "
+        "guaranteed A100 and may borrow 0 more"
     ]
     # Nothing changed: the next cycle decides nothing and records nothing.
-    assert store.admission_cycle(t(5)) == CycleResult(admitted=(), changed=())
+    quiet = cycle(store, t(5))
+    assert (quiet.admitted, quiet.stops, quiet.changed) == ((), (), ())
     assert len(events(store, "waiting")) == 1
 
 
@@ -289,7 +301,7 @@ def test_ending_closes_allocations_without_deleting_them_and_frees_the_gpu(
 ) -> None:
     alice = ask(store, t(1), "alice", gpus=2)
     bob = ask(store, t(2), "bob")
-    store.admission_cycle(t(3))
+    cycle(store, t(3))
     assert workload(store, bob).state == WorkloadState.pending
 
     ended = store.end(t(10), alice, "stopped", "the user stopped the server")
@@ -299,7 +311,7 @@ def test_ending_closes_allocations_without_deleting_them_and_frees_the_gpu(
         (alice, "GPU-a2-1", t(10)),
     ]
 
-    result = store.admission_cycle(t(11))
+    result = cycle(store, t(11))
     assert result.admitted == (AdmittedWait(bob, "vision", "A100", 9.0),)
     assert allocations(store) == [
         (alice, "GPU-a2-0", t(10)),
@@ -326,7 +338,7 @@ def test_an_unrenewed_request_expires_and_a_renewed_or_running_one_does_not(
         assert "stopped renewing" in expired.reason
     assert workload(store, bob).state == WorkloadState.pending
 
-    store.admission_cycle(t(32))
+    cycle(store, t(32))
     store.mark_running(t(33), bob)
     assert store.expire_leases(t(1000)) == []  # a running session holds no request lease
     assert workload(store, bob).state == WorkloadState.running
@@ -334,7 +346,7 @@ def test_an_unrenewed_request_expires_and_a_renewed_or_running_one_does_not(
 
 def test_an_admitted_request_whose_lease_lapses_gives_its_gpus_back(store: FleetStore) -> None:
     alice = ask(store, t(0), "alice")
-    store.admission_cycle(t(1))
+    cycle(store, t(1))
     assert store.expire_leases(t(31)) == [alice]
     assert allocations(store) == [(alice, "GPU-a2-0", t(31))]
 
@@ -349,7 +361,7 @@ def test_a_new_start_of_the_same_server_supersedes_the_older_request(store: Flee
     assert old.reason == "a new start of the same server replaced this request"
     assert workload(store, other_server).state == WorkloadState.pending  # another server
 
-    store.admission_cycle(t(4))
+    cycle(store, t(4))
     assert allocations(store) == [(other_server, "GPU-a2-0", None), (second, "GPU-a2-1", None)]
     third = ask(store, t(5), "alice")  # superseding an admitted request gives its GPU back
     assert workload(store, second).outcome == "superseded"
@@ -359,7 +371,7 @@ def test_a_new_start_of_the_same_server_supersedes_the_older_request(store: Flee
 
 def test_a_running_server_cannot_be_requested_again(store: FleetStore, engine: Engine) -> None:
     first = ask(store, t(1), "alice")
-    store.admission_cycle(t(2))
+    cycle(store, t(2))
     store.mark_running(t(3), first)
     before = row_counts(engine)
 
@@ -389,7 +401,7 @@ def test_a_second_controller_waits_for_the_lease_and_then_fences_the_first(
 
     writes: list[Callable[[datetime], object]] = [
         lambda now: ask(store, now, "bob"),
-        lambda now: store.admission_cycle(now),
+        lambda now: cycle(store, now),
         lambda now: store.end(now, alice, "stopped", ""),
         lambda now: store.renew(now, alice, REQUEST_LEASE),
         lambda now: store.expire_leases(now + timedelta(hours=1)),
@@ -446,15 +458,15 @@ def test_silent_nodes_become_unknown_and_receive_no_work_until_they_report(
 
     alice = ask(store, t(32), "alice")
     carol = ask(store, t(33), "carol", project="nlp", gpu_type="H100")
-    store.admission_cycle(t(34))
+    cycle(store, t(34))
     assert allocations(store) == [(alice, "GPU-a1-0", None)]  # best fit would pick a2
     assert workload(store, carol).reason == (
-        "1 × H100 requested; no schedulable node has H100 right now "
-        "(cordoned, unhealthy or not reporting)"
+        "needs 1 × H100 on one node; no schedulable node has H100 right now "
+        "(cordoned, unhealthy or silent); within project nlp's guarantee (0/2 used)"
     )
 
     store.heartbeat(t(40), "agent-1", ["h1"])
-    assert store.admission_cycle(t(41)).admitted == (AdmittedWait(carol, "nlp", "H100", 8.0),)
+    assert cycle(store, t(41)).admitted == (AdmittedWait(carol, "nlp", "H100", 8.0),)
     assert events(store, "node-back") == ["node h1 is reporting again"]
 
 
@@ -474,7 +486,7 @@ def test_a_gpu_that_is_no_longer_reported_is_marked_absent_and_not_offered(
     with pytest.raises(InvalidRequest, match="the largest A100 node has 3"):
         ask(store, t(6), "carol", project="nlp", gpus=4)
     carol = ask(store, t(7), "carol", project="nlp", gpus=3)
-    store.admission_cycle(t(8))
+    cycle(store, t(8))
     assert [uuid for _, uuid, _ in allocations(store)] == ["GPU-a1-0", "GPU-a1-1", "GPU-a1-2"]
     assert workload(store, carol).state == WorkloadState.admitted
 
@@ -537,18 +549,24 @@ def test_memberships_follow_the_hub_groups(store: FleetStore) -> None:
 
 def test_apply_config_updates_quotas_in_place(store: FleetStore) -> None:
     changed = [
-        {"name": "vision", "quotas": {"H100": {"guaranteed": 1}}, "per_user_gpu_cap": 1},
+        {
+            "name": "vision",
+            "quotas": {"H100": {"guaranteed": 1, "borrow_limit": 0}},
+            "per_user_gpu_cap": 1,
+        },
         PROJECTS[1],
     ]
     store.apply_config(t(1), changed, PROFILES, PRIORITY_CLASSES)
     alice = ask(store, t(2), "alice")
     bob = ask(store, t(3), "bob", gpu_type="H100", gpus=2)
-    store.admission_cycle(t(4))
+    cycle(store, t(4))
+    # No A100 quota any more: no guarantee, but idle A100s may be borrowed.
     assert workload(store, alice).reason == (
-        "1 × A100 requested; project vision uses 0 of 0 guaranteed A100"
+        "admitted on a2 (zone-a); 1 borrowed beyond project vision's guarantee"
     )
     assert workload(store, bob).reason == (
-        "2 × H100 requested; project vision uses 0 of 1 guaranteed H100"
+        "needs 2 × H100; project vision may never hold more than 1 × H100 (guarantee plus "
+        "borrow limit): ask for fewer, or for a higher limit"
     )
 
 
@@ -603,7 +621,7 @@ def test_mig_slices_are_gpu_types_of_their_own(engine: Engine) -> None:
     whole = store.open_session_request(
         T0, SessionRequest("alice", "w", "vision", "A100-80GB", 1), lease
     )
-    store.admission_cycle(T0)
+    cycle(store, T0)
     with store.read() as session:
         got = {
             w.id: sorted(a.gpu_uuid for a in w.allocations)
@@ -622,7 +640,7 @@ def test_a_lost_gpu_is_neither_free_nor_offered_and_its_loss_is_an_event(
         "GPU GPU-h1-0 (index 0) on h1 is lost (NVML: fallen off the bus); it receives no new work"
     ]
     carol = ask(store, t(2), "carol", project="nlp", gpu_type="H100", gpus=2)
-    store.admission_cycle(t(2))
+    cycle(store, t(2))
     assert workload(store, carol).state == WorkloadState.pending
     with store.read() as session:
         h1 = next(row for row in node_rows(session) if row.name == "h1")

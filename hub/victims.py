@@ -1,0 +1,96 @@
+"""Stopping the workloads the scheduler preempted, by the stop protocol of DESIGN.md.
+
+A preempted workload is ``stopping`` in the database from the cycle that chose it; its
+GPUs stay allocated until its backend has observed every process gone and ended it. For a
+session that backend is the spawner: the controller asks the hub to stop the server, the
+spawner ends every process carrying the session's marker, then releases the GPUs (the
+snapshot before the stop comes with the snapshotter). The waiting workload is admitted by
+the first cycle after that.
+
+The hub may be down or busy with that server: a victim still stopping is asked again
+every ``retry_after`` seconds, so a controller restart or a failed call delays a
+preemption but never loses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+
+import httpx
+
+from ..scheduler.snapshot import Running
+from ..scheduler.store.cycle import Stop
+from .hubapi import stop_server
+
+
+class VictimStopper:
+    def __init__(
+        self, hub_api_url: str, hub_api_token: str, log: logging.Logger, retry_after: float
+    ):
+        self.hub_api_url = hub_api_url
+        self.headers = {"Authorization": f"token {hub_api_token}"}
+        self.log = log
+        self.retry_after = retry_after
+        self._asked: dict[int, float] = {}  # workload -> monotonic time of the last request
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def stop(self, stops: Iterable[Stop]) -> None:
+        for victim in stops:
+            self._asked[victim.workload_id] = time.monotonic()
+            task = asyncio.create_task(self._stop(victim))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def retry(self, running: Iterable[Running], server_names: dict[int, str]) -> None:
+        """Ask again for victims that are still stopping after ``retry_after``."""
+        now = time.monotonic()
+        again = [
+            Stop(r.id, r.kind, r.user, server_names.get(r.id, ""), "still stopping")
+            for r in running
+            if r.stopping
+            and r.stopping_for is not None
+            and now - self._asked.get(r.id, 0.0) >= self.retry_after
+        ]
+        if again:
+            self.stop(again)
+        live = {r.id for r in running}
+        for workload_id in list(self._asked):
+            if workload_id not in live:
+                del self._asked[workload_id]
+
+    async def _stop(self, victim: Stop) -> None:
+        if victim.kind != "session":
+            self.log.warning(
+                "workload %s (%s) was preempted, but this backend cannot stop %s workloads yet",
+                victim.workload_id,
+                victim.kind,
+                victim.kind,
+            )
+            return
+        if not self.hub_api_url:
+            self.log.warning("no hub API: cannot stop preempted session %s", victim.workload_id)
+            return
+        try:
+            async with httpx.AsyncClient(timeout=10, headers=self.headers) as client:
+                response = await stop_server(
+                    client, self.hub_api_url, victim.user, victim.server_name
+                )
+        except httpx.HTTPError as e:
+            self.log.warning("could not ask the hub to stop workload %s: %s", victim.workload_id, e)
+            return
+        if response.status_code >= 400 and response.status_code != 404:
+            self.log.info(
+                "the hub did not stop preempted workload %s yet: %s %s",
+                victim.workload_id,
+                response.status_code,
+                response.text[:200],
+            )
+            return
+        self.log.info(
+            "asked the hub to stop preempted workload %s",
+            victim.workload_id,
+            extra={"user": victim.user, "server": victim.server_name, "reason": victim.reason},
+        )

@@ -1,0 +1,26 @@
+"""the workload a preempted workload makes room for
+
+Revision ID: 0004
+Revises: 0003
+Create Date: 2026-11-30 12:40:00
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0004"
+down_revision: str | None = "0003"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("workloads", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("preempted_for_id", sa.Integer(), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("workloads", schema=None) as batch_op:
+        batch_op.drop_column("preempted_for_id")

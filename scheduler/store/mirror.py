@@ -1,0 +1,435 @@
+"""The scheduler's in-memory copy of the fleet, kept current from the database by changes.
+
+Building a snapshot from scratch reads every node, GPU, allocation and open workload: at
+16,000 GPUs and 10,000 waiting workloads that alone takes longer than a whole cycle may.
+So the controller keeps the snapshot's parts in memory and, before each cycle, re-reads
+only what changed since the last one.
+
+What changed is known exactly: every ORM write of the store goes through a session of
+the store's own factory, whose ``after_flush`` hook notes the workloads, nodes and quota
+rows a transaction touched; the note becomes "dirty" only when that transaction commits
+(a rolled-back one changed nothing). Readings that do not matter to the scheduler —
+heartbeat times, GPU samples — are not changes. The scheduling cycle's own bulk writes
+bypass the hook: the cycle applies its decisions to the mirror itself, after they commit.
+
+The mirror is rebuilt from scratch when it may have missed something: on the first cycle,
+when this controller takes the lease over (another one may have written), and after a
+cycle failed to commit.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from sqlalchemy import event, inspect, select
+from sqlalchemy.orm import Session, selectinload, sessionmaker
+
+from ..model import Project as TreeProject
+from ..model import ProjectTree, Quota
+from ..snapshot import (
+    NodeState,
+    Pending,
+    Plan,
+    Pod,
+    Policy,
+    Running,
+    SchedulingSnapshot,
+    WaitCause,
+)
+from .models import (
+    Allocation,
+    Cluster,
+    Gpu,
+    Node,
+    NodeHealth,
+    PriorityClass,
+    Project,
+    ProjectQuota,
+    Workload,
+    WorkloadKind,
+    WorkloadState,
+    Zone,
+)
+
+# Columns whose changes the scheduler does not read.
+_QUIET = {
+    Node: {"last_heartbeat_at", "agent"},
+    Gpu: {"sampled_at", "last_sample"},
+    Workload: {"lease_expires_at"},
+}
+_ALL = ("all", 0)
+
+
+class ChangeTracker:
+    """Notes what committed transactions of one session factory changed."""
+
+    def __init__(self, factory: sessionmaker[Session]):
+        self.dirty: set[tuple[str, int]] = {_ALL}
+        event.listen(factory, "after_flush", self._after_flush)
+        event.listen(factory, "after_commit", self._after_commit)
+        event.listen(factory, "after_soft_rollback", self._after_rollback)
+
+    def take(self) -> set[tuple[str, int]]:
+        dirty, self.dirty = self.dirty, set()
+        return dirty
+
+    def everything(self) -> None:
+        self.dirty.add(_ALL)
+
+    def _after_flush(self, session: Session, _context: Any) -> None:
+        noted = session.info.setdefault("gpufleet_changes", set())
+        for obj in (*session.new, *session.dirty, *session.deleted):
+            noted.update(_changes(obj, session))
+
+    def _after_commit(self, session: Session) -> None:
+        self.dirty |= session.info.pop("gpufleet_changes", set())
+
+    def _after_rollback(self, session: Session, _previous: Any) -> None:
+        session.info.pop("gpufleet_changes", None)
+
+
+def _changes(obj: Any, session: Session) -> Iterable[tuple[str, int]]:
+    quiet = _QUIET.get(type(obj))
+    if quiet and obj in session.dirty:
+        changed = {a.key for a in inspect(obj).attrs if a.history.has_changes()}
+        if changed <= quiet:
+            return ()
+    if isinstance(obj, Workload):
+        return (("workload", obj.id),)
+    if isinstance(obj, Allocation):
+        return (("workload", obj.workload_id), ("node", obj.node_id))
+    if isinstance(obj, Node):
+        return (("node", obj.id),)
+    if isinstance(obj, Gpu):
+        return (("node", obj.node_id),)
+    if isinstance(obj, Project | ProjectQuota | PriorityClass):
+        return (("tree", 0),)
+    if isinstance(obj, Zone | Cluster):
+        return (_ALL,)
+    return ()
+
+
+@dataclass
+class _NodeRecord:
+    name: str
+    cluster: str
+    zone: str
+    schedulable: bool
+    labels: dict[str, str]
+    gpus: list[tuple[str, str]]  # (uuid, GPU type) of its usable GPUs, in index order
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What a waiting workload's row says now, to write only what a person would notice."""
+
+    cause: WaitCause
+    reason: str
+    position: int
+    written_at: float
+
+
+class Mirror:
+    def __init__(self) -> None:
+        self._clear()
+
+    def _clear(self) -> None:
+        self.nodes: dict[int, _NodeRecord] = {}
+        self.node_ids: dict[str, int] = {}
+        self.states: dict[int, tuple[NodeState, ...]] = {}
+        self.running: dict[int, Running] = {}
+        self.pending: dict[int, Pending] = {}
+        self.project_ids: dict[str, int] = {}
+        self.versions: dict[int, int] = {}
+        self.shown: dict[int, Shown] = {}
+        self.server_names: dict[int, str] = {}
+        self.taken: dict[str, int] = {}  # GPU uuid -> workload holding it
+        self.tree = ProjectTree({})
+        self.priorities: dict[str, int] = {}
+        self.preemptible: dict[str, bool] = {}
+
+    # --------------------------------------------------------------- reading
+    def refresh(self, session: Session, dirty: set[tuple[str, int]]) -> None:
+        if _ALL in dirty:
+            self._clear()
+            self._read_tree(session)
+            self._read_nodes(session, None)
+            self._read_workloads(session, None)
+            for node_id in self.nodes:
+                self._rebuild(node_id)
+            return
+        if ("tree", 0) in dirty:
+            self._read_tree(session)
+        workloads = [i for kind, i in dirty if kind == "workload"]
+        touched = self._read_workloads(session, workloads) if workloads else set()
+        nodes = {i for kind, i in dirty if kind == "node"}
+        if nodes:
+            self._read_nodes(session, nodes)
+        for node_id in touched - nodes:
+            self._rebuild(node_id)
+
+    def _read_tree(self, session: Session) -> None:
+        projects = session.scalars(select(Project).options(selectinload(Project.quotas))).all()
+        names = {p.id: p.name for p in projects}
+        self.project_ids = {p.name: p.id for p in projects}
+        tree: dict[str, TreeProject] = {}
+        by_id = {p.id: p for p in projects}
+        for project in sorted(projects, key=lambda p: _depth(p, by_id)):
+            tree[project.name] = TreeProject(
+                name=project.name,
+                parent=names.get(project.parent_id) if project.parent_id else None,
+                kind=project.kind.value,
+                quotas={
+                    q.gpu_type: Quota(q.guaranteed, q.borrow_limit, q.lend_limit)
+                    for q in project.quotas
+                },
+                weight=project.fair_share_weight,
+                default_priority=project.default_priority,
+                per_user_cap=project.per_user_gpu_cap,
+            )
+        self.tree = ProjectTree(tree)
+        classes = session.scalars(select(PriorityClass)).all()
+        self.priorities = {c.name: c.rank for c in classes}
+        self.preemptible = {c.name: c.preemptible_by_default for c in classes}
+
+    def _read_nodes(self, session: Session, ids: set[int] | None) -> None:
+        query = select(Node).options(
+            selectinload(Node.gpus), selectinload(Node.zone).selectinload(Zone.cluster)
+        )
+        if ids is not None:
+            query = query.where(Node.id.in_(ids))
+        for node in session.scalars(query):
+            self.node_ids[node.name] = node.id
+            self.nodes[node.id] = _NodeRecord(
+                name=node.name,
+                cluster=node.zone.cluster.name,
+                zone=node.zone.name,
+                schedulable=node.health == NodeHealth.ok and not node.cordoned,
+                labels={str(k): str(v) for k, v in (node.labels or {}).items()},
+                gpus=[(g.uuid, g.gpu_type) for g in node.gpus if g.present and not g.lost],
+            )
+            self._rebuild(node.id)
+
+    def _read_workloads(self, session: Session, ids: list[int] | None) -> set[int]:
+        """Re-read workloads (rows, not ORM objects: a full read is 10,000s of them);
+        returns the nodes whose free GPUs changed."""
+        rows = select(*_WORKLOAD_COLUMNS, Project.name).join(Project)
+        allocations = select(
+            Allocation.workload_id, Allocation.pod_index, Allocation.node_id, Allocation.gpu_uuid
+        ).where(Allocation.closed_at.is_(None))
+        if ids is None:
+            rows = rows.where(Workload.state != WorkloadState.ended)
+        else:
+            rows = rows.where(Workload.id.in_(ids))
+            allocations = allocations.where(Allocation.workload_id.in_(ids))
+        pods: dict[int, dict[tuple[int, int], list[str]]] = defaultdict(lambda: defaultdict(list))
+        for workload_id, pod_index, node_id, uuid in session.execute(
+            allocations.order_by(Allocation.gpu_uuid)
+        ):
+            pods[workload_id][(pod_index, node_id)].append(uuid)
+        touched: set[int] = set()
+        for row in session.execute(rows):
+            workload = _Row._make(row)
+            touched |= self._forget(workload.id)
+            if workload.state == WorkloadState.ended:
+                continue
+            self.versions[workload.id] = workload.version
+            self.server_names[workload.id] = workload.server_name
+            if workload.state == WorkloadState.pending:
+                self.pending[workload.id] = _pending(workload)
+                continue
+            held = pods.get(workload.id, {})
+            for (_, node_id), uuids in held.items():
+                for uuid in uuids:
+                    self.taken[uuid] = workload.id
+                touched.add(node_id)
+            self.running[workload.id] = _running(workload, held, self.nodes)
+        return touched
+
+    def _forget(self, workload_id: int) -> set[int]:
+        self.pending.pop(workload_id, None)
+        self.shown.pop(workload_id, None)
+        self.versions.pop(workload_id, None)
+        self.server_names.pop(workload_id, None)
+        old = self.running.pop(workload_id, None)
+        if old is None:
+            return set()
+        touched = set()
+        for pod in old.pods:
+            for uuid in pod.gpus:
+                self.taken.pop(uuid, None)
+            touched.add(self.node_ids[pod.node])
+        return touched
+
+    def _rebuild(self, node_id: int) -> None:
+        record = self.nodes.get(node_id)
+        if record is None:
+            return
+        by_type: dict[str, list[str]] = defaultdict(list)
+        free: dict[str, list[str]] = defaultdict(list)
+        for uuid, gpu_type in record.gpus:
+            by_type[gpu_type].append(uuid)
+            if uuid not in self.taken:
+                free[gpu_type].append(uuid)
+        self.states[node_id] = tuple(
+            NodeState(
+                record.name,
+                record.cluster,
+                record.zone,
+                gpu_type,
+                len(uuids),
+                tuple(free[gpu_type]),
+                record.schedulable,
+                record.labels,
+            )
+            for gpu_type, uuids in sorted(by_type.items())
+        )
+
+    # -------------------------------------------------------------- the cycle
+    def snapshot(self, policy: Policy) -> SchedulingSnapshot:
+        return SchedulingSnapshot(
+            nodes=tuple(s for states in self.states.values() for s in states),
+            running=tuple(self.running.values()),
+            queue=tuple(self.pending.values()),
+            projects=self.tree,
+            priorities=self.priorities,
+            preemptible=self.preemptible,
+            policy=policy,
+        )
+
+    def apply(self, plan: Plan, now: float, shown: dict[int, Shown]) -> None:
+        """The decisions of a committed plan (the cycle wrote them with bulk statements,
+        which the change tracker does not see)."""
+        touched: set[int] = set()
+        for admission in plan.admissions:
+            request = self.pending.pop(admission.workload_id)
+            self.shown.pop(request.id, None)
+            self.versions[request.id] = self.versions.get(request.id, 0) + 1
+            for pod in admission.pods:
+                for uuid in pod.gpus:
+                    self.taken[uuid] = request.id
+                touched.add(self.node_ids[pod.node])
+            self.running[request.id] = Running(
+                id=request.id,
+                project=request.project,
+                user=request.user,
+                kind=request.kind,
+                gpu_type=request.gpu_type,
+                cluster=admission.cluster,
+                zone=admission.zone,
+                pods=admission.pods,
+                priority=request.priority,
+                preemptible=self.preemptible.get(request.priority, False),
+                started_at=now,
+            )
+        for preemption in plan.preemptions:
+            victim = self.running[preemption.victim_id]
+            self.versions[victim.id] = self.versions.get(victim.id, 0) + 1
+            self.running[victim.id] = replace(
+                victim, stopping=True, stopping_for=preemption.for_workload_id
+            )
+        self.shown.update(shown)
+        for node_id in touched:
+            self._rebuild(node_id)
+
+
+def _depth(project: Project, by_id: dict[int, Project]) -> int:
+    depth, parent = 0, project.parent_id
+    while parent is not None:
+        depth += 1
+        parent = by_id[parent].parent_id
+    return depth
+
+
+_WORKLOAD_COLUMNS = (
+    Workload.id,
+    Workload.kind,
+    Workload.username,
+    Workload.server_name,
+    Workload.gpu_type,
+    Workload.pods,
+    Workload.gpus_per_pod,
+    Workload.priority_class,
+    Workload.preemptible,
+    Workload.state,
+    Workload.version,
+    Workload.created_at,
+    Workload.admitted_at,
+    Workload.started_at,
+    Workload.idle_since,
+    Workload.last_checkpoint_at,
+    Workload.last_snapshot_at,
+    Workload.preempted_for_id,
+)
+
+
+class _Row(NamedTuple):
+    """One workload as the scheduler reads it (the columns above, then its project)."""
+
+    id: int
+    kind: WorkloadKind
+    username: str
+    server_name: str
+    gpu_type: str
+    pods: int
+    gpus_per_pod: int
+    priority_class: str
+    preemptible: bool
+    state: WorkloadState
+    version: int
+    created_at: datetime
+    admitted_at: datetime | None
+    started_at: datetime | None
+    idle_since: datetime | None
+    last_checkpoint_at: datetime | None
+    last_snapshot_at: datetime | None
+    preempted_for_id: int | None
+    project: str
+
+
+def _pending(workload: _Row) -> Pending:
+    return Pending(
+        id=workload.id,
+        project=workload.project,
+        user=workload.username,
+        kind=workload.kind.value,
+        gpu_type=workload.gpu_type,
+        gpus_per_pod=workload.gpus_per_pod,
+        pods=workload.pods,
+        priority=workload.priority_class,
+        created_at=workload.created_at.timestamp(),
+    )
+
+
+def _running(
+    workload: _Row, pods: dict[tuple[int, int], list[str]], nodes: dict[int, _NodeRecord]
+) -> Running:
+    placed = tuple(
+        Pod(nodes[node_id].name, tuple(uuids)) for (_, node_id), uuids in sorted(pods.items())
+    )
+    first = nodes[min(pods)[1]] if pods else None
+    progress = [
+        t for t in (workload.last_checkpoint_at, workload.last_snapshot_at) if t is not None
+    ]
+    started = workload.started_at or workload.admitted_at or workload.created_at
+    return Running(
+        id=workload.id,
+        project=workload.project,
+        user=workload.username,
+        kind=workload.kind.value,
+        gpu_type=workload.gpu_type,
+        cluster=first.cluster if first else "",
+        zone=first.zone if first else "",
+        pods=placed,
+        priority=workload.priority_class,
+        preemptible=workload.preemptible,
+        started_at=started.timestamp(),
+        last_progress_at=max(progress).timestamp() if progress else None,
+        idle_reclaimable=workload.idle_since is not None,
+        stopping=workload.state == WorkloadState.stopping,
+        stopping_for=workload.preempted_for_id,
+    )

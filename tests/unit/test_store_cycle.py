@@ -1,0 +1,131 @@
+"""The scheduling cycle against real databases (SQLite and PostgreSQL): borrowing and
+reclaim committed as a user sees them, the mirror following every committed change, and a
+cycle whose rows changed underneath rolling back whole."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+from sqlalchemy import select, text
+
+from gpufleet.scheduler.errors import CycleConflict
+from gpufleet.scheduler.snapshot import Policy
+from gpufleet.scheduler.store.cycle import CycleResult
+from gpufleet.scheduler.store.fleet import FleetStore
+from gpufleet.scheduler.store.models import Event, Node, WorkloadState
+
+from .test_store import allocations, ask, events, store, t, workload
+
+__all__ = ["store"]  # the fixture
+
+NOW_POLICY = Policy(min_run_time_s=0)
+
+
+def cycle(store: FleetStore, now: datetime) -> CycleResult:
+    return store.scheduling_cycle(now, NOW_POLICY)
+
+
+def test_a_borrower_is_reclaimed_for_a_guarantee_and_ends_as_preempted(store: FleetStore) -> None:
+    # nlp: 4 guaranteed A100, no borrow limit; the fleet has 6 A100 (a1: 4, a2: 2).
+    carol = ask(store, t(1), "carol", project="nlp", gpus=4)
+    extra = ask(store, t(2), "carol", server="extra", project="nlp", gpus=2)
+    cycle(store, t(3))
+    assert workload(store, extra).reason == (
+        "admitted on a2 (zone-a); 2 borrowed beyond project nlp's guarantee"
+    )
+    store.mark_running(t(4), extra)
+    assert workload(store, extra).reason == (
+        "running on a2 (zone-a); 2 borrowed beyond project nlp's guarantee"
+    )
+
+    # vision asks within its guarantee (2): only the borrower can make room.
+    alice = ask(store, t(5), "alice", gpus=2)
+    result = store.scheduling_cycle(t(6), NOW_POLICY)
+    assert [(s.workload_id, s.kind, s.user, s.server_name) for s in result.stops] == [
+        (extra, "session", "carol", "extra")
+    ]
+    victim = workload(store, extra)
+    assert victim.state == WorkloadState.stopping
+    assert victim.preempted_for_id == alice
+    assert victim.reason.startswith("preempted: it ran on GPUs borrowed beyond project nlp")
+    waiting = workload(store, alice)
+    assert (waiting.state, waiting.reason) == (
+        WorkloadState.pending,
+        f"needs 2 × A100; stopping workload(s) {extra} to free 2 GPU(s)",
+    )
+    assert events(store, "preempting") == [
+        f"workload {extra} is being stopped to make room for workload {alice}: it ran on GPUs "
+        f"borrowed beyond project nlp's guarantee, which workload {alice} of project vision "
+        "needed within its own guarantee"
+    ]
+
+    # While it stops, nothing more is preempted and its GPUs stay allocated.
+    again = store.scheduling_cycle(t(7), NOW_POLICY)
+    assert again.stops == () and again.admitted == ()
+    assert workload(store, alice).reason == (
+        f"needs 2 × A100; waiting for 2 GPU(s) being freed by preempted workload(s) {extra}"
+    )
+
+    # The backend observed it gone: it ends as preempted, whatever it called the stop.
+    ended = store.end(t(8), extra, "stopped", "the server stopped")
+    assert (ended.outcome, ended.state) == ("preempted", WorkloadState.ended)
+    assert ended.reason.startswith("preempted: ") and ended.reason.endswith("the server stopped")
+    assert [a.workload_id for a in store.scheduling_cycle(t(9), NOW_POLICY).admitted] == [alice]
+    assert {w for w, _, closed in allocations(store) if closed is None} == {carol, alice}
+
+
+def test_the_minimum_run_time_delays_a_reclaim(store: FleetStore) -> None:
+    ask(store, t(1), "carol", project="nlp", gpus=4)
+    ask(store, t(2), "carol", server="extra", project="nlp", gpus=2)
+    store.scheduling_cycle(t(3), Policy(min_run_time_s=60))
+    alice = ask(store, t(5), "alice", gpus=2)
+    assert store.scheduling_cycle(t(6), Policy(min_run_time_s=60)).stops == ()
+    assert workload(store, alice).state == WorkloadState.pending
+    assert len(store.scheduling_cycle(t(64), Policy(min_run_time_s=60)).stops) == 1
+
+
+def test_the_mirror_follows_committed_changes_only(store: FleetStore) -> None:
+    cycle(store, t(1))  # the first cycle reads everything
+    assert store.set_cordoned(t(2), "a2", True, by="admin")
+    assert not store.set_cordoned(t(2), "a2", True, by="admin")  # already: no change
+    alice = ask(store, t(3), "alice")
+    cycle(store, t(4))
+    assert allocations(store) == [(alice, "GPU-a1-0", None)]  # a2 would be the best fit
+    with store.read() as session:
+        assert session.scalars(
+            select(Event.message).where(Event.kind == "node-cordoned")
+        ).all() == ["node a2 cordoned by admin; it receives no new work"]
+
+    # A rolled-back transaction changed nothing, and the mirror must not think it did.
+    with pytest.raises(RuntimeError), store._write(t(5)) as session:
+        node = session.scalar(select(Node).where(Node.name == "a2"))
+        assert node is not None
+        node.cordoned = False
+        session.flush()  # the change tracker sees the flush...
+        raise RuntimeError("abandoned")  # ...but the transaction never commits
+    bob = ask(store, t(6), "bob")
+    cycle(store, t(7))
+    assert (bob, "GPU-a1-1", None) in allocations(store)  # a2 still cordoned
+
+
+def test_a_cycle_whose_rows_changed_underneath_rolls_back_whole(store: FleetStore) -> None:
+    alice = ask(store, t(1), "alice")
+    ask(store, t(1), "bob")
+    ask(store, t(1), "carol", project="nlp", gpus=4)
+    cycle(store, t(2))  # all 6 A100 taken
+    late = ask(store, t(3), "carol", server="two", project="nlp")
+    cycle(store, t(4))  # the mirror knows it waits...
+    # ...and a write that bypasses the store withdraws it behind the controller's back.
+    with store.engine.begin() as connection:
+        connection.execute(
+            text("UPDATE workloads SET state = 'ended' WHERE id = :id"), {"id": late}
+        )
+    store.end(t(5), alice, "stopped", "")  # a GPU frees up: the plan gives it to `late`
+    before = allocations(store)
+    with pytest.raises(CycleConflict):
+        cycle(store, t(6))
+    assert allocations(store) == before  # nothing of the cycle was committed
+    # The next cycle reads everything again and decides on what is really there.
+    assert cycle(store, t(7)).admitted == ()
+    assert allocations(store) == before
