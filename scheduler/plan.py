@@ -96,21 +96,21 @@ class _Planner:
         self.mode = snapshot.policy.mode
         self.ranks = snapshot.priorities
         self.capacity = Capacity(snapshot.nodes)
-        totals: dict[str, int] = defaultdict(int)
-        for node in snapshot.nodes:
-            if node.schedulable:
-                totals[node.gpu_type] += node.total
-        self.book = QuotaBook(
-            snapshot.projects,
-            ((r.project, r.gpu_type, r.gpus) for r in snapshot.running),
-            totals,
-        )
+        # One pass over what runs; the book then adds per project, not per workload.
+        usage: dict[tuple[str, str], int] = defaultdict(int)
         self.user_used: dict[tuple[str, str], int] = defaultdict(int)
         self.in_flight: dict[int, list[Running]] = defaultdict(list)
         for running in snapshot.running:
-            self.user_used[(running.project, running.user)] += running.gpus
+            gpus = running.gpus
+            usage[(running.project, running.gpu_type)] += gpus
+            self.user_used[(running.project, running.user)] += gpus
             if running.stopping and running.stopping_for is not None:
                 self.in_flight[running.stopping_for].append(running)
+        self.book = QuotaBook(
+            snapshot.projects,
+            ((p, t, gpus) for (p, t), gpus in usage.items()),
+            self.capacity.total_by_type,
+        )
         self.reserved: dict[str, tuple[ZoneKey, int]] = {}  # GPU type -> (zone, holder)
         self.failed_shapes: dict[tuple[str, int], int] = {}  # (type, per pod) -> fewest pods
         self.failed_searches: set[tuple[Any, ...]] = set()
@@ -232,14 +232,14 @@ class _Planner:
 
     def _decide_afresh(self, request: Pending) -> _Outcome:
         t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
-        if not self.capacity.ever_fits(t, k, pods):
-            return self._wait(request, WaitCause.NEVER_FITS, self._never_fits(request))
         if self.mode is not Mode.FIFO:
             beyond = self._beyond_limits(request)
             if beyond is not None:  # waiting would not help: it must not hold its queue
                 return self._wait(request, WaitCause.NEVER_FITS, beyond)
             refusal = self._quota_refusal(request)
             if refusal is not None:
+                if not self.capacity.ever_fits(t, k, pods):  # nor may it hold its queue
+                    return self._wait(request, WaitCause.NEVER_FITS, self._never_fits(request))
                 # Over its own project's cap, a request may still make room inside the
                 # project: its lower classes give back what it needs.
                 over = self.book.over_cap(request.project, t, request.gpus)
@@ -263,6 +263,8 @@ class _Planner:
         if placed is not None:
             self._admit(request, *placed)
             return _Outcome()
+        if not self.capacity.ever_fits(t, k, pods):
+            return self._wait(request, WaitCause.NEVER_FITS, self._never_fits(request))
         if self.in_flight.get(request.id):
             return self._wait(request, WaitCause.PREEMPTING, self._preempting(request))
         if self.mode is Mode.GPUFLEET:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from .placement import Capacity, ZoneKey
@@ -31,6 +32,7 @@ from .quota import QuotaBook
 from .snapshot import Pending, PreemptionCause, Running
 
 Victims = list[tuple[Running, PreemptionCause]]
+_started = attrgetter("started_at", "id")
 
 
 @dataclass
@@ -64,8 +66,12 @@ class VictimIndex:
             if not workload.stopping:
                 by_project[(workload.project, workload.gpu_type)].append(workload)
         for (project, gpu_type), workloads in by_project.items():
-            workloads.sort(key=lambda r: (-ranks.get(r.priority, 0), r.started_at, r.id))
             guaranteed = book.guarantee(project, gpu_type)
+            if book.usage(project, gpu_type) <= guaranteed:
+                continue  # within its guarantee: none of its workloads borrows
+            workloads.sort(key=_started)  # by start, then (stable) by class, higher first
+            if len({w.priority for w in workloads}) > 1:
+                workloads.sort(key=lambda r: -ranks.get(r.priority, 0))
             counted = 0
             for workload in workloads:
                 counted += workload.gpus
