@@ -186,6 +186,55 @@ class Capacity:
             placed.append(Pod(key[0], self.take(key, per_pod)))
         return zone, tuple(placed)
 
+    def hold_for_gang(
+        self, zone: ZoneKey, per_pod: int, pods: int, coming: Mapping[tuple[str, str], list[str]]
+    ) -> tuple[Pod, ...] | None:
+        """Keep what a gang will need once ``coming`` GPUs (its victims', still stopping)
+        are back: place it best-fit on free plus coming GPUs, the coming ones first, and
+        take the free ones it would use. Returns the whole placement, or None (nothing
+        taken) if it would not fit even then."""
+        still_coming = {key: list(gpus) for key, gpus in coming.items() if key in self.nodes}
+        counts = {
+            key: self.free_count(key) + len(still_coming.get(key, ()))
+            for nodes in self.buckets[zone].values()
+            for key in nodes
+        }
+        plan: list[tuple[tuple[str, str], list[str], int]] = []
+        for _ in range(pods):
+            fitting = [key for key, count in counts.items() if count >= per_pod]
+            if not fitting:
+                return None
+            key = min(fitting, key=lambda k: (counts[k], k))
+            counts[key] -= per_pod
+            waiting = still_coming.get(key, [])
+            from_coming, still_coming[key] = waiting[:per_pod], waiting[per_pod:]
+            plan.append((key, from_coming, per_pod - len(from_coming)))
+        return tuple(
+            Pod(key[0], (*from_coming, *(self.take(key, n) if n else ())))
+            for key, from_coming, n in plan
+        )
+
+    def take_exact(self, key: tuple[str, str], gpus: list[str]) -> None:
+        """Take these free GPUs (the caller checked they are free)."""
+        free = self.free.get(key)
+        if free is None:
+            free = self.free[key] = list(self.nodes[key].free)
+        zone = self.zone_of[key]
+        before = len(free)
+        for gpu in gpus:
+            free.remove(gpu)
+        del self.buckets[zone][before][key]
+        self.buckets[zone][len(free)][key] = None
+        self.zone_free[zone] -= len(gpus)
+        self.free_by_type[key[1]] -= len(gpus)
+        self._version[key[1]] += 1
+
+    def is_free(self, key: tuple[str, str], gpu: str) -> bool:
+        if key not in self.nodes:
+            return False
+        free = self.free.get(key)
+        return gpu in (free if free is not None else self.nodes[key].free)
+
     def take(self, key: tuple[str, str], gpus: int) -> tuple[str, ...]:
         free = self.free.get(key)
         if free is None:

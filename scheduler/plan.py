@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from .preemption import VictimIndex
 from .quota import QuotaBook
 from .snapshot import (
     Admission,
+    Kept,
     Mode,
     Pending,
     Plan,
@@ -58,6 +60,15 @@ from .snapshot import (
     WaitCause,
     Waiting,
 )
+
+
+def _gpus_by_node(workloads: Iterable[Running]) -> dict[tuple[str, str], list[str]]:
+    gpus: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for workload in workloads:
+        for pod in workload.pods:
+            gpus[(pod.node, workload.gpu_type)].extend(pod.gpus)
+    return gpus
+
 
 # Outcomes an identical request would get too, as long as nothing changed.
 _REPEATABLE = (WaitCause.QUOTA, WaitCause.USER_CAP, WaitCause.CAPACITY, WaitCause.NEVER_FITS)
@@ -123,6 +134,7 @@ class _Planner:
         self.settled: dict[tuple[Any, ...], tuple[int, WaitCause, str]] = {}
         self.no_room_reasons: dict[tuple[Any, ...], str] = {}
         self.admissions: list[Admission] = []
+        self.kept: list[Kept] = []
         self.preemptions: list[Preemption] = []
         self.waiting: list[Waiting] = []
         self.positions: dict[tuple[str, str], int] = defaultdict(int)
@@ -132,16 +144,94 @@ class _Planner:
         for request in self.snapshot.queue:
             self.book.path(request.project)  # undeclared projects join the tree first
         self.capped = {n for n, p in self.book.projects.items() if p.per_user_cap is not None}
+        # Preemptors first: what their victims free, and the free GPUs they counted on,
+        # are theirs — or another request could take them and they would preempt again.
+        kept = {
+            r.id
+            for r in sorted(self.snapshot.queue, key=lambda r: (r.created_at, r.id))
+            if self._promised_zone(r) is not None and self._keep_promise(r)
+        }
+        queue = [r for r in self.snapshot.queue if r.id not in kept]
         if self.mode is Mode.FIFO:
-            for request in sorted(self.snapshot.queue, key=lambda r: (r.created_at, r.id)):
+            for request in sorted(queue, key=lambda r: (r.created_at, r.id)):
                 self._decide(request)
         else:
-            self._run_queues()
-        return Plan(tuple(self.admissions), tuple(self.preemptions), tuple(self.waiting))
+            self._run_queues(queue)
+        return Plan(
+            tuple(self.admissions),
+            tuple(self.preemptions),
+            tuple(self.waiting),
+            tuple(self.kept),
+        )
 
-    def _run_queues(self) -> None:
+    def _promised_zone(self, request: Pending) -> ZoneKey | None:
+        if request.promised:
+            node = request.promised[0].node
+            return self.capacity.zone_of.get((node, request.gpu_type))
+        victims = self.in_flight.get(request.id)
+        if victims:
+            return (victims[0].cluster, victims[0].zone, request.gpu_type)
+        return None
+
+    def _keep_promise(self, request: Pending) -> bool:
+        """Start a preemptor where its victims were stopped, or keep there what it will
+        need while they stop. False: the promise cannot be kept (a node of it went away,
+        another workload holds a GPU of it, its quota changed): the request is decided
+        like any other."""
+        zone = self._promised_zone(request)
+        if zone is None or zone not in self.capacity.buckets:
+            return False
+        if self._beyond_limits(request) is not None or self._quota_refusal(request) is not None:
+            return False
+        t = request.gpu_type
+        victims = self.in_flight.get(request.id, [])
+        if request.promised:
+            coming = {g for v in victims for pod in v.pods for g in pod.gpus}
+            free_now: dict[tuple[str, str], list[str]] = defaultdict(list)
+            for pod in request.promised:
+                key = (pod.node, t)
+                for gpu in pod.gpus:
+                    if self.capacity.is_free(key, gpu):
+                        free_now[key].append(gpu)
+                    elif gpu not in coming:
+                        return False
+            for key, gpus in free_now.items():
+                self.capacity.take_exact(key, gpus)
+            if sum(len(g) for g in free_now.values()) == request.gpus:
+                self._admit(request, zone, request.promised)
+                return True
+            self._kept(request, request.promised)
+        else:
+            k, pods = request.gpus_per_pod, request.pods
+            if self.capacity.pods_fitting(zone, k) >= pods:
+                self._admit(request, zone, self.capacity.place(zone, k, pods))
+                return True
+            if not victims or not self._keep_for(request, zone, _gpus_by_node(victims)):
+                return False
+        self._wait(request, WaitCause.PREEMPTING, self._preempting(request))
+        return True
+
+    def _keep_for(
+        self, request: Pending, zone: ZoneKey, coming: dict[tuple[str, str], list[str]]
+    ) -> bool:
+        """Keep what the request will need in ``zone`` once ``coming`` GPUs are back."""
+        kept = self.capacity.hold_for_gang(zone, request.gpus_per_pod, request.pods, coming)
+        if kept is None:
+            return False
+        self._kept(request, kept)
+        return True
+
+    def _kept(self, request: Pending, pods: tuple[Pod, ...]) -> None:
+        """Count a kept placement as its project's and user's for the rest of the cycle:
+        as good as admitted, the request is not within its guarantee twice."""
+        self.kept.append(Kept(request.id, pods))
+        self.book.add(request.project, request.gpu_type, request.gpus)
+        self.user_used[(request.project, request.user)] += request.gpus
+        self.epoch += 1
+
+    def _run_queues(self, queue: list[Pending]) -> None:
         grouped: dict[tuple[str, str], list[Pending]] = defaultdict(list)
-        for request in self.snapshot.queue:
+        for request in queue:
             grouped[(request.project, request.gpu_type)].append(request)
         queues = {}
         heap: list[tuple[Any, ...]] = []
@@ -183,6 +273,18 @@ class _Planner:
                 if outcome.cause is WaitCause.USER_CAP:
                     blocked_users[(request.project, request.user)] = request.id
             queue.head += 1
+            # Later requests of this queue that would only repeat an earlier refusal change
+            # nothing, so the global order does not matter for them (positions count
+            # within the queue): settle them here instead of through the heap.
+            while queue.head < len(queue.requests):
+                later = queue.current
+                if (later.project, later.user) in blocked_users:
+                    break
+                refused = self._settled(later)
+                if refused is None:
+                    break
+                self._wait(later, *refused)
+                queue.head += 1
             if queue.head < len(queue.requests):
                 heapq.heappush(heap, (self._order(queue.current), self.epoch, key))
 
@@ -206,25 +308,36 @@ class _Planner:
         use can release GPUs it kept back; then a refusal stands only until the next
         admission. (Its reason's numbers may lag the cycle's last admissions; the next
         cycle writes fresh ones.)"""
-        cacheable = not request.node_selector and request.id not in self.in_flight
-        if cacheable:
-            capped = request.project in self.capped
-            signature = (
-                request.project,
-                request.gpu_type,
-                request.gpus_per_pod,
-                request.pods,
-                request.priority,
-                request.user if capped else "",
-            )
-            seen = self.settled.get(signature)
-            if seen is not None and seen[0] == self._refusal_epoch:
-                return self._wait(request, seen[1], seen[2])
+        refused = self._settled(request)
+        if refused is not None:
+            return self._wait(request, *refused)
         outcome = self._decide_afresh(request)
-        if cacheable and outcome.cause in _REPEATABLE:
+        signature = self._signature(request)
+        if signature is not None and outcome.cause in _REPEATABLE:
             assert outcome.cause is not None
             self.settled[signature] = (self._refusal_epoch, outcome.cause, outcome.reason)
         return outcome
+
+    def _signature(self, request: Pending) -> tuple[Any, ...] | None:
+        """What a decision depends on besides the cycle's state; None: too particular."""
+        if request.node_selector or request.id in self.in_flight:
+            return None
+        return (
+            request.project,
+            request.gpu_type,
+            request.gpus_per_pod,
+            request.pods,
+            request.priority,
+            request.user if request.project in self.capped else "",
+        )
+
+    def _settled(self, request: Pending) -> tuple[WaitCause, str] | None:
+        """The refusal an identical request got earlier in the cycle, if it still stands."""
+        signature = self._signature(request)
+        seen = self.settled.get(signature) if signature is not None else None
+        if seen is None or seen[0] != self._refusal_epoch:
+            return None
+        return seen[1], seen[2]
 
     @property
     def _refusal_epoch(self) -> int:
@@ -450,6 +563,10 @@ class _Planner:
             return None
         victims = found
         self.epoch += 1
+        # Keep the free GPUs the gang counts on, next to its victims' (simulated) ones.
+        zone = (victims[0][0].cluster, victims[0][0].zone, t)
+        kept = self._keep_for(request, zone, _gpus_by_node(v for v, _ in victims))
+        assert kept, "the search found victims with which the gang fits"
         for victim, cause in victims:
             self.chosen.add(victim.id)
             self.preemptions.append(

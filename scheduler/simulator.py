@@ -453,6 +453,11 @@ class _Replay:
             if not sizes[job.trace.num_gpus]:
                 del sizes[job.trace.num_gpus]
             self._start(job, admission.cluster, admission.zone, admission.pods, now)
+        for kept in plan.kept:  # a preemptor's placement, until it is admitted
+            waiting = self.queue.get(kept.workload_id)
+            if waiting is None:
+                raise PlanConflict(f"kept workload {kept.workload_id} is not in the queue")
+            self.queue[kept.workload_id] = replace(waiting, promised=kept.pods)
         for preemption in plan.preemptions:
             victim = self.running.get(preemption.victim_id)
             if victim is None:

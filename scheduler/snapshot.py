@@ -84,6 +84,10 @@ class Pending:
     priority: str = "standard"
     created_at: float = 0.0
     node_selector: Mapping[str, str] = field(default_factory=dict)
+    # The placement kept for it since workloads were preempted for it (``Plan.kept``): its
+    # victims' GPUs and the free ones it counted on. Producers keep it from the plan until
+    # the workload is admitted; the core admits it there as soon as all of it is free.
+    promised: tuple[Pod, ...] = ()
 
     @cached_property
     def gpus(self) -> int:
@@ -170,7 +174,18 @@ class Waiting:
 
 
 @dataclass(frozen=True)
+class Kept:
+    """The placement kept for a workload whose victims are stopping: their GPUs and the
+    free ones it counted on, which no other workload may take meanwhile. The producer
+    hands it back as ``Pending.promised`` until the workload is admitted."""
+
+    workload_id: int
+    pods: tuple[Pod, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     admissions: tuple[Admission, ...] = ()
     preemptions: tuple[Preemption, ...] = ()
     waiting: tuple[Waiting, ...] = ()
+    kept: tuple[Kept, ...] = ()

@@ -30,7 +30,7 @@ from ..errors import CycleConflict
 from ..plan import plan
 from ..snapshot import Plan, Policy, WaitCause, Waiting
 from .base import StoreBase
-from .mirror import ChangeTracker, Mirror, Shown
+from .mirror import ChangeTracker, Mirror, Shown, promised_json
 from .models import Allocation, Event, Workload, WorkloadState
 
 REASON_REFRESH_S = 30.0
@@ -171,6 +171,7 @@ class SchedulingStore(StoreBase):
                 .values(
                     state=WorkloadState.admitted,
                     admitted_at=now,
+                    promised=None,
                     queue_position=None,
                     reason=bindparam("reason"),
                     version=Workload.version + 1,
@@ -230,6 +231,13 @@ class SchedulingStore(StoreBase):
             )
             if result.rowcount != len(stopping):
                 raise CycleConflict("a workload preempted by this cycle no longer runs")
+        if decided.kept:
+            connection.execute(
+                update(Workload)
+                .where(Workload.id == bindparam("wid"), Workload.state == WorkloadState.pending)
+                .values(promised=bindparam("promised")),
+                [{"wid": k.workload_id, "promised": promised_json(k.pods)} for k in decided.kept],
+            )
         waits = []
         for workload_id, show in shown.items():
             before = mirror.shown.get(workload_id)

@@ -326,6 +326,10 @@ class Mirror:
                 preemptible=self.preemptible.get(request.priority, False),
                 started_at=now,
             )
+        for kept in plan.kept:
+            self.pending[kept.workload_id] = replace(
+                self.pending[kept.workload_id], promised=kept.pods
+            )
         for preemption in plan.preemptions:
             victim = self.running[preemption.victim_id]
             self.versions[victim.id] = self.versions.get(victim.id, 0) + 1
@@ -364,6 +368,7 @@ _WORKLOAD_COLUMNS = (
     Workload.last_checkpoint_at,
     Workload.last_snapshot_at,
     Workload.preempted_for_id,
+    Workload.promised,
 )
 
 
@@ -388,6 +393,7 @@ class _Row(NamedTuple):
     last_checkpoint_at: datetime | None
     last_snapshot_at: datetime | None
     preempted_for_id: int | None
+    promised: dict[str, Any] | None
     project: str
 
 
@@ -402,6 +408,7 @@ def _pending(workload: _Row) -> Pending:
         pods=workload.pods,
         priority=workload.priority_class,
         created_at=workload.created_at.timestamp(),
+        promised=promised_pods(workload.promised),
     )
 
 
@@ -433,3 +440,13 @@ def _running(
         stopping=workload.state == WorkloadState.stopping,
         stopping_for=workload.preempted_for_id,
     )
+
+
+def promised_json(pods: tuple[Pod, ...]) -> dict[str, Any]:
+    return {"pods": [[pod.node, list(pod.gpus)] for pod in pods]}
+
+
+def promised_pods(value: dict[str, Any] | None) -> tuple[Pod, ...]:
+    if not value:
+        return ()
+    return tuple(Pod(str(node), tuple(str(g) for g in gpus)) for node, gpus in value["pods"])

@@ -289,6 +289,9 @@ class Workload(Base):
     # Set when the scheduler stops this workload to make room: the waiting workload its
     # GPUs are promised to. That one asks for no more victims while this one stops.
     preempted_for_id: Mapped[int | None] = mapped_column(Integer, default=None)
+    # For a waiting preemptor: the placement kept for it ({"pods": [[node, [uuid, ...]]]}),
+    # its victims' GPUs and the free ones it counted on, until it is admitted.
+    promised: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     # The random marker every process of the workload inherits (recovery/processes.py),
     # sent by the backend with the request, before any process starts: the reconciler
     # tells by it which live processes belong to which workload.
