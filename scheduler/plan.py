@@ -151,12 +151,12 @@ class _Planner:
             for r in sorted(self.snapshot.queue, key=lambda r: (r.created_at, r.id))
             if self._promised_zone(r) is not None and self._keep_promise(r)
         }
-        queue = [r for r in self.snapshot.queue if r.id not in kept]
+        pending = [r for r in self.snapshot.queue if r.id not in kept]
         if self.mode is Mode.FIFO:
-            for request in sorted(queue, key=lambda r: (r.created_at, r.id)):
+            for request in sorted(pending, key=lambda r: (r.created_at, r.id)):
                 self._decide(request)
         else:
-            self._run_queues(queue)
+            self._run_queues(pending)
         return Plan(
             tuple(self.admissions),
             tuple(self.preemptions),
@@ -229,9 +229,9 @@ class _Planner:
         self.user_used[(request.project, request.user)] += request.gpus
         self.epoch += 1
 
-    def _run_queues(self, queue: list[Pending]) -> None:
+    def _run_queues(self, pending: list[Pending]) -> None:
         grouped: dict[tuple[str, str], list[Pending]] = defaultdict(list)
-        for request in queue:
+        for request in pending:
             grouped[(request.project, request.gpu_type)].append(request)
         queues = {}
         heap: list[tuple[Any, ...]] = []
