@@ -96,7 +96,6 @@ class _Queue:
 class _Outcome:
     cause: WaitCause | None = None  # None: admitted
     reason: str = ""
-    victims: tuple[int, ...] = ()
 
 
 class _Planner:

@@ -144,7 +144,6 @@ class Mirror:
         self.running: dict[int, Running] = {}
         self.pending: dict[int, Pending] = {}
         self.project_ids: dict[str, int] = {}
-        self.versions: dict[int, int] = {}
         self.shown: dict[int, Shown] = {}
         self.server_names: dict[int, str] = {}
         self.taken: dict[str, int] = {}  # GPU uuid -> workload holding it
@@ -237,7 +236,6 @@ class Mirror:
             touched |= self._forget(workload.id)
             if workload.state == WorkloadState.ended:
                 continue
-            self.versions[workload.id] = workload.version
             self.server_names[workload.id] = workload.server_name
             if workload.state == WorkloadState.pending:
                 self.pending[workload.id] = _pending(workload)
@@ -253,7 +251,6 @@ class Mirror:
     def _forget(self, workload_id: int) -> set[int]:
         self.pending.pop(workload_id, None)
         self.shown.pop(workload_id, None)
-        self.versions.pop(workload_id, None)
         self.server_names.pop(workload_id, None)
         old = self.running.pop(workload_id, None)
         if old is None:
@@ -308,7 +305,6 @@ class Mirror:
         for admission in plan.admissions:
             request = self.pending.pop(admission.workload_id)
             self.shown.pop(request.id, None)
-            self.versions[request.id] = self.versions.get(request.id, 0) + 1
             for pod in admission.pods:
                 for uuid in pod.gpus:
                     self.taken[uuid] = request.id
@@ -332,7 +328,6 @@ class Mirror:
             )
         for preemption in plan.preemptions:
             victim = self.running[preemption.victim_id]
-            self.versions[victim.id] = self.versions.get(victim.id, 0) + 1
             self.running[victim.id] = replace(
                 victim, stopping=True, stopping_for=preemption.for_workload_id
             )
@@ -360,7 +355,6 @@ _WORKLOAD_COLUMNS = (
     Workload.priority_class,
     Workload.preemptible,
     Workload.state,
-    Workload.version,
     Workload.created_at,
     Workload.admitted_at,
     Workload.started_at,
@@ -385,7 +379,6 @@ class _Row(NamedTuple):
     priority_class: str
     preemptible: bool
     state: WorkloadState
-    version: int
     created_at: datetime
     admitted_at: datetime | None
     started_at: datetime | None
