@@ -182,6 +182,10 @@ class _Planner:
             return False
         if self._beyond_limits(request) is not None or self._quota_refusal(request) is not None:
             return False
+        cap = self.book.projects[request.project].per_user_cap
+        used = self.user_used[(request.project, request.user)]
+        if cap is not None and used + request.gpus > cap:
+            return False  # its user started other work meanwhile
         t = request.gpu_type
         victims = self.in_flight.get(request.id, [])
         if request.promised:
