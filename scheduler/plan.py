@@ -180,12 +180,12 @@ class _Planner:
         zone = self._promised_zone(request)
         if zone is None or zone not in self.capacity.buckets:
             return False
-        if self._beyond_limits(request) is not None or self._quota_refusal(request) is not None:
+        if (
+            self._beyond_limits(request) is not None
+            or self._quota_refusal(request) is not None
+            or self._user_cap_refusal(request) is not None  # its user started other work
+        ):
             return False
-        cap = self.book.projects[request.project].per_user_cap
-        used = self.user_used[(request.project, request.user)]
-        if cap is not None and used + request.gpus > cap:
-            return False  # its user started other work meanwhile
         t = request.gpu_type
         victims = self.in_flight.get(request.id, [])
         if request.promised:
@@ -365,16 +365,9 @@ class _Planner:
                     if outcome is not None:
                         return outcome
                 return self._wait(request, WaitCause.QUOTA, refusal)
-            project = self.book.projects[request.project]
-            cap = project.per_user_cap
-            used = self.user_used[(request.project, request.user)]
-            if cap is not None and used + request.gpus > cap:
-                return self._wait(
-                    request,
-                    WaitCause.USER_CAP,
-                    f"needs {_n(request.gpus, t)}; {request.user} uses {used} of the "
-                    f"{cap}-GPU per-user cap in project {request.project}",
-                )
+            over_user_cap = self._user_cap_refusal(request)
+            if over_user_cap is not None:
+                return self._wait(request, WaitCause.USER_CAP, over_user_cap)
         placed = self._place(request)
         if placed is not None:
             self._admit(request, *placed)
@@ -408,6 +401,16 @@ class _Planner:
         if cap is not None and gpus > cap:
             return f"needs {_n(gpus, t)}; the per-user cap in project {p} is {cap} GPUs"
         return None
+
+    def _user_cap_refusal(self, request: Pending) -> str | None:
+        cap = self.book.projects[request.project].per_user_cap
+        used = self.user_used[(request.project, request.user)]
+        if cap is None or used + request.gpus <= cap:
+            return None
+        return (
+            f"needs {_n(request.gpus, request.gpu_type)}; {request.user} uses {used} of the "
+            f"{cap}-GPU per-user cap in project {request.project}"
+        )
 
     def _quota_refusal(self, request: Pending) -> str | None:
         t, p = request.gpu_type, request.project
