@@ -41,7 +41,7 @@ import heapq
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .placement import Capacity, ZoneKey
 from .preemption import VictimIndex
@@ -92,8 +92,7 @@ class _Queue:
         return self.requests[self.head]
 
 
-@dataclass
-class _Outcome:
+class _Outcome(NamedTuple):
     cause: WaitCause | None = None  # None: admitted
     reason: str = ""
 
@@ -132,6 +131,8 @@ class _Planner:
         self.epoch = 0
         self.settled: dict[tuple[Any, ...], tuple[int, WaitCause, str]] = {}
         self.no_room_reasons: dict[tuple[Any, ...], str] = {}
+        self.limits: dict[tuple[str, str, int], str | None] = {}
+        self.quota_said: dict[tuple[str, str, bool], str] = {}
         self.admissions: list[Admission] = []
         self.kept: list[Kept] = []
         self.preemptions: list[Preemption] = []
@@ -325,14 +326,9 @@ class _Planner:
         """What a decision depends on besides the cycle's state; None: too particular."""
         if request.node_selector or request.id in self.in_flight:
             return None
-        return (
-            request.project,
-            request.gpu_type,
-            request.gpus_per_pod,
-            request.pods,
-            request.priority,
-            request.user if request.project in self.capped else "",
-        )
+        if request.project in self.capped:
+            return (*request.shape, request.user)
+        return request.shape
 
     def _settled(self, request: Pending) -> tuple[WaitCause, str] | None:
         """The refusal an identical request got earlier in the cycle, if it still stands."""
@@ -384,7 +380,12 @@ class _Planner:
 
     def _beyond_limits(self, request: Pending) -> str | None:
         """Why the request exceeds what its project or user may ever hold, if it does."""
-        t, p, gpus = request.gpu_type, request.project, request.gpus
+        asked = (request.project, request.gpu_type, request.gpus)
+        if asked not in self.limits:  # the limits do not change in a cycle
+            self.limits[asked] = self._beyond_limits_afresh(*asked)
+        return self.limits[asked]
+
+    def _beyond_limits_afresh(self, p: str, t: str, gpus: int) -> str | None:
         if self.mode is Mode.STATIC and gpus > self.book.guarantee(p, t):
             return (
                 f"needs {_n(gpus, t)}; project {p} is guaranteed {self.book.guarantee(p, t)} "
@@ -515,17 +516,23 @@ class _Planner:
             free = f"no schedulable node has {t} right now (cordoned, unhealthy or silent)"
         else:
             free = f"largest free block is {block[0]} in {block[1]}"
-        quota = ""
-        if self.mode is not Mode.FIFO:
-            p = request.project
-            used, guaranteed = self.book.usage(p, t), self.book.guarantee(p, t)
-            if within:
-                quota = f"; within project {p}'s guarantee ({used}/{guaranteed} used)"
-            else:
-                room = self.book.may_borrow(p, t)
-                more = "without limit" if room == float("inf") else f"{int(room)} more"
-                quota = f"; project {p} uses {used}/{guaranteed} guaranteed and may borrow {more}"
-        return f"needs {where}; {free}{quota}"
+        return f"needs {where}; {free}{self._quota_said(request.project, t, within)}"
+
+    def _quota_said(self, p: str, t: str, within: bool) -> str:
+        if self.mode is Mode.FIFO:
+            return ""
+        said = self.quota_said.get((p, t, within))  # per cycle: see _decide on staleness
+        if said is not None:
+            return said
+        used, guaranteed = self.book.usage(p, t), self.book.guarantee(p, t)
+        if within:
+            said = f"; within project {p}'s guarantee ({used}/{guaranteed} used)"
+        else:
+            room = self.book.may_borrow(p, t)
+            more = "without limit" if room == float("inf") else f"{int(room)} more"
+            said = f"; project {p} uses {used}/{guaranteed} guaranteed and may borrow {more}"
+        self.quota_said[(p, t, within)] = said
+        return said
 
     def _preempting(self, request: Pending) -> str:
         victims = self.in_flight[request.id]
