@@ -1,0 +1,684 @@
+"""Taking a snapshot: walk the sources, store what is new, commit the manifest last.
+
+``create_snapshot(repository, sources, owner...)`` runs in three phases:
+1. **walk** each source (a directory tree, an environment prefix, or an overlay upper
+   directory's changes) and stat everything; a file whose stat signature matches the
+   stat cache is not read again; every other regular file is queued for reading;
+2. **read** queued files in worker threads: content-defined chunks (FastCDC; a file below
+   the chunker's minimum is one chunk), keyed BLAKE3 ids, and every chunk the repository
+   does not hold yet goes into a segment (small ones bundled), segments into packs, packs
+   to the store while the walk goes on;
+3. **trees** bottom-up, one blob per directory (an unchanged directory keeps its tree id
+   from the stat cache), then the index file for the new packs, then the manifest.
+
+Nothing before the manifest makes a snapshot: a run killed at any point leaves at most
+packs and an index file that no manifest refers to, and the previous snapshot stays the
+latest. The run holds a lock object while it works, which garbage collection respects
+(``gc.py``); before it loads the index it reads the tombstones, so it never reuses a pack
+that garbage collection is about to delete.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import grp
+import marshal
+import mmap
+import os
+import pwd
+import re
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import blake3
+import zstandard
+from pyfastcdc import FastCDC
+
+from . import statcache
+from .errors import CaptureError
+from .index import Index
+from .manifest import Manifest, Source, SourceKind, Stats, new_snapshot_id
+from .pack import BUNDLE_BYTES, DATA, TREE, FinishedPack, PackAssembler, seal_segment
+from .repository import Repository
+from .tree import Node, NodeType, encode_tree
+
+# Overlay's own bookkeeping, never part of a file's attributes.
+_OVERLAY_XATTRS = ("trusted.overlay.", "user.overlay.")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """What to capture: ``path`` (absolute) as a tree, an environment prefix, or an overlay
+    upper directory (``merged`` is its mounted view, read for file data)."""
+
+    name: str
+    path: Path
+    kind: SourceKind = SourceKind.DIR
+    exclude: tuple[str, ...] = ()
+    merged: Path | None = None
+    spec: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class CaptureProgress:
+    """What a progress bar shows; ``on_progress`` gets it after every file read."""
+
+    phase: str = "walk"
+    files_total: int = 0
+    files_done: int = 0
+    bytes_total: int = 0
+    bytes_done: int = 0
+
+
+ProgressCallback = Callable[[CaptureProgress], None]
+
+
+def compile_excludes(patterns: Iterable[str]) -> Callable[[str], bool]:
+    """A predicate on relative paths: fnmatch patterns, a match on a directory excluding
+    its whole subtree (``.cache/pip`` also excludes ``.cache/pip/wheels/x``)."""
+    listed = [p.strip("/") for p in patterns if p.strip("/")]
+    if not listed:
+        return lambda _path: False
+    regex = re.compile("|".join(fnmatch.translate(p) for p in listed))
+    return lambda path: regex.match(path) is not None
+
+
+@dataclass
+class _Entry:
+    name: str
+    st: os.stat_result
+    node_type: NodeType
+    xattrs: dict[str, bytes]
+    target: str = ""
+    link: str = ""
+    path: str = ""  # a regular file's absolute path, while it waits to be read
+    # A regular file's chunk ids and, when sparse, its data ranges: from the stat cache,
+    # or once it has been read.
+    content: tuple[tuple[bytes, ...], tuple[tuple[int, int], ...]] | None = None
+    subdir: _Dir | None = None
+    opaque: bool = False
+
+
+@dataclass
+class _Dir:
+    rel: str  # "" for the source's root
+    st: os.stat_result | None
+    entries: list[_Entry] = field(default_factory=list)
+    tree: bytes = b""
+    signature: bytes = b""
+
+
+class _Run:
+    """One snapshot run's shared state; the worker threads touch only what is locked."""
+
+    def __init__(
+        self,
+        repository: Repository,
+        index: Index,
+        workers: int,
+        level: int,
+        on_progress: ProgressCallback | None,
+    ):
+        self.repository = repository
+        self.keys = repository.keys
+        self.index = index
+        self.level = level
+        chunker = repository.config.get("chunker", {})
+        assert isinstance(chunker, dict)
+        self.min_chunk = int(chunker["min"])
+        self.cdc = FastCDC(
+            avg_size=int(chunker["avg"]), min_size=self.min_chunk, max_size=int(chunker["max"])
+        )
+        self.readers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snap-read")
+        self.uploads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="snap-upload")
+        self.in_flight = threading.BoundedSemaphore(4)  # packs held in memory for upload
+        self.upload_futures: list[Future[int]] = []
+        self.lock = threading.Lock()
+        self.seen: set[bytes] = set()
+        self.new_packs: list[FinishedPack] = []
+        self.new_bytes = 0
+        self.uploaded = 0
+        self.local = threading.local()
+        self.bundles: dict[int, list[tuple[bytes, int, bytes]]] = {DATA: [], TREE: []}
+        self.bundle_sizes = {DATA: 0, TREE: 0}
+        self.assemblers = {
+            DATA: PackAssembler(self.keys, self._ship),
+            TREE: PackAssembler(self.keys, self._ship),
+        }
+        self.progress = CaptureProgress()
+        self.on_progress = on_progress
+
+    # ------------------------------------------------------------- storing
+    def compressor(self) -> zstandard.ZstdCompressor:
+        compressor = getattr(self.local, "compressor", None)
+        if compressor is None:
+            compressor = self.local.compressor = zstandard.ZstdCompressor(level=self.level)
+        return compressor
+
+    def store_blob(self, blob_type: int, data: bytes | memoryview) -> bytes:
+        """The blob's id; its content goes to a pack unless the repository has it."""
+        blob_id = self.keys.content_id(data)
+        with self.lock:
+            if blob_id in self.seen or blob_id in self.index:
+                return blob_id
+            self.seen.add(blob_id)
+            self.new_bytes += len(data)
+        if len(data) >= BUNDLE_BYTES // 2:
+            sealed = seal_segment(self.keys, self.compressor(), [(blob_id, blob_type, data)])
+            self.assemblers[blob_type].add(sealed)
+            return blob_id
+        full = None
+        with self.lock:
+            bundle = self.bundles[blob_type]
+            bundle.append((blob_id, blob_type, bytes(data)))
+            self.bundle_sizes[blob_type] += len(data)
+            if self.bundle_sizes[blob_type] >= BUNDLE_BYTES:
+                full, self.bundles[blob_type] = bundle, []
+                self.bundle_sizes[blob_type] = 0
+        if full is not None:
+            self.assemblers[blob_type].add(seal_segment(self.keys, self.compressor(), full))
+        return blob_id
+
+    def _ship(self, pack: FinishedPack) -> None:
+        self.in_flight.acquire()  # back-pressure: readers wait while 4 packs are uploading
+
+        def upload() -> int:
+            try:
+                sent = self.repository.write_pack(pack)
+            finally:
+                self.in_flight.release()
+            with self.lock:
+                self.new_packs.append(pack)
+                self.uploaded += sent
+            return sent
+
+        self.upload_futures.append(self.uploads.submit(upload))
+
+    def flush(self) -> None:
+        for blob_type in (DATA, TREE):
+            bundle, self.bundles[blob_type] = self.bundles[blob_type], []
+            if bundle:
+                self.assemblers[blob_type].add(seal_segment(self.keys, self.compressor(), bundle))
+            self.assemblers[blob_type].flush()
+        for future in self.upload_futures:
+            future.result()  # an upload that failed after its retries fails the run
+
+    def close(self) -> None:
+        self.readers.shutdown(wait=True, cancel_futures=True)
+        self.uploads.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------- reading
+    def read_all(self, entries: Sequence[_Entry]) -> None:
+        """Phase 2: read every queued file in the worker threads. Small files go in
+        batches (a future per 30,000 small files would cost more than reading them)."""
+        self.progress.files_total = len(entries)
+        self.progress.bytes_total = sum(e.st.st_size for e in entries)
+        batches: list[list[_Entry]] = []
+        batch: list[_Entry] = []
+        batch_bytes = 0
+        for entry in entries:
+            if entry.st.st_size > self.min_chunk:
+                batches.append([entry])
+                continue
+            batch.append(entry)
+            batch_bytes += entry.st.st_size
+            if len(batch) >= 256 or batch_bytes >= 8 << 20:
+                batches.append(batch)
+                batch, batch_bytes = [], 0
+        if batch:
+            batches.append(batch)
+        for future in [self.readers.submit(self._read_batch, b) for b in batches]:
+            future.result()
+
+    def _read_batch(self, entries: list[_Entry]) -> None:
+        done = 0
+        for entry in entries:
+            st = entry.st
+            sparse = st.st_size > 0 and st.st_blocks * 512 < st.st_size
+            entry.content = self.read_file(entry.path, st.st_size, sparse)
+            done += st.st_size
+        with self.lock:
+            self.progress.files_done += len(entries)
+            self.progress.bytes_done += done
+            if self.on_progress is not None:
+                self.on_progress(self.progress)
+
+    def read_file(
+        self, path: str, size: int, sparse: bool
+    ) -> tuple[tuple[bytes, ...], tuple[tuple[int, int], ...]]:
+        with open(path, "rb", buffering=0) as f:
+            ranges = _data_ranges(f.fileno(), size) if sparse else ()
+            if ranges:
+                chunks = []
+                for offset, length in ranges:
+                    chunks.extend(self._chunk(os.pread(f.fileno(), length, offset)))
+            elif size <= self.min_chunk:
+                chunks = [self.store_blob(DATA, f.read())] if size else []
+            else:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                    view = memoryview(mapped)
+                    try:
+                        chunks = self._chunk(view)
+                    finally:
+                        view.release()
+        return tuple(chunks), tuple(ranges)
+
+    def _chunk(self, data: bytes | memoryview) -> list[bytes]:
+        if len(data) <= self.min_chunk:
+            return [self.store_blob(DATA, data)] if len(data) else []
+        ids = []
+        for chunk in self.cdc.cut_buf(data):
+            piece = chunk.data
+            try:
+                ids.append(self.store_blob(DATA, piece))
+            finally:
+                if isinstance(piece, memoryview):
+                    piece.release()
+        return ids
+
+
+def _data_ranges(fd: int, size: int) -> tuple[tuple[int, int], ...]:
+    """The (offset, length) ranges of a sparse file that hold data."""
+    ranges = []
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError:
+            break  # no data after offset: the rest is a hole
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        ranges.append((start, min(end, size) - start))
+        offset = end
+    if not ranges:
+        ranges.append((0, 0))  # all hole: one empty range marks it sparse
+    return tuple(ranges)
+
+
+@cache
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return ""
+
+
+@cache
+def _group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return ""
+
+
+def _xattrs(path: str) -> dict[str, bytes]:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return {}
+    found = {}
+    for name in names:
+        if name.startswith(_OVERLAY_XATTRS):
+            continue
+        try:
+            found[name] = os.getxattr(path, name, follow_symlinks=False)
+        except OSError:
+            continue  # removed meanwhile, or not readable: nothing to restore
+    return found
+
+
+_TYPES = {
+    stat.S_IFREG: NodeType.FILE,
+    stat.S_IFDIR: NodeType.DIR,
+    stat.S_IFLNK: NodeType.SYMLINK,
+    stat.S_IFCHR: NodeType.CHAR,
+    stat.S_IFBLK: NodeType.BLOCK,
+    stat.S_IFIFO: NodeType.FIFO,
+    stat.S_IFSOCK: NodeType.SOCKET,
+}
+
+
+class _Walker:
+    """Phase 1 for one source: stat everything, queue the files the cache cannot vouch for."""
+
+    def __init__(self, run: _Run, spec: SourceSpec, cache: statcache.StatCache, use_dirs: bool):
+        self.run = run
+        self.spec = spec
+        self.cache = cache
+        self.use_dirs = use_dirs
+        self.excluded = compile_excludes(spec.exclude)
+        self.links: dict[tuple[int, int], str] = {}
+        self.files = 0
+        self.bytes = 0
+        self.reused = 0
+        self.dirs: list[_Dir] = []  # post-order: children before their parent
+        self.to_read: list[_Entry] = []
+
+    def entry(self, rel: str, path: str, name: str, st: os.stat_result) -> _Entry:
+        node_type = _TYPES.get(stat.S_IFMT(st.st_mode))
+        if node_type is None:
+            raise CaptureError(f"{path}: unknown file type {stat.S_IFMT(st.st_mode):o}")
+        entry = _Entry(name, st, node_type, _xattrs(path))
+        if node_type is NodeType.SYMLINK:
+            entry.target = os.readlink(path)
+        elif node_type is NodeType.FILE:
+            if st.st_nlink > 1:
+                first = self.links.setdefault((st.st_dev, st.st_ino), rel)
+                if first != rel:
+                    entry.node_type, entry.link = NodeType.HARDLINK, first
+                    return entry
+            self.files += 1
+            self.bytes += st.st_size
+            cached = self.cache.files.get(rel)
+            index = self.run.index
+            if (
+                cached is not None
+                and cached[0] == statcache.file_signature(st)
+                and all(c in index for c in cached[1])
+            ):
+                entry.content = (cached[1], cached[2])
+                self.reused += 1
+            else:
+                entry.path = path
+                self.to_read.append(entry)
+        return entry
+
+    def walk_tree(self, root: Path) -> _Dir:
+        try:
+            st = os.lstat(root)
+        except OSError as e:
+            raise CaptureError(f"cannot read source {self.spec.name} at {root}: {e}") from e
+        if not stat.S_ISDIR(st.st_mode):
+            raise CaptureError(f"source {self.spec.name}: {root} is not a directory")
+        return self._walk_dir("", str(root), st)
+
+    def _walk_dir(self, rel: str, path: str, st: os.stat_result) -> _Dir:
+        here = _Dir(rel, st)
+        try:
+            with os.scandir(path) as listing:
+                children = sorted(listing, key=lambda e: e.name)
+        except OSError as e:
+            raise CaptureError(f"cannot list {path}: {e}") from e
+        for child in children:
+            child_rel = f"{rel}/{child.name}" if rel else child.name
+            if self.excluded(child_rel):
+                continue
+            try:
+                child_st = child.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # deleted while walking
+            entry = self.entry(child_rel, child.path, child.name, child_st)
+            if entry.node_type is NodeType.DIR:
+                if child_st.st_dev != st.st_dev:
+                    continue  # another file system mounted here: not part of the source
+                entry.subdir = self._walk_dir(child_rel, child.path, child_st)
+            here.entries.append(entry)
+        self.dirs.append(here)
+        return here
+
+    def walk_overlay(self, upper: Path, merged: Path | None) -> _Dir:
+        from .overlay import ChangeKind, read_upper
+
+        try:
+            root_st = os.lstat(merged or upper)
+        except OSError as e:
+            raise CaptureError(f"cannot read overlay source {self.spec.name}: {e}") from e
+        dirs: dict[str, _Dir] = {"": _Dir("", root_st)}
+        order: list[_Dir] = []
+        for change in read_upper(upper, merged):
+            parent_rel, _, name = change.path.rpartition("/")
+            parent = dirs.get(parent_rel)
+            if parent is None or self.excluded(change.path):
+                continue  # under an excluded or deleted directory
+            if change.kind is ChangeKind.DELETED:
+                st = os.lstat(upper)  # a placeholder; DELETED nodes keep no metadata
+                parent.entries.append(_Entry(name, st, NodeType.DELETED, {}))
+                continue
+            path = os.path.join(merged or upper, change.path)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            entry = self.entry(change.path, path, name, st)
+            entry.opaque = change.kind is ChangeKind.OPAQUE
+            if entry.node_type is NodeType.DIR:
+                entry.subdir = dirs[change.path] = _Dir(change.path, st)
+                order.append(entry.subdir)
+            parent.entries.append(entry)
+        # Children were listed after their parents: reversed, they come first.
+        self.dirs.extend(reversed(order))
+        self.dirs.append(dirs[""])
+        return dirs[""]
+
+    # ---------------------------------------------------------------- trees
+    def build_trees(self) -> None:
+        """Phase 3: each directory's tree, children first."""
+        for here in self.dirs:
+            here.signature = self.signature(here)
+            cached = self.cache.dirs.get(here.rel) if self.use_dirs else None
+            if cached is not None and cached[0] == here.signature and cached[1] in self.run.index:
+                here.tree = cached[1]
+                continue
+            nodes = [self._node(e) for e in here.entries]
+            here.tree = self.run.store_blob(TREE, encode_tree(nodes))
+
+    def signature(self, here: _Dir) -> bytes:
+        rows = []
+        for e in here.entries:
+            st = e.st
+            rows.append(
+                (
+                    e.name,
+                    e.node_type.value,
+                    st.st_mode,
+                    st.st_uid,
+                    st.st_gid,
+                    st.st_size,
+                    st.st_mtime_ns,
+                    st.st_ctime_ns,
+                    st.st_ino,
+                    e.target,
+                    e.link,
+                    e.opaque,
+                    e.subdir.signature if e.subdir is not None else b"",
+                )
+            )
+        return blake3.blake3(marshal.dumps(rows)).digest()
+
+    def _node(self, e: _Entry) -> Node:
+        if e.node_type is NodeType.DELETED:
+            return Node(e.name, NodeType.DELETED)
+        st = e.st
+        chunks, sparse = e.content if e.content is not None else ((), ())
+        return Node(
+            name=e.name,
+            type=e.node_type,
+            mode=stat.S_IMODE(st.st_mode),
+            uid=st.st_uid,
+            gid=st.st_gid,
+            user=_user(st.st_uid),
+            group=_group(st.st_gid),
+            mtime_ns=st.st_mtime_ns,
+            size=st.st_size if e.node_type is NodeType.FILE else 0,
+            xattrs=e.xattrs,
+            chunks=chunks,
+            sparse=sparse,
+            target=e.target,
+            rdev=st.st_rdev if e.node_type in (NodeType.CHAR, NodeType.BLOCK) else 0,
+            link=e.link,
+            subtree=e.subdir.tree if e.subdir is not None else b"",
+            opaque=e.opaque,
+        )
+
+    def new_cache(self, index_files: frozenset[str]) -> statcache.StatCache:
+        fresh = statcache.StatCache(index_files=index_files)
+        for here in self.dirs:
+            fresh.dirs[here.rel] = (here.signature, here.tree)
+            for e in here.entries:
+                if e.node_type is not NodeType.FILE:
+                    continue
+                rel = f"{here.rel}/{e.name}" if here.rel else e.name
+                chunks, sparse = e.content if e.content is not None else ((), ())
+                fresh.files[rel] = (statcache.file_signature(e.st), chunks, sparse)
+        return fresh
+
+
+def create_snapshot(
+    repository: Repository,
+    sources: Sequence[SourceSpec],
+    *,
+    user: str,
+    server: str = "",
+    cache_dir: Path | None = None,
+    tags: Sequence[str] = (),
+    workers: int | None = None,
+    compression_level: int = 3,
+    on_progress: ProgressCallback | None = None,
+    now: float | None = None,
+) -> Manifest:
+    """Snapshot ``sources`` for ``user``'s ``server``; the committed manifest."""
+    started = time.monotonic()
+    snapshot_id = new_snapshot_id(now)
+    lock = repository.acquire_writer_lock(snapshot_id)
+    try:
+        tombstoned = repository.tombstoned_packs()
+        index_files = frozenset(i.name for i in repository.list_index_files())
+        index = repository.load_index()
+        index.drop_packs(tombstoned)
+        parent = repository.latest(user, server)
+        run = _Run(
+            repository, index, workers or os.cpu_count() or 2, compression_level, on_progress
+        )
+        try:
+            walkers = []
+            for spec in sources:
+                cache_file = (
+                    statcache.cache_path(
+                        cache_dir, repository.store.uri, repository.project, str(spec.path)
+                    )
+                    if cache_dir is not None
+                    else None
+                )
+                cache = statcache.load(cache_file) if cache_file else statcache.StatCache()
+                use_dirs = cache.index_files <= index_files and not tombstoned
+                walker = _Walker(run, spec, cache, use_dirs)
+                if spec.kind is SourceKind.OVERLAY:
+                    walker.walk_overlay(spec.path, spec.merged)
+                else:
+                    walker.walk_tree(spec.path)
+                walkers.append((walker, cache_file))
+            run.progress.phase = "read"
+            run.read_all([e for w, _ in walkers for e in w.to_read])
+            run.progress.phase = "trees"
+            for walker, _ in walkers:
+                walker.build_trees()
+            run.progress.phase = "upload"
+            run.flush()
+        finally:
+            run.close()
+        uploaded = run.uploaded
+        index_name = None
+        if run.new_packs:
+            index_name, size = repository.write_index(
+                (p.pack_id, p.segments) for p in run.new_packs
+            )
+            uploaded += size
+        manifest_sources = tuple(
+            Source(
+                name=w.spec.name,
+                path=str(w.spec.path),
+                kind=w.spec.kind,
+                tree=w.dirs[-1].tree,
+                files=w.files,
+                bytes=w.bytes,
+                exclude=w.spec.exclude,
+                spec=w.spec.spec,
+            )
+            for w, _ in walkers
+        )
+        stats = Stats(
+            files=sum(w.files for w, _ in walkers),
+            dirs=sum(len(w.dirs) for w, _ in walkers),
+            bytes=sum(w.bytes for w, _ in walkers),
+            reused_files=sum(w.reused for w, _ in walkers),
+            new_bytes=run.new_bytes,
+            uploaded_bytes=uploaded,
+            duration_s=round(time.monotonic() - started, 3),
+        )
+        manifest = Manifest(
+            id=snapshot_id,
+            project=repository.project,
+            user=user,
+            server=server,
+            created_at=now if now is not None else time.time(),
+            hostname=socket.gethostname(),
+            sources=manifest_sources,
+            stats=stats,
+            parent=parent.id if parent is not None else None,
+            tags=tuple(tags),
+        )
+        repository.check_writer_lock(lock)
+        manifest = _with_upload(manifest, repository.write_manifest(manifest) + uploaded)
+        known = index_files | ({index_name} if index_name else set())
+        for walker, cache_file in walkers:
+            if cache_file is not None:
+                statcache.save(cache_file, walker.new_cache(frozenset(known)))
+        return manifest
+    finally:
+        repository.release_writer_lock(lock)
+
+
+def prime_cache(
+    repository: Repository,
+    index: Index,
+    source: Source,
+    target: Path,
+    nodes: dict[str, Node],
+    cache_dir: Path,
+) -> None:
+    """The stat cache of a freshly restored ``target``, as if it had just been snapshotted:
+    the restored files' new inodes and ctimes with the chunks they were restored from, and
+    every directory's signature with its tree id, so the next snapshot reads nothing."""
+    cache = statcache.StatCache()
+    for rel, node in nodes.items():
+        if node.type is NodeType.FILE:
+            st = os.lstat(os.path.join(target, rel))
+            cache.files[rel] = (
+                statcache.file_signature(st),
+                tuple(node.chunks),
+                tuple(node.sparse),
+            )
+    trees = {rel: node.subtree for rel, node in nodes.items() if node.type is NodeType.DIR}
+    trees[""] = source.tree
+    run = _Run(repository, index, 1, 1, None)
+    try:
+        spec = SourceSpec(source.name, target, source.kind, source.exclude)
+        walker = _Walker(run, spec, cache, use_dirs=False)
+        if source.kind is SourceKind.OVERLAY:
+            walker.walk_overlay(target, None)
+        else:
+            walker.walk_tree(target)
+        for here in walker.dirs:
+            here.signature = walker.signature(here)
+            here.tree = trees.get(here.rel, b"")
+        index_files = frozenset(i.name for i in repository.list_index_files())
+        path = statcache.cache_path(
+            cache_dir, repository.store.uri, repository.project, str(target)
+        )
+        statcache.save(path, walker.new_cache(index_files))
+    finally:
+        run.close()
+
+
+def _with_upload(manifest: Manifest, uploaded: int) -> Manifest:
+    """The manifest as returned to the caller, its upload figure including itself (the
+    stored one cannot count its own bytes)."""
+    from dataclasses import replace
+
+    return replace(manifest, stats=replace(manifest.stats, uploaded_bytes=uploaded))

@@ -1,0 +1,192 @@
+"""Garbage collection and checking: mark from the manifests, sweep in two steps.
+
+A pack may be deleted only when no manifest needs it — now, or later by a snapshot run that
+is still going. Runs of ``collect_garbage`` work in two steps, so that neither a snapshot
+in progress nor a concurrent collection ever loses a pack a live manifest needs:
+
+1. **mark**: every blob reachable from every manifest (all trees walked); a pack is live
+   when the index places a live blob in it. A manifest whose trees cannot be read stops
+   the run before anything is written: what it refers to is unknown.
+2. **tombstone**: packs that are not live and older than ``margin_s`` are written to a
+   tombstone. Snapshot runs that start after the tombstone never reuse its packs (they
+   read the tombstones before the index, ``capture.py``).
+3. **sweep** a tombstone older than ``margin_s``, unless a snapshot run that started
+   before it still holds its writer lock (younger than ``repository.MAX_WRITER_S``): that
+   run may have reused one of its packs. The packs the fresh mark still finds unused are
+   deleted: first a new index without them is written, then the packs, then the index
+   files it replaces (only those read at the start), then the tombstone.
+
+Two collections at once only repeat each other's work: each marks afresh before it
+deletes, and deleting twice is not an error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .errors import CorruptObject, ObjectMissing, RepositoryError, StoreError
+from .index import Index
+from .pack import Segment, open_segment, pack_name
+from .repository import MAX_WRITER_S, Repository, SnapshotRef
+from .restore import read_tree
+from .store import ObjectInfo
+from .tree import NodeType
+
+CLOCK_SLACK_S = 2.0  # object times have a one-second resolution on S3
+
+
+@dataclass
+class GcReport:
+    snapshots: int = 0
+    live_packs: int = 0
+    tombstoned: int = 0  # packs put on a new tombstone by this run
+    deleted_packs: int = 0
+    deleted_bytes: int = 0
+    waiting_for: list[str] = field(default_factory=list)  # writer locks a sweep waits for
+
+
+@dataclass
+class CheckReport:
+    snapshots: int = 0
+    blobs: int = 0
+    packs_read: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def mark(repository: Repository, index: Index, refs: Iterable[SnapshotRef]) -> set[bytes]:
+    """Every blob id a manifest reaches (trees and chunks)."""
+    live: set[bytes] = set()
+    for ref in refs:
+        manifest = repository.read_manifest(ref)
+        for source in manifest.sources:
+            if source.tree in live:
+                continue
+            live.add(source.tree)
+            for _, node in read_tree(repository, index, source.tree):
+                if node.type is NodeType.DIR:
+                    live.add(node.subtree)
+                elif node.type is NodeType.FILE:
+                    live.update(node.chunks)
+    return live
+
+
+def collect_garbage(
+    repository: Repository, margin_s: float = 3600.0, now: float | None = None
+) -> GcReport:
+    now = time.time() if now is None else now
+    report = GcReport()
+    index_files = repository.list_index_files()
+    index = repository.load_index()
+    refs = repository.snapshots()
+    report.snapshots = len(refs)
+    try:
+        live_blobs = mark(repository, index, refs)
+    except (ObjectMissing, CorruptObject, ValueError) as e:
+        raise RepositoryError(
+            f"garbage collection stopped before deleting anything: a snapshot's trees cannot "
+            f"be read ({e}); run `gpufleet snapshot check` to find it"
+        ) from e
+    live_packs = {index.blobs[b].pack_id for b in live_blobs if b in index.blobs}
+    report.live_packs = len(live_packs)
+    stored = {info.name: info for info in repository.list_packs()}
+    locks = repository.writer_locks()
+    tombstones = repository.tombstones()
+
+    for tomb, packs in tombstones:
+        if now - tomb.modified < margin_s:
+            continue
+        blocking = [
+            lock.name
+            for lock in locks
+            if lock.modified <= tomb.modified + CLOCK_SLACK_S and now - lock.modified < MAX_WRITER_S
+        ]
+        if blocking:
+            report.waiting_for.extend(blocking)
+            continue
+        doomed = {p for p in packs if p not in live_packs}
+        _sweep(repository, index, doomed, stored, index_files, report)
+        repository.store.delete(tomb.name)
+        index_files = []  # replaced by the sweep's index; later sweeps must not delete it
+
+    already = {p for _, packs in tombstones for p in packs}
+    candidates = [
+        name
+        for name, info in stored.items()
+        if name not in live_packs and name not in already and now - info.modified >= margin_s
+    ]
+    if candidates:
+        repository.write_tombstone(candidates)
+        report.tombstoned = len(candidates)
+    return report
+
+
+def _sweep(
+    repository: Repository,
+    index: Index,
+    doomed: set[str],
+    stored: dict[str, ObjectInfo],
+    index_files: list[ObjectInfo],
+    report: GcReport,
+) -> None:
+    if not doomed:
+        return
+    index.drop_packs(doomed)
+    if index_files:
+        repository.write_index((p, segments) for p, segments in sorted(index.packs.items()))
+    for pack_id in sorted(doomed):
+        info = stored.get(pack_id)
+        try:
+            repository.delete_pack(pack_id)
+        except StoreError:
+            continue  # left for the next run: it is still unused
+        report.deleted_packs += 1
+        report.deleted_bytes += info.size if info is not None else 0
+    for info in index_files:
+        repository.store.delete(info.name)
+
+
+def check(repository: Repository, read_data: bool = False) -> CheckReport:
+    """Every manifest's trees readable and every chunk in a pack that exists; with
+    ``read_data``, every pack read and every blob's content id verified."""
+    report = CheckReport()
+    index = repository.load_index()
+    stored = {info.name for info in repository.list_packs()}
+    refs = repository.snapshots()
+    report.snapshots = len(refs)
+    for ref in refs:
+        try:
+            live = mark(repository, index, [ref])
+        except (ObjectMissing, CorruptObject, ValueError) as e:
+            report.problems.append(f"snapshot {ref.id}: its trees cannot be read: {e}")
+            continue
+        report.blobs += len(live)
+        missing = [b for b in live if b not in index.blobs]
+        if missing:
+            report.problems.append(f"snapshot {ref.id}: {len(missing)} blob(s) in no pack")
+        gone = {index.blobs[b].pack_id for b in live if b in index.blobs} - stored
+        for pack_id in sorted(gone):
+            report.problems.append(f"snapshot {ref.id}: pack {pack_id} is missing")
+    if read_data:
+        for pack_id in sorted(stored & set(index.packs)):
+            report.packs_read += 1
+            try:
+                verify_pack(repository, pack_id, index.packs[pack_id])
+            except (ObjectMissing, CorruptObject) as e:
+                report.problems.append(f"pack {pack_id}: {e}")
+    return report
+
+
+def verify_pack(repository: Repository, pack_id: str, segments: Iterable[Segment]) -> None:
+    """Read a pack and check every blob the index places in it against its content id."""
+    data = memoryview(repository.read_pack(pack_id))
+    name = repository.name(pack_name(pack_id))
+    for segment in segments:
+        plain = open_segment(
+            repository.keys, data[segment.offset : segment.offset + segment.length], name
+        )
+        for blob in segment.blobs:
+            piece = plain[blob.offset : blob.offset + blob.length]
+            if repository.keys.content_id(piece) != blob.blob_id:
+                raise CorruptObject(name, f"blob {blob.blob_id.hex()} does not match its id")

@@ -1,0 +1,97 @@
+"""The repository index: where each blob lives (pack, segment, offset).
+
+Each snapshot run writes one index file for the packs it wrote, after the packs and before
+the manifest: ``index/<blake3 of its bytes>``, sealed as ``index``. Its plaintext is a
+pack count, then per pack its id (32 raw bytes) and its table (``pack.encode_table``).
+Loading the index is the union of all index files; a blob found in several packs (two
+writers of the same project racing) is read from the pack whose id sorts first, which
+every reader agrees on. Index files are never edited: garbage collection writes a new
+one without the deleted packs, then deletes the ones it replaced.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+from .pack import BlobEntry, FinishedPack, Segment, decode_table, encode_table
+
+_COUNT = struct.Struct("<I")
+
+
+class Location(NamedTuple):
+    pack_id: str
+    segment_offset: int
+    segment_length: int
+    offset: int  # in the segment's plaintext
+    length: int
+    blob_type: int
+
+
+def encode_index(packs: Iterable[tuple[str, Iterable[Segment]]]) -> bytes:
+    listed = [(pack_id, list(segments)) for pack_id, segments in packs]
+    parts = [_COUNT.pack(len(listed))]
+    for pack_id, segments in listed:
+        parts.append(bytes.fromhex(pack_id))
+        parts.append(encode_table(segments))
+    return b"".join(parts)
+
+
+def decode_index(data: bytes, name: str) -> Iterator[tuple[str, list[Segment]]]:
+    (count,) = _COUNT.unpack_from(data, 0)
+    at = _COUNT.size
+    for _ in range(count):
+        pack_id = data[at : at + 32].hex()
+        segments, at = decode_table(data, name, at + 32)
+        yield pack_id, segments
+
+
+class Index:
+    """Blob id -> location, over every index file loaded (and packs written since)."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[bytes, Location] = {}
+        self.packs: dict[str, list[Segment]] = {}
+
+    def __contains__(self, blob_id: bytes) -> bool:
+        return blob_id in self.blobs
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def add_pack(self, pack_id: str, segments: Iterable[Segment]) -> None:
+        listed = self.packs.setdefault(pack_id, [])
+        blobs = self.blobs
+        for segment in segments:
+            listed.append(segment)
+            for entry in segment.blobs:
+                known = blobs.get(entry.blob_id)
+                if known is None or pack_id < known.pack_id:
+                    blobs[entry.blob_id] = _location(pack_id, segment, entry)
+
+    def add_finished(self, pack: FinishedPack) -> None:
+        self.add_pack(pack.pack_id, pack.segments)
+
+    def drop_packs(self, pack_ids: Iterable[str]) -> None:
+        """Forget packs (deleted, tombstoned): their blobs count as absent from now on,
+        unless another pack holds them too."""
+        gone = set(pack_ids)
+        if not gone & self.packs.keys():
+            return
+        for pack_id in gone:
+            self.packs.pop(pack_id, None)
+        self.blobs = {}
+        for pack_id in sorted(self.packs):
+            for segment in self.packs[pack_id]:
+                for entry in segment.blobs:
+                    self.blobs.setdefault(entry.blob_id, _location(pack_id, segment, entry))
+
+    def get(self, blob_id: bytes) -> Location | None:
+        return self.blobs.get(blob_id)
+
+
+def _location(pack_id: str, segment: Segment, entry: BlobEntry) -> Location:
+    return Location(
+        pack_id, segment.offset, segment.length, entry.offset, entry.length, entry.blob_type
+    )

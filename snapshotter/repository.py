@@ -1,0 +1,257 @@
+"""A project's repository in a store: its key, packs, index files, manifests, tombstones.
+
+Layout, under ``projects/<project>/`` of the store (the same in S3 and in a directory)::
+
+    config                      plain JSON: format version, chunker sizes
+    keys/data                   the project's data key, sealed with the master key
+    packs/<aa>/<pack id>        packs (pack.py); the id is the BLAKE3 hash of the bytes
+    index/<index id>            index files (index.py), one per snapshot run
+    snapshots/<user>/<server>/<snapshot id>   manifests (manifest.py), written last
+    gc/tombstones/<id>          packs garbage collection means to delete (gc.py)
+
+Order of writes in a snapshot: packs, then the index file naming them, then the manifest.
+A run killed before its manifest leaves packs nothing refers to; garbage collection removes
+them once they are older than its safety margin. ``docs/snapshots.md`` has the format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import blake3
+
+from .crypto import ProjectKeys, seal, unseal
+from .errors import CorruptObject, ObjectMissing, SnapshotError, SnapshotNotFound
+from .index import Index, decode_index, encode_index
+from .manifest import Manifest, owner_prefix, parse_manifest_name
+from .pack import TREE, FinishedPack, Segment, open_segment, pack_name
+from .retry import with_retries
+from .store import ObjectInfo, Store
+
+REPOSITORY_VERSION = 1
+# A snapshot run must commit within this long of taking its writer lock; garbage collection
+# waits for younger locks before it deletes, and ignores older ones (a writer killed -9).
+MAX_WRITER_S = 6 * 3600.0
+DEFAULT_CHUNKER = {"min": 256 << 10, "avg": 1 << 20, "max": 4 << 20}
+
+
+@dataclass(frozen=True)
+class WriterLock:
+    name: str
+    taken_at: float  # time.monotonic() when it was written
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    user: str
+    server: str
+    id: str
+    name: str  # the manifest's object name, inside the project's prefix
+
+
+class Repository:
+    def __init__(self, store: Store, project: str, keys: ProjectKeys, config: dict[str, object]):
+        self.store = store
+        self.project = project
+        self.keys = keys
+        self.config = config
+        self.prefix = f"projects/{quote(project, safe='')}/"
+        self._packs_cache: dict[str, bytes] = {}
+        self._cache_lock = threading.Lock()
+
+    # ------------------------------------------------------------- opening
+    @classmethod
+    def open(cls, store: Store, project: str, master_key: bytes, create: bool = True) -> Repository:
+        """Open the project's repository, creating its config and key on first use. Two
+        writers creating it at once agree: the key written first wins (conditional write)
+        and the other reads it back."""
+        prefix = f"projects/{quote(project, safe='')}/"
+        key_name, config_name = prefix + "keys/data", prefix + "config"
+        try:
+            sealed = with_retries(lambda: store.get(key_name), f"reading {key_name}")
+        except ObjectMissing:
+            if not create:
+                raise SnapshotNotFound(
+                    f"project {project} has no snapshot repository yet"
+                ) from None
+            keys = ProjectKeys.generate()
+            config = {"version": REPOSITORY_VERSION, "chunker": DEFAULT_CHUNKER}
+            store.put(config_name, json.dumps(config).encode(), if_absent=True)
+            if not store.put(key_name, keys.wrap(master_key, project), if_absent=True):
+                sealed = store.get(key_name)  # another writer created it first
+            else:
+                return cls(store, project, keys, config)
+        keys = ProjectKeys.unwrap(master_key, project, sealed)
+        config = json.loads(with_retries(lambda: store.get(config_name), "reading config"))
+        if config.get("version") != REPOSITORY_VERSION:
+            raise CorruptObject(config_name, f"repository version {config.get('version')}")
+        return cls(store, project, keys, config)
+
+    def name(self, relative: str) -> str:
+        return self.prefix + relative
+
+    # ---------------------------------------------------------------- packs
+    def write_pack(self, pack: FinishedPack) -> int:
+        """Upload a pack (idempotent: named by its bytes); the bytes sent."""
+        name = self.name(pack_name(pack.pack_id))
+        with_retries(lambda: self.store.put(name, pack.data, if_absent=True), f"uploading {name}")
+        return len(pack.data)
+
+    def read_pack(self, pack_id: str) -> bytes:
+        name = self.name(pack_name(pack_id))
+        return with_retries(lambda: self.store.get(name), f"downloading {name}")
+
+    def list_packs(self) -> Iterator[ObjectInfo]:
+        for info in self.store.list(self.name("packs/")):
+            yield info._replace(name=info.name.rsplit("/", 1)[-1])
+
+    def delete_pack(self, pack_id: str) -> None:
+        self.store.delete(self.name(pack_name(pack_id)))
+
+    def read_blob(self, index: Index, blob_id: bytes) -> bytes:
+        """One blob through the index, its content id checked. Packs of trees are small
+        and read whole; they are cached for the life of this object."""
+        location = index.get(blob_id)
+        if location is None:
+            raise ObjectMissing(blob_id.hex(), f"blob {blob_id.hex()} is in no pack of the index")
+        with self._cache_lock:
+            data = self._packs_cache.get(location.pack_id)
+        if data is None:
+            data = self.read_pack(location.pack_id)
+            if location.blob_type == TREE:  # tree packs are small and read again and again
+                with self._cache_lock:
+                    self._packs_cache[location.pack_id] = data
+        name = self.name(pack_name(location.pack_id))
+        end = location.segment_offset + location.segment_length
+        plain = open_segment(self.keys, memoryview(data)[location.segment_offset : end], name)
+        blob = plain[location.offset : location.offset + location.length]
+        if self.keys.content_id(blob) != blob_id:
+            raise CorruptObject(name, f"blob {blob_id.hex()} does not match its id")
+        return blob
+
+    # ---------------------------------------------------------------- index
+    def load_index(self, workers: int = 8) -> Index:
+        index = Index()
+        names = [info.name for info in self.store.list(self.name("index/"))]
+
+        def fetch(name: str) -> tuple[str, bytes]:
+            return name, unseal(
+                self.keys.seal_key, b"index", with_retries(lambda: self.store.get(name), name), name
+            )
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for name, plain in pool.map(fetch, names):
+                for pack_id, segments in decode_index(plain, name):
+                    index.add_pack(pack_id, segments)
+        return index
+
+    def write_index(self, packs: Iterable[tuple[str, Iterable[Segment]]]) -> tuple[str, int]:
+        """An index file for ``packs``; its name and size."""
+        sealed = seal(self.keys.seal_key, b"index", encode_index(packs))
+        name = self.name("index/" + blake3.blake3(sealed).hexdigest())
+        with_retries(lambda: self.store.put(name, sealed, if_absent=True), f"uploading {name}")
+        return name, len(sealed)
+
+    def list_index_files(self) -> list[ObjectInfo]:
+        return list(self.store.list(self.name("index/")))
+
+    # ------------------------------------------------------------ manifests
+    def write_manifest(self, manifest: Manifest) -> int:
+        sealed = seal(self.keys.seal_key, b"snapshot", manifest.encode())
+        name = self.name(manifest.name)
+        written = with_retries(
+            lambda: self.store.put(name, sealed, if_absent=True), f"committing {name}"
+        )
+        if not written:
+            raise CorruptObject(name, "a snapshot with this id exists already")
+        return len(sealed)
+
+    def snapshots(self, user: str | None = None, server: str | None = None) -> list[SnapshotRef]:
+        """Snapshots in id (time) order, all of them or an owner's."""
+        prefix = "snapshots/" if user is None else owner_prefix(user, server or "")
+        if user is not None and server is None:
+            prefix = prefix.rsplit("/", 2)[0] + "/"
+        refs = []
+        for info in self.store.list(self.name(prefix)):
+            parsed = parse_manifest_name(info.name[len(self.prefix) :])
+            if parsed is not None:
+                refs.append(SnapshotRef(*parsed, name=info.name[len(self.prefix) :]))
+        refs.sort(key=lambda r: r.id)
+        return refs
+
+    def find(self, snapshot_id: str) -> SnapshotRef:
+        for ref in self.snapshots():
+            if ref.id == snapshot_id or (len(snapshot_id) >= 8 and ref.id.endswith(snapshot_id)):
+                return ref
+        raise SnapshotNotFound(
+            f"no snapshot {snapshot_id!r} in project {self.project}: "
+            f"`gpufleet snapshot list` shows the ids"
+        )
+
+    def latest(self, user: str, server: str) -> SnapshotRef | None:
+        refs = self.snapshots(user, server)
+        return refs[-1] if refs else None
+
+    def read_manifest(self, ref: SnapshotRef) -> Manifest:
+        name = self.name(ref.name)
+        try:
+            sealed = with_retries(lambda: self.store.get(name), f"reading {name}")
+        except ObjectMissing:
+            raise SnapshotNotFound(f"snapshot {ref.id} was deleted") from None
+        return Manifest.decode(unseal(self.keys.seal_key, b"snapshot", sealed, name))
+
+    def delete_manifest(self, ref: SnapshotRef) -> None:
+        """Forget a snapshot; its data goes at the next garbage collection."""
+        self.store.delete(self.name(ref.name))
+
+    # ------------------------------------------------------ writers and GC
+    def acquire_writer_lock(self, run_id: str) -> WriterLock:
+        """Announce a snapshot run to garbage collection (``gc.py``): until this lock is
+        released or older than ``MAX_WRITER_S``, no tombstone written after it is swept."""
+        name = self.name(f"locks/{run_id}")
+        body = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+        with_retries(lambda: self.store.put(name, body), f"writing {name}")
+        return WriterLock(name, time.monotonic())
+
+    def check_writer_lock(self, lock: WriterLock) -> None:
+        if time.monotonic() - lock.taken_at > MAX_WRITER_S * 0.9:
+            raise SnapshotError(
+                f"this snapshot run took longer than {MAX_WRITER_S * 0.9:.0f} s; garbage "
+                f"collection may have removed data it counted on, so it is not committed: "
+                f"take it again"
+            )
+
+    def release_writer_lock(self, lock: WriterLock) -> None:
+        self.store.delete(lock.name)
+
+    def writer_locks(self) -> list[ObjectInfo]:
+        return list(self.store.list(self.name("locks/")))
+
+    def tombstones(self) -> list[tuple[ObjectInfo, list[str]]]:
+        """Each tombstone and the pack ids it names."""
+        found = []
+        for info in self.store.list(self.name("gc/tombstones/")):
+            try:
+                sealed = self.store.get(info.name)
+            except ObjectMissing:
+                continue  # swept meanwhile
+            packs = json.loads(unseal(self.keys.seal_key, b"tombstone", sealed, info.name))
+            found.append((info, list(packs)))
+        return found
+
+    def tombstoned_packs(self) -> set[str]:
+        return {p for _, packs in self.tombstones() for p in packs}
+
+    def write_tombstone(self, pack_ids: Iterable[str]) -> str:
+        sealed = seal(self.keys.seal_key, b"tombstone", json.dumps(sorted(pack_ids)).encode())
+        name = self.name("gc/tombstones/" + blake3.blake3(sealed).hexdigest())
+        with_retries(lambda: self.store.put(name, sealed), f"writing {name}")
+        return name
