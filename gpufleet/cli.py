@@ -1,6 +1,7 @@
 """The ``gpufleet`` command. Researcher and admin commands (submit, jobs, queue, nodes, ...)
-come with the SDK; today it reports its version, where the server commands are, and runs
-the what-if simulator (``gpufleet simulate``, docs/simulator.md).
+come with the SDK; today it reports its version, where the server commands are, runs
+the what-if simulator (``gpufleet simulate``, docs/simulator.md) and manages snapshots
+(``gpufleet snapshot``, ``snapshot_cli.py``, docs/snapshots.md).
 
 Exit codes: 0 done; 1 a part of gpufleet this install lacks; 2 bad input (arguments,
 trace, fleet or projects file), with a message that names the file and what to fix.
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
+from . import __version__, snapshot_cli
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -35,9 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"gpufleet {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_simulate(commands)
+    snapshot_cli.add_snapshot(commands)
     args = parser.parse_args(argv)
     if args.command == "simulate":
         return simulate_command(args)
+    if args.command == "snapshot":
+        from rich.console import Console
+
+        return snapshot_cli.snapshot_command(args, Console(), Console(stderr=True))
     parser.print_help()
     return 0
 

@@ -516,8 +516,8 @@ class _Walker:
             opaque=e.opaque,
         )
 
-    def new_cache(self, index_files: frozenset[str]) -> statcache.StatCache:
-        fresh = statcache.StatCache(index_files=index_files)
+    def new_cache(self, snapshot: str) -> statcache.StatCache:
+        fresh = statcache.StatCache(snapshot=snapshot)
         for here in self.dirs:
             fresh.dirs[here.rel] = (here.signature, here.tree)
             for e in here.entries:
@@ -547,10 +547,12 @@ def create_snapshot(
     snapshot_id = new_snapshot_id(now)
     lock = repository.acquire_writer_lock(snapshot_id)
     try:
+        # Lock, tombstones, packs, index — in this order (see gc.py): what is left is
+        # stored now, and stays stored until this run has committed or given up.
         tombstoned = repository.tombstoned_packs()
-        index_files = frozenset(i.name for i in repository.list_index_files())
+        stored = {info.name for info in repository.list_packs()}
         index = repository.load_index()
-        index.drop_packs(tombstoned)
+        index.drop_packs(tombstoned | (set(index.packs) - stored))
         parent = repository.latest(user, server)
         run = _Run(
             repository, index, workers or os.cpu_count() or 2, compression_level, on_progress
@@ -566,7 +568,7 @@ def create_snapshot(
                     else None
                 )
                 cache = statcache.load(cache_file) if cache_file else statcache.StatCache()
-                use_dirs = cache.index_files <= index_files and not tombstoned
+                use_dirs = bool(cache.snapshot) and repository.has_manifest(cache.snapshot)
                 walker = _Walker(run, spec, cache, use_dirs)
                 if spec.kind is SourceKind.OVERLAY:
                     walker.walk_overlay(spec.path, spec.merged)
@@ -583,11 +585,8 @@ def create_snapshot(
         finally:
             run.close()
         uploaded = run.uploaded
-        index_name = None
         if run.new_packs:
-            index_name, size = repository.write_index(
-                (p.pack_id, p.segments) for p in run.new_packs
-            )
+            _, size = repository.write_index((p.pack_id, p.segments) for p in run.new_packs)
             uploaded += size
         manifest_sources = tuple(
             Source(
@@ -625,10 +624,9 @@ def create_snapshot(
         )
         repository.check_writer_lock(lock)
         manifest = _with_upload(manifest, repository.write_manifest(manifest) + uploaded)
-        known = index_files | ({index_name} if index_name else set())
         for walker, cache_file in walkers:
             if cache_file is not None:
-                statcache.save(cache_file, walker.new_cache(frozenset(known)))
+                statcache.save(cache_file, walker.new_cache(manifest.name))
         return manifest
     finally:
         repository.release_writer_lock(lock)
@@ -641,6 +639,7 @@ def prime_cache(
     target: Path,
     nodes: dict[str, Node],
     cache_dir: Path,
+    snapshot: str,
 ) -> None:
     """The stat cache of a freshly restored ``target``, as if it had just been snapshotted:
     the restored files' new inodes and ctimes with the chunks they were restored from, and
@@ -667,11 +666,10 @@ def prime_cache(
         for here in walker.dirs:
             here.signature = walker.signature(here)
             here.tree = trees.get(here.rel, b"")
-        index_files = frozenset(i.name for i in repository.list_index_files())
         path = statcache.cache_path(
             cache_dir, repository.store.uri, repository.project, str(target)
         )
-        statcache.save(path, walker.new_cache(index_files))
+        statcache.save(path, walker.new_cache(snapshot))
     finally:
         run.close()
 

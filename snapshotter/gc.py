@@ -91,6 +91,9 @@ def collect_garbage(
     live_packs = {index.blobs[b].pack_id for b in live_blobs if b in index.blobs}
     report.live_packs = len(live_packs)
     stored = {info.name: info for info in repository.list_packs()}
+    # An index entry for a pack that is gone (deleted by a concurrent collection) must not
+    # come back in the index this run writes.
+    index.drop_packs(set(index.packs) - stored.keys())
     locks = repository.writer_locks()
     tombstones = repository.tombstones()
 

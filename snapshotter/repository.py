@@ -208,6 +208,9 @@ class Repository:
             raise SnapshotNotFound(f"snapshot {ref.id} was deleted") from None
         return Manifest.decode(unseal(self.keys.seal_key, b"snapshot", sealed, name))
 
+    def has_manifest(self, name: str) -> bool:
+        return self.store.stat(self.name(name)) is not None
+
     def delete_manifest(self, ref: SnapshotRef) -> None:
         """Forget a snapshot; its data goes at the next garbage collection."""
         self.store.delete(self.name(ref.name))

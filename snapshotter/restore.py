@@ -152,7 +152,8 @@ def restore_snapshot(
         from .capture import prime_cache
 
         for source, target in placed:
-            prime_cache(repository, index, source, target, plan_for(plan, target), cache_dir)
+            nodes = plan_for(plan, target)
+            prime_cache(repository, index, source, target, nodes, cache_dir, manifest.name)
     return RestoreResult(plan.files, plan.bytes, len(plan.writes))
 
 

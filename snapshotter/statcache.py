@@ -8,9 +8,9 @@ as; and each directory to the signature of its whole listing and its tree id, so
 unchanged directory is not even re-encoded.
 
 The cache is an accelerator and never the truth: a cached chunk is used only while the
-repository's index still lists it, and directory shortcuts are used only while none of
-the index files known when the cache was written has been replaced (garbage collection
-rewrites the index when it deletes packs). Anything else is read again. A restore writes
+repository's index still lists it (in a pack that exists and is not tombstoned), and
+directory shortcuts only while the manifest written with the cache still exists — then
+everything it reaches is still stored. Anything else is read again. A restore writes
 the cache afresh from the restored files' new inodes and ctimes (``restore.py``).
 """
 
@@ -42,12 +42,14 @@ class StatCache:
         default_factory=dict
     )
     dirs: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)  # path -> (sig, tree)
-    index_files: frozenset[str] = frozenset()
+    # The manifest written with this cache: its directory shortcuts hold only while it
+    # exists (garbage collection never deletes what a manifest reaches).
+    snapshot: str = ""
 
     def encode(self) -> bytes:
         raw = {
             "v": _VERSION,
-            "index": sorted(self.index_files),
+            "snapshot": self.snapshot,
             "f": {
                 p: [list(sig), b"".join(chunks).hex(), [list(r) for r in sparse]]
                 for p, (sig, chunks, sparse) in self.files.items()
@@ -67,7 +69,7 @@ class StatCache:
             chunks = tuple(joined[i : i + 32] for i in range(0, len(joined), 32))
             files[path] = (tuple(sig), chunks, tuple(tuple(r) for r in sparse))
         dirs = {p: (bytes.fromhex(s), bytes.fromhex(t)) for p, (s, t) in raw["d"].items()}
-        return cls(files, dirs, frozenset(raw["index"]))
+        return cls(files, dirs, str(raw["snapshot"]))
 
 
 def cache_path(cache_dir: Path, store_uri: str, project: str, source_path: str) -> Path:
