@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from sqlalchemy import Engine
@@ -63,3 +64,37 @@ def engine(empty_engine: Engine) -> Engine:
     """An engine on a database migrated to this version's head, once per backend."""
     db.upgrade(empty_engine)
     return empty_engine
+
+
+# ------------------------------------------------------------------------ S3
+# Imported when a test asks for S3 only: boto3 costs a fraction of a second to import.
+if TYPE_CHECKING:
+    from gpufleet.snapshotter.s3 import S3Store
+
+    from .s3server import S3Server
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One real S3 server (SeaweedFS) for the whole run, stopped at the end."""
+    from .s3server import S3Server, S3Unavailable
+    from .s3server import skip_requested as s3_skip_requested
+
+    if s3_skip_requested():
+        pytest.skip("GPUFLEET_SKIP_S3=1: S3 tests skipped")
+    try:
+        server = S3Server.start()
+    except S3Unavailable as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_store(s3_server: S3Server) -> S3Store:
+    """An ``S3Store`` under a fresh prefix that no other test uses."""
+    from gpufleet.snapshotter.s3 import S3Store
+
+    return S3Store(*s3_server.fresh_place(), **s3_server.store_options())
