@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .errors import CorruptObject, ObjectMissing, RepositoryError, StoreError
+from .errors import CorruptObject, ObjectMissing, RepositoryError, SnapshotNotFound, StoreError
 from .index import Index
 from .pack import Segment, open_segment, pack_name
 from .repository import MAX_WRITER_S, Repository, SnapshotRef
@@ -35,6 +35,8 @@ from .store import ObjectInfo
 from .tree import NodeType
 
 CLOCK_SLACK_S = 2.0  # object times have a one-second resolution on S3
+# A temporary file or an unfinished multipart upload this old belongs to a dead writer.
+ABANDONED_AFTER_S = 3600.0
 
 
 @dataclass
@@ -45,6 +47,7 @@ class GcReport:
     deleted_packs: int = 0
     deleted_bytes: int = 0
     waiting_for: list[str] = field(default_factory=list)  # writer locks a sweep waits for
+    abandoned: int = 0  # temporary files or unfinished uploads of killed writers removed
 
 
 @dataclass
@@ -59,7 +62,10 @@ def mark(repository: Repository, index: Index, refs: Iterable[SnapshotRef]) -> s
     """Every blob id a manifest reaches (trees and chunks)."""
     live: set[bytes] = set()
     for ref in refs:
-        manifest = repository.read_manifest(ref)
+        try:
+            manifest = repository.read_manifest(ref)
+        except SnapshotNotFound:
+            continue  # deleted since it was listed: what it reached is no longer needed
         for source in manifest.sources:
             if source.tree in live:
                 continue
@@ -77,10 +83,17 @@ def collect_garbage(
 ) -> GcReport:
     now = time.time() if now is None else now
     report = GcReport()
-    index_files = repository.list_index_files()
-    index = repository.load_index()
+    # Locks and tombstones, then manifests, index files and packs — the reverse of a
+    # writer's order (packs, index, manifest, lock released): a writer whose lock is gone
+    # here has its manifest in the listing below, every manifest listed finds its blobs
+    # in the index read after it, and every pack of that index is in the listing after.
+    locks = repository.writer_locks()
+    tombstones = repository.tombstones()
     refs = repository.snapshots()
     report.snapshots = len(refs)
+    index_files = repository.list_index_files()
+    index = repository.load_index()
+    stored = {info.name: info for info in repository.list_packs()}
     try:
         live_blobs = mark(repository, index, refs)
     except (ObjectMissing, CorruptObject, ValueError) as e:
@@ -90,12 +103,9 @@ def collect_garbage(
         ) from e
     live_packs = {index.blobs[b].pack_id for b in live_blobs if b in index.blobs}
     report.live_packs = len(live_packs)
-    stored = {info.name: info for info in repository.list_packs()}
     # An index entry for a pack that is gone (deleted by a concurrent collection) must not
     # come back in the index this run writes.
     index.drop_packs(set(index.packs) - stored.keys())
-    locks = repository.writer_locks()
-    tombstones = repository.tombstones()
 
     for tomb, packs in tombstones:
         if now - tomb.modified < margin_s:
@@ -113,6 +123,8 @@ def collect_garbage(
         repository.store.delete(tomb.name)
         index_files = []  # replaced by the sweep's index; later sweeps must not delete it
 
+    abandoned_before = now - max(margin_s, ABANDONED_AFTER_S)
+    report.abandoned = repository.store.clean_abandoned(repository.prefix, abandoned_before)
     already = {p for _, packs in tombstones for p in packs}
     candidates = [
         name
@@ -154,10 +166,10 @@ def check(repository: Repository, read_data: bool = False) -> CheckReport:
     """Every manifest's trees readable and every chunk in a pack that exists; with
     ``read_data``, every pack read and every blob's content id verified."""
     report = CheckReport()
+    refs = repository.snapshots()  # before the index and packs: see collect_garbage
+    report.snapshots = len(refs)
     index = repository.load_index()
     stored = {info.name for info in repository.list_packs()}
-    refs = repository.snapshots()
-    report.snapshots = len(refs)
     for ref in refs:
         try:
             live = mark(repository, index, [ref])

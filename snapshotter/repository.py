@@ -138,14 +138,25 @@ class Repository:
         return blob
 
     # ---------------------------------------------------------------- index
-    def load_index(self, workers: int = 8) -> Index:
+    def load_index(self, workers: int = 8, attempts: int = 5) -> Index:
+        """The union of every index file. Garbage collection replaces index files (the new
+        one is written before the old ones are deleted), so a file listed and gone before
+        it was read means: list again."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._load_index_once(workers)
+            except ObjectMissing:
+                if attempt == attempts:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _load_index_once(self, workers: int) -> Index:
         index = Index()
         names = [info.name for info in self.store.list(self.name("index/"))]
 
         def fetch(name: str) -> tuple[str, bytes]:
-            return name, unseal(
-                self.keys.seal_key, b"index", with_retries(lambda: self.store.get(name), name), name
-            )
+            sealed = with_retries(lambda: self.store.get(name), f"reading {name}")
+            return name, unseal(self.keys.seal_key, b"index", sealed, name)
 
         with ThreadPoolExecutor(max_workers=workers) as pool:
             for name, plain in pool.map(fetch, names):

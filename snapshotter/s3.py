@@ -236,6 +236,24 @@ class S3Store:
                 raise
         return ObjectInfo(name, head["ContentLength"], head["LastModified"].timestamp())
 
+    def clean_abandoned(self, prefix: str, older_than: float) -> int:
+        """Abort multipart uploads under ``prefix`` begun before ``older_than`` (a writer
+        killed mid-upload leaves one, invisible but billed); how many."""
+        base = f"{self.prefix}/" if self.prefix else ""
+        aborted = 0
+        with self._edge("clean up uploads under", prefix or "(everything)"):
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=base + prefix
+            )
+            for page in pages:
+                for upload in page.get("Uploads", ()):
+                    if upload["Initiated"].timestamp() < older_than:
+                        self._client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+                        aborted += 1
+        return aborted
+
     def request_checksum(self, data: bytes) -> dict[str, str]:
         """The checksum parameters of a request that sends ``data`` (a whole object or one
         part), computed here so that the store verifies them. The one place they are made:

@@ -57,6 +57,11 @@ class Store(Protocol):
 
     def stat(self, name: str) -> ObjectInfo | None: ...
 
+    def clean_abandoned(self, prefix: str, older_than: float) -> int:
+        """Remove what writers killed mid-write left under ``prefix`` before ``older_than``
+        (temporary files, unfinished multipart uploads); how many."""
+        ...
+
 
 class LocalStore:
     """A store in a local directory: one file per object, written to a temporary file in
@@ -152,6 +157,20 @@ class LocalStore:
         except OSError as e:
             raise _mapped(e, name) from e
         return ObjectInfo(name, st.st_size, st.st_mtime)
+
+    def clean_abandoned(self, prefix: str, older_than: float) -> int:
+        folder = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        removed = 0
+        for dirpath, _, filenames in os.walk(folder):
+            for filename in filenames:
+                if not filename.startswith(".tmp-"):
+                    continue
+                path = os.path.join(dirpath, filename)
+                with contextlib.suppress(FileNotFoundError):
+                    if os.stat(path).st_mtime < older_than:
+                        os.unlink(path)
+                        removed += 1
+        return removed
 
 
 def _fsync_dir(path: Path) -> None:
