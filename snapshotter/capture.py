@@ -516,6 +516,12 @@ class _Walker:
             opaque=e.opaque,
         )
 
+    def root_node(self) -> Node:
+        root = self.dirs[-1]
+        assert root.st is not None
+        entry = _Entry("", root.st, NodeType.DIR, _xattrs(str(self.spec.path)), subdir=root)
+        return self._node(entry)
+
     def new_cache(self, snapshot: str) -> statcache.StatCache:
         fresh = statcache.StatCache(snapshot=snapshot)
         for here in self.dirs:
@@ -598,6 +604,7 @@ def create_snapshot(
                 bytes=w.bytes,
                 exclude=w.spec.exclude,
                 spec=w.spec.spec,
+                root=w.root_node(),
             )
             for w, _ in walkers
         )

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
+from .tree import Node
+
 FORMAT_VERSION = 1
 
 
@@ -49,6 +51,9 @@ class Source:
     exclude: tuple[str, ...] = ()
     # Environment prefixes: "conda-explicit" (conda list --explicit) and "pip-freeze".
     spec: Mapping[str, str] = field(default_factory=dict)
+    # The source directory's own mode, owner, mtime and attributes (its entries are in
+    # its tree): a 0700 home comes back 0700 even where the restore creates it.
+    root: Node | None = None
 
 
 @dataclass(frozen=True)
@@ -71,8 +76,9 @@ class Manifest:
     def encode(self) -> bytes:
         raw: dict[str, Any] = asdict(self)
         raw["v"] = FORMAT_VERSION
-        for source in raw["sources"]:
+        for source, original in zip(raw["sources"], self.sources, strict=True):
             source["tree"] = source["tree"].hex()
+            source["root"] = original.root.to_json() if original.root is not None else None
         return json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -87,6 +93,7 @@ class Manifest:
                     "kind": SourceKind(s["kind"]),
                     "tree": bytes.fromhex(s["tree"]),
                     "exclude": tuple(s["exclude"]),
+                    "root": Node.from_json(s["root"]) if s.get("root") else None,
                 }
             )
             for s in raw.pop("sources")

@@ -338,6 +338,9 @@ def _apply_metadata(plan: _Plan, placed: list[tuple[Source, Path]]) -> None:
         _set_metadata(entry.path, entry.node)
         if entry.node.opaque and any(entry.path.startswith(r) for r in overlay_roots):
             os.setxattr(entry.path, "trusted.overlay.opaque", b"y")
+    for source, target in placed:  # the sources' own directories, last of all
+        if source.root is not None:
+            _set_metadata(str(target), source.root)
 
 
 def _set_metadata(path: str, node: Node) -> None:

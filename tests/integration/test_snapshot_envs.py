@@ -396,11 +396,6 @@ def test_an_env_outside_the_home_is_found_and_comes_back_with_the_home(
     assert by_path[str(venv)].spec == {"pip-freeze": "gpufleet-tiny==0.4.2\n"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="restore.py: a source's root directory is created with the default mode and "
-    "keeps the restore's time; the tree holds only its children's metadata",
-)
 def test_restore_brings_back_the_prefix_directory_own_mode_and_mtime(
     tmp_path: Path, repository: Repository, conda_env: Path
 ) -> None:
