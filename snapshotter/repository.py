@@ -40,6 +40,7 @@ REPOSITORY_VERSION = 1
 # A snapshot run must commit within this long of taking its writer lock; garbage collection
 # waits for younger locks before it deletes, and ignores older ones (a writer killed -9).
 MAX_WRITER_S = 6 * 3600.0
+TREE_CACHE_BYTES = 256 << 20  # packs and opened segments of trees kept by read_blob
 DEFAULT_CHUNKER = {"min": 256 << 10, "avg": 1 << 20, "max": 4 << 20}
 
 
@@ -65,6 +66,8 @@ class Repository:
         self.config = config
         self.prefix = f"projects/{quote(project, safe='')}/"
         self._packs_cache: dict[str, bytes] = {}
+        self._segments: dict[tuple[str, int], bytes] = {}
+        self._cached_bytes = 0
         self._cache_lock = threading.Lock()
 
     # ------------------------------------------------------------- opening
@@ -117,24 +120,40 @@ class Repository:
         self.store.delete(self.name(pack_name(pack_id)))
 
     def read_blob(self, index: Index, blob_id: bytes) -> bytes:
-        """One blob through the index, its content id checked. Packs of trees are small
-        and read whole; they are cached for the life of this object."""
+        """One blob through the index, its content id checked. Meant for trees: their
+        packs are read whole and their opened segments kept (a segment bundles hundreds
+        of trees), up to ``TREE_CACHE_BYTES``."""
         location = index.get(blob_id)
         if location is None:
             raise ObjectMissing(blob_id.hex(), f"blob {blob_id.hex()} is in no pack of the index")
+        key = (location.pack_id, location.segment_offset)
         with self._cache_lock:
-            data = self._packs_cache.get(location.pack_id)
-        if data is None:
-            data = self.read_pack(location.pack_id)
-            if location.blob_type == TREE:  # tree packs are small and read again and again
+            plain = self._segments.get(key)
+        if plain is None:
+            with self._cache_lock:
+                data = self._packs_cache.get(location.pack_id)
+            if data is None:
+                data = self.read_pack(location.pack_id)
+            name = self.name(pack_name(location.pack_id))
+            end = location.segment_offset + location.segment_length
+            plain = open_segment(self.keys, memoryview(data)[location.segment_offset : end], name)
+            if location.blob_type == TREE:
                 with self._cache_lock:
-                    self._packs_cache[location.pack_id] = data
-        name = self.name(pack_name(location.pack_id))
-        end = location.segment_offset + location.segment_length
-        plain = open_segment(self.keys, memoryview(data)[location.segment_offset : end], name)
+                    if self._cached_bytes + len(data) + len(plain) > TREE_CACHE_BYTES:
+                        self._packs_cache.clear()
+                        self._segments.clear()
+                        self._cached_bytes = 0
+                    if location.pack_id not in self._packs_cache:
+                        self._packs_cache[location.pack_id] = data
+                        self._cached_bytes += len(data)
+                    self._segments[key] = plain
+                    self._cached_bytes += len(plain)
         blob = plain[location.offset : location.offset + location.length]
         if self.keys.content_id(blob) != blob_id:
-            raise CorruptObject(name, f"blob {blob_id.hex()} does not match its id")
+            raise CorruptObject(
+                self.name(pack_name(location.pack_id)),
+                f"blob {blob_id.hex()} does not match its id",
+            )
         return blob
 
     # ---------------------------------------------------------------- index

@@ -231,10 +231,11 @@ def _create(plan: _Plan) -> None:
         if os.path.lexists(path):
             _remove(path)
         if kind is NodeType.FILE:
+            if node.chunks and not node.sparse:
+                continue  # created by the writer of its first chunk (one open, not two)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
-                if node.sparse or not node.chunks:
-                    os.ftruncate(fd, node.size)
+                os.ftruncate(fd, node.size)
             finally:
                 os.close(fd)
         elif kind is NodeType.SYMLINK:
@@ -300,7 +301,7 @@ def _fetch_and_write(
                         damaged.update(plan.files_of_blob[blob_id])
                     continue
                 for path, offset in targets:
-                    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
                     try:
                         os.pwrite(fd, blob, offset)
                     finally:
