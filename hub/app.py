@@ -32,6 +32,7 @@ from ..scheduler.model import project_tree
 from ..scheduler.snapshot import Policy
 from ..scheduler.store import db
 from ..scheduler.store.fleet import FleetStore
+from ..snapshotter.errors import SnapshotError
 from . import logs
 from .api.base import Identity
 from .api.handlers import routes
@@ -230,6 +231,30 @@ class FleetController(DatabaseMixin):
         15.0,
         help="The database lease: a second controller takes over this long after the active "
         "one stops renewing (rolling updates, crashes).",
+    ).tag(config=True)
+
+    snapshot_store = Unicode(
+        "",
+        help="Where session snapshots are kept: s3://bucket/prefix (any S3-compatible "
+        "endpoint; credentials from the usual AWS_* variables) or a local directory. "
+        "Empty: <data_dir>/snapshots (docs/snapshots.md).",
+    ).tag(config=True)
+
+    snapshot_key_file = Unicode(
+        "",
+        help="The snapshot master key: 32 random bytes, base64 (`openssl rand -base64 32`). "
+        "It seals every project's key; without it no snapshot can be read. Empty: "
+        "<data_dir>/snapshot-master.key, created on first start.",
+    ).tag(config=True)
+
+    snapshot_s3_endpoint = Unicode(
+        "", help="The S3 endpoint URL for an s3:// snapshot store that is not AWS itself."
+    ).tag(config=True)
+
+    snapshot_index_interval = Float(
+        3600.0,
+        help="Seconds between rebuilds of the database's snapshot index from the store "
+        "(the store is the truth; the index lets pages and the API list snapshots fast).",
     ).tag(config=True)
 
     auto_create_schema = Bool(
@@ -446,6 +471,33 @@ class FleetController(DatabaseMixin):
                     self.log.exception("could not sync project membership from hub groups")
             await asyncio.sleep(self.membership_sync_interval)
 
+    async def _snapshot_index_loop(self) -> None:
+        from . import snapshots
+
+        default_key = os.path.join(self.data_dir, "snapshot-master.key")
+        try:
+            store = snapshots.snapshot_store(
+                self.snapshot_store or os.path.join(self.data_dir, "snapshots"),
+                self.snapshot_s3_endpoint,
+            )
+            key = snapshots.master_key(
+                self.snapshot_key_file or default_key, create=not self.snapshot_key_file
+            )
+        except SnapshotError as e:
+            self.log.error("snapshots are unavailable: %s", e)
+            return
+        while True:
+            if self.is_leader:
+                try:
+                    records = await asyncio.to_thread(
+                        snapshots.scan, store, key, self.store.project_names()
+                    )
+                    changes = self.store.rebuild_snapshot_index(self.now(), store.uri, records)
+                    self.log.info("snapshot index: %s", changes)
+                except (SnapshotError, SQLAlchemyError, SchedulerError):
+                    self.log.exception("could not rebuild the snapshot index; retrying later")
+            await asyncio.sleep(self.snapshot_index_interval)
+
     async def _reconcile_loop(self) -> None:
         if not self.hub_api_url:
             self.log.warning("no hub API ($JUPYTERHUB_API_URL): the reconciler is off")
@@ -505,6 +557,7 @@ class FleetController(DatabaseMixin):
             self._watch_nodes,
             self._sync_memberships,
             self._reconcile_loop,
+            self._snapshot_index_loop,
         ):
             self._tasks.append(asyncio.create_task(loop()))
         await asyncio.Event().wait()

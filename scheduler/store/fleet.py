@@ -36,12 +36,13 @@ from .models import (
     WorkloadState,
 )
 from .reconcile import ReconcileStore
+from .snapshots import SnapshotStore
 
 ACTIVE_STATES = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
 OPEN_STATES = (WorkloadState.pending, *ACTIVE_STATES)
 
 
-class FleetStore(SchedulingStore, ReconcileStore, InventoryStore):
+class FleetStore(SchedulingStore, ReconcileStore, InventoryStore, SnapshotStore):
     # ------------------------------------------------------------- bootstrap
     def apply_config(
         self,
