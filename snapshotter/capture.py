@@ -45,7 +45,7 @@ from . import statcache
 from .errors import CaptureError
 from .index import Index
 from .manifest import Manifest, Source, SourceKind, Stats, new_snapshot_id
-from .pack import BUNDLE_BYTES, DATA, TREE, FinishedPack, PackAssembler, seal_segment
+from .pack import BUNDLE_BYTES, DATA, TREE, FinishedPack, PackAssembler, Segment, seal_segment
 from .repository import Repository
 from .tree import Node, NodeType, encode_tree
 
@@ -142,7 +142,8 @@ class _Run:
         self.upload_futures: list[Future[int]] = []
         self.lock = threading.Lock()
         self.seen: set[bytes] = set()
-        self.new_packs: list[FinishedPack] = []
+        # What the index file will list; a pack's bytes are dropped once uploaded.
+        self.new_packs: list[tuple[str, tuple[Segment, ...]]] = []
         self.new_bytes = 0
         self.uploaded = 0
         self.local = threading.local()
@@ -195,7 +196,7 @@ class _Run:
             finally:
                 self.in_flight.release()
             with self.lock:
-                self.new_packs.append(pack)
+                self.new_packs.append((pack.pack_id, pack.segments))
                 self.uploaded += sent
             return sent
 
@@ -592,7 +593,7 @@ def create_snapshot(
             run.close()
         uploaded = run.uploaded
         if run.new_packs:
-            _, size = repository.write_index((p.pack_id, p.segments) for p in run.new_packs)
+            _, size = repository.write_index(run.new_packs)
             uploaded += size
         manifest_sources = tuple(
             Source(
