@@ -95,10 +95,11 @@ class _Entry:
     name: str
     st: os.stat_result
     node_type: NodeType
-    xattrs: dict[str, bytes]
+    # Where it is on disk; its extended attributes are read from there only when its
+    # directory's tree is built (an unchanged directory needs none of them).
+    where: str
     target: str = ""
     link: str = ""
-    path: str = ""  # a regular file's absolute path, while it waits to be read
     # A regular file's chunk ids and, when sparse, its data ranges: from the stat cache,
     # or once it has been read.
     content: tuple[tuple[bytes, ...], tuple[tuple[int, int], ...]] | None = None
@@ -243,7 +244,7 @@ class _Run:
         for entry in entries:
             st = entry.st
             sparse = st.st_size > 0 and st.st_blocks * 512 < st.st_size
-            entry.content = self.read_file(entry.path, st.st_size, sparse)
+            entry.content = self.read_file(entry.where, st.st_size, sparse)
             done += st.st_size
         with self.lock:
             self.progress.files_done += len(entries)
@@ -365,7 +366,7 @@ class _Walker:
         node_type = _TYPES.get(stat.S_IFMT(st.st_mode))
         if node_type is None:
             raise CaptureError(f"{path}: unknown file type {stat.S_IFMT(st.st_mode):o}")
-        entry = _Entry(name, st, node_type, _xattrs(path))
+        entry = _Entry(name, st, node_type, path)
         if node_type is NodeType.SYMLINK:
             entry.target = os.readlink(path)
         elif node_type is NodeType.FILE:
@@ -386,7 +387,6 @@ class _Walker:
                 entry.content = (cached[1], cached[2])
                 self.reused += 1
             else:
-                entry.path = path
                 self.to_read.append(entry)
         return entry
 
@@ -439,7 +439,7 @@ class _Walker:
                 continue  # under an excluded or deleted directory
             if change.kind is ChangeKind.DELETED:
                 st = os.lstat(upper)  # a placeholder; DELETED nodes keep no metadata
-                parent.entries.append(_Entry(name, st, NodeType.DELETED, {}))
+                parent.entries.append(_Entry(name, st, NodeType.DELETED, ""))
                 continue
             path = os.path.join(merged or upper, change.path)
             try:
@@ -507,7 +507,7 @@ class _Walker:
             group=_group(st.st_gid),
             mtime_ns=st.st_mtime_ns,
             size=st.st_size if e.node_type is NodeType.FILE else 0,
-            xattrs=e.xattrs,
+            xattrs=_xattrs(e.where),
             chunks=chunks,
             sparse=sparse,
             target=e.target,
@@ -520,7 +520,7 @@ class _Walker:
     def root_node(self) -> Node:
         root = self.dirs[-1]
         assert root.st is not None
-        entry = _Entry("", root.st, NodeType.DIR, _xattrs(str(self.spec.path)), subdir=root)
+        entry = _Entry("", root.st, NodeType.DIR, str(self.spec.path), subdir=root)
         return self._node(entry)
 
     def new_cache(self, snapshot: str) -> statcache.StatCache:
@@ -651,26 +651,31 @@ def prime_cache(
 ) -> None:
     """The stat cache of a freshly restored ``target``, as if it had just been snapshotted:
     the restored files' new inodes and ctimes with the chunks they were restored from, and
-    every directory's signature with its tree id, so the next snapshot reads nothing."""
-    cache = statcache.StatCache()
-    for rel, node in nodes.items():
-        if node.type is NodeType.FILE:
-            st = os.lstat(os.path.join(target, rel))
-            cache.files[rel] = (
-                statcache.file_signature(st),
-                tuple(node.chunks),
-                tuple(node.sparse),
-            )
-    trees = {rel: node.subtree for rel, node in nodes.items() if node.type is NodeType.DIR}
-    trees[""] = source.tree
+    every directory's signature with its tree id, so the next snapshot reads nothing.
+
+    Directory trees need one ``lstat`` per restored path: what else a walk would find is
+    known from the manifest. Overlay sources are walked, as a snapshot of them would be."""
     run = _Run(repository, index, 1, 1, None)
     try:
+        # An overlay walk finds its files in this cache, as unchanged.
+        cache = statcache.StatCache()
+        if source.kind is SourceKind.OVERLAY:
+            for rel, node in nodes.items():
+                if node.type is NodeType.FILE:
+                    st = os.lstat(os.path.join(target, rel))
+                    cache.files[rel] = (
+                        statcache.file_signature(st),
+                        tuple(node.chunks),
+                        tuple(node.sparse),
+                    )
         spec = SourceSpec(source.name, target, source.kind, source.exclude)
         walker = _Walker(run, spec, cache, use_dirs=False)
+        trees = {rel: node.subtree for rel, node in nodes.items() if node.type is NodeType.DIR}
+        trees[""] = source.tree
         if source.kind is SourceKind.OVERLAY:
             walker.walk_overlay(target, None)
         else:
-            walker.walk_tree(target)
+            walker.dirs = _restored_dirs(target, nodes)
         for here in walker.dirs:
             here.signature = walker.signature(here)
             here.tree = trees.get(here.rel, b"")
@@ -680,6 +685,34 @@ def prime_cache(
         statcache.save(path, walker.new_cache(snapshot))
     finally:
         run.close()
+
+
+def _restored_dirs(target: Path, nodes: dict[str, Node]) -> list[_Dir]:
+    """The directories a walk of a restored tree would find, children before parents, each
+    with its entries in name order and their fresh ``lstat``."""
+    dirs = {"": _Dir("", os.lstat(target))}
+    for rel in sorted(
+        (r for r, n in nodes.items() if n.type is NodeType.DIR), key=lambda r: r.count("/")
+    ):
+        dirs[rel] = _Dir(rel, None)
+    for rel, node in sorted(nodes.items()):
+        if node.type is NodeType.SOCKET:
+            continue  # not restored: a walk will not find it
+        parent, _, name = rel.rpartition("/")
+        path = os.path.join(target, rel)
+        st = os.lstat(path)
+        entry = _Entry(
+            name, st, node.type, path, target=node.target, link=node.link, opaque=node.opaque
+        )
+        if node.type is NodeType.DIR:
+            dirs[rel].st = st
+            entry.subdir = dirs[rel]
+        elif node.type is NodeType.FILE:
+            entry.content = (tuple(node.chunks), tuple(node.sparse))
+        dirs[parent].entries.append(entry)
+    for here in dirs.values():
+        here.entries.sort(key=lambda e: e.name)
+    return sorted(dirs.values(), key=lambda d: -d.rel.count("/") if d.rel else 1)
 
 
 def _with_upload(manifest: Manifest, uploaded: int) -> Manifest:

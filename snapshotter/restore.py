@@ -29,7 +29,7 @@ import stat
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -269,17 +269,29 @@ def _fetch_and_write(
     lock = threading.Lock()
     keys = repository.keys
 
-    def one_pack(pack_id: str) -> None:
+    def fetch(pack_id: str) -> tuple[str, bytes | None]:
+        slots.acquire()  # released once the pack is written: bounds the packs in memory
+        try:
+            return pack_id, repository.read_pack(pack_id)
+        except (ObjectMissing, StoreError):
+            return pack_id, None
+
+    def write(pack_id: str, data: bytes | None) -> None:
+        try:
+            write_pack(pack_id, data)
+        finally:
+            slots.release()
+
+    def write_pack(pack_id: str, fetched: bytes | None) -> None:
         segments = plan.writes[pack_id]
         name = repository.name(pack_name(pack_id))
-        try:
-            data = memoryview(repository.read_pack(pack_id))
-        except (ObjectMissing, StoreError):
+        if fetched is None:
             with lock:
                 for blobs in segments.values():
                     for blob_id in blobs:
                         damaged.update(plan.files_of_blob[blob_id])
             return
+        data = memoryview(fetched)
         written = 0
         for segment_offset, blobs in segments.items():
             first = plan.locations[next(iter(blobs))]
@@ -312,8 +324,17 @@ def _fetch_and_write(
             if on_progress is not None:
                 on_progress(progress)
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="restore") as pool:
-        for future in [pool.submit(one_pack, p) for p in plan.writes]:
+    # Fetching waits on the store, so many at once; writing is CPU and small system calls
+    # under the GIL, where more threads than cores only contend.
+    slots = threading.BoundedSemaphore(workers)
+    writers = max(1, min(workers, os.cpu_count() or 1))
+    with (
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as fetching,
+        ThreadPoolExecutor(max_workers=writers, thread_name_prefix="write") as writing,
+    ):
+        fetched = [fetching.submit(fetch, p) for p in plan.writes]
+        written = [writing.submit(write, *f.result()) for f in as_completed(fetched)]
+        for future in written:
             future.result()
     return damaged
 
@@ -346,7 +367,8 @@ def _apply_metadata(plan: _Plan, placed: list[tuple[Source, Path]]) -> None:
 
 def _set_metadata(path: str, node: Node) -> None:
     symlink = node.type is NodeType.SYMLINK
-    # Not root: files stay the restoring user's, as with a non-root tar -x.
+    # Not root: files stay the restoring user's, as with a non-root tar -x. (Always set:
+    # a setgid directory above the target gives new files its group, not ours.)
     with contextlib.suppress(PermissionError):
         os.chown(path, node.uid, node.gid, follow_symlinks=False)
     if not symlink:
