@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
+from operator import attrgetter
 from pathlib import Path
 
 import blake3
@@ -90,7 +91,10 @@ def compile_excludes(patterns: Iterable[str]) -> Callable[[str], bool]:
     return lambda path: regex.match(path) is not None
 
 
-@dataclass
+_by_name = attrgetter("name")
+
+
+@dataclass(slots=True)
 class _Entry:
     name: str
     st: os.stat_result
@@ -107,7 +111,7 @@ class _Entry:
     opaque: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _Dir:
     rel: str  # "" for the source's root
     st: os.stat_result | None
@@ -361,6 +365,7 @@ class _Walker:
         self.reused = 0
         self.dirs: list[_Dir] = []  # post-order: children before their parent
         self.to_read: list[_Entry] = []
+        self.rebuilt_dirs = 0  # directories whose tree the cache could not vouch for
 
     def entry(self, rel: str, path: str, name: str, st: os.stat_result) -> _Entry:
         node_type = _TYPES.get(stat.S_IFMT(st.st_mode))
@@ -378,11 +383,10 @@ class _Walker:
             self.files += 1
             self.bytes += st.st_size
             cached = self.cache.files.get(rel)
-            index = self.run.index
             if (
                 cached is not None
-                and cached[0] == statcache.file_signature(st)
-                and all(c in index for c in cached[1])
+                and cached[0] == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                and self.run.index.has_all(cached[1])
             ):
                 entry.content = (cached[1], cached[2])
                 self.reused += 1
@@ -403,7 +407,7 @@ class _Walker:
         here = _Dir(rel, st)
         try:
             with os.scandir(path) as listing:
-                children = sorted(listing, key=lambda e: e.name)
+                children = sorted(listing, key=_by_name)
         except OSError as e:
             raise CaptureError(f"cannot list {path}: {e}") from e
         for child in children:
@@ -466,6 +470,7 @@ class _Walker:
             if cached is not None and cached[0] == here.signature and cached[1] in self.run.index:
                 here.tree = cached[1]
                 continue
+            self.rebuilt_dirs += 1
             nodes = [self._node(e) for e in here.entries]
             here.tree = self.run.store_blob(TREE, encode_tree(nodes))
 
@@ -524,6 +529,9 @@ class _Walker:
         return self._node(entry)
 
     def new_cache(self, snapshot: str) -> statcache.StatCache:
+        if self.use_dirs and not self.to_read and not self.rebuilt_dirs:
+            # Nothing changed: the same cache, vouched for by the new manifest.
+            return statcache.StatCache(self.cache.files, self.cache.dirs, snapshot)
         fresh = statcache.StatCache(snapshot=snapshot)
         for here in self.dirs:
             fresh.dirs[here.rel] = (here.signature, here.tree)

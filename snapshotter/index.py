@@ -12,7 +12,7 @@ one without the deleted packs, then deletes the ones it replaced.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from .pack import BlobEntry, FinishedPack, Segment, decode_table, encode_table
@@ -63,12 +63,13 @@ class Index:
     def add_pack(self, pack_id: str, segments: Iterable[Segment]) -> None:
         listed = self.packs.setdefault(pack_id, [])
         blobs = self.blobs
-        for segment in segments:
+        for segment in segments:  # 50,000 blobs for a 1.7 GB environment: kept tight
             listed.append(segment)
-            for entry in segment.blobs:
-                known = blobs.get(entry.blob_id)
+            at, size = segment.offset, segment.length
+            for blob_id, blob_type, offset, length in segment.blobs:
+                known = blobs.get(blob_id)
                 if known is None or pack_id < known.pack_id:
-                    blobs[entry.blob_id] = _location(pack_id, segment, entry)
+                    blobs[blob_id] = Location(pack_id, at, size, offset, length, blob_type)
 
     def add_finished(self, pack: FinishedPack) -> None:
         self.add_pack(pack.pack_id, pack.segments)
@@ -86,6 +87,12 @@ class Index:
             for segment in self.packs[pack_id]:
                 for entry in segment.blobs:
                     self.blobs.setdefault(entry.blob_id, _location(pack_id, segment, entry))
+
+    def has_all(self, blob_ids: Sequence[bytes]) -> bool:
+        blobs = self.blobs
+        if len(blob_ids) == 1:  # most files: asked 50,000 times by an unchanged snapshot
+            return blob_ids[0] in blobs
+        return all(blob_id in blobs for blob_id in blob_ids)
 
     def get(self, blob_id: bytes) -> Location | None:
         return self.blobs.get(blob_id)

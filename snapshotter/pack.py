@@ -118,9 +118,10 @@ def decode_table(data: bytes | memoryview, name: str, at: int = 0) -> tuple[list
         for _ in range(count):
             offset, length, n = _SEGMENT.unpack_from(view, at)
             at += _SEGMENT.size
-            blobs = tuple(
-                BlobEntry(*_BLOB.unpack_from(view, at + i * _BLOB.size)) for i in range(n)
-            )
+            end = at + n * _BLOB.size
+            if end > len(view):
+                raise struct.error("truncated")
+            blobs = tuple(map(BlobEntry._make, _BLOB.iter_unpack(view[at:end])))
             at += n * _BLOB.size
             segments.append(Segment(offset, length, blobs))
     except struct.error:
