@@ -5,7 +5,8 @@ The hub, the controller and the agent all evaluate that file; only the hub acts 
 ``c.JupyterHub`` part. Ports and folders come from the environment so that several
 deployments (and the test suite) can run side by side on one machine:
 
-- ``GPUFLEET_DATA_DIR``: databases, cookie secret, the spawner's token, user homes;
+- ``GPUFLEET_DATA_DIR``: databases, cookie secret, the spawner's token, user homes, session
+  sandboxes (``sessions/``);
   default ``.gpufleet`` beside the config file;
 - ``GPUFLEET_BASE_PORT``: the public URL listens on it, the proxy's API on +1, the hub's
   API on +2, the controller on +3, the node agent's Prometheus exporter on +4; default 8000;
@@ -122,6 +123,7 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
     c.LocalGPUSpawner.controller_token = _secret_file(d.data_dir / "spawner-token")
     c.LocalGPUSpawner.home_dir_template = str(d.data_dir / "homes" / "{username}")
     c.LocalGPUSpawner.fake_nvml_dir = str(d.data_dir / "agent" / "fake-nvml")
+    c.LocalGPUSpawner.sandbox_dir = str(d.data_dir / "sessions")
     c.Spawner.default_url = "/lab"
     c.Spawner.http_timeout = 120
     c.Spawner.server_token_scopes = [

@@ -11,6 +11,11 @@ The handshake (the backend contract in docs/backend-contract.md):
 4. Cancelling a spawn withdraws the request. ``stop`` stops the server, then ends every
    process that carries the marker (kernels live in sessions of their own) and only then
    releases the GPUs. If some process survives SIGKILL the GPUs stay allocated.
+
+Where the machine allows, the server runs in the session sandbox of
+:mod:`gpufleet.snapshotter.sandbox` (``sandbox``): its ``/`` is an overlay whose upper
+directory (``<sandbox_dir>/<user>/<server>/upper``, see :mod:`.sandboxing`) collects what the
+session changes outside its home, and keeps it across restarts of the same server.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pwd
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
-from jupyterhub.spawner import SimpleLocalProcessSpawner, set_user_setuid
+from jupyterhub.spawner import set_user_setuid
 from tornado import web
 from traitlets import Enum, Float, Unicode, default
 
@@ -36,6 +42,7 @@ from .client import (
     WorkloadStatus,
 )
 from .form import options_from_form, render_form
+from .sandboxing import SandboxedProcessSpawner
 
 LONG_POLL_SECONDS = 20
 
@@ -68,7 +75,7 @@ def _quiet_rejections(log: logging.Logger) -> None:
         log.addFilter(_RejectionsAreNotCrashes())
 
 
-class LocalGPUSpawner(SimpleLocalProcessSpawner):
+class LocalGPUSpawner(SandboxedProcessSpawner):
     controller_api_url = Unicode(
         help="The controller's API, e.g. http://127.0.0.1:8001/services/gpufleet/api/v1 "
         "(set by gpufleet.hub.setup.configure from the service's URL).",
@@ -190,6 +197,17 @@ class LocalGPUSpawner(SimpleLocalProcessSpawner):
         except KeyError:
             return False
         return True
+
+    def sandbox_user(self) -> tuple[int, int] | None:
+        if not self._system_user():
+            return None
+        entry = pwd.getpwnam(self.user.name)
+        return entry.pw_uid, entry.pw_gid
+
+    def sandbox_needs(self) -> list[str]:
+        # Bound even on the root file system: the agent replaces the control file by a
+        # rename, which an overlay's lower layer does not show to a session that has read it.
+        return [self.fake_nvml_dir] if self.fake_nvml_dir else []
 
     def make_preexec_fn(self, name: str) -> Any:
         if self._system_user():

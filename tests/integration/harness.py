@@ -312,6 +312,24 @@ def server_environ(pid: int) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
+def host_pid(session_pid: int, marker: str) -> int:
+    """The host pid of a session's process that calls itself ``session_pid``: a sandboxed
+    session has a pid namespace of its own (the last NSpid entry is its pid there)."""
+    found = []
+    for pid in pids_with_env("GPUFLEET_SESSION_MARKER", marker):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        nspid = next(
+            (line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), []
+        )
+        if nspid[-1:] == [str(session_pid)]:
+            found.append(pid)
+    assert len(found) == 1, f"expected one process {session_pid} of the session, found {found}"
+    return found[0]
+
+
 def run_in_kernel(hub: Hub, username: str, server: str, code: str, token: str) -> str:
     """Execute ``code`` in a new kernel of the user's server; returns what it printed."""
     import asyncio

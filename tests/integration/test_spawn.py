@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import Hub, run_in_kernel, server_environ, wait_for
+from .harness import Hub, host_pid, pids_with_env, run_in_kernel, server_environ, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -129,25 +129,31 @@ def test_stopping_releases_gpus_only_after_every_process_is_gone(fleet: Hub) -> 
     workload = fleet.workload_of("carol")
     assert workload is not None
     token = fleet.user_token("carol")
-    # A kernel runs in a session of its own; it must be gone before the GPU is released.
-    kernel_pid = int(run_in_kernel(fleet, "carol", "", "import os; print(os.getpid())", token))
-    leftover = int(
-        run_in_kernel(
-            fleet,
-            "carol",
-            "",
-            "import subprocess; p = subprocess.Popen(['sleep', '600'], start_new_session=True);"
-            " print(p.pid)",
-            token,
-        )
+    marker = run_in_kernel(
+        fleet, "carol", "", "import os; print(os.environ['GPUFLEET_SESSION_MARKER'])", token
+    ).strip()
+    # A process in a session of its own (as kernels are): it must be gone before the GPU is
+    # released. Its pid is the session's; a sandboxed session has a pid namespace of its own.
+    leftover = host_pid(
+        int(
+            run_in_kernel(
+                fleet,
+                "carol",
+                "",
+                "import subprocess; p = subprocess.Popen(['sleep', '600'], start_new_session=True);"
+                " print(p.pid)",
+                token,
+            )
+        ),
+        marker,
     )
     assert server_environ(leftover)["GPUFLEET_WORKLOAD_ID"] == str(workload["id"])
-    assert server_environ(leftover)["GPUFLEET_SESSION_MARKER"]
+    assert server_environ(leftover)["GPUFLEET_SESSION_MARKER"] == marker
 
     fleet.stop_server("carol")
     ended = fleet.wait_ended(workload, 60)
     assert ended["outcome"] == "stopped"
-    for pid in (kernel_pid, leftover):
+    for pid in pids_with_env("GPUFLEET_SESSION_MARKER", marker):
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except FileNotFoundError:
