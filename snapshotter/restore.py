@@ -143,9 +143,12 @@ def restore_snapshot(
     _create(plan)
     progress.phase = "data"
     damaged = _fetch_and_write(repository, plan, workers, progress, on_progress)
-    _link(plan, placed)
+    for path in damaged:  # absent rather than half written: the error names them
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    _link(plan, damaged)
     progress.phase = "metadata"
-    _apply_metadata(plan, placed)
+    _apply_metadata(plan, placed, damaged)
     if damaged:
         raise DamagedSnapshot(manifest.id, "some data failed its integrity check", sorted(damaged))
     if cache_dir is not None:
@@ -339,22 +342,30 @@ def _fetch_and_write(
     return damaged
 
 
-def _link(plan: _Plan, placed: list[tuple[Source, Path]]) -> None:
+def _link(plan: _Plan, damaged: set[str]) -> None:
+    """Hard links to their first path; a link to a damaged file is damaged too."""
     for entry in plan.entries:
         if entry.node.type is not NodeType.HARDLINK:
             continue
         root = entry.path[: len(entry.path) - len(entry.rel)]
-        os.link(os.path.join(root, entry.node.link), entry.path)
+        first = os.path.join(root, entry.node.link)
+        if first in damaged:
+            damaged.add(entry.path)
+            continue
+        os.link(first, entry.path)
 
 
-def _apply_metadata(plan: _Plan, placed: list[tuple[Source, Path]]) -> None:
+_NO_METADATA = (NodeType.HARDLINK, NodeType.DELETED, NodeType.SOCKET)
+
+
+def _apply_metadata(plan: _Plan, placed: list[tuple[Source, Path]], damaged: set[str]) -> None:
     overlay_roots = {str(t) for s, t in placed if s.kind is SourceKind.OVERLAY}
     dirs = []
     for entry in plan.entries:
         node = entry.node
         if node.type is NodeType.DIR:
             dirs.append(entry)
-        elif node.type not in (NodeType.HARDLINK, NodeType.DELETED, NodeType.SOCKET):
+        elif node.type not in _NO_METADATA and entry.path not in damaged:
             _set_metadata(entry.path, node)
     for entry in reversed(dirs):
         _set_metadata(entry.path, entry.node)

@@ -273,6 +273,10 @@ def test_damaged_data_names_the_files_it_affects(
         restore_snapshot(_repo(local_store), manifest, targets={"home": out})
     assert {os.path.relpath(p, out) for p in raised.value.paths} == affected
     assert "shared/data.bin" in str(raised.value)
+    for rel in affected:  # absent, not half written; everything else is there
+        assert not (out / rel).exists()
+    if how == "corrupt" and "other.txt" not in affected:
+        assert (out / "other.txt").read_bytes() == b"fine"
     if how == "missing":
         assert not out.exists() or not any(out.iterdir())  # nothing written before the check
     report = check(_repo(local_store), read_data=True)
