@@ -47,7 +47,7 @@ from .errors import CaptureError
 from .index import Index
 from .manifest import Manifest, Source, SourceKind, Stats, new_snapshot_id
 from .pack import BUNDLE_BYTES, DATA, TREE, FinishedPack, PackAssembler, Segment, seal_segment
-from .repository import Repository
+from .repository import Repository, SnapshotRef
 from .tree import Node, NodeType, encode_tree
 
 # Overlay's own bookkeeping, never part of a file's attributes.
@@ -365,6 +365,7 @@ class _Walker:
         self.reused = 0
         self.dirs: list[_Dir] = []  # post-order: children before their parent
         self.to_read: list[_Entry] = []
+        self.unverified: list[_Entry] = []  # unchanged by the cache, chunks not yet checked
         self.rebuilt_dirs = 0  # directories whose tree the cache could not vouch for
 
     def entry(self, rel: str, path: str, name: str, st: os.stat_result) -> _Entry:
@@ -383,13 +384,14 @@ class _Walker:
             self.files += 1
             self.bytes += st.st_size
             cached = self.cache.files.get(rel)
-            if (
-                cached is not None
-                and cached[0] == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-                and self.run.index.has_all(cached[1])
+            if cached is not None and cached[0] == (
+                st.st_ino,
+                st.st_size,
+                st.st_mtime_ns,
+                st.st_ctime_ns,
             ):
-                entry.content = (cached[1], cached[2])
-                self.reused += 1
+                entry.content = (cached[1], cached[2])  # once the index has its chunks
+                self.unverified.append(entry)
             else:
                 self.to_read.append(entry)
         return entry
@@ -460,6 +462,19 @@ class _Walker:
         self.dirs.extend(reversed(order))
         self.dirs.append(dirs[""])
         return dirs[""]
+
+    def verify_cached(self) -> None:
+        """Files the stat cache vouched for keep their chunks if the index still has them
+        all (garbage collection may have removed them); the others are read again."""
+        has_all = self.run.index.has_all
+        for entry in self.unverified:
+            assert entry.content is not None
+            if has_all(entry.content[0]):
+                self.reused += 1
+            else:
+                entry.content = None
+                self.to_read.append(entry)
+        self.unverified = []
 
     # ---------------------------------------------------------------- trees
     def build_trees(self) -> None:
@@ -563,16 +578,21 @@ def create_snapshot(
     lock = repository.acquire_writer_lock(snapshot_id)
     try:
         # Lock, tombstones, packs, index — in this order (see gc.py): what is left is
-        # stored now, and stays stored until this run has committed or given up.
-        tombstoned = repository.tombstoned_packs()
-        stored = {info.name for info in repository.list_packs()}
-        index = repository.load_index()
-        index.drop_packs(tombstoned | (set(index.packs) - stored))
-        parent = repository.latest(user, server)
+        # stored now, and stays stored until this run has committed or given up. Those
+        # requests go on while the sources are walked; the walk needs none of them.
+        def prepare() -> tuple[Index, SnapshotRef | None]:
+            tombstoned = repository.tombstoned_packs()
+            stored = {info.name for info in repository.list_packs()}
+            index = repository.load_index()
+            index.drop_packs(tombstoned | (set(index.packs) - stored))
+            return index, repository.latest(user, server)
+
         run = _Run(
-            repository, index, workers or os.cpu_count() or 2, compression_level, on_progress
+            repository, Index(), workers or os.cpu_count() or 2, compression_level, on_progress
         )
+        preparing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snap-prepare")
         try:
+            prepared = preparing.submit(prepare)
             walkers = []
             for spec in sources:
                 cache_file = (
@@ -583,21 +603,26 @@ def create_snapshot(
                     else None
                 )
                 cache = statcache.load(cache_file) if cache_file else statcache.StatCache()
-                use_dirs = bool(cache.snapshot) and repository.has_manifest(cache.snapshot)
-                walker = _Walker(run, spec, cache, use_dirs)
+                alive = preparing.submit(repository.has_manifest, cache.snapshot or "-")
+                walker = _Walker(run, spec, cache, use_dirs=False)
                 if spec.kind is SourceKind.OVERLAY:
                     walker.walk_overlay(spec.path, spec.merged)
                 else:
                     walker.walk_tree(spec.path)
-                walkers.append((walker, cache_file))
+                walkers.append((walker, cache_file, alive))
+            run.index, parent = prepared.result()
+            for walker, _, alive in walkers:
+                walker.use_dirs = bool(walker.cache.snapshot) and alive.result()
+                walker.verify_cached()
             run.progress.phase = "read"
-            run.read_all([e for w, _ in walkers for e in w.to_read])
+            run.read_all([e for w, _, _ in walkers for e in w.to_read])
             run.progress.phase = "trees"
-            for walker, _ in walkers:
+            for walker, _, _ in walkers:
                 walker.build_trees()
             run.progress.phase = "upload"
             run.flush()
         finally:
+            preparing.shutdown(wait=True, cancel_futures=True)
             run.close()
         uploaded = run.uploaded
         if run.new_packs:
@@ -615,13 +640,13 @@ def create_snapshot(
                 spec=w.spec.spec,
                 root=w.root_node(),
             )
-            for w, _ in walkers
+            for w, _, _ in walkers
         )
         stats = Stats(
-            files=sum(w.files for w, _ in walkers),
-            dirs=sum(len(w.dirs) for w, _ in walkers),
-            bytes=sum(w.bytes for w, _ in walkers),
-            reused_files=sum(w.reused for w, _ in walkers),
+            files=sum(w.files for w, _, _ in walkers),
+            dirs=sum(len(w.dirs) for w, _, _ in walkers),
+            bytes=sum(w.bytes for w, _, _ in walkers),
+            reused_files=sum(w.reused for w, _, _ in walkers),
             new_bytes=run.new_bytes,
             uploaded_bytes=uploaded,
             duration_s=round(time.monotonic() - started, 3),
@@ -640,7 +665,7 @@ def create_snapshot(
         )
         repository.check_writer_lock(lock)
         manifest = _with_upload(manifest, repository.write_manifest(manifest) + uploaded)
-        for walker, cache_file in walkers:
+        for walker, cache_file, _ in walkers:
             if cache_file is not None:
                 statcache.save(cache_file, walker.new_cache(manifest.name))
         return manifest
