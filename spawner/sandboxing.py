@@ -242,19 +242,25 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def outside_root(paths: Iterable[Path]) -> list[Path]:
-    """Those of ``paths`` that exist on another file system than ``/``, each once, outermost
-    first (a path under another one listed is left out): the overlay root shows only the
-    host's root file system, so these must be bound into the sandbox."""
+# The sandbox gives these their own content: a host path under them is hidden unless bound.
+_REPLACED_IN_SANDBOX = (Path("/tmp"), Path("/dev"), Path("/proc"))
+
+
+def hidden_in_sandbox(paths: Iterable[Path]) -> list[Path]:
+    """Those of ``paths`` the sandbox would not show as they are, each once, outermost first
+    (a path under another one listed is left out): what lives on another file system than
+    ``/`` (the overlay root shows only the host's root file system), and what lives under a
+    directory the sandbox replaces (its private ``/tmp``: a checkout or virtualenv there,
+    as in CI)."""
     root_dev = os.stat("/").st_dev
     found: list[Path] = []
     for path in sorted({Path(os.path.realpath(p)) for p in paths}, key=lambda p: len(p.parts)):
         try:
-            if os.stat(path).st_dev == root_dev:
-                continue
+            elsewhere = os.stat(path).st_dev != root_dev
         except OSError:
             continue
-        if not any(path.is_relative_to(outer) for outer in found):
+        replaced = any(path.is_relative_to(r) for r in _REPLACED_IN_SANDBOX)
+        if (elsewhere or replaced) and not any(path.is_relative_to(o) for o in found):
             found.append(path)
     return found
 
@@ -264,7 +270,7 @@ def session_binds(
 ) -> list[Path]:
     """Host paths a server needs that the overlay root would not show as they are, each once:
     ``extra`` (those that exist), a notebook directory outside the home (``~`` is the home),
-    and whatever the server runs from that is on another file system than ``/``."""
+    and whatever the server runs from that the sandbox would hide (``hidden_in_sandbox``)."""
     binds = [Path(p) for p in extra if os.path.exists(p)]
     if notebook_dir:
         if notebook_dir.startswith("~"):
@@ -272,7 +278,7 @@ def session_binds(
         notebook = Path(notebook_dir)
         if notebook.is_absolute() and not notebook.is_relative_to(home) and notebook.is_dir():
             binds.append(notebook)
-    binds += outside_root(runtime_paths(command, search_path))
+    binds += hidden_in_sandbox(runtime_paths(command, search_path))
     return list(dict.fromkeys(binds))
 
 
