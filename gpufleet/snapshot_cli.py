@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,7 +139,7 @@ def snapshot_command(args: argparse.Namespace, console: Console, err: Console) -
     except errors.StoreError as e:
         err.print(f"[red]snapshot store:[/] {e}")
         return EXIT_STORE
-    except (errors.RepositoryError, errors.KeyUnavailable) as e:
+    except errors.RepositoryError as e:
         err.print(f"[red]{e}[/]")
         return EXIT_DAMAGED if isinstance(e, (errors.DamagedSnapshot, errors.CorruptObject)) else 2
     except (errors.CaptureError, errors.RestoreRefused, ValueError) as e:
@@ -167,7 +167,9 @@ def _open(args: argparse.Namespace) -> Repository:
 
 
 @contextmanager
-def _bar(console: Console, what: str) -> Iterator[Any]:
+def _bar(console: Console, what: str) -> Iterator[Callable[[Any], None]]:
+    """A progress bar; what it yields takes a capture's or a restore's progress (phase,
+    bytes done, bytes in all)."""
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -186,7 +188,14 @@ def _bar(console: Console, what: str) -> Iterator[Any]:
         console=console,
         transient=True,
     ) as progress:
-        yield progress, progress.add_task(what, total=None)
+        task = progress.add_task(what, total=None)
+
+        def show(p: Any) -> None:
+            progress.update(
+                task, description=p.phase, completed=p.bytes_done, total=p.bytes_total or None
+            )
+
+        yield show
 
 
 def _create(repository: Repository, args: argparse.Namespace, console: Console) -> int:
@@ -221,13 +230,7 @@ def _create(repository: Repository, args: argparse.Namespace, console: Console) 
         )
     if not sources:
         raise ValueError("name something to snapshot: a directory, --prefix or --overlay")
-    with _bar(console, "snapshot") as (progress, task):
-
-        def show(p: Any) -> None:
-            progress.update(
-                task, description=p.phase, completed=p.bytes_done, total=p.bytes_total or None
-            )
-
+    with _bar(console, "snapshot") as show:
         manifest = create_snapshot(
             repository,
             sources,
@@ -344,13 +347,7 @@ def _restore(repository: Repository, args: argparse.Namespace, console: Console)
             )
         targets[name] = Path(path).absolute()
     started = time.monotonic()
-    with _bar(console, "restore") as (progress, task):
-
-        def show(p: Any) -> None:
-            progress.update(
-                task, description=p.phase, completed=p.bytes_done, total=p.bytes_total or None
-            )
-
+    with _bar(console, "restore") as show:
         result = restore_snapshot(
             repository,
             manifest,

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from operator import attrgetter
 from pathlib import Path
@@ -603,7 +603,11 @@ def create_snapshot(
                     else None
                 )
                 cache = statcache.load(cache_file) if cache_file else statcache.StatCache()
-                alive = preparing.submit(repository.has_manifest, cache.snapshot or "-")
+                alive = (
+                    preparing.submit(repository.has_manifest, cache.snapshot)
+                    if cache.snapshot
+                    else None
+                )
                 walker = _Walker(run, spec, cache, use_dirs=False)
                 if spec.kind is SourceKind.OVERLAY:
                     walker.walk_overlay(spec.path, spec.merged)
@@ -612,7 +616,7 @@ def create_snapshot(
                 walkers.append((walker, cache_file, alive))
             run.index, parent = prepared.result()
             for walker, _, alive in walkers:
-                walker.use_dirs = bool(walker.cache.snapshot) and alive.result()
+                walker.use_dirs = alive is not None and alive.result()
                 walker.verify_cached()
             run.progress.phase = "read"
             run.read_all([e for w, _, _ in walkers for e in w.to_read])
@@ -751,6 +755,4 @@ def _restored_dirs(target: Path, nodes: dict[str, Node]) -> list[_Dir]:
 def _with_upload(manifest: Manifest, uploaded: int) -> Manifest:
     """The manifest as returned to the caller, its upload figure including itself (the
     stored one cannot count its own bytes)."""
-    from dataclasses import replace
-
     return replace(manifest, stats=replace(manifest.stats, uploaded_bytes=uploaded))

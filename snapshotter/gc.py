@@ -107,6 +107,8 @@ def collect_garbage(
     # come back in the index this run writes.
     index.drop_packs(set(index.packs) - stored.keys())
 
+    due: list[ObjectInfo] = []
+    doomed: set[str] = set()
     for tomb, packs in tombstones:
         if now - tomb.modified < margin_s:
             continue
@@ -118,10 +120,12 @@ def collect_garbage(
         if blocking:
             report.waiting_for.extend(blocking)
             continue
-        doomed = {p for p in packs if p not in live_packs}
-        _sweep(repository, index, doomed, stored, index_files, report)
+        due.append(tomb)
+        doomed.update(p for p in packs if p not in live_packs)
+    # All due tombstones in one sweep: one new index replaces the ones read at the start.
+    _sweep(repository, index, doomed, stored, index_files, report)
+    for tomb in due:
         repository.store.delete(tomb.name)
-        index_files = []  # replaced by the sweep's index; later sweeps must not delete it
 
     abandoned_before = now - max(margin_s, ABANDONED_AFTER_S)
     report.abandoned = repository.store.clean_abandoned(repository.prefix, abandoned_before)
