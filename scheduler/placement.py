@@ -116,6 +116,10 @@ class Capacity:
 
     def ever_fits(self, gpu_type: str, per_pod: int, pods: int) -> bool:
         """Whether any zone of the fleet, empty and healthy, could hold the gang."""
+        return self.most_pods(gpu_type, per_pod) >= pods
+
+    def most_pods(self, gpu_type: str, per_pod: int) -> int:
+        """The most pods of this size any zone of the fleet could hold, empty and healthy."""
         most = self._ever.get((gpu_type, per_pod))
         if most is None:
             most = self._ever[(gpu_type, per_pod)] = max(
@@ -126,7 +130,11 @@ class Capacity:
                 ),
                 default=0,
             )
-        return most >= pods
+        return most
+
+    def most_free(self, zone: ZoneKey) -> int:
+        """The most free GPUs on one node of the zone now."""
+        return max((c for c, nodes in self.buckets[zone].items() if nodes), default=0)
 
     def largest_block(self, gpu_type: str, per_pod: int, pods: int) -> tuple[int, str] | None:
         """What the request could get now, for its reason: the most free GPUs on one node

@@ -43,9 +43,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from .memo import PlanMemo, Tail, Verdict
 from .placement import Capacity, ZoneKey
 from .preemption import VictimIndex
-from .quota import QuotaBook
+from .quota import UNLIMITED, QuotaBook
 from .snapshot import (
     Admission,
     Kept,
@@ -74,8 +75,15 @@ def _gpus_by_node(workloads: Iterable[Running]) -> dict[tuple[str, str], list[st
 _REPEATABLE = (WaitCause.QUOTA, WaitCause.USER_CAP, WaitCause.CAPACITY, WaitCause.NEVER_FITS)
 
 
-def plan(snapshot: SchedulingSnapshot, now: float) -> Plan:
-    return _Planner(snapshot, now).run()
+def plan(snapshot: SchedulingSnapshot, now: float, memo: PlanMemo | None = None) -> Plan:
+    """Decide the cycle. ``memo`` (``memo.py``) carries indexes and answers from the last
+    cycle: the plan is the same with it or without it, only cheaper. The caller keeps one
+    per stream of snapshots and drops it when unsure what it saw (it resets itself when
+    the policy, the priority classes or the project tree change)."""
+    if memo is None:
+        memo = PlanMemo()
+    memo.update(snapshot, now)
+    return _Planner(snapshot, now, memo).run()
 
 
 def _n(gpus: int, gpu_type: str) -> str:
@@ -97,27 +105,75 @@ class _Outcome(NamedTuple):
     reason: str = ""
 
 
+class _Frozen:
+    """Whether the cycle's state can still change. It cannot once every preemption search
+    of the cycle is spent (or the mode never preempts), and, for every GPU type waited
+    for, a zone is held for its first in line (or no zone has the type), no waiting
+    request has a node selector (those may use the held zone), and no node outside the
+    held zone has as many free GPUs as the smallest pod waiting, or the free GPUs of the
+    type are fewer than the smallest request: then no request can start, search, or
+    hold a zone, so no decision changes what a later one sees. Checked again only after
+    something changed."""
+
+    def __init__(self, planner: _Planner):
+        self.planner = planner
+        self.seen: tuple[int, int, int] | None = None
+        self.frozen = False
+
+    def now(self, heap: list[tuple[Any, ...]]) -> bool:
+        p = self.planner
+        if not p.memo.frozen_tails:
+            return False
+        state = (p.epoch, p.searches_left, len(p.reserved))
+        if state != self.seen:
+            self.seen = state
+            self.frozen = self._check(heap)
+        return self.frozen
+
+    def _check(self, heap: list[tuple[Any, ...]]) -> bool:
+        p = self.planner
+        if p.mode is Mode.GPUFLEET and p.searches_left > 0:
+            return False
+        capacity, memo = p.capacity, p.memo
+        for gpu_type, pod_sizes in memo.pod_sizes.items():
+            if not pod_sizes:
+                continue
+            if memo.selectors.get(gpu_type):
+                return False
+            zones = capacity.zones_by_type.get(gpu_type)
+            if not zones:
+                continue
+            if capacity.free_by_type[gpu_type] < min(memo.sizes[gpu_type]):
+                if gpu_type in p.reserved or not any(k[1] == gpu_type for *_, k in heap):
+                    continue
+                return False  # nothing fits, but a refusal may still hold a zone
+            held = p.reserved.get(gpu_type)
+            if held is None:
+                if any(key[1] == gpu_type for *_, key in heap):
+                    return False
+                continue  # nothing of the type is left to decide
+            smallest = min(pod_sizes)
+            for zone in zones:
+                if zone != held[0] and capacity.most_free(zone) >= smallest:
+                    return False
+        return True
+
+
 class _Planner:
-    def __init__(self, snapshot: SchedulingSnapshot, now: float):
+    def __init__(self, snapshot: SchedulingSnapshot, now: float, memo: PlanMemo):
         self.snapshot = snapshot
         self.now = now
+        self.memo = memo
         self.policy = snapshot.policy
         self.mode = snapshot.policy.mode
         self.ranks = snapshot.priorities
         self.capacity = Capacity(snapshot.nodes)
-        # One pass over what runs; the book then adds per project, not per workload.
-        usage: dict[tuple[str, str], int] = defaultdict(int)
-        self.user_used: dict[tuple[str, str], int] = defaultdict(int)
-        self.in_flight: dict[int, list[Running]] = defaultdict(list)
-        for running in snapshot.running:
-            gpus = running.gpus
-            usage[(running.project, running.gpu_type)] += gpus
-            self.user_used[(running.project, running.user)] += gpus
-            if running.stopping and running.stopping_for is not None:
-                self.in_flight[running.stopping_for].append(running)
+        # The sums over what runs come from the memo; the cycle adds to copies.
+        self.user_used: dict[tuple[str, str], int] = defaultdict(int, memo.user_used)
+        self.in_flight: dict[int, list[Running]] = memo.in_flight_lists()
         self.book = QuotaBook(
             snapshot.projects,
-            ((p, t, gpus) for (p, t), gpus in usage.items()),
+            ((p, t, gpus) for (p, t), gpus in memo.usage.items()),
             self.capacity.total_by_type,
         )
         self.reserved: dict[str, tuple[ZoneKey, int]] = {}  # GPU type -> (zone, holder)
@@ -125,38 +181,51 @@ class _Planner:
         self.failed_searches: set[tuple[Any, ...]] = set()
         self.searches_left = self.policy.max_preemption_searches
         self.chosen: set[int] = set()
-        self.victims: VictimIndex | None = None  # built on the cycle's first search
+        self.victims: VictimIndex | None = None  # brought up to date on the first search
         # Bumped by every change of state; a decision made in the same epoch for an
         # identical request stands (``_decide``), and a queue's order stays valid.
         self.epoch = 0
         self.settled: dict[tuple[Any, ...], tuple[int, WaitCause, str]] = {}
         self.no_room_reasons: dict[tuple[Any, ...], str] = {}
-        self.limits: dict[tuple[str, str, int], str | None] = {}
+        self.limits = memo.limits  # they change only with the tree or the mode
         self.quota_said: dict[tuple[str, str, bool], str] = {}
         self.admissions: list[Admission] = []
         self.kept: list[Kept] = []
         self.preemptions: list[Preemption] = []
         self.waiting: list[Waiting] = []
         self.positions: dict[tuple[str, str], int] = defaultdict(int)
+        self.tails: dict[tuple[str, str], Tail] = {}
+        # Once frozen (``_frozen_tails``): the numbers frozen refusals read, and the
+        # verdicts given, for the memo.
+        self.usage_views: dict[tuple[str, str], tuple[int, ...]] = {}
+        self.shape_views: dict[tuple[str, int, bool], tuple[Any, ...]] = {}
+        self.verdicts: dict[tuple[Any, ...], Verdict] = {}
+        self.frozen_said: dict[tuple[Any, ...], tuple[WaitCause, str]] = {}
+        self.preempting_by_queue: dict[tuple[str, str], tuple[Any, ...]] = {}
 
     # ----------------------------------------------------------------- order
     def run(self) -> Plan:
-        for request in self.snapshot.queue:
-            self.book.path(request.project)  # undeclared projects join the tree first
+        memo = self.memo
+        for project, _ in memo.queues:
+            self.book.path(project)  # undeclared projects join the tree first
         self.capped = {n for n, p in self.book.projects.items() if p.per_user_cap is not None}
         # Preemptors first: what their victims free, and the free GPUs they counted on,
         # are theirs — or another request could take them and they would preempt again.
+        promising = [
+            memo.pending[i] for i in {*memo.promised, *self.in_flight} if i in memo.pending
+        ]
         kept = {
             r.id
-            for r in sorted(self.snapshot.queue, key=lambda r: (r.created_at, r.id))
+            for r in sorted(promising, key=lambda r: (r.created_at, r.id))
             if self._promised_zone(r) is not None and self._keep_promise(r)
         }
-        pending = [r for r in self.snapshot.queue if r.id not in kept]
         if self.mode is Mode.FIFO:
+            pending = [r for r in self.snapshot.queue if r.id not in kept]
             for request in sorted(pending, key=lambda r: (r.created_at, r.id)):
                 self._decide(request)
         else:
-            self._run_queues(pending)
+            self._run_queues(kept)
+        memo.tails, memo.verdicts = self.tails, self.verdicts
         return Plan(
             tuple(self.admissions),
             tuple(self.preemptions),
@@ -233,64 +302,255 @@ class _Planner:
         self.user_used[(request.project, request.user)] += request.gpus
         self.epoch += 1
 
-    def _run_queues(self, pending: list[Pending]) -> None:
-        grouped: dict[tuple[str, str], list[Pending]] = defaultdict(list)
-        for request in pending:
-            grouped[(request.project, request.gpu_type)].append(request)
+    def _run_queues(self, kept: set[int]) -> None:
         queues = {}
         heap: list[tuple[Any, ...]] = []
-        for key, requests in grouped.items():
-            requests.sort(key=lambda r: (-self.ranks.get(r.priority, 0), r.created_at, r.id))
+        pending = self.memo.pending
+        with_kept = {(pending[i].project, pending[i].gpu_type) for i in kept}
+        for key, requests in self.memo.queues.items():
+            if key in with_kept:
+                requests = [r for r in requests if r.id not in kept]
+                if not requests:
+                    continue
             queues[key] = _Queue(requests)
             heap.append((self._order(requests[0]), self.epoch, key))
         heapq.heapify(heap)
         blocked_users: dict[tuple[str, str], int] = {}
+        frozen = _Frozen(self)
         while heap:
+            if frozen.now(heap):
+                self._frozen_tails(heap, queues, blocked_users)
+                return
             order, epoch, key = heapq.heappop(heap)
             queue = queues[key]
-            request = queue.current
             if epoch != self.epoch:  # something was admitted since: its place may be later
-                fresh = self._order(request)
+                fresh = self._order(queue.current)
                 if fresh > order:
                     heapq.heappush(heap, (fresh, self.epoch, key))
                     continue
-            head = blocked_users.get((request.project, request.user))
-            if head is not None:
-                self._wait(
-                    request,
-                    WaitCause.BEHIND,
-                    f"waiting behind your earlier request in project {request.project} "
-                    f"(workload {head})",
-                )
-            else:
-                outcome = self._decide(request)
-                if outcome.cause is WaitCause.QUOTA:
-                    for later in queue.requests[queue.head + 1 :]:
-                        self._wait(
-                            later,
-                            WaitCause.BEHIND,
-                            f"waiting behind an earlier request for {request.gpu_type} in "
-                            f"project {request.project} (workload {request.id}): "
-                            f"{outcome.reason}",
-                        )
-                    continue
-                if outcome.cause is WaitCause.USER_CAP:
-                    blocked_users[(request.project, request.user)] = request.id
-            queue.head += 1
-            # Later requests of this queue that would only repeat an earlier refusal change
-            # nothing, so the global order does not matter for them (positions count
-            # within the queue): settle them here instead of through the heap.
-            while queue.head < len(queue.requests):
-                later = queue.current
-                if (later.project, later.user) in blocked_users:
-                    break
-                refused = self._settled(later)
-                if refused is None:
-                    break
-                self._wait(later, *refused)
-                queue.head += 1
+            self._next_in_queue(queue, blocked_users)
             if queue.head < len(queue.requests):
                 heapq.heappush(heap, (self._order(queue.current), self.epoch, key))
+
+    def _next_in_queue(self, queue: _Queue, blocked_users: dict[tuple[str, str], int]) -> None:
+        """Decide the queue's current request, and the later ones that only repeat an
+        earlier refusal; a quota refusal decides the whole rest of the queue."""
+        request = queue.current
+        head = blocked_users.get((request.project, request.user))
+        if head is not None:
+            self._wait(
+                request,
+                WaitCause.BEHIND,
+                f"waiting behind your earlier request in project {request.project} "
+                f"(workload {head})",
+            )
+        else:
+            outcome = self._decide(request)
+            if outcome.cause is WaitCause.QUOTA:
+                for later in queue.requests[queue.head + 1 :]:
+                    self._wait(
+                        later,
+                        WaitCause.BEHIND,
+                        f"waiting behind an earlier request for {request.gpu_type} in "
+                        f"project {request.project} (workload {request.id}): "
+                        f"{outcome.reason}",
+                    )
+                queue.head = len(queue.requests)
+                return
+            if outcome.cause is WaitCause.USER_CAP:
+                blocked_users[(request.project, request.user)] = request.id
+        queue.head += 1
+        # Later requests of this queue that would only repeat an earlier refusal change
+        # nothing, so the global order does not matter for them (positions count
+        # within the queue): settle them here instead of through the heap.
+        while queue.head < len(queue.requests):
+            later = queue.current
+            if (later.project, later.user) in blocked_users:
+                break
+            refused = self._settled(later)
+            if refused is None:
+                break
+            self._wait(later, *refused)
+            queue.head += 1
+
+    def _frozen_tails(
+        self,
+        heap: list[tuple[Any, ...]],
+        queues: dict[tuple[str, str], _Queue],
+        blocked_users: dict[tuple[str, str], int],
+    ) -> None:
+        """Decide the rest of every queue once nothing can change the cycle's state any
+        more (``_Frozen``): no request can start, search for victims or hold a zone. Each
+        decision then depends on the state, not on the order: the queues are decided one
+        after the other (in the order their heads stand), each from its head to its end.
+
+        The refusals remembered so far are dropped first: their reasons' numbers may date
+        from before the last admissions, and the answers here must depend on the frozen
+        state alone — so that a queue whose requests and whose numbers (its project's
+        usage up the tree, the free blocks of its GPU type, the victims stopping for it)
+        are those of its tail last cycle gets last cycle's answers without deciding them
+        again (``memo.Tail``)."""
+        self.settled.clear()
+        self.no_room_reasons.clear()
+        self.quota_said.clear()
+        order = sorted((self._order(queues[key].current), key) for _, _, key in heap)
+        views: dict[str, tuple[Any, ...]] = {}
+        previous = self.memo.tails
+        # The victims stopping for the queue's requests (their reasons name them).
+        by_queue: dict[tuple[str, str], list[tuple[Any, ...]]] = defaultdict(list)
+        for wid in sorted(self.in_flight):
+            request = self.memo.pending.get(wid)
+            if request is not None:
+                victims = tuple((v.id, v.gpus) for v in self.in_flight[wid])
+                by_queue[(request.project, request.gpu_type)].append((wid, victims))
+        self.preempting_by_queue = {key: tuple(v) for key, v in by_queue.items()}
+        for _, key in order:
+            queue = queues[key]
+            rest = queue.requests[queue.head :]
+            start = self.positions[key]
+            context = self._tail_context(key, rest, views, blocked_users)
+            tail = previous.get(key)
+            if (
+                context is not None
+                and tail is not None
+                and tail.start == start
+                and tail.context == context
+                and tail.requests == rest
+            ):
+                self.waiting.extend(tail.waits)
+                self.positions[key] += len(tail.waits)
+                self.tails[key] = tail
+                continue
+            mark = len(self.waiting)
+            if context is None:
+                while queue.head < len(queue.requests):
+                    self._next_in_queue(queue, blocked_users)
+                continue
+            self._frozen_rest(key, rest)
+            self.tails[key] = Tail(rest, start, context, self.waiting[mark:])
+
+    def _frozen_rest(self, key: tuple[str, str], rest: list[Pending]) -> None:
+        """Decide a frozen queue's rest (no per-user cap, so no user holds a place) as
+        ``_next_in_queue`` would, request by request, with ``_frozen_outcome``."""
+        waiting, in_flight = self.waiting, self.in_flight
+        position = self.positions[key]
+        for i, request in enumerate(rest):
+            if request.node_selector or request.id in in_flight:
+                self.positions[key] = position
+                outcome = self._decide(request)
+                position = self.positions[key]
+                cause, reason = outcome.cause, outcome.reason
+            else:
+                cause, reason = self._frozen_outcome(request)
+                position += 1
+                waiting.append(Waiting(request.id, position, cause, reason))
+            if cause is WaitCause.QUOTA:
+                for later in rest[i + 1 :]:
+                    position += 1
+                    waiting.append(
+                        Waiting(
+                            later.id,
+                            position,
+                            WaitCause.BEHIND,
+                            f"waiting behind an earlier request for {request.gpu_type} in "
+                            f"project {request.project} (workload {request.id}): {reason}",
+                        )
+                    )
+                break
+        self.positions[key] = position
+
+    def _frozen_outcome(self, request: Pending) -> tuple[WaitCause, str]:
+        """A frozen refusal, by what it depends on: project, type and shape (the class
+        matters only to searches, which are spent), and a few numbers of the state (see
+        ``_verdict_context``): last cycle's stands if those are the same."""
+        said = (request.project, request.gpu_type, request.gpus_per_pod, request.pods)
+        outcome = self.frozen_said.get(said)
+        if outcome is None:
+            context = self._verdict_context(request)
+            verdict = self.memo.verdicts.get(said)
+            if verdict is None or verdict[0] != context:
+                verdict = (context, *self._frozen_verdict(request))
+            self.verdicts[said] = verdict
+            outcome = self.frozen_said[said] = (verdict[1], verdict[2])
+        return outcome
+
+    def _frozen_verdict(self, request: Pending) -> tuple[WaitCause, str]:
+        """``_decide_afresh`` in a frozen state, where nothing is placed (``_Frozen``),
+        no search runs and a zone is held for every type the fleet has: the same checks
+        in the same order, without those that cannot pass."""
+        t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
+        fits = self.capacity.ever_fits(t, k, pods)
+        if self.mode is not Mode.FIFO:
+            beyond = self._beyond_limits(request)
+            if beyond is not None:
+                return WaitCause.NEVER_FITS, beyond
+            refusal = self._quota_refusal(request)
+            if refusal is not None:
+                if not fits:
+                    return WaitCause.NEVER_FITS, self._never_fits(request)
+                return WaitCause.QUOTA, refusal
+        if not fits:
+            return WaitCause.NEVER_FITS, self._never_fits(request)
+        block = self.capacity.largest_block(t, k, pods)
+        within = self.mode is not Mode.FIFO and self.book.within_guarantee(
+            request.project, t, request.gpus
+        )
+        return WaitCause.CAPACITY, self._no_room_reason(request, block, within)
+
+    def _tail_context(
+        self,
+        key: tuple[str, str],
+        rest: list[Pending],
+        views: dict[str, tuple[Any, ...]],
+        blocked_users: dict[tuple[str, str], int],
+    ) -> tuple[Any, ...] | None:
+        """What the frozen decisions on a queue's rest read besides its requests, or None
+        when that is too particular to compare (per-user caps: each user's usage)."""
+        project, gpu_type = key
+        if project in self.capped or any(p == project for p, _ in blocked_users):
+            return None
+        view = views.get(gpu_type)
+        if view is None:
+            view = views[gpu_type] = self._type_view(gpu_type)
+        usage = self._usage_view(project, gpu_type)
+        preempting = self.preempting_by_queue.get(key, ())
+        return (usage, view, preempting)
+
+    def _usage_view(self, project: str, gpu_type: str) -> tuple[int, ...]:
+        """The project's usage, and its ancestors' where they cap it (only then do their
+        numbers enter a reason)."""
+        view = self.usage_views.get((project, gpu_type))
+        if view is None:
+            book = self.book
+            view = self.usage_views[(project, gpu_type)] = tuple(
+                book.usage(name, gpu_type)
+                for i, name in enumerate(book.path(project))
+                if i == 0 or book.cap(name, gpu_type) != UNLIMITED
+            )
+        return view
+
+    def _known(self, gpu_type: str) -> bool:
+        return gpu_type in self.capacity.zones_by_type or any(
+            zt == gpu_type for (_, _, zt) in self.capacity.totals_by_zone
+        )
+
+    def _type_view(self, gpu_type: str) -> tuple[Any, ...]:
+        """What a frozen refusal's reason can say about a GPU type's capacity: whether the
+        fleet has it, and for every shape waiting the most pods any zone could hold and
+        the largest free block it could get."""
+        capacity = self.capacity
+        return (
+            self._known(gpu_type),
+            tuple(
+                (
+                    k,
+                    multi,
+                    capacity.most_pods(gpu_type, k),
+                    capacity.largest_block(gpu_type, k, 2 if multi else 1),
+                )
+                for k, multi in sorted(self.memo.shapes[gpu_type])
+            ),
+        )
 
     def _order(self, request: Pending) -> tuple[Any, ...]:
         rank = -self.ranks.get(request.priority, 0)
@@ -321,6 +581,20 @@ class _Planner:
             assert outcome.cause is not None
             self.settled[signature] = (self._refusal_epoch, outcome.cause, outcome.reason)
         return outcome
+
+    def _verdict_context(self, request: Pending) -> tuple[Any, ...]:
+        """What a frozen refusal of the request reads of the state (see ``_tail_context``)."""
+        t, k, multi = request.gpu_type, request.gpus_per_pod, request.pods > 1
+        usage = self._usage_view(request.project, t)
+        shape = self.shape_views.get((t, k, multi))
+        if shape is None:
+            capacity = self.capacity
+            shape = self.shape_views[(t, k, multi)] = (
+                self._known(t),
+                capacity.most_pods(t, k),
+                capacity.largest_block(t, k, 2 if multi else 1),
+            )
+        return (usage, shape)
 
     def _signature(self, request: Pending) -> tuple[Any, ...] | None:
         """What a decision depends on besides the cycle's state; None: too particular."""
@@ -557,9 +831,7 @@ class _Planner:
             return None
         self.searches_left -= 1
         if self.victims is None:
-            self.victims = VictimIndex(
-                self.snapshot.running, self.book, self.ranks, self.policy.min_run_time_s, self.now
-            )
+            self.victims = VictimIndex(self.memo.candidates, self.book, self.ranks, self.now)
         holder = self.reserved.get(t)
         found = self.victims.find(
             request,

@@ -21,6 +21,7 @@ Who may be a victim for a request of project ``p`` and class rank ``r``:
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,12 +38,15 @@ _started = attrgetter("started_at", "id")
 
 @dataclass
 class _Zone:
-    ordered: list[Running] = field(default_factory=list)
+    # The candidates here, by id (the index's order is made per cycle: it depends on the
+    # clock and on fair shares).
+    members: dict[int, Running] = field(default_factory=dict)
     idle_gpus: int = 0
     borrowed_gpus: int = 0
     gpus_by_project: dict[str, int] = field(default_factory=dict)
-    # Projects with preemptible workloads here (their own higher classes may evict them).
-    preemptible_projects: set[str] = field(default_factory=set)
+    # Projects with preemptible workloads here (their own higher classes may evict them),
+    # with how many.
+    preemptible_projects: dict[str, int] = field(default_factory=dict)
     # Node -> GPUs of idle sessions, of borrowers, and of preemptible borrowers by class
     # rank: what a request could free on that node at most, whoever asks.
     idle_on: dict[str, int] = field(default_factory=dict)
@@ -50,82 +54,206 @@ class _Zone:
     preemptible_on: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
+class Candidates:
+    """Who could ever be a victim, per zone, kept from one cycle to the next (in
+    ``memo.PlanMemo``) and brought up to date from what changed.
+
+    A running workload that is not stopping is a candidate when it is idle-reclaimable,
+    or preemptible, or a borrower, and has run ``min_run_time_s`` (idle ones aside).
+    Whether a workload borrows depends only on its project's other non-stopping workloads
+    of the type and the project's guarantee, so it is recomputed for the projects whose
+    workloads changed; a workload becomes old enough at a known time, kept in a heap.
+    ``refresh`` brings the zones up to date; it needs the cycle's quota book (for
+    guarantees) and runs on the cycle's first preemption search."""
+
+    def __init__(self, ranks: Mapping[str, int], min_run_time_s: float):
+        self.ranks = ranks
+        self.min_run_time_s = min_run_time_s
+        self.now = float("-inf")
+        self.by_project: dict[tuple[str, str], dict[int, Running]] = defaultdict(dict)
+        self.borrowing: set[int] = set()
+        self.zones: dict[ZoneKey, _Zone] = {}
+        self._member: dict[int, tuple[Running, bool]] = {}  # id -> (it, borrowing when in)
+        self._dirty: set[tuple[str, str]] = set()
+        self._new: set[int] = set()
+        self._later: list[tuple[float, int]] = []  # (old enough at, id)
+        self._where: dict[int, tuple[str, str]] = {}  # id -> its key in by_project
+
+    def add(self, workload: Running) -> None:
+        if workload.stopping:
+            return
+        key = (workload.project, workload.gpu_type)
+        self.by_project[key][workload.id] = workload
+        self._where[workload.id] = key
+        self._dirty.add(key)
+        self._new.add(workload.id)
+
+    def drop(self, workload: Running) -> None:
+        key = (workload.project, workload.gpu_type)
+        workloads = self.by_project.get(key)
+        if workloads is None or workloads.get(workload.id) is not workload:
+            return
+        del workloads[workload.id]
+        del self._where[workload.id]
+        if not workloads:
+            del self.by_project[key]
+        self._dirty.add(key)
+        self._new.discard(workload.id)
+        self.borrowing.discard(workload.id)
+        self._leave(workload.id)
+
+    def refresh(self, book: QuotaBook) -> None:
+        for key in self._dirty:
+            workloads = self.by_project.get(key)
+            if workloads is None:
+                continue
+            borrowing = self._borrowers(workloads, book.guarantee(*key))
+            for workload in workloads.values():
+                was = workload.id in self.borrowing
+                now = workload.id in borrowing
+                if now and not was:
+                    self.borrowing.add(workload.id)
+                elif was and not now:
+                    self.borrowing.discard(workload.id)
+                if was != now or workload.id in self._new:
+                    self._review(workload)
+        self._dirty.clear()
+        self._new.clear()
+        later = self._later
+        while later and later[0][0] <= self.now:
+            _, wid = heapq.heappop(later)
+            tracked = self._tracked(wid)
+            if tracked is not None:
+                self._review(tracked)
+
+    def _tracked(self, wid: int) -> Running | None:
+        key = self._where.get(wid)
+        return None if key is None else self.by_project[key].get(wid)
+
+    def _borrowers(self, workloads: dict[int, Running], guaranteed: int) -> set[int]:
+        """Those beyond the guarantee, counting by class (higher first), then start time."""
+        if sum(w.gpus for w in workloads.values()) <= guaranteed:
+            return set()
+        ordered = sorted(workloads.values(), key=_started)
+        if len({w.priority for w in ordered}) > 1:
+            ordered.sort(key=lambda r: -self.ranks.get(r.priority, 0))
+        borrowing, counted = set(), 0
+        for workload in ordered:
+            counted += workload.gpus
+            if counted > guaranteed:
+                borrowing.add(workload.id)
+        return borrowing
+
+    def _review(self, workload: Running) -> None:
+        """Make the workload a member if and only if it is a candidate now."""
+        borrowing = workload.id in self.borrowing
+        may = workload.idle_reclaimable or workload.preemptible or borrowing
+        old_enough = (
+            workload.idle_reclaimable or workload.started_at + self.min_run_time_s <= self.now
+        )
+        member = self._member.get(workload.id)
+        if member is not None and (member[0] is not workload or member[1] != borrowing):
+            self._leave(workload.id)
+            member = None
+        if may and not old_enough:
+            heapq.heappush(self._later, (workload.started_at + self.min_run_time_s, workload.id))
+        if member is None and may and old_enough:
+            self._enter(workload, borrowing)
+        elif member is not None and not (may and old_enough):
+            self._leave(workload.id)
+
+    def _enter(self, workload: Running, borrowing: bool) -> None:
+        self._member[workload.id] = (workload, borrowing)
+        zone_key = (workload.cluster, workload.zone, workload.gpu_type)
+        zone = self.zones.get(zone_key)
+        if zone is None:
+            zone = self.zones[zone_key] = _Zone()
+        self._count(zone, workload, borrowing, +1)
+        zone.members[workload.id] = workload
+
+    def _leave(self, wid: int) -> None:
+        member = self._member.pop(wid, None)
+        if member is None:
+            return
+        workload, borrowing = member
+        zone_key = (workload.cluster, workload.zone, workload.gpu_type)
+        zone = self.zones[zone_key]
+        self._count(zone, workload, borrowing, -1)
+        del zone.members[wid]
+        if not zone.members:
+            del self.zones[zone_key]
+
+    def _count(self, zone: _Zone, workload: Running, borrowing: bool, sign: int) -> None:
+        idle, project = workload.idle_reclaimable, workload.project
+        if workload.preemptible:
+            _bump(zone.preemptible_projects, project, sign)
+        rank = self.ranks.get(workload.priority, 0)
+        for pod in workload.pods:
+            held = sign * len(pod.gpus)
+            if idle:
+                _bump(zone.idle_on, pod.node, held)
+            elif borrowing:
+                _bump(zone.borrowed_on, pod.node, held)
+                if workload.preemptible:
+                    by_rank = zone.preemptible_on.setdefault(pod.node, {})
+                    _bump(by_rank, rank, held)
+                    if not by_rank:
+                        del zone.preemptible_on[pod.node]
+        gpus = sign * workload.gpus
+        if idle:
+            zone.idle_gpus += gpus
+        elif borrowing:
+            zone.borrowed_gpus += gpus
+        _bump(zone.gpus_by_project, project, gpus)
+
+
+def _bump(sums: dict[Any, int], key: Any, value: int) -> None:
+    total = sums.get(key, 0) + value
+    if total:
+        sums[key] = total
+    else:
+        sums.pop(key, None)
+
+
 class VictimIndex:
+    """The cycle's view of the candidates: brought up to date on the cycle's first search,
+    each zone put in victim order when a search first looks at it."""
+
     def __init__(
         self,
-        running: tuple[Running, ...],
+        candidates: Candidates,
         book: QuotaBook,
         ranks: Mapping[str, int],
-        min_run_time_s: float,
         now: float,
     ):
+        candidates.refresh(book)
         self.ranks = ranks
-        self.borrowing: set[int] = set()
-        by_project: dict[tuple[str, str], list[Running]] = defaultdict(list)
-        for workload in running:
-            if not workload.stopping:
-                by_project[(workload.project, workload.gpu_type)].append(workload)
-        for (project, gpu_type), workloads in by_project.items():
-            guaranteed = book.guarantee(project, gpu_type)
-            if book.usage(project, gpu_type) <= guaranteed:
-                continue  # within its guarantee: none of its workloads borrows
-            workloads.sort(key=_started)  # by start, then (stable) by class, higher first
-            if len({w.priority for w in workloads}) > 1:
-                workloads.sort(key=lambda r: -ranks.get(r.priority, 0))
-            counted = 0
-            for workload in workloads:
-                counted += workload.gpus
-                if counted > guaranteed:
-                    self.borrowing.add(workload.id)
-        self.zones: dict[ZoneKey, _Zone] = defaultdict(_Zone)
-        keys: dict[int, tuple[Any, ...]] = {}
-        reclaim_first = {  # the highest share first
-            project: tuple(-s for s in book.share_key(project)) for project, _ in by_project
-        }
-        for workloads in by_project.values():
-            for workload in workloads:
-                if not (
-                    workload.idle_reclaimable
-                    or workload.preemptible
-                    or workload.id in self.borrowing
-                ):
-                    continue  # within its guarantee and not preemptible: nobody's victim
-                if not workload.idle_reclaimable and workload.started_at + min_run_time_s > now:
-                    continue
-                zone = self.zones[(workload.cluster, workload.zone, workload.gpu_type)]
-                zone.ordered.append(workload)
-                if workload.preemptible:
-                    zone.preemptible_projects.add(workload.project)
-                for pod in workload.pods:
-                    held = len(pod.gpus)
-                    if workload.idle_reclaimable:
-                        zone.idle_on[pod.node] = zone.idle_on.get(pod.node, 0) + held
-                    elif workload.id in self.borrowing:
-                        zone.borrowed_on[pod.node] = zone.borrowed_on.get(pod.node, 0) + held
-                        if workload.preemptible:
-                            rank = ranks.get(workload.priority, 0)
-                            by_rank = zone.preemptible_on.setdefault(pod.node, {})
-                            by_rank[rank] = by_rank.get(rank, 0) + held
-                if workload.idle_reclaimable:
-                    zone.idle_gpus += workload.gpus
-                elif workload.id in self.borrowing:
-                    zone.borrowed_gpus += workload.gpus
-                zone.gpus_by_project[workload.project] = (
-                    zone.gpus_by_project.get(workload.project, 0) + workload.gpus
-                )
-                lost = workload.gpus * (
-                    now - max(workload.started_at, workload.last_progress_at or 0)
-                )
-                keys[workload.id] = (
-                    not workload.idle_reclaimable,
-                    ranks.get(workload.priority, 0),
-                    reclaim_first[workload.project],
-                    lost,
-                    workload.id,
-                )
-        for zone in self.zones.values():
-            zone.ordered.sort(key=lambda w: keys[w.id])
+        self.now = now
+        self.borrowing = candidates.borrowing
+        self.zones = candidates.zones
+        # Fair shares as they stand at the cycle's first search: the highest share first.
+        projects = {p for zone in self.zones.values() for p in zone.gpus_by_project}
+        self.reclaim_first = {p: tuple(-s for s in book.share_key(p)) for p in projects}
+        self._ordered: dict[ZoneKey, list[Running]] = {}
         self._bounds: dict[tuple[Any, ...], int] = {}
+
+    def ordered(self, zone_key: ZoneKey) -> list[Running]:
+        """The zone's candidates in victim order: idle sessions first, then the lowest
+        class, the highest share, the least lost work."""
+        ordered = self._ordered.get(zone_key)
+        if ordered is None:
+            ranks, now, first = self.ranks, self.now, self.reclaim_first
+            ordered = self._ordered[zone_key] = sorted(
+                self.zones[zone_key].members.values(),
+                key=lambda w: (
+                    not w.idle_reclaimable,
+                    ranks.get(w.priority, 0),
+                    first[w.project],
+                    w.gpus * (now - max(w.started_at, w.last_progress_at or 0)),
+                    w.id,
+                ),
+            )
+        return ordered
 
     def _pods_at_most(
         self,
@@ -206,7 +334,7 @@ class VictimIndex:
                 continue  # no node mix of candidates here could hold the gang
             candidates = (
                 (victim, cause)
-                for victim in zone.ordered
+                for victim in self.ordered(zone_key)
                 if victim.id not in chosen
                 and (not own_project or victim.project == request.project)
                 and (cause := self.cause(victim, request, rank, within)) is not None

@@ -7,7 +7,8 @@ returns plain values (``simulator_report``); the CLI reads the files and writes 
 The replay is event driven. Events are arrivals, completions, the end of a preempted
 workload's stop (its snapshot or checkpoint grace), checkpoints, and wake-ups once a new
 workload has run ``min_run_time_s`` (it may be preempted from then on). All events of one
-timestamp are applied together, then the core is asked once — ``plan(snapshot, now)`` —
+timestamp are applied together, then the core is asked once — ``plan(snapshot, now, memo)``,
+with one ``PlanMemo`` for the whole replay —
 and its decisions are applied: admissions start at once and end ``remaining`` seconds
 later; a preempted workload keeps its GPUs, marked stopping, until its stop delay has
 passed, then goes back to the queue with its original submission time (so it keeps its
@@ -44,9 +45,11 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 from .errors import InputError, SchedulerError
 from .inputs import TraceJob
+from .memo import PlanMemo
 from .model import FleetNode, Project, ProjectTree
 from .plan import plan
 from .simulator_report import (
@@ -658,7 +661,7 @@ def simulate(
             max_preemption_searches=options.max_preemption_searches,
         ),
         options,
-        planner or plan,
+        planner or partial(plan, memo=PlanMemo()),
     )
     totals = replay.run()
     records = replay.records()

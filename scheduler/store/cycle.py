@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from .. import failpoints
 from ..errors import CycleConflict
+from ..memo import PlanMemo
 from ..plan import plan
 from ..snapshot import Plan, Policy, WaitCause, Waiting
 from .base import StoreBase
@@ -68,6 +69,9 @@ class SchedulingStore(StoreBase):
         super().__init__(*args, **kwargs)
         self.tracker = ChangeTracker(self._sessions)
         self.mirror = Mirror()
+        # The planner's indexes and answers from the last cycle (a cache: the plan is the
+        # same without it); dropped with the mirror.
+        self.plan_memo = PlanMemo()
 
     def refresh_mirror(self) -> None:
         dirty = self.tracker.take()
@@ -78,11 +82,12 @@ class SchedulingStore(StoreBase):
     def forget_mirror(self) -> None:
         """Rebuild from the database next cycle (another controller may have written)."""
         self.tracker.everything()
+        self.plan_memo = PlanMemo()
 
     def scheduling_cycle(self, now: datetime, policy: Policy) -> CycleResult:
         self.refresh_mirror()
         moment = now.timestamp()
-        decided = plan(self.mirror.snapshot(policy), moment)
+        decided = plan(self.mirror.snapshot(policy), moment, self.plan_memo)
         shown = self._to_show(decided.waiting, moment)
         committed = False
         try:

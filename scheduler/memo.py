@@ -1,0 +1,226 @@
+"""What the planner keeps from one cycle to the next: a cache, never a second source of truth.
+
+``plan(snapshot, now, memo)`` returns exactly what ``plan(snapshot, now)`` returns; the memo
+only spares it work. ``plan`` without a memo builds a fresh one, so there is one code path,
+and ``tests/unit/test_plan_memo.py`` checks over random multi-cycle worlds that a memo
+carried across cycles gives the same plans as a fresh one.
+
+What it keeps, each brought up to date from the next snapshot by comparing it with the
+last one (frozen values are replaced, never changed in place, so "changed" is "not the same
+object"; an equal new object counts as changed, which is merely slower):
+- the running workloads and the sums over them: GPUs per (project, type) and per
+  (project, user), the victims stopping for each waiting workload, and the candidates a
+  preemption search looks at (``preemption.Candidates``);
+- the queue, grouped per (project, GPU type) and kept in queue order, with the sizes
+  waiting per type (which tell the planner when nothing more can start, see ``plan.py``);
+- the frozen tail of each queue (``Tail``): once a cycle's state can no longer change,
+  the rest of a queue is decided by its own requests and a few numbers of the state; when
+  those are the same as last cycle, last cycle's answers are the answers.
+
+It is reset — everything rebuilt from the snapshot — when the policy, the priority classes
+or the project tree change, and when the clock goes backwards.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .model import ProjectTree
+from .preemption import Candidates
+from .snapshot import Pending, Policy, Running, SchedulingSnapshot, WaitCause, Waiting
+
+QueueKey = tuple[str, str]  # project, GPU type
+# A frozen refusal: what it read of the state, its cause and its reason.
+Verdict = tuple[tuple[Any, ...], WaitCause, str]
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A queue's frozen tail as decided in a cycle: its requests from the first one decided
+    after the state froze, their first position, what the state said about them, and the
+    answers."""
+
+    requests: list[Pending]
+    start: int
+    context: tuple[Any, ...]
+    waits: list[Waiting]
+
+
+class PlanMemo:
+    def __init__(self, frozen_tails: bool = True) -> None:
+        # False: decide every request one by one even once the state froze (for tests
+        # that compare the two; the decisions are the same, reasons may show older numbers).
+        self.frozen_tails = frozen_tails
+        self._reset(None)
+
+    def _reset(self, settings: tuple[Any, ...] | None) -> None:
+        self.settings = settings
+        self.now = float("-inf")
+        self.running: dict[int, Running] = {}
+        self.usage: dict[QueueKey, int] = {}
+        self.user_used: dict[tuple[str, str], int] = {}
+        # Preemptor -> its victims (stopping for it), by victim id.
+        self.in_flight: dict[int, dict[int, Running]] = {}
+        self.pending: dict[int, Pending] = {}
+        self.queues: dict[QueueKey, list[Pending]] = {}
+        # Per GPU type: how many waiting workloads have each pod size, each size in GPUs,
+        # each node selector (counted, not kept) and each promised placement.
+        self.pod_sizes: dict[str, Counter[int]] = defaultdict(Counter)
+        self.shapes: dict[str, Counter[tuple[int, bool]]] = defaultdict(Counter)
+        self.sizes: dict[str, Counter[int]] = defaultdict(Counter)
+        self.selectors: Counter[str] = Counter()
+        self.promised: set[int] = set()
+        self.tails: dict[QueueKey, Tail] = {}
+        self.verdicts: dict[tuple[Any, ...], Verdict] = {}  # by project, type, shape
+        # Why a request exceeds what its project may ever hold, by (project, type, GPUs).
+        self.limits: dict[tuple[str, str, int], str | None] = {}
+        policy: Policy | None = settings[0] if settings else None
+        self.ranks: dict[str, int] = dict(settings[1]) if settings else {}
+        self.candidates = Candidates(
+            self.ranks, policy.min_run_time_s if policy is not None else 0.0
+        )
+
+    # ----------------------------------------------------------------- update
+    def update(self, snapshot: SchedulingSnapshot, now: float) -> None:
+        """Bring the memo to ``snapshot``: afterwards it holds what a fresh memo would."""
+        settings = (
+            snapshot.policy,
+            _frozen_map(snapshot.priorities),
+            _frozen_map(snapshot.preemptible),
+            snapshot.projects,
+        )
+        if not self._same_settings(settings) or now < self.now:
+            self._reset(settings)
+        self.now = self.candidates.now = now
+        self._sync_running(snapshot.running)
+        self._sync_queue(snapshot.queue)
+
+    def _same_settings(self, settings: tuple[Any, ...]) -> bool:
+        old = self.settings
+        if old is None:
+            return False
+        policy, ranks, preemptible, tree = settings
+        return (
+            old[0] == policy
+            and old[1] == ranks
+            and old[2] == preemptible
+            and (old[3] is tree or _same_tree(old[3], tree))
+        )
+
+    def _sync_running(self, running: tuple[Running, ...]) -> None:
+        before = self.running
+        now = {r.id: r for r in running}
+        changed = [r for r in running if before.get(r.id) is not r]
+        gone = before.keys() - now.keys()
+        if not changed and not gone:
+            return
+        for wid in gone:
+            self._drop_running(before[wid])
+        for workload in changed:
+            old = before.get(workload.id)
+            if old is not None:
+                self._drop_running(old)
+            self._add_running(workload)
+        self.running = now
+
+    def _add_running(self, r: Running) -> None:
+        gpus = r.gpus
+        _add(self.usage, (r.project, r.gpu_type), gpus)
+        _add(self.user_used, (r.project, r.user), gpus)
+        if r.stopping and r.stopping_for is not None:
+            self.in_flight.setdefault(r.stopping_for, {})[r.id] = r
+        self.candidates.add(r)
+
+    def _drop_running(self, r: Running) -> None:
+        gpus = r.gpus
+        _add(self.usage, (r.project, r.gpu_type), -gpus)
+        _add(self.user_used, (r.project, r.user), -gpus)
+        if r.stopping and r.stopping_for is not None:
+            victims = self.in_flight[r.stopping_for]
+            del victims[r.id]
+            if not victims:
+                del self.in_flight[r.stopping_for]
+        self.candidates.drop(r)
+
+    def _sync_queue(self, queue: tuple[Pending, ...]) -> None:
+        before = self.pending
+        now = {r.id: r for r in queue}
+        changed = [r for r in queue if before.get(r.id) is not r]
+        gone = before.keys() - now.keys()
+        if not changed and not gone:
+            return
+        for wid in gone:
+            self._drop_pending(before[wid])
+        for request in changed:
+            old = before.get(request.id)
+            if old is not None:
+                self._drop_pending(old)
+            self._add_pending(request)
+        self.pending = now
+
+    def queue_order(self, r: Pending) -> tuple[int, float, int]:
+        """A queue's order: priority class (higher first), then arrival."""
+        return (-self.ranks.get(r.priority, 0), r.created_at, r.id)
+
+    def _add_pending(self, r: Pending) -> None:
+        key = (r.project, r.gpu_type)
+        requests = self.queues.get(key)
+        if requests is None:
+            requests = self.queues[key] = []
+        bisect.insort(requests, r, key=self.queue_order)
+        self.pod_sizes[r.gpu_type][r.gpus_per_pod] += 1
+        self.shapes[r.gpu_type][(r.gpus_per_pod, r.pods > 1)] += 1
+        self.sizes[r.gpu_type][r.gpus] += 1
+        if r.node_selector:
+            self.selectors[r.gpu_type] += 1
+        if r.promised:
+            self.promised.add(r.id)
+
+    def _drop_pending(self, r: Pending) -> None:
+        key = (r.project, r.gpu_type)
+        requests = self.queues[key]
+        i = bisect.bisect_left(requests, self.queue_order(r), key=self.queue_order)
+        assert requests[i].id == r.id, "the queue lost its order"
+        del requests[i]
+        if not requests:
+            del self.queues[key]
+            self.tails.pop(key, None)
+        _count_down(self.pod_sizes[r.gpu_type], r.gpus_per_pod)
+        _count_down(self.shapes[r.gpu_type], (r.gpus_per_pod, r.pods > 1))
+        _count_down(self.sizes[r.gpu_type], r.gpus)
+        if r.node_selector:
+            _count_down(self.selectors, r.gpu_type)
+        self.promised.discard(r.id)
+
+    # ------------------------------------------------------------------ reads
+    def in_flight_lists(self) -> dict[int, list[Running]]:
+        """Preemptor -> its stopping victims, by victim id."""
+        return {
+            wid: [victims[v] for v in sorted(victims)] for wid, victims in self.in_flight.items()
+        }
+
+
+def _frozen_map(mapping: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(mapping.items()))
+
+
+def _same_tree(old: ProjectTree, new: ProjectTree) -> bool:
+    return dict(old.projects) == dict(new.projects)
+
+
+def _add(sums: dict[Any, int], key: Any, value: int) -> None:
+    total = sums.get(key, 0) + value
+    if total:
+        sums[key] = total
+    else:
+        sums.pop(key, None)
+
+
+def _count_down(counter: Counter[Any], key: Any) -> None:
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]
