@@ -336,8 +336,9 @@ def _same_bytes(a: Path, b: Path) -> bool:
 # ----------------------------------------------------------------- CPU time
 class Clock:
     """Wall time, and CPU time split between this process, its waited-for children (tar,
-    zstd), the S3 server and every other process on the machine; and the steal time (what
-    the VM's neighbours took). Other processes and steal are why rounds differ."""
+    zstd; gpufleet's restore workers), the S3 server and every other process on the
+    machine; and the steal time (what the VM's neighbours took). Other processes and steal
+    are why rounds differ."""
 
     def __init__(self, server_pid: int | None):
         self.server_pid = server_pid
@@ -371,7 +372,7 @@ class Clock:
 def cpu_note(t: dict[str, float]) -> str:
     note = f"CPU: this process {t['cpu_self']:.1f} s"
     if t["cpu_children"] >= 0.05:
-        note += f", tar/zstd {t['cpu_children']:.1f} s"
+        note += f", child processes {t['cpu_children']:.1f} s"
     if t["cpu_server"]:
         note += f", S3 server {t['cpu_server']:.1f} s"
     return note + f"; other processes {max(0.0, t['cpu_others']):.1f} s; steal {t['steal']:.1f} s"
@@ -416,8 +417,9 @@ _PHASES = [
     (r"_plan_source \(|read_tree \(", "plan (read trees)"),
     (r"_missing \(", "check packs exist"),
     (r"_create \(", "create files and dirs"),
-    (r"one_pack \(", "fetch, decrypt, decompress, verify, write"),
-    (r"_fetch_and_write \(", "waiting for the pack workers"),
+    (r"_write_pack \(", "fetch, decrypt, decompress, verify, write"),
+    (r"_file_metadata \(", "metadata"),
+    (r"_write_data \(", "waiting for the pack workers"),
     (r"_link \(", "hard links"),
     (r"_apply_metadata \(", "metadata"),
     (r"prime_cache \(", "stat cache priming"),
@@ -427,7 +429,8 @@ _PHASES = [
 
 @contextlib.contextmanager
 def profiled(name: str, out_dir: Path | None, rate: int = 25) -> Iterator[None]:
-    """py-spy on this process (native frames, idle threads) while the block runs."""
+    """py-spy on this process and its workers (native frames, idle threads) while the
+    block runs."""
     if out_dir is None:
         yield
         return
@@ -437,7 +440,7 @@ def profiled(name: str, out_dir: Path | None, rate: int = 25) -> Iterator[None]:
         raise SystemExit("--profile needs py-spy: .venv/bin/pip install py-spy")
     raw = out_dir / f"{name}.txt"
     cmd = [spy, "record", "--pid", str(os.getpid()), "--rate", str(rate), "--native"]
-    cmd += ["--idle", "--threads", "--format", "raw", "-o", str(raw)]
+    cmd += ["--idle", "--threads", "--subprocesses", "--format", "raw", "-o", str(raw)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.5)  # attached and sampling
     try:
@@ -638,7 +641,7 @@ def measure(
                     reader,
                     manifest,
                     targets={manifest.sources[0].name: target},
-                    workers=args.workers or 8,
+                    workers=args.workers,
                     cache_dir=work / f"cache-restore-{i}",
                 )
             r["restore"].append(t)

@@ -101,6 +101,12 @@ def add_snapshot(commands: Any) -> None:
         "--overwrite", action="store_true", help="restore into a directory that is not empty"
     )
     restore.add_argument("--cache-dir", type=Path, default=_default_cache())
+    restore.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes that fetch and write the data (default: two per core; 1: this one)",
+    )
 
     delete = sub.add_parser("delete", help="forget snapshots (data goes at the next gc)")
     delete.add_argument("ids", nargs="+")
@@ -353,6 +359,7 @@ def _restore(repository: Repository, args: argparse.Namespace, console: Console)
             manifest,
             targets=targets,
             overwrite=args.overwrite,
+            workers=args.workers,
             cache_dir=args.cache_dir,
             on_progress=show,
         )

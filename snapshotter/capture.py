@@ -31,12 +31,14 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import cache
 from operator import attrgetter
 from pathlib import Path
+from stat import S_ISREG
+from typing import Any
 
 import blake3
 import zstandard
@@ -111,6 +113,11 @@ class _Entry:
     opaque: bool = False
 
 
+# A child as the walk found it, before it becomes an _Entry: name, path, stat, type,
+# symlink target, the first path of a hard link, and its own walk when a directory.
+_Found = tuple[str, str, os.stat_result, NodeType, str, str, "_Dir | None"]
+
+
 @dataclass(slots=True)
 class _Dir:
     rel: str  # "" for the source's root
@@ -118,6 +125,45 @@ class _Dir:
     entries: list[_Entry] = field(default_factory=list)
     tree: bytes = b""
     signature: bytes = b""
+    # What a tree walk found here. Entries are made from it only when the stat cache does
+    # not vouch for the whole directory: most directories of an unchanged source never
+    # need one (overlay walks make their entries as they go, and leave this None).
+    found: list[_Found] | None = None
+    vouched: bool = False  # the stat cache's tree stands for it, unread
+
+
+def _signature_row(
+    name: str,
+    node_type: NodeType,
+    st: os.stat_result,
+    target: str,
+    link: str,
+    opaque: bool,
+    subdir: _Dir | None,
+) -> tuple[Any, ...]:
+    """What a directory's signature covers of one child: any change of content (ctime),
+    owner, mode, name or link shows here."""
+    return (
+        name,
+        node_type._value_,  # not .value: a property, and this runs once per path
+        st.st_mode,
+        st.st_uid,
+        st.st_gid,
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ctime_ns,
+        st.st_ino,
+        target,
+        link,
+        opaque,
+        subdir.signature if subdir is not None else b"",
+    )
+
+
+def _signature(rows: list[tuple[Any, ...]]) -> bytes:
+    # marshal format 2: from 3 on, an object met twice (a shared string) is written as a
+    # back-reference and an interned string flagged, so equal rows could sign unequally.
+    return blake3.blake3(marshal.dumps(rows, 2)).digest()
 
 
 class _Run:
@@ -368,21 +414,29 @@ class _Walker:
         self.unverified: list[_Entry] = []  # unchanged by the cache, chunks not yet checked
         self.rebuilt_dirs = 0  # directories whose tree the cache could not vouch for
 
-    def entry(self, rel: str, path: str, name: str, st: os.stat_result) -> _Entry:
+    def classify(self, rel: str, path: str, st: os.stat_result) -> tuple[NodeType, str, str]:
+        """A child's type, symlink target and (for the second and later paths of a hard
+        link) its first path; regular files are counted here, once."""
         node_type = _TYPES.get(stat.S_IFMT(st.st_mode))
         if node_type is None:
             raise CaptureError(f"{path}: unknown file type {stat.S_IFMT(st.st_mode):o}")
-        entry = _Entry(name, st, node_type, path)
-        if node_type is NodeType.SYMLINK:
-            entry.target = os.readlink(path)
-        elif node_type is NodeType.FILE:
+        if node_type is NodeType.FILE:
             if st.st_nlink > 1:
                 first = self.links.setdefault((st.st_dev, st.st_ino), rel)
                 if first != rel:
-                    entry.node_type, entry.link = NodeType.HARDLINK, first
-                    return entry
+                    return NodeType.HARDLINK, "", first
             self.files += 1
             self.bytes += st.st_size
+        elif node_type is NodeType.SYMLINK:
+            return node_type, os.readlink(path), ""
+        return node_type, "", ""
+
+    def entry(self, rel: str, name: str, found: _Found) -> _Entry:
+        """An entry for what the walk found; a regular file goes to the readers unless the
+        stat cache knows it unchanged."""
+        _, path, st, node_type, target, link, subdir = found
+        entry = _Entry(name, st, node_type, path, target, link, subdir=subdir)
+        if node_type is NodeType.FILE:
             cached = self.cache.files.get(rel)
             if cached is not None and cached[0] == (
                 st.st_ino,
@@ -406,26 +460,63 @@ class _Walker:
         return self._walk_dir("", str(root), st)
 
     def _walk_dir(self, rel: str, path: str, st: os.stat_result) -> _Dir:
-        here = _Dir(rel, st)
+        """Stat a directory's children (subdirectories first walked) and sign its listing;
+        no entry objects yet (``settle`` makes them only where the cache does not vouch).
+        This loop runs once per path of the source: it is what an unchanged snapshot
+        costs, so the common case (a file with one link) stays inline."""
+        found: list[_Found] = []
+        here = _Dir(rel, st, found=found)
         try:
             with os.scandir(path) as listing:
                 children = sorted(listing, key=_by_name)
         except OSError as e:
             raise CaptureError(f"cannot list {path}: {e}") from e
+        excluded = self.excluded if self.spec.exclude else None
+        prefix = f"{rel}/" if rel else ""
+        rows: list[tuple[Any, ...]] = []
+        files = size = 0
         for child in children:
-            child_rel = f"{rel}/{child.name}" if rel else child.name
-            if self.excluded(child_rel):
+            name = child.name
+            if excluded is not None and excluded(prefix + name):
                 continue
             try:
                 child_st = child.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue  # deleted while walking
-            entry = self.entry(child_rel, child.path, child.name, child_st)
-            if entry.node_type is NodeType.DIR:
-                if child_st.st_dev != st.st_dev:
-                    continue  # another file system mounted here: not part of the source
-                entry.subdir = self._walk_dir(child_rel, child.path, child_st)
-            here.entries.append(entry)
+            subdir = None
+            if S_ISREG(child_st.st_mode) and child_st.st_nlink == 1:
+                node_type, target, link = NodeType.FILE, "", ""
+                files += 1
+                size += child_st.st_size
+            else:
+                node_type, target, link = self.classify(prefix + name, child.path, child_st)
+                if node_type is NodeType.DIR:
+                    if child_st.st_dev != st.st_dev:
+                        continue  # another file system mounted here: not part of the source
+                    subdir = self._walk_dir(prefix + name, child.path, child_st)
+            found.append((name, child.path, child_st, node_type, target, link, subdir))
+            # _signature_row's tuple, inline (a call per path is a tenth of this loop);
+            # tests check that both sign a restored tree alike.
+            rows.append(
+                (
+                    name,
+                    node_type._value_,
+                    child_st.st_mode,
+                    child_st.st_uid,
+                    child_st.st_gid,
+                    child_st.st_size,
+                    child_st.st_mtime_ns,
+                    child_st.st_ctime_ns,
+                    child_st.st_ino,
+                    target,
+                    link,
+                    False,
+                    subdir.signature if subdir is not None else b"",
+                )
+            )
+        self.files += files
+        self.bytes += size
+        here.signature = _signature(rows)
         self.dirs.append(here)
         return here
 
@@ -452,21 +543,38 @@ class _Walker:
                 st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            entry = self.entry(change.path, path, name, st)
+            node_type, target, link = self.classify(change.path, path, st)
+            subdir = None
+            if node_type is NodeType.DIR:
+                subdir = dirs[change.path] = _Dir(change.path, st)
+                order.append(subdir)
+            entry = self.entry(change.path, name, (name, path, st, node_type, target, link, subdir))
             entry.opaque = change.kind is ChangeKind.OPAQUE
-            if entry.node_type is NodeType.DIR:
-                entry.subdir = dirs[change.path] = _Dir(change.path, st)
-                order.append(entry.subdir)
             parent.entries.append(entry)
         # Children were listed after their parents: reversed, they come first.
         self.dirs.extend(reversed(order))
         self.dirs.append(dirs[""])
         return dirs[""]
 
-    def verify_cached(self) -> None:
-        """Files the stat cache vouched for keep their chunks if the index still has them
-        all (garbage collection may have removed them); the others are read again."""
-        has_all = self.run.index.has_all
+    def settle(self) -> None:
+        """After the walk, with the index loaded: a directory whose listing signature is
+        the one the stat cache holds keeps its tree, and nothing in it is looked at again
+        (the cache's manifest still exists, so everything the tree reaches is stored).
+        The others get their entries; their files the cache knows keep their chunks if the
+        index still has them all (garbage collection may have removed them), and all
+        other files are read."""
+        use_dirs, cached_dirs, index = self.use_dirs, self.cache.dirs, self.run.index
+        for here in self.dirs:
+            if here.found is None:
+                continue  # an overlay's: its entries were made by the walk
+            cached = cached_dirs.get(here.rel) if use_dirs else None
+            if cached is not None and cached[0] == here.signature and cached[1] in index:
+                here.tree, here.vouched = cached[1], True
+                self.reused += sum(1 for f in here.found if f[3] is NodeType.FILE)
+                continue
+            prefix = f"{here.rel}/" if here.rel else ""
+            here.entries = [self.entry(prefix + f[0], f[0], f) for f in here.found]
+        has_all = index.has_all
         for entry in self.unverified:
             assert entry.content is not None
             if has_all(entry.content[0]):
@@ -480,7 +588,10 @@ class _Walker:
     def build_trees(self) -> None:
         """Phase 3: each directory's tree, children first."""
         for here in self.dirs:
-            here.signature = self.signature(here)
+            if here.vouched:
+                continue
+            if not here.signature:
+                here.signature = self.signature(here)
             cached = self.cache.dirs.get(here.rel) if self.use_dirs else None
             if cached is not None and cached[0] == here.signature and cached[1] in self.run.index:
                 here.tree = cached[1]
@@ -490,27 +601,12 @@ class _Walker:
             here.tree = self.run.store_blob(TREE, encode_tree(nodes))
 
     def signature(self, here: _Dir) -> bytes:
-        rows = []
-        for e in here.entries:
-            st = e.st
-            rows.append(
-                (
-                    e.name,
-                    e.node_type.value,
-                    st.st_mode,
-                    st.st_uid,
-                    st.st_gid,
-                    st.st_size,
-                    st.st_mtime_ns,
-                    st.st_ctime_ns,
-                    st.st_ino,
-                    e.target,
-                    e.link,
-                    e.opaque,
-                    e.subdir.signature if e.subdir is not None else b"",
-                )
-            )
-        return blake3.blake3(marshal.dumps(rows)).digest()
+        return _signature(
+            [
+                _signature_row(e.name, e.node_type, e.st, e.target, e.link, e.opaque, e.subdir)
+                for e in here.entries
+            ]
+        )
 
     def _node(self, e: _Entry) -> Node:
         if e.node_type is NodeType.DELETED:
@@ -546,16 +642,23 @@ class _Walker:
     def new_cache(self, snapshot: str) -> statcache.StatCache:
         if self.use_dirs and not self.to_read and not self.rebuilt_dirs:
             # Nothing changed: the same cache, vouched for by the new manifest.
-            return statcache.StatCache(self.cache.files, self.cache.dirs, snapshot)
+            return self.cache.vouched_by(snapshot)
         fresh = statcache.StatCache(snapshot=snapshot)
         for here in self.dirs:
             fresh.dirs[here.rel] = (here.signature, here.tree)
+            prefix = f"{here.rel}/" if here.rel else ""
+            if here.vouched:
+                assert here.found is not None
+                for name, _, _, node_type, *_ in here.found:
+                    kept = self.cache.files.get(prefix + name)
+                    if node_type is NodeType.FILE and kept is not None:
+                        fresh.files[prefix + name] = kept
+                continue
             for e in here.entries:
                 if e.node_type is not NodeType.FILE:
                     continue
-                rel = f"{here.rel}/{e.name}" if here.rel else e.name
                 chunks, sparse = e.content if e.content is not None else ((), ())
-                fresh.files[rel] = (statcache.file_signature(e.st), chunks, sparse)
+                fresh.files[prefix + e.name] = (statcache.file_signature(e.st), chunks, sparse)
         return fresh
 
 
@@ -617,7 +720,7 @@ def create_snapshot(
             run.index, parent = prepared.result()
             for walker, _, alive in walkers:
                 walker.use_dirs = alive is not None and alive.result()
-                walker.verify_cached()
+                walker.settle()
             run.progress.phase = "read"
             run.read_all([e for w, _, _ in walkers for e in w.to_read])
             run.progress.phase = "trees"
@@ -651,6 +754,7 @@ def create_snapshot(
             dirs=sum(len(w.dirs) for w, _, _ in walkers),
             bytes=sum(w.bytes for w, _, _ in walkers),
             reused_files=sum(w.reused for w, _, _ in walkers),
+            reused_dirs=sum(len(w.dirs) - w.rebuilt_dirs for w, _, _ in walkers),
             new_bytes=run.new_bytes,
             uploaded_bytes=uploaded,
             duration_s=round(time.monotonic() - started, 3),
@@ -685,13 +789,16 @@ def prime_cache(
     nodes: dict[str, Node],
     cache_dir: Path,
     snapshot: str,
+    stats: Mapping[str, os.stat_result] | None = None,
 ) -> None:
     """The stat cache of a freshly restored ``target``, as if it had just been snapshotted:
     the restored files' new inodes and ctimes with the chunks they were restored from, and
     every directory's signature with its tree id, so the next snapshot reads nothing.
 
-    Directory trees need one ``lstat`` per restored path: what else a walk would find is
-    known from the manifest. Overlay sources are walked, as a snapshot of them would be."""
+    Directory trees need each restored path's ``lstat`` (from ``stats``, by absolute path,
+    where the restore took them): what else a walk would find is known from the manifest.
+    Overlay sources are walked, as a snapshot of them would be."""
+    stats = stats or {}
     run = _Run(repository, index, 1, 1, None)
     try:
         # An overlay walk finds its files in this cache, as unchanged.
@@ -699,7 +806,8 @@ def prime_cache(
         if source.kind is SourceKind.OVERLAY:
             for rel, node in nodes.items():
                 if node.type is NodeType.FILE:
-                    st = os.lstat(os.path.join(target, rel))
+                    restored = os.path.join(target, rel)
+                    st = stats.get(restored) or os.lstat(restored)
                     cache.files[rel] = (
                         statcache.file_signature(st),
                         tuple(node.chunks),
@@ -712,7 +820,7 @@ def prime_cache(
         if source.kind is SourceKind.OVERLAY:
             walker.walk_overlay(target, None)
         else:
-            walker.dirs = _restored_dirs(target, nodes)
+            walker.dirs = _restored_dirs(target, nodes, stats)
         for here in walker.dirs:
             here.signature = walker.signature(here)
             here.tree = trees.get(here.rel, b"")
@@ -724,20 +832,23 @@ def prime_cache(
         run.close()
 
 
-def _restored_dirs(target: Path, nodes: dict[str, Node]) -> list[_Dir]:
+def _restored_dirs(
+    target: Path, nodes: dict[str, Node], stats: Mapping[str, os.stat_result]
+) -> list[_Dir]:
     """The directories a walk of a restored tree would find, children before parents, each
     with its entries in name order and their fresh ``lstat``."""
-    dirs = {"": _Dir("", os.lstat(target))}
+    dirs = {"": _Dir("", stats.get(str(target)) or os.lstat(target))}
     for rel in sorted(
         (r for r, n in nodes.items() if n.type is NodeType.DIR), key=lambda r: r.count("/")
     ):
         dirs[rel] = _Dir(rel, None)
-    for rel, node in sorted(nodes.items()):
+    prefix = f"{target}/"
+    for rel, node in nodes.items():  # in any order: each directory's entries sorted below
         if node.type is NodeType.SOCKET:
             continue  # not restored: a walk will not find it
         parent, _, name = rel.rpartition("/")
-        path = os.path.join(target, rel)
-        st = os.lstat(path)
+        path = prefix + rel
+        st = stats.get(path) or os.lstat(path)
         entry = _Entry(
             name, st, node.type, path, target=node.target, link=node.link, opaque=node.opaque
         )
@@ -748,7 +859,7 @@ def _restored_dirs(target: Path, nodes: dict[str, Node]) -> list[_Dir]:
             entry.content = (tuple(node.chunks), tuple(node.sparse))
         dirs[parent].entries.append(entry)
     for here in dirs.values():
-        here.entries.sort(key=lambda e: e.name)
+        here.entries.sort(key=_by_name)
     return sorted(dirs.values(), key=lambda d: -d.rel.count("/") if d.rel else 1)
 
 

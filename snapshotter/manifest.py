@@ -35,6 +35,7 @@ class Stats:
     dirs: int = 0
     bytes: int = 0  # file bytes the snapshot holds
     reused_files: int = 0  # found unchanged by the stat cache, not read again
+    reused_dirs: int = 0  # whose tree the stat cache vouched for, not encoded again
     new_bytes: int = 0  # bytes of blobs this run stored for the first time (before zstd)
     uploaded_bytes: int = 0  # what this run sent to the store (packs, index, manifest)
     duration_s: float = 0.0

@@ -23,15 +23,16 @@ Overlay sources come back as an upper directory: deletions as whiteouts (charact
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import shutil
 import stat
-import threading
 from collections import defaultdict
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from .errors import CorruptObject, DamagedSnapshot, ObjectMissing, RestoreRefused, StoreError
 from .index import Index, Location
@@ -56,24 +57,38 @@ class RestoreResult:
     packs: int
 
 
-@dataclass
+@dataclass(slots=True)
 class _Planned:
     path: str  # absolute target path
     rel: str
     node: Node
 
 
+# A blob's writes: (target path, offset in the file) for every place it belongs.
+_Targets = list[tuple[str, int]]
+
+
 @dataclass
 class _Plan:
-    entries: list[_Planned] = field(default_factory=list)  # pre-order
-    # pack -> segment offset -> blob id -> [(target path, offset in file)]
-    writes: dict[str, dict[int, dict[bytes, list[tuple[str, int]]]]] = field(
-        default_factory=lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    entries: list[_Planned] = field(default_factory=list)  # parents before children
+    # pack -> segment offset -> blob id -> where it is written
+    writes: dict[str, dict[int, dict[bytes, _Targets]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(dict))
     )
     locations: dict[bytes, Location] = field(default_factory=dict)
-    files_of_blob: dict[bytes, set[str]] = field(default_factory=lambda: defaultdict(set))
+    unlocated: set[str] = field(default_factory=set)  # files with a chunk no index lists
     bytes: int = 0
     files: int = 0
+
+
+def _files_of(plan: _Plan, pack_id: str, blob_ids: Iterable[bytes] | None = None) -> set[str]:
+    """The files that need ``blob_ids`` (all of the pack's when None) from a pack."""
+    paths: set[str] = set()
+    for blobs in plan.writes[pack_id].values():
+        for blob_id, targets in blobs.items():
+            if blob_ids is None or blob_id in blob_ids:
+                paths.update(path for path, _ in targets)
+    return paths
 
 
 def _is_empty(path: Path) -> bool:
@@ -86,25 +101,29 @@ def _is_empty(path: Path) -> bool:
         return False
 
 
-def read_tree(
+def walk_trees(
     repository: Repository, index: Index, tree: bytes, base: str = ""
-) -> list[tuple[str, Node]]:
-    """Every (relative path, node) under a tree, parents before children."""
-    out: list[tuple[str, Node]] = []
+) -> Iterator[tuple[str, Node]]:
+    """Every (relative path, node) under a tree, depth first: a directory before what it
+    holds, siblings in name order."""
     stack = [(base, tree)]
     while stack:
         rel, tree_id = stack.pop()
+        prefix = f"{rel}/" if rel else ""
         nodes = decode_tree(repository.read_blob(index, tree_id))
+        subdirs = []
         for node in nodes:
-            child = f"{rel}/{node.name}" if rel else node.name
-            out.append((child, node))
-        for node in reversed(nodes):
+            yield prefix + node.name, node
             if node.type is NodeType.DIR:
-                stack.append((f"{rel}/{node.name}" if rel else node.name, node.subtree))
-    # Depth-first with explicit stack lists a directory before its children, but siblings'
-    # subtrees after all siblings: sort so parents come first and order is stable.
-    out.sort(key=lambda item: item[0].split("/"))
-    return out
+                subdirs.append((prefix + node.name, node.subtree))
+        stack.extend(reversed(subdirs))
+
+
+def read_tree(
+    repository: Repository, index: Index, tree: bytes, base: str = ""
+) -> list[tuple[str, Node]]:
+    """Every (relative path, node) under a tree, sorted by path components."""
+    return sorted(walk_trees(repository, index, tree, base), key=lambda item: item[0].split("/"))
 
 
 def restore_snapshot(
@@ -113,11 +132,15 @@ def restore_snapshot(
     *,
     targets: Mapping[str, Path] | None = None,
     overwrite: bool = False,
-    workers: int = 8,
+    workers: int | None = None,
     cache_dir: Path | None = None,
     on_progress: Callable[[RestoreProgress], None] | None = None,
 ) -> RestoreResult:
-    """Restore every source of ``manifest`` to its own path, or to ``targets[source]``."""
+    """Restore every source of ``manifest`` to its own path, or to ``targets[source]``.
+
+    ``workers``: processes that fetch, check and write the data and set the files'
+    metadata (default: two per core, so one waits on the store while the other works);
+    1 does everything in this process."""
     index = repository.load_index()
     progress = RestoreProgress()
     plan = _Plan()
@@ -140,15 +163,17 @@ def restore_snapshot(
     progress.phase, progress.bytes_total, progress.files_total = "files", plan.bytes, plan.files
     for _, target in placed:
         target.mkdir(parents=True, exist_ok=True)
-    _create(plan)
+    _create(plan, overwrite)
     progress.phase = "data"
-    damaged = _fetch_and_write(repository, plan, workers, progress, on_progress)
-    for path in damaged:  # absent rather than half written: the error names them
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    _link(plan, damaged)
-    progress.phase = "metadata"
-    _apply_metadata(plan, placed, damaged)
+    processes = workers or 2 * (os.cpu_count() or 1)
+    with _workers(repository, plan, processes) as pool:
+        damaged = _write_data(pool, plan, progress, on_progress)
+        for path in damaged:  # absent rather than half written: the error names them
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        _link(plan, damaged)
+        progress.phase = "metadata"
+        stats = _apply_metadata(pool, processes, plan, placed, damaged)
     if damaged:
         raise DamagedSnapshot(manifest.id, "some data failed its integrity check", sorted(damaged))
     if cache_dir is not None:
@@ -156,7 +181,7 @@ def restore_snapshot(
 
         for source, target in placed:
             nodes = plan_for(plan, target)
-            prime_cache(repository, index, source, target, nodes, cache_dir, manifest.name)
+            prime_cache(repository, index, source, target, nodes, cache_dir, manifest.name, stats)
     return RestoreResult(plan.files, plan.bytes, len(plan.writes))
 
 
@@ -168,74 +193,79 @@ def plan_for(plan: _Plan, target: Path) -> dict[str, Node]:
 def _plan_source(
     repository: Repository, index: Index, source: Source, target: Path, plan: _Plan
 ) -> None:
-    for rel, node in read_tree(repository, index, source.tree):
-        path = os.path.join(target, rel)
-        plan.entries.append(_Planned(path, rel, node))
+    prefix = str(target).rstrip("/") + "/"
+    entries, writes, locations = plan.entries, plan.writes, plan.locations
+    get = index.blobs.get
+    for rel, node in walk_trees(repository, index, source.tree):
+        path = prefix + rel
+        entries.append(_Planned(path, rel, node))
         if node.type is not NodeType.FILE:
             continue
         plan.files += 1
         plan.bytes += node.size
-        offsets = _offsets(node, index)
-        for blob_id, offset in zip(node.chunks, offsets, strict=True):
-            plan.files_of_blob[blob_id].add(path)
-            location = index.get(blob_id)
+        for blob_id, offset in _chunk_offsets(node, get):
+            location = get(blob_id)
             if location is None:
+                plan.unlocated.add(path)
                 continue
-            plan.locations[blob_id] = location
-            plan.writes[location.pack_id][location.segment_offset][blob_id].append((path, offset))
+            locations[blob_id] = location
+            targets = writes[location.pack_id][location.segment_offset].setdefault(blob_id, [])
+            targets.append((path, offset))
 
 
-def _offsets(node: Node, index: Index) -> list[int]:
-    """The file offset of each chunk: back to back, or filling the sparse data ranges in
-    order (a chunk never spans two ranges: each range was chunked on its own)."""
-    lengths = [loc.length if (loc := index.get(c)) is not None else 0 for c in node.chunks]
-    offsets = []
-    if not node.sparse:
-        at = 0
-        for length in lengths:
-            offsets.append(at)
-            at += length
-        return offsets
-    ranges = iter(node.sparse)
-    start, left = next(ranges, (0, 0))
-    at = start
-    for length in lengths:
-        while left <= 0:
-            start, left = next(ranges)
-            at = start
-        offsets.append(at)
+def _chunk_offsets(
+    node: Node, get: Callable[[bytes], Location | None]
+) -> Iterator[tuple[bytes, int]]:
+    """Each chunk with its offset in the file: back to back, or filling the sparse data
+    ranges in order (a chunk never spans two ranges: each range was chunked on its own).
+    A chunk the index does not list counts as empty here; the plan marks its file."""
+    chunks = node.chunks
+    if len(chunks) == 1 and not node.sparse:  # most files
+        yield chunks[0], 0
+        return
+    ranges = iter(node.sparse) if node.sparse else None
+    at, left = 0, -1
+    if ranges is not None:
+        at, left = next(ranges, (0, 0))
+    for blob_id in chunks:
+        location = get(blob_id)
+        length = location.length if location is not None else 0
+        if ranges is not None:
+            while left <= 0:
+                at, left = next(ranges)
+            left -= length
+        yield blob_id, at
         at += length
-        left -= length
-    return offsets
 
 
 def _missing(repository: Repository, plan: _Plan) -> set[str]:
     present = {info.name for info in repository.list_packs()}
-    affected: set[str] = set()
-    for blob_id, paths in plan.files_of_blob.items():
-        location = plan.locations.get(blob_id)
-        if location is None or location.pack_id not in present:
-            affected |= paths
+    affected = set(plan.unlocated)
+    for pack_id in plan.writes:
+        if pack_id not in present:
+            affected |= _files_of(plan, pack_id)
     return affected
 
 
-def _create(plan: _Plan) -> None:
+def _create(plan: _Plan, overwrite: bool) -> None:
+    """Directories, symlinks, special files, empty and sparse files. A file with data is
+    created by the first write of its data (one open, not two)."""
     for entry in plan.entries:
         node, path = entry.node, entry.path
         kind = node.type
         if kind is NodeType.DIR:
             try:
                 os.mkdir(path, 0o700)
-            except FileExistsError:
+            except FileExistsError:  # overwriting, or made for a source restored inside
                 if not os.path.isdir(path) or os.path.islink(path):
                     _remove(path)
                     os.mkdir(path, 0o700)
             continue
-        if os.path.lexists(path):
+        if overwrite and os.path.lexists(path):  # (an empty target has nothing to remove)
             _remove(path)
         if kind is NodeType.FILE:
             if node.chunks and not node.sparse:
-                continue  # created by the writer of its first chunk (one open, not two)
+                continue
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
                 os.ftruncate(fd, node.size)
@@ -261,85 +291,113 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def _fetch_and_write(
-    repository: Repository,
+# ------------------------------------------------------------------ workers
+# What forked worker processes inherit: a restore's repository and plan, set just before
+# they fork and never changed while they live. Each file is written by plain system calls
+# from many processes at once: in threads they would queue for one interpreter lock.
+_inherited: tuple[Repository, _Plan] | None = None
+_T = TypeVar("_T")
+
+
+class _InProcess(Executor):
+    """The same tasks, run here: for ``workers=1`` and where ``fork`` is not available."""
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        future: Future[_T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:  # noqa: BLE001 -- as a worker's: raised by future.result()
+            future.set_exception(e)
+        return future
+
+
+@contextlib.contextmanager
+def _workers(repository: Repository, plan: _Plan, processes: int) -> Iterator[Executor]:
+    global _inherited
+    _inherited = (repository, plan)
+    try:
+        if processes <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            yield _InProcess()
+            return
+        with ProcessPoolExecutor(
+            max_workers=processes,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=_reopen_store,
+        ) as pool:
+            yield pool
+    finally:
+        _inherited = None
+
+
+def _reopen_store() -> None:
+    """A forked worker's own connections to the store (a client's open connections must
+    not be shared across processes)."""
+    assert _inherited is not None
+    repository = _inherited[0]
+    repository.store = repository.store.reopen()
+
+
+def _write_data(
+    pool: Executor,
     plan: _Plan,
-    workers: int,
     progress: RestoreProgress,
     on_progress: Callable[[RestoreProgress], None] | None,
 ) -> set[str]:
+    """Every pack fetched and written, a task each; the files that could not be."""
     damaged: set[str] = set()
-    lock = threading.Lock()
-    keys = repository.keys
-
-    def fetch(pack_id: str) -> tuple[str, bytes | None]:
-        slots.acquire()  # released once the pack is written: bounds the packs in memory
-        try:
-            return pack_id, repository.read_pack(pack_id)
-        except (ObjectMissing, StoreError):
-            return pack_id, None
-
-    def write(pack_id: str, data: bytes | None) -> None:
-        try:
-            write_pack(pack_id, data)
-        finally:
-            slots.release()
-
-    def write_pack(pack_id: str, fetched: bytes | None) -> None:
-        segments = plan.writes[pack_id]
-        name = repository.name(pack_name(pack_id))
-        if fetched is None:
-            with lock:
-                for blobs in segments.values():
-                    for blob_id in blobs:
-                        damaged.update(plan.files_of_blob[blob_id])
-            return
-        data = memoryview(fetched)
-        written = 0
-        for segment_offset, blobs in segments.items():
-            first = plan.locations[next(iter(blobs))]
-            try:
-                plain = open_segment(
-                    keys, data[segment_offset : segment_offset + first.segment_length], name
-                )
-            except CorruptObject:
-                with lock:
-                    for blob_id in blobs:
-                        damaged.update(plan.files_of_blob[blob_id])
-                continue
-            view = memoryview(plain)
-            for blob_id, targets in blobs.items():
-                location = plan.locations[blob_id]
-                blob = view[location.offset : location.offset + location.length]
-                if keys.content_id(blob) != blob_id:
-                    with lock:
-                        damaged.update(plan.files_of_blob[blob_id])
-                    continue
-                for path, offset in targets:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-                    try:
-                        os.pwrite(fd, blob, offset)
-                    finally:
-                        os.close(fd)
-                    written += len(blob)
-        with lock:
-            progress.bytes_done += written
-            if on_progress is not None:
-                on_progress(progress)
-
-    # Fetching waits on the store, so many at once; writing is CPU and small system calls
-    # under the GIL, where more threads than cores only contend.
-    slots = threading.BoundedSemaphore(workers)
-    writers = max(1, min(workers, os.cpu_count() or 1))
-    with (
-        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as fetching,
-        ThreadPoolExecutor(max_workers=writers, thread_name_prefix="write") as writing,
-    ):
-        fetched = [fetching.submit(fetch, p) for p in plan.writes]
-        written = [writing.submit(write, *f.result()) for f in as_completed(fetched)]
-        for future in written:
-            future.result()
+    futures = {pool.submit(_write_pack, pack_id): pack_id for pack_id in plan.writes}
+    for future in as_completed(futures):
+        pack_id = futures[future]
+        written, bad_blobs = future.result()
+        if bad_blobs is None:
+            damaged |= _files_of(plan, pack_id)
+        elif bad_blobs:
+            damaged |= _files_of(plan, pack_id, bad_blobs)
+        progress.bytes_done += written
+        if on_progress is not None:
+            on_progress(progress)
     return damaged
+
+
+def _write_pack(pack_id: str) -> tuple[int, set[bytes] | None]:
+    """In a worker: one pack's blobs, each checked against its id, written wherever they
+    belong (``pwrite``: a file's chunks may come from several packs, in any order). The
+    bytes written, and the blobs that failed (None: the pack could not be read)."""
+    assert _inherited is not None
+    repository, plan = _inherited
+    try:
+        data = memoryview(repository.read_pack(pack_id))
+    except (ObjectMissing, StoreError):
+        return 0, None
+    keys, name = repository.keys, repository.name(pack_name(pack_id))
+    locations = plan.locations
+    bad: set[bytes] = set()
+    written = 0
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+    for segment_offset, blobs in plan.writes[pack_id].items():
+        first = locations[next(iter(blobs))]
+        try:
+            plain = open_segment(
+                keys, data[segment_offset : segment_offset + first.segment_length], name
+            )
+        except CorruptObject:
+            bad.update(blobs)
+            continue
+        view = memoryview(plain)
+        for blob_id, targets in blobs.items():
+            location = locations[blob_id]
+            blob = view[location.offset : location.offset + location.length]
+            if keys.content_id(blob) != blob_id:
+                bad.add(blob_id)
+                continue
+            for path, offset in targets:
+                fd = os.open(path, flags, 0o600)
+                try:
+                    os.pwrite(fd, blob, offset)
+                finally:
+                    os.close(fd)
+                written += len(blob)
+    return written, bad
 
 
 def _link(plan: _Plan, damaged: set[str]) -> None:
@@ -355,25 +413,62 @@ def _link(plan: _Plan, damaged: set[str]) -> None:
         os.link(first, entry.path)
 
 
-_NO_METADATA = (NodeType.HARDLINK, NodeType.DELETED, NodeType.SOCKET)
+# Not set by the workers: directories (after them, deepest first), hard links (their
+# inode is their first path's) and sockets (not restored).
+_NOT_HERE = (NodeType.DIR, NodeType.HARDLINK, NodeType.SOCKET)
 
 
-def _apply_metadata(plan: _Plan, placed: list[tuple[Source, Path]], damaged: set[str]) -> None:
-    overlay_roots = {str(t) for s, t in placed if s.kind is SourceKind.OVERLAY}
-    dirs = []
-    for entry in plan.entries:
-        node = entry.node
-        if node.type is NodeType.DIR:
-            dirs.append(entry)
-        elif node.type not in _NO_METADATA and entry.path not in damaged:
-            _set_metadata(entry.path, node)
-    for entry in reversed(dirs):
+def _apply_metadata(
+    pool: Executor,
+    processes: int,
+    plan: _Plan,
+    placed: list[tuple[Source, Path]],
+    damaged: set[str],
+) -> dict[str, os.stat_result]:
+    """Owners, modes, extended attributes and mtimes: everything but directories in the
+    workers, then directories here, deepest first (writing into a directory moves its
+    mtime). Returns each restored path's ``lstat`` afterwards, for the stat cache."""
+    count = len(plan.entries)
+    step = max(1024, -(-count // (4 * processes)))
+    futures = [
+        pool.submit(_file_metadata, start, min(start + step, count), damaged)
+        for start in range(0, count, step)
+    ]
+    stats: dict[str, os.stat_result] = {}
+    for future in futures:
+        stats.update(future.result())
+    for entry in plan.entries:  # their inode's metadata is set with its first path's
+        if entry.node.type is NodeType.HARDLINK and entry.path not in damaged:
+            stats[entry.path] = os.lstat(entry.path)
+    overlay_roots = tuple(str(t) for s, t in placed if s.kind is SourceKind.OVERLAY)
+    for entry in reversed(plan.entries):
+        if entry.node.type is not NodeType.DIR:
+            continue
         _set_metadata(entry.path, entry.node)
-        if entry.node.opaque and any(entry.path.startswith(r) for r in overlay_roots):
+        if entry.node.opaque and overlay_roots and entry.path.startswith(overlay_roots):
             os.setxattr(entry.path, "trusted.overlay.opaque", b"y")
+        stats[entry.path] = os.lstat(entry.path)
     for source, target in placed:  # the sources' own directories, last of all
         if source.root is not None:
             _set_metadata(str(target), source.root)
+        stats[str(target)] = os.lstat(target)
+    return stats
+
+
+def _file_metadata(start: int, stop: int, damaged: set[str]) -> dict[str, os.stat_result]:
+    """In a worker: metadata of the entries ``start:stop`` that are not directories, and
+    every such path's ``lstat`` afterwards."""
+    assert _inherited is not None
+    stats = {}
+    for entry in _inherited[1].entries[start:stop]:
+        node, path = entry.node, entry.path
+        kind = node.type
+        if kind in _NOT_HERE or path in damaged:
+            continue
+        if kind is not NodeType.DELETED:
+            _set_metadata(path, node)
+        stats[path] = os.lstat(path)
+    return stats
 
 
 def _set_metadata(path: str, node: Node) -> None:

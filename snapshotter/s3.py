@@ -127,6 +127,7 @@ class S3Store:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         _validate(bucket, self.prefix, locals())
+        self._options = {k: v for k, v in locals().items() if k not in ("self", "bucket")}
         self.endpoint_url = endpoint_url
         self.checksum = checksum
         self.conditional_writes = conditional_writes
@@ -158,6 +159,9 @@ class S3Store:
                 aws_secret_access_key=secret_key,
                 config=config,
             )
+
+    def reopen(self) -> S3Store:
+        return type(self)(self.bucket, **self._options)
 
     @classmethod
     def from_uri(cls, uri: str, **options: Any) -> S3Store:

@@ -21,7 +21,6 @@ import hashlib
 import marshal
 import os
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import zstandard
@@ -29,38 +28,70 @@ import zstandard
 # (inode, size, mtime_ns, ctime_ns)
 FileSignature = tuple[int, int, int, int]
 
-_VERSION = 1
+_VERSION = 2
 
 
 def file_signature(st: os.stat_result) -> FileSignature:
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-@dataclass
+FileRecord = tuple[FileSignature, tuple[bytes, ...], tuple[tuple[int, int], ...]]
+
+
 class StatCache:
-    files: dict[str, tuple[FileSignature, tuple[bytes, ...], tuple[tuple[int, int], ...]]] = field(
-        default_factory=dict
-    )
-    dirs: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)  # path -> (sig, tree)
-    # The manifest written with this cache: its directory shortcuts hold only while it
-    # exists (garbage collection never deletes what a manifest reaches).
-    snapshot: str = ""
+    """``dirs``: path -> (listing signature, tree id); ``files``: path -> (stat signature,
+    chunk ids, sparse data ranges). ``snapshot``: the manifest written with this cache;
+    its directory shortcuts hold only while it exists (garbage collection never deletes
+    what a manifest reaches)."""
+
+    def __init__(
+        self,
+        files: dict[str, FileRecord] | None = None,
+        dirs: dict[str, tuple[bytes, bytes]] | None = None,
+        snapshot: str = "",
+    ):
+        self._files = files  # None until first needed, when loaded
+        self.dirs = dirs if dirs is not None else {}
+        self.snapshot = snapshot
+        # The tables as stored, while unchanged: an unchanged snapshot writes them back as
+        # they were, and never decodes the files of directories its cache vouches for.
+        self._encoded_files: bytes | None = None
+        self._encoded_dirs: bytes | None = None
+
+    @property
+    def files(self) -> dict[str, FileRecord]:
+        if self._files is None:
+            encoded = self._encoded_files
+            self._files = (
+                marshal.loads(zstandard.ZstdDecompressor().decompress(encoded)) if encoded else {}
+            )
+        return self._files
+
+    def vouched_by(self, snapshot: str) -> StatCache:
+        """The same cache, its shortcuts now held by ``snapshot``."""
+        same = StatCache(self._files, self.dirs, snapshot)
+        same._encoded_files, same._encoded_dirs = self._encoded_files, self._encoded_dirs
+        return same
 
     def encode(self) -> bytes:
         # marshal: ten times faster than JSON both ways, which an unchanged snapshot of
         # 50,000 files feels. The cache is this machine's own file (never shared, never
         # from the store); one written by another Python version just fails to load.
-        payload = marshal.dumps((_VERSION, self.files, self.dirs, self.snapshot))
-        return zstandard.ZstdCompressor(level=1).compress(payload)
+        if self._encoded_files is None:
+            compress = zstandard.ZstdCompressor(level=1).compress
+            self._encoded_files = compress(marshal.dumps(self.files))
+            self._encoded_dirs = compress(marshal.dumps(self.dirs))
+        return marshal.dumps((_VERSION, self.snapshot, self._encoded_dirs, self._encoded_files))
 
     @classmethod
     def decode(cls, data: bytes) -> StatCache:
-        version, files, dirs, snapshot = marshal.loads(
-            zstandard.ZstdDecompressor().decompress(data)
-        )
+        version, snapshot, encoded_dirs, encoded_files = marshal.loads(data)
         if version != _VERSION:
             return cls()
-        return cls(files, dirs, snapshot)
+        dirs = marshal.loads(zstandard.ZstdDecompressor().decompress(encoded_dirs))
+        cache = cls(None, dirs, snapshot)
+        cache._encoded_files, cache._encoded_dirs = encoded_files, encoded_dirs
+        return cache
 
 
 def cache_path(cache_dir: Path, store_uri: str, project: str, source_path: str) -> Path:

@@ -62,6 +62,11 @@ class Store(Protocol):
         (temporary files, unfinished multipart uploads); how many."""
         ...
 
+    def reopen(self) -> Store:
+        """The same store through connections of its own: what a forked process uses (a
+        connection must never be shared by two processes)."""
+        ...
+
 
 class LocalStore:
     """A store in a local directory: one file per object, written to a temporary file in
@@ -157,6 +162,9 @@ class LocalStore:
         except OSError as e:
             raise _mapped(e, name) from e
         return ObjectInfo(name, st.st_size, st.st_mtime)
+
+    def reopen(self) -> LocalStore:
+        return self  # no connections: plain files
 
     def clean_abandoned(self, prefix: str, older_than: float) -> int:
         folder = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root

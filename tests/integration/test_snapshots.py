@@ -152,7 +152,8 @@ def _snap(
     return create_snapshot(repo, [SourceSpec("home", root)], user=user, cache_dir=cache, **kwargs)
 
 
-def test_round_trip_is_exact(store: Store, tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [None, 1], ids=["worker-processes", "in-process"])
+def test_round_trip_is_exact(store: Store, tmp_path: Path, workers: int | None) -> None:
     home = tmp_path / "home"
     make_rich_tree(home)
     repo = _repo(store)
@@ -162,7 +163,7 @@ def test_round_trip_is_exact(store: Store, tmp_path: Path) -> None:
         == len([p for p in home.rglob("*") if p.is_file() and not p.is_symlink()]) - 2
     )  # two extra links
     out = tmp_path / "out"
-    result = restore_snapshot(_repo(store), manifest, targets={"home": out})
+    result = restore_snapshot(_repo(store), manifest, targets={"home": out}, workers=workers)
     assert describe(out) == describe(home)
     assert result.files == manifest.stats.files
     # Holes stay holes: the 256 MiB file takes a few blocks, as the original does.
@@ -178,11 +179,13 @@ def test_unchanged_and_restored_trees_are_not_read_again(
     first = _snap(repo, home, cache=cache)
     again = _snap(repo, home, cache=cache)
     assert (again.stats.reused_files, again.stats.new_bytes) == (first.stats.files, 0)
+    assert again.stats.reused_dirs == again.stats.dirs  # no tree encoded again
     assert again.stats.uploaded_bytes < 2048  # the manifest alone
     assert again.sources[0].tree == first.sources[0].tree
     (home / "notes2.md").write_bytes(b"one more file")
     third = _snap(repo, home, cache=cache)
     assert third.stats.reused_files == first.stats.files
+    assert third.stats.reused_dirs == third.stats.dirs - 1  # the root's tree only
     assert third.stats.new_bytes < 64 << 10  # the new file and the root's tree
     assert third.parent == again.id
 
@@ -190,6 +193,8 @@ def test_unchanged_and_restored_trees_are_not_read_again(
     restore_snapshot(repo, third, targets={"home": out}, cache_dir=cache)
     after_restore = create_snapshot(repo, [SourceSpec("home", out)], user="ann", cache_dir=cache)
     assert after_restore.stats.reused_files == after_restore.stats.files
+    # The restore signed each directory as a walk does: no tree is encoded again.
+    assert after_restore.stats.reused_dirs == after_restore.stats.dirs
     assert after_restore.stats.new_bytes == 0
 
 
