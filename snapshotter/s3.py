@@ -31,6 +31,7 @@ import contextlib
 import functools
 import hashlib
 import math
+import os
 import re
 import threading
 import zlib
@@ -359,6 +360,16 @@ class S3Store:
 
 
 _SESSION_LOCK = threading.Lock()
+
+
+def _unlock_in_child() -> None:
+    """A process forked while another thread held the lock (a restore's workers are
+    forked) would otherwise wait for it forever when it makes its own client."""
+    global _SESSION_LOCK
+    _SESSION_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
 
 
 @functools.cache
