@@ -1,0 +1,272 @@
+"""The idle policy, as a pure function: ``decide(session, signals, policy, now) -> Decision``.
+
+A session is *active* while anything says a person or a program uses it: JupyterHub's own
+activity (browser, API), a kernel executing or having executed, a terminal, or its GPUs
+doing work; a kernel the session extension reports busy is active now, whatever the
+browser does. A user may also keep it alive until a time within what the project allows.
+
+Once it has been idle for ``idle_timeout_s`` the policy acts, after a warning
+``warn_before_s`` ahead:
+
+- ``always``: the session is culled (snapshotted, stopped, its GPUs released);
+- ``on-demand``: it is only *marked* idle; the scheduler reclaims it first when a waiting
+  workload needs GPUs (and never while nobody waits). Activity clears the mark.
+
+``max_age_s`` stops a session that old whatever its activity, with the same warning.
+
+Nothing here reads a clock, a database or the network: the culler loop gathers the inputs
+and carries out the decision.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from .errors import PolicyError
+
+
+class ReclaimMode(enum.StrEnum):
+    ALWAYS = "always"
+    ON_DEMAND = "on-demand"
+
+
+@dataclass(frozen=True)
+class IdlePolicy:
+    """What a project (or one of its profiles) allows; every time is in seconds."""
+
+    mode: ReclaimMode = ReclaimMode.ON_DEMAND
+    idle_timeout_s: float = 3600.0
+    warn_before_s: float = 600.0
+    max_age_s: float | None = None
+    # How far ahead of now a user may keep a session alive.
+    keep_alive_max_s: float = 8 * 3600.0
+    # In on-demand mode: whether an idle session may be reclaimed by anyone's workload
+    # (it comes back whole from its snapshot). False: it is left alone.
+    reclaim_by_anyone: bool = True
+    # Stop even when the live snapshot fails (the admin accepts losing what is unsaved).
+    stop_without_snapshot: bool = False
+
+    def validate(self, where: str) -> IdlePolicy:
+        problems = []
+        if self.idle_timeout_s <= 0:
+            problems.append("idle_timeout_s must be more than 0")
+        if self.warn_before_s < 0:
+            problems.append("warn_before_s must not be negative")
+        if self.warn_before_s >= self.idle_timeout_s:
+            problems.append("warn_before_s must be less than idle_timeout_s")
+        if self.max_age_s is not None and self.max_age_s <= self.warn_before_s:
+            problems.append("max_age_s must be more than warn_before_s")
+        if self.keep_alive_max_s < 0:
+            problems.append("keep_alive_max_s must not be negative")
+        if problems:
+            raise PolicyError(f"idle policy for {where}: " + "; ".join(problems))
+        return self
+
+
+def policy_from(raw: Mapping[str, Any], base: IdlePolicy, where: str) -> IdlePolicy:
+    """``base`` with the keys of ``raw`` (a config mapping) applied, validated."""
+    known = {f.name for f in fields(IdlePolicy)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise PolicyError(
+            f"idle policy for {where}: unknown key(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    changes: dict[str, Any] = dict(raw)
+    if "mode" in changes:
+        try:
+            changes["mode"] = ReclaimMode(changes["mode"])
+        except ValueError:
+            modes = ", ".join(m.value for m in ReclaimMode)
+            raise PolicyError(
+                f"idle policy for {where}: mode {changes['mode']!r} is not one of {modes}"
+            ) from None
+    for name in known - {"mode", "reclaim_by_anyone", "stop_without_snapshot", "max_age_s"}:
+        if name in changes and not isinstance(changes[name], int | float):
+            raise PolicyError(f"idle policy for {where}: {name} must be a number of seconds")
+    return replace(base, **changes).validate(where)
+
+
+def resolve(config: Mapping[str, Any], project: str, profile: str = "") -> IdlePolicy:
+    """The policy of a session: the defaults, then its project's, then its profile's.
+
+    ``config``: ``{"default": {...}, "projects": {name: {...}}, "profiles": {name: {...}}}``.
+    """
+    policy = policy_from(config.get("default", {}), IdlePolicy(), "the default")
+    if project in config.get("projects", {}):
+        policy = policy_from(config["projects"][project], policy, f"project {project}")
+    if profile and profile in config.get("profiles", {}):
+        policy = policy_from(config["profiles"][profile], policy, f"profile {profile}")
+    return policy
+
+
+@dataclass(frozen=True)
+class Session:
+    """What the culler knows of one running session."""
+
+    workload_id: int
+    started_at: datetime
+    idle_marked: bool = False  # the scheduler may reclaim it (Workload.idle_since)
+    warned_at: datetime | None = None  # the warning the user was shown, if any
+    warned_stop_at: datetime | None = None  # the time that warning announced
+
+
+@dataclass(frozen=True)
+class Signals:
+    """The latest time each source saw the session in use (None: never or unknown)."""
+
+    hub_activity: datetime | None = None
+    kernel_activity: datetime | None = None
+    terminal_activity: datetime | None = None
+    gpu_activity: datetime | None = None
+    # At ``reported_at`` the session extension saw a kernel executing.
+    kernels_busy: bool = False
+    reported_at: datetime | None = None
+    keep_alive_until: datetime | None = None
+
+
+class Action(enum.StrEnum):
+    KEEP = "keep"
+    WARN = "warn"  # tell the user what will happen, and when
+    MARK_IDLE = "mark-idle"  # on-demand: the scheduler may reclaim it
+    UNMARK = "unmark"  # active again: no longer reclaimable as idle
+    CULL = "cull"  # snapshot, stop, release
+
+
+class Cause(enum.StrEnum):
+    NONE = ""
+    IDLE = "idle"
+    MAX_AGE = "max-age"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str  # for a person: what was seen, and what happens next
+    cause: Cause = Cause.NONE
+    last_active: datetime | None = None
+    # When the session will be culled (always, max age) or marked (on-demand).
+    due_at: datetime | None = None
+
+
+def last_activity(session: Session, signals: Signals, now: datetime) -> tuple[datetime, str]:
+    """The latest sign of use, and which source gave it. A kernel reported busy is in use
+    at the time of the report."""
+    seen = [
+        (session.started_at, "the session started"),
+        (signals.hub_activity, "browser or API activity"),
+        (signals.kernel_activity, "a kernel ran code"),
+        (signals.terminal_activity, "terminal activity"),
+        (signals.gpu_activity, "its GPUs did work"),
+    ]
+    if signals.kernels_busy and signals.reported_at is not None:
+        seen.append((min(signals.reported_at, now), "a kernel is running code"))
+    when, what = max(((t, w) for t, w in seen if t is not None), key=lambda item: item[0])
+    return when, what
+
+
+def decide(session: Session, signals: Signals, policy: IdlePolicy, now: datetime) -> Decision:
+    active_at, source = last_activity(session, signals, now)
+    idle_for = now - active_at
+    warn_before = timedelta(seconds=policy.warn_before_s)
+
+    if policy.max_age_s is not None:
+        end_of_life = session.started_at + timedelta(seconds=policy.max_age_s)
+        if now >= end_of_life - warn_before:
+            return _toward(
+                session,
+                Action.CULL,
+                Cause.MAX_AGE,
+                end_of_life,
+                now,
+                warn_before,
+                active_at,
+                f"reached its maximum age of {_span(policy.max_age_s)}",
+            )
+
+    keep_alive = signals.keep_alive_until
+    if keep_alive is not None and keep_alive > now:
+        action = Action.UNMARK if session.idle_marked else Action.KEEP
+        return Decision(
+            action, f"kept alive by its user until {_clock(keep_alive)}", last_active=active_at
+        )
+
+    due = active_at + timedelta(seconds=policy.idle_timeout_s)
+    if now < due - warn_before:
+        if session.idle_marked:
+            return Decision(
+                Action.UNMARK,
+                f"in use again: {source} at {_clock(active_at)}",
+                last_active=active_at,
+            )
+        return Decision(
+            Action.KEEP, f"last in use {_ago(idle_for)} ago: {source}", last_active=active_at
+        )
+    why = f"idle for {_ago(idle_for)} (last in use: {source})"
+    if policy.mode is ReclaimMode.ALWAYS:
+        return _toward(session, Action.CULL, Cause.IDLE, due, now, warn_before, active_at, why)
+    if not policy.reclaim_by_anyone:
+        return Decision(
+            Action.KEEP, f"{why}; its project's policy keeps idle sessions", Cause.IDLE, active_at
+        )
+    if session.idle_marked:
+        return Decision(
+            Action.KEEP,
+            f"{why}: it will be snapshotted and stopped when a waiting workload needs its GPUs",
+            Cause.IDLE,
+            active_at,
+        )
+    return _toward(session, Action.MARK_IDLE, Cause.IDLE, due, now, warn_before, active_at, why)
+
+
+def _toward(
+    session: Session,
+    action: Action,
+    cause: Cause,
+    due: datetime,
+    now: datetime,
+    warn_before: timedelta,
+    active_at: datetime,
+    why: str,
+) -> Decision:
+    """Warn first, then ``action`` once the warning has stood its full time: a session is
+    never stopped or marked without the user having had ``warn_before`` to react."""
+    warned = session.warned_at
+    if warn_before and (warned is None or (warned < active_at and cause is Cause.IDLE)):
+        at = max(due, now + warn_before)
+        return Decision(
+            Action.WARN, f"{why}: {_what(action)} at {_clock(at)}", cause, active_at, at
+        )
+    at = max(due, warned + warn_before) if warn_before and warned is not None else due
+    if now < at:
+        return Decision(
+            Action.KEEP, f"{why}: {_what(action)} at {_clock(at)}", cause, active_at, at
+        )
+    return Decision(action, why, cause, active_at, at)
+
+
+def _what(action: Action) -> str:
+    if action is Action.CULL:
+        return "it will be snapshotted and stopped"
+    return "it may be snapshotted and stopped when someone needs its GPUs, from"
+
+
+def _clock(at: datetime) -> str:
+    return at.strftime("%H:%M UTC")
+
+
+def _ago(span: timedelta) -> str:
+    return _span(span.total_seconds())
+
+
+def _span(seconds: float) -> str:
+    minutes = int(seconds // 60)
+    if minutes < 1:
+        return f"{int(seconds)} s"
+    if minutes < 120:
+        return f"{minutes} min"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
