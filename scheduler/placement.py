@@ -13,7 +13,7 @@ cycles, once those are gone): a shape that failed stays failed for the rest of t
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 
@@ -68,11 +68,12 @@ class Capacity:
         self._block: dict[tuple[str, int], tuple[int, tuple[int, str] | None]] = {}
 
     @cached_property
-    def totals_by_zone(self) -> dict[ZoneKey, list[int]]:
-        """Every node's GPUs by zone, schedulable or not: what the fleet could ever hold."""
-        totals: dict[ZoneKey, list[int]] = defaultdict(list)
+    def totals_by_zone(self) -> dict[ZoneKey, Counter[int]]:
+        """Every node's GPUs by zone, schedulable or not: what the fleet could ever hold
+        (per zone, how many nodes have each size)."""
+        totals: dict[ZoneKey, Counter[int]] = defaultdict(Counter)
         for node in self.all_nodes:
-            totals[(node.cluster, node.zone, node.gpu_type)].append(node.total)
+            totals[(node.cluster, node.zone, node.gpu_type)][node.total] += 1
         return totals
 
     def free_count(self, key: tuple[str, str]) -> int:
@@ -124,7 +125,7 @@ class Capacity:
         if most is None:
             most = self._ever[(gpu_type, per_pod)] = max(
                 (
-                    sum(total // per_pod for total in totals)
+                    sum(nodes * (total // per_pod) for total, nodes in totals.items())
                     for (_, _, zone_type), totals in self.totals_by_zone.items()
                     if zone_type == gpu_type
                 ),

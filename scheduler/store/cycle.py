@@ -17,6 +17,7 @@ position of a 10,000-long queue every cycle would cost more than the cycle itsel
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -73,11 +74,13 @@ class SchedulingStore(StoreBase):
         # same without it); dropped with the mirror.
         self.plan_memo = PlanMemo()
 
-    def refresh_mirror(self) -> None:
+    def refresh_mirror(self) -> bool:
+        """Bring the mirror up to date; True when it was read afresh."""
         dirty = self.tracker.take()
-        if dirty:
-            with self.read() as session:
-                self.mirror.refresh(session, dirty)
+        if not dirty:
+            return False
+        with self.read() as session:
+            return self.mirror.refresh(session, dirty)
 
     def forget_mirror(self) -> None:
         """Rebuild from the database next cycle (another controller may have written)."""
@@ -85,7 +88,7 @@ class SchedulingStore(StoreBase):
         self.plan_memo = PlanMemo()
 
     def scheduling_cycle(self, now: datetime, policy: Policy) -> CycleResult:
-        self.refresh_mirror()
+        rebuilt = self.refresh_mirror()
         moment = now.timestamp()
         decided = plan(self.mirror.snapshot(policy), moment, self.plan_memo)
         shown = self._to_show(decided.waiting, moment)
@@ -104,6 +107,12 @@ class SchedulingStore(StoreBase):
             for r in (self.mirror.pending[a.workload_id] for a in decided.admissions)
         )
         self.mirror.apply(decided, moment, shown)
+        if rebuilt:
+            # The mirror and the plan memo hold a few hundred thousand objects that live
+            # until replaced, none in a reference cycle. Left to the collector, each of
+            # its full passes walks them all (85-135 ms at 16,000 GPUs, every few cycles:
+            # the cycle's p99); frozen, it walks only what changed since.
+            gc.freeze()
         changed = (
             *(a.workload_id for a in decided.admissions),
             *(p.victim_id for p in decided.preemptions),
@@ -114,8 +123,16 @@ class SchedulingStore(StoreBase):
     # ---------------------------------------------------------------- commit
     def _to_show(self, waiting: Iterable[Waiting], moment: float) -> dict[int, Shown]:
         changes = {}
+        shown = self.mirror.shown
         for wait in waiting:
-            before = self.mirror.shown.get(wait.workload_id)
+            before = shown.get(wait.workload_id)
+            if (
+                before is not None
+                and before.position == wait.position
+                and before.reason == wait.reason
+                and before.cause == wait.cause
+            ):
+                continue  # what the row says already (most rows, most cycles)
             if before is None or _noticeable(before, wait, moment):
                 changes[wait.workload_id] = Shown(wait.cause, wait.reason, wait.position, moment)
         return changes

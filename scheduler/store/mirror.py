@@ -58,7 +58,7 @@ from .models import (
 # Columns whose changes the scheduler does not read.
 _QUIET = {
     Node: {"last_heartbeat_at", "agent"},
-    Gpu: {"sampled_at", "last_sample"},
+    Gpu: {"sampled_at", "last_sample", "busy_at"},
     Workload: {"lease_expires_at"},
 }
 _ALL = ("all", 0)
@@ -152,7 +152,8 @@ class Mirror:
         self.preemptible: dict[str, bool] = {}
 
     # --------------------------------------------------------------- reading
-    def refresh(self, session: Session, dirty: set[tuple[str, int]]) -> None:
+    def refresh(self, session: Session, dirty: set[tuple[str, int]]) -> bool:
+        """Re-read what changed; True when that was everything."""
         if _ALL in dirty:
             self._clear()
             self._read_tree(session)
@@ -160,7 +161,7 @@ class Mirror:
             self._read_workloads(session, None)
             for node_id in self.nodes:
                 self._rebuild(node_id)
-            return
+            return True
         if ("tree", 0) in dirty:
             self._read_tree(session)
         workloads = [i for kind, i in dirty if kind == "workload"]
@@ -170,6 +171,7 @@ class Mirror:
             self._read_nodes(session, nodes)
         for node_id in touched - nodes:
             self._rebuild(node_id)
+        return False
 
     def _read_tree(self, session: Session) -> None:
         projects = session.scalars(select(Project).options(selectinload(Project.quotas))).all()
