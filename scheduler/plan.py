@@ -1,4 +1,6 @@
-"""The scheduling core: ``plan(snapshot, now) -> Plan``. Pure: plain values in, decisions out.
+"""The scheduling core: ``plan(snapshot, now, memo=None) -> Plan``. Pure: plain values in,
+decisions out; ``memo`` (``memo.py``) is a cache of the last cycle's indexes and answers
+that makes a cycle cost what changed, never what it decides.
 
 Order. Each (project, GPU type) queue is ordered by priority class, then arrival. Queues
 compete through one ordering, re-evaluated lazily as the plan admits:
@@ -33,6 +35,15 @@ work (GPU-seconds since the last checkpoint or snapshot). Victims the gang turns
 need are dropped again, so a reclaim for N GPUs evicts no more than it needs. The request
 then waits for its victims to be gone (they are ``stopping_for`` it in later snapshots) and
 asks for no more while they stop.
+
+Frozen tail. After the first hundred or so decisions of a busy cycle nothing can change any
+more: the preemption searches are spent, a zone is held for each type, and no free block
+outside it holds the smallest pod waiting (``_Frozen``). The rest of each queue is then
+decided queue by queue with the checks that can still fail (limits, quota, never fits, no
+room), by request shape; a queue whose requests and numbers are those of last cycle's
+tail gets last cycle's answers (``memo.Tail``), a shape whose numbers are the same gets
+last cycle's verdict. The decisions are those of deciding one by one
+(``tests/unit/test_plan_memo.py``); the reasons carry the frozen state's numbers.
 """
 
 from __future__ import annotations

@@ -3,13 +3,15 @@
 Simulate first: nothing here changes the cycle's state. ``VictimIndex.find`` returns the
 victims that would let the gang fit in one zone, or None; the planner commits them.
 
-The index is built once per cycle, on the first search: per zone, the running workloads
-that could ever be victims, in victim order — idle sessions first, then the lowest class,
-then the highest fair share, then the least lost work (GPU-seconds since the last
-checkpoint or snapshot). Workloads within the minimum run time are left out (idle ones
-aside), and so are workloads already stopping. Per zone it also sums the GPUs each kind
-of candidate holds, so a zone that could not make room even by evicting every candidate
-is skipped without looking at its workloads.
+The candidates — running workloads that could ever be victims — are kept per zone from one
+cycle to the next (``Candidates``, in the plan memo) and brought up to date from what
+changed; workloads within the minimum run time are left out (idle ones aside), and so are
+workloads already stopping. Per zone the candidates' GPUs are summed by kind, so a zone
+that could not make room even by evicting every candidate is skipped without looking at
+its workloads. On the cycle's first search ``VictimIndex`` takes the fair shares as they
+stand, and puts each zone it looks at in victim order — idle sessions first, then the
+lowest class, then the highest fair share, then the least lost work (GPU-seconds since
+the last checkpoint or snapshot).
 
 Who may be a victim for a request of project ``p`` and class rank ``r``:
 - an idle session (the culler's mark) whose project lets anyone reclaim it;
