@@ -47,6 +47,11 @@ def add_snapshot(commands: Any) -> None:
     snap.add_argument("--key-file", default=os.environ.get("GPUFLEET_SNAPSHOT_KEY_FILE"))
     snap.add_argument("--s3-endpoint", default=os.environ.get("GPUFLEET_S3_ENDPOINT"))
     snap.add_argument("--project", required=True, help="the project whose repository to use")
+    snap.add_argument(
+        "--json",
+        action="store_true",
+        help="for programs: progress and the result as JSON lines on stdout, no bar",
+    )
     sub = snap.add_subparsers(dest="snapshot_command", metavar="ACTION", required=True)
 
     create = sub.add_parser("create", help="snapshot directories and environment prefixes")
@@ -101,6 +106,13 @@ def add_snapshot(commands: Any) -> None:
         "--overwrite", action="store_true", help="restore into a directory that is not empty"
     )
     restore.add_argument("--cache-dir", type=Path, default=_default_cache())
+    restore.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="restore only this source (repeatable; default: all)",
+    )
     restore.add_argument(
         "--workers",
         type=int,
@@ -173,9 +185,23 @@ def _open(args: argparse.Namespace) -> Repository:
 
 
 @contextmanager
-def _bar(console: Console, what: str) -> Iterator[Callable[[Any], None]]:
+def _bar(console: Console, what: str, as_json: bool = False) -> Iterator[Callable[[Any], None]]:
     """A progress bar; what it yields takes a capture's or a restore's progress (phase,
-    bytes done, bytes in all)."""
+    bytes done, bytes in all). ``as_json``: a JSON line instead, at most five a second."""
+    if as_json:
+        last: dict[str, Any] = {"at": 0.0, "phase": ""}
+
+        def report(p: Any) -> None:
+            now = time.monotonic()
+            if now - last["at"] < 0.2 and p.phase == last["phase"]:
+                return
+            last.update(at=now, phase=p.phase)
+            _json_line(
+                event="progress", what=what, phase=p.phase, done=p.bytes_done, total=p.bytes_total
+            )
+
+        yield report
+        return
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -202,6 +228,13 @@ def _bar(console: Console, what: str) -> Iterator[Callable[[Any], None]]:
             )
 
         yield show
+
+
+def _json_line(**fields: Any) -> None:
+    import json
+
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
 
 
 def _create(repository: Repository, args: argparse.Namespace, console: Console) -> int:
@@ -236,7 +269,7 @@ def _create(repository: Repository, args: argparse.Namespace, console: Console) 
         )
     if not sources:
         raise ValueError("name something to snapshot: a directory, --prefix or --overlay")
-    with _bar(console, "snapshot") as show:
+    with _bar(console, "snapshot", args.json) as show:
         manifest = create_snapshot(
             repository,
             sources,
@@ -248,6 +281,9 @@ def _create(repository: Repository, args: argparse.Namespace, console: Console) 
             on_progress=show,
         )
     s = manifest.stats
+    if args.json:
+        _json_line(event="done", id=manifest.id, name=manifest.name, stats=vars(s))
+        return 0
     console.print(
         f"snapshot [bold]{manifest.id}[/] of {s.files} files ({_size(s.bytes)}): "
         f"{s.reused_files} unchanged, {_size(s.new_bytes)} new, {_size(s.uploaded_bytes)} "
@@ -295,6 +331,18 @@ def _resolve(repository: Repository, args: argparse.Namespace, snapshot_id: str)
 def _show(repository: Repository, args: argparse.Namespace, console: Console) -> int:
     m = _resolve(repository, args, args.id)
     s = m.stats
+    if args.json:
+        sources = [{"name": x.name, "path": x.path, "kind": x.kind.value} for x in m.sources]
+        _json_line(
+            event="done",
+            id=m.id,
+            name=m.name,
+            created_at=m.created_at,
+            tags=list(m.tags),
+            sources=sources,
+            stats=vars(s),
+        )
+        return 0
     console.print(
         f"[bold]{m.id}[/] of {m.user}/{m.server or '-'} in project {m.project}, "
         f"taken {_when(m.created_at)} on {m.hostname}" + (f", after {m.parent}" if m.parent else "")
@@ -353,16 +401,26 @@ def _restore(repository: Repository, args: argparse.Namespace, console: Console)
             )
         targets[name] = Path(path).absolute()
     started = time.monotonic()
-    with _bar(console, "restore") as show:
+    with _bar(console, "restore", args.json) as show:
         result = restore_snapshot(
             repository,
             manifest,
             targets=targets,
             overwrite=args.overwrite,
+            only=args.source or None,
             workers=args.workers,
             cache_dir=args.cache_dir,
             on_progress=show,
         )
+    if args.json:
+        _json_line(
+            event="done",
+            id=manifest.id,
+            files=result.files,
+            bytes=result.bytes,
+            seconds=round(time.monotonic() - started, 3),
+        )
+        return 0
     console.print(
         f"restored {manifest.id}: {result.files} files, {_size(result.bytes)} in "
         f"{time.monotonic() - started:.1f} s"

@@ -27,6 +27,9 @@ from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
 from .. import __version__
+from ..culler.errors import PolicyError
+from ..culler.loop import IdleCuller
+from ..culler.snapshots import SnapshotSettings
 from ..scheduler.errors import InputError, LeaseLost, SchedulerError, SchemaMismatch
 from ..scheduler.model import project_tree
 from ..scheduler.snapshot import Policy
@@ -257,6 +260,31 @@ class FleetController(DatabaseMixin):
         "(the store is the truth; the index lets pages and the API list snapshots fast).",
     ).tag(config=True)
 
+    idle_policies = Dict(
+        help="Idle culling per project and profile: {'default': {...}, 'projects': {name: "
+        "{...}}, 'profiles': {name: {...}}}, a profile's keys over its project's over the "
+        "default. Keys: mode ('always': stop after the time-out; 'on-demand', the default: "
+        "only mark idle sessions, which the scheduler reclaims first when someone waits), "
+        "idle_timeout_s, warn_before_s, max_age_s, keep_alive_max_s, reclaim_by_anyone, "
+        "stop_without_snapshot. See docs/culler.md.",
+    ).tag(config=True)
+
+    cull_interval = Float(
+        30.0, help="Seconds between the culler's rounds over the running sessions."
+    ).tag(config=True)
+
+    cull_retry_seconds = Float(
+        300.0,
+        help="After a cull failed (its live snapshot, or the hub's stop), wait this long "
+        "before trying that session again.",
+    ).tag(config=True)
+
+    gpu_busy_utilization = Float(
+        5.0,
+        help="A GPU sample at or over this utilisation (percent) shows the GPU working: its "
+        "session is in use even with no browser or kernel activity.",
+    ).tag(config=True)
+
     auto_create_schema = Bool(
         True,
         help="Create the schema when the database is empty. A database at another revision "
@@ -296,6 +324,27 @@ class FleetController(DatabaseMixin):
             self.engine, holder, lease_ttl=timedelta(seconds=self.db_lease_seconds)
         )
         self.metrics = ControllerMetrics(self.store)
+        self.culler = IdleCuller(
+            self.store,
+            self.idle_policies,
+            hub_api_url=os.environ.get("JUPYTERHUB_API_URL", ""),
+            hub_api_token=os.environ.get("JUPYTERHUB_API_TOKEN", ""),
+            snapshot_settings=SnapshotSettings(
+                self.snapshot_store or os.path.join(self.data_dir, "snapshots"),
+                self.snapshot_key_file or os.path.join(self.data_dir, "snapshot-master.key"),
+                self.snapshot_s3_endpoint,
+                os.path.join(self.data_dir, "statcache"),
+            ),
+            registry=self.metrics.registry,
+            log=self.log,
+            now=self.now,
+            interval=self.cull_interval,
+            retry_after=self.cull_retry_seconds,
+        )
+        try:
+            self.culler.check_policies([str(p["name"]) for p in self.projects])
+        except PolicyError as e:
+            self.exit_with(f"c.FleetController.idle_policies: {e}", code=2)
         self.is_leader = False
         self._kicked = asyncio.Event()
         self._became_leader = asyncio.Event()
@@ -471,6 +520,9 @@ class FleetController(DatabaseMixin):
                     self.log.exception("could not sync project membership from hub groups")
             await asyncio.sleep(self.membership_sync_interval)
 
+    async def _culler_loop(self) -> None:
+        await self.culler.run(lambda: self.is_leader)
+
     async def _snapshot_index_loop(self) -> None:
         from . import snapshots
 
@@ -558,6 +610,7 @@ class FleetController(DatabaseMixin):
             self._sync_memberships,
             self._reconcile_loop,
             self._snapshot_index_loop,
+            self._culler_loop,
         ):
             self._tasks.append(asyncio.create_task(loop()))
         await asyncio.Event().wait()

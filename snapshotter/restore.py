@@ -28,7 +28,7 @@ import os
 import shutil
 import stat
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,12 +131,14 @@ def restore_snapshot(
     manifest: Manifest,
     *,
     targets: Mapping[str, Path] | None = None,
+    only: Collection[str] | None = None,
     overwrite: bool = False,
     workers: int | None = None,
     cache_dir: Path | None = None,
     on_progress: Callable[[RestoreProgress], None] | None = None,
 ) -> RestoreResult:
-    """Restore every source of ``manifest`` to its own path, or to ``targets[source]``.
+    """Restore every source of ``manifest`` (or those named in ``only``) to its own path,
+    or to ``targets[source]``.
 
     ``workers``: processes that fetch, check and write the data and set the files'
     metadata (default: two per core, so one waits on the store while the other works);
@@ -145,7 +147,15 @@ def restore_snapshot(
     progress = RestoreProgress()
     plan = _Plan()
     placed: list[tuple[Source, Path]] = []
+    unknown = set(only or ()) - {s.name for s in manifest.sources}
+    if unknown:
+        raise RestoreRefused(
+            f"snapshot {manifest.id} has no source {', '.join(sorted(unknown))}; it has "
+            f"{', '.join(s.name for s in manifest.sources)}"
+        )
     for source in manifest.sources:
+        if only is not None and source.name not in only:
+            continue
         target = (
             Path(targets[source.name]) if targets and source.name in targets else Path(source.path)
         )

@@ -124,9 +124,13 @@ class ControllerClient:
     async def renew(self, workload_id: int) -> WorkloadStatus:
         return WorkloadStatus.from_json(await self._call("POST", f"/workloads/{workload_id}/renew"))
 
-    async def running(self, workload_id: int) -> WorkloadStatus:
+    async def running(
+        self, workload_id: int, snapshot: dict[str, Any] | None = None
+    ) -> WorkloadStatus:
+        """The server is up; ``snapshot``: what its snapshots hold (culler/snapshots.py)."""
+        body = {"snapshot": snapshot} if snapshot else {}
         return WorkloadStatus.from_json(
-            await self._call("POST", f"/workloads/{workload_id}/running")
+            await self._call("POST", f"/workloads/{workload_id}/running", json=body)
         )
 
     async def release(self, workload_id: int, outcome: str, message: str = "") -> WorkloadStatus:

@@ -33,6 +33,7 @@ from jupyterhub.spawner import set_user_setuid
 from tornado import web
 from traitlets import Enum, Float, Unicode, default
 
+from ..culler.snapshots import SnapshotFailed, Sources
 from ..recovery import processes
 from .client import (
     ControllerClient,
@@ -42,9 +43,11 @@ from .client import (
     WorkloadStatus,
 )
 from .form import options_from_form, render_form
+from .resume import SnapshottingMixin
 from .sandboxing import SandboxedProcessSpawner
 
 LONG_POLL_SECONDS = 20
+_background: set[asyncio.Task[None]] = set()  # retries that outlive a stop() call
 
 
 class InvalidGPURequest(web.HTTPError):
@@ -75,7 +78,7 @@ def _quiet_rejections(log: logging.Logger) -> None:
         log.addFilter(_RejectionsAreNotCrashes())
 
 
-class LocalGPUSpawner(SandboxedProcessSpawner):
+class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
     controller_api_url = Unicode(
         help="The controller's API, e.g. http://127.0.0.1:8001/services/gpufleet/api/v1 "
         "(set by gpufleet.hub.setup.configure from the service's URL).",
@@ -150,6 +153,7 @@ class LocalGPUSpawner(SandboxedProcessSpawner):
     gpu_uuids: tuple[str, ...] = ()
     node_name: str = ""
     marker: str = ""  # inherited by every process of the session (see processes.py)
+    snapshot_holds: Sources = Sources()  # what this session's snapshots hold
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
@@ -157,6 +161,7 @@ class LocalGPUSpawner(SandboxedProcessSpawner):
         self.gpu_uuids = tuple(state.get("gpufleet_gpu_uuids", ()))
         self.node_name = state.get("gpufleet_node", "")
         self.marker = state.get("gpufleet_marker", "")
+        self.snapshot_holds = Sources.from_json(state.get("gpufleet_snapshot_sources", {}))
 
     def get_state(self) -> dict[str, Any]:
         state: dict[str, Any] = super().get_state()
@@ -165,6 +170,8 @@ class LocalGPUSpawner(SandboxedProcessSpawner):
             state["gpufleet_gpu_uuids"] = list(self.gpu_uuids)
             state["gpufleet_node"] = self.node_name
             state["gpufleet_marker"] = self.marker
+            if self.snapshot_holds:
+                state["gpufleet_snapshot_sources"] = self.snapshot_holds.to_json()
         return state
 
     def clear_state(self) -> None:
@@ -238,6 +245,8 @@ class LocalGPUSpawner(SandboxedProcessSpawner):
             env["GPUFLEET_GPU_UUIDS"] = ",".join(self.gpu_uuids)
             env["GPUFLEET_NODE"] = self.node_name
             env["GPUFLEET_PROJECT"] = str(self.user_options.get("project", ""))
+            # For the session extension (culler/session_extension.py): activity, notices.
+            env["GPUFLEET_CONTROLLER_API_URL"] = self.controller_api_url
             fake = os.path.join(self.fake_nvml_dir, "libnvidia-ml.so.1")
             if self.fake_nvml_dir and os.path.exists(fake):
                 # It honours NVIDIA_VISIBLE_DEVICES, as a container runtime would.
@@ -345,17 +354,21 @@ class LocalGPUSpawner(SandboxedProcessSpawner):
             self.gpu_uuids = status.placement.gpu_uuids
             self.node_name = status.placement.node
             self._report(
-                f"GPUs assigned: {len(self.gpu_uuids)} × {status.gpu_type} on "
-                f"{self.node_name}; starting the server",
-                60,
+                f"GPUs assigned: {len(self.gpu_uuids)} × {status.gpu_type} on {self.node_name}",
+                25,
             )
+            resumed = await self._restore_snapshot()
+            self._report("Starting the server", 60)
             ip, port = await super().start()
             started = True
             renewer.cancel()
             workload_id = status.id
-            await self._until_answered(lambda: self.controller.running(workload_id), 120)
+            if self.snapshots_enabled:
+                self.snapshot_holds = self.snapshot_sources(self.get_env().get("HOME", ""))
+            holds = self.snapshot_holds.to_json() if self.snapshot_holds else None
+            await self._until_answered(lambda: self.controller.running(workload_id, holds), 120)
             await self._wait_ready(ip, port)
-            self._report("Server is up", 100)
+            self._report(f"Server is up. {resumed}" if resumed else "Server is up", 100)
             return ip, port
         except BaseException as error:  # cancellation included: never leave GPUs behind
             renewer.cancel()
@@ -484,4 +497,67 @@ class LocalGPUSpawner(SandboxedProcessSpawner):
     # -------------------------------------------------------------- stop
     async def stop(self, now: bool = False) -> None:
         await super().stop(now=now)
+        if self.workload_id is not None and self.snapshots_enabled and self.snapshot_holds:
+            if self.marker and not await processes.end_all(self.marker):
+                await self._release("stopped", "")  # says why the GPUs stay allocated
+                return
+            try:
+                await self._final_snapshot()
+            except SnapshotFailed as e:
+                self.log.error(
+                    "the final snapshot of %s failed; its files stay where they are and its "
+                    "GPUs stay allocated while it is retried: %s",
+                    self._log_name,
+                    e,
+                )
+                self._retry_final_snapshot()
+                return
         await self._release("stopped", "")
+
+    # -------------------------------------------------------------- snapshots
+    async def _restore_snapshot(self) -> str:
+        """Bring back what the last snapshot holds and is missing here; what happened."""
+        if not self.snapshots_enabled:
+            return ""
+        try:
+            return await self.restore_missing(
+                str(self.user_options.get("project", "")),
+                self.user.name,
+                self.name,
+                self._report,
+            )
+        except SnapshotFailed as e:
+            # A session that cannot get its snapshot back must not start without it: the
+            # user would take an empty home for lost work.
+            raise web.HTTPError(503, f"could not restore your last snapshot: {e}") from e
+
+    async def _final_snapshot(self) -> None:
+        started = time.monotonic()
+        result = await self.final_snapshot(
+            str(self.user_options.get("project", "")),
+            self.user.name,
+            self.name,
+            self.snapshot_holds,
+        )
+        self.log.info(
+            "final snapshot %s of %s in %.1f s",
+            result.get("id"),
+            self._log_name,
+            time.monotonic() - started,
+        )
+
+    def _retry_final_snapshot(self) -> None:
+        async def retry() -> None:
+            while True:
+                await asyncio.sleep(self.final_snapshot_retry_seconds)
+                try:
+                    await self._final_snapshot()
+                except SnapshotFailed as e:
+                    self.log.warning("final snapshot of %s still failing: %s", self._log_name, e)
+                    continue
+                await self._release("stopped", "after its final snapshot was retried")
+                return
+
+        task = asyncio.create_task(retry())
+        _background.add(task)
+        task.add_done_callback(_background.discard)

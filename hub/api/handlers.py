@@ -23,6 +23,7 @@ from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
 from . import schemas
 from .base import APIHandler, store_errors_as_http
+from .sessions import session_routes
 
 MAX_WAIT_SECONDS = 60
 
@@ -191,7 +192,9 @@ class WorkloadActionHandler(APIHandler):
             if action == "renew":
                 store.renew(now, wid, self.controller.request_lease)
             elif action == "running":
-                store.mark_running(now, wid)
+                running = self.body(schemas.RunningIn)
+                sources = running.snapshot.model_dump() if running.snapshot else None
+                store.mark_running(now, wid, sources)
             else:
                 body = self.body(schemas.ReleaseIn)
                 message = (
@@ -359,6 +362,7 @@ class AgentSamplesHandler(APIHandler):
                 self.controller.now(),
                 identity.name,
                 [s.model_dump(exclude_none=True) for s in body.samples],
+                self.controller.gpu_busy_utilization,
             )
         self.controller.kick()  # a lost or returned GPU changes what can be placed
         self.send({"unknown": unknown})
@@ -419,6 +423,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/agent/samples", AgentSamplesHandler),
         (rf"{api}/agent/xid", AgentXidHandler),
         (rf"{api}/events", EventsHandler),
+        *session_routes(api),
         (rf"{prefix.rstrip('/')}/metrics", MetricsHandler),
     ]
     return [(path, handler, {"controller": controller}) for path, handler in table]

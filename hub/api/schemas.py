@@ -32,6 +32,45 @@ class SessionRequestIn(Strict):
     )
 
 
+class SnapshotSourcesIn(Strict):
+    """What a snapshot of a session holds, as ``gpufleet snapshot create`` takes it."""
+
+    paths: list[str] = Field(default_factory=list, max_length=16)
+    prefixes: list[str] = Field(default_factory=list, max_length=64)
+    overlays: list[str] = Field(default_factory=list, max_length=4)
+    exclude: list[str] = Field(default_factory=list, max_length=256)
+
+
+class RunningIn(Strict):
+    snapshot: SnapshotSourcesIn | None = None
+
+
+class KernelIn(BaseModel):
+    id: str = Field(max_length=128)
+    name: str = Field(default="", max_length=255)
+    execution_state: str = Field(default="", max_length=32)
+    last_activity: datetime | None = None
+    connections: int = Field(default=0, ge=0)
+
+
+class TerminalIn(BaseModel):
+    name: str = Field(max_length=255)
+    last_activity: datetime | None = None
+
+
+class ActivityIn(BaseModel):
+    """What a session's extension saw: its kernels and terminals."""
+
+    kernels: list[KernelIn] = Field(default_factory=list, max_length=1000)
+    terminals: list[TerminalIn] = Field(default_factory=list, max_length=1000)
+    sent_at: datetime | None = None
+
+
+class KeepAliveIn(Strict):
+    until: datetime | None = None
+    hours: float | None = Field(default=None, ge=0, le=24 * 14)
+
+
 class ReleaseIn(Strict):
     outcome: Literal["withdrawn", "stopped", "failed"] = "stopped"
     message: str = Field(default="", max_length=2000)

@@ -36,13 +36,16 @@ from .models import (
     WorkloadState,
 )
 from .reconcile import ReconcileStore
+from .sessions import SessionActivityStore
 from .snapshots import SnapshotStore
 
 ACTIVE_STATES = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
 OPEN_STATES = (WorkloadState.pending, *ACTIVE_STATES)
 
 
-class FleetStore(SchedulingStore, ReconcileStore, InventoryStore, SnapshotStore):
+class FleetStore(
+    SchedulingStore, ReconcileStore, InventoryStore, SnapshotStore, SessionActivityStore
+):
     # ------------------------------------------------------------- bootstrap
     def apply_config(
         self,
@@ -228,7 +231,11 @@ class FleetStore(SchedulingStore, ReconcileStore, InventoryStore, SnapshotStore)
                 workload.lease_expires_at = now + lease
             return workload
 
-    def mark_running(self, now: datetime, workload_id: int) -> Workload:
+    def mark_running(
+        self, now: datetime, workload_id: int, snapshot_sources: Mapping[str, Any] | None = None
+    ) -> Workload:
+        """The backend reports the workload up; a session's spawner also says what its
+        snapshot would hold (``SessionActivityStore``'s culler reads it)."""
         with self._write(now) as session:
             workload = _get_workload(session, workload_id)
             if workload.state != WorkloadState.admitted:
@@ -239,6 +246,8 @@ class FleetStore(SchedulingStore, ReconcileStore, InventoryStore, SnapshotStore)
             workload.state = WorkloadState.running
             workload.started_at = now
             workload.lease_expires_at = None
+            if snapshot_sources is not None:
+                workload.snapshot_sources = dict(snapshot_sources)
             # "admitted on n1 (zone-a); 2 borrowed ..." -> "running on n1 (zone-a); 2 ..."
             admitted = workload.reason.removeprefix("admitted")
             workload.reason = "running" + (admitted if admitted != workload.reason else "")

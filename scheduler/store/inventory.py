@@ -184,9 +184,15 @@ class InventoryStore(StoreBase):
             return [n.name for n in silent]
 
     def record_samples(
-        self, now: datetime, agent: str, samples: Iterable[Mapping[str, Any]]
+        self,
+        now: datetime,
+        agent: str,
+        samples: Iterable[Mapping[str, Any]],
+        busy_utilization_pct: float = 5.0,
     ) -> list[str]:
-        """Keep each GPU's latest sample; a GPU that NVML reports lost (or back) is an event.
+        """Keep each GPU's latest sample, and the time of the latest one that showed it
+        working (utilisation at or over ``busy_utilization_pct``); a GPU that NVML reports
+        lost (or back) is an event.
 
         Returns the UUIDs this controller does not know (the agent should register again).
         """
@@ -201,6 +207,8 @@ class InventoryStore(StoreBase):
                 gpu.lost = lost
                 gpu.sampled_at = now
                 gpu.last_sample = dict(sample)
+                if sample.get("utilization_gpu_pct", 0) >= busy_utilization_pct:
+                    gpu.busy_at = now
             return sorted(by_uuid.keys() - {g.uuid for g in gpus})
 
     def record_xid(self, now: datetime, agent: str, uuid: str, xid: int) -> bool:

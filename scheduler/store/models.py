@@ -249,6 +249,9 @@ class Gpu(Base):
     sampled_at: Mapped[datetime | None] = mapped_column(default=None)
     # The latest sample as the node agent sent it (utilisation, memory, ECC, processes...).
     last_sample: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")
+    # The latest sample that showed it working (utilisation at or over the busy threshold):
+    # the culler's "its GPUs did work" signal.
+    busy_at: Mapped[datetime | None] = mapped_column(default=None)
 
     node: Mapped[Node] = relationship(back_populates="gpus")
 
@@ -296,6 +299,9 @@ class Workload(Base):
     # sent by the backend with the request, before any process starts: the reconciler
     # tells by it which live processes belong to which workload.
     process_marker: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
+    # What a snapshot of this session holds, as its spawner reported when it started:
+    # {"paths": [...], "prefixes": [...], "overlays": ["upper[:merged]"], "exclude": [...]}.
+    snapshot_sources: Mapped[dict[str, Any] | None] = mapped_column(default=None)
 
     project: Mapped[Project] = relationship()
     allocations: Mapped[list[Allocation]] = relationship(back_populates="workload")
@@ -350,6 +356,25 @@ class Snapshot(Base):
     created_at: Mapped[datetime]
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     file_count: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class SessionActivity(Base):
+    """What the culler knows of a running session besides the hub's own activity: the
+    session extension's latest report, the user's keep-alive, and the notice shown."""
+
+    __tablename__ = "session_activity"
+
+    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"), primary_key=True)
+    reported_at: Mapped[datetime | None] = mapped_column(default=None)
+    kernels_busy: Mapped[bool] = mapped_column(Boolean, default=False)
+    kernels: Mapped[int] = mapped_column(Integer, default=0)
+    kernel_activity: Mapped[datetime | None] = mapped_column(default=None)
+    terminal_activity: Mapped[datetime | None] = mapped_column(default=None)
+    keep_alive_until: Mapped[datetime | None] = mapped_column(default=None)
+    warned_at: Mapped[datetime | None] = mapped_column(default=None)
+    warned_stop_at: Mapped[datetime | None] = mapped_column(default=None)
+    # {"id", "level", "message", "deadline"}: what the session's notice area shows.
+    notice: Mapped[dict[str, Any] | None] = mapped_column(default=None)
 
 
 class Event(Base):

@@ -1,0 +1,326 @@
+"""The culler loop in the controller: gather each running session's signals, ``decide``,
+and carry the decision out — warn, mark idle, clear the mark, or cull.
+
+A cull goes: event → live snapshot pass while the server runs (the culler's own process
+of ``gpufleet snapshot``) → stop through the hub API → the spawner stops every process,
+takes the final incremental pass and only then releases the GPUs (``spawner/local.py``)
+→ the scheduler gives them to the waiting workload. If the live pass fails the session
+is not stopped (unless its policy says ``stop_without_snapshot``); it is tried again
+after ``retry_after`` seconds.
+
+The culler reads and writes the database through the store and talks to the hub; it
+never imports the scheduler's core: marking a session idle is a row the scheduler reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from ..hub.hubapi import stop_server
+from ..scheduler.store.fleet import FleetStore
+from ..scheduler.store.sessions import CulledSession
+from ..scheduler.store.snapshots import SnapshotRecord
+from . import snapshots
+from .policy import Action, Decision, IdlePolicy, Session, Signals, decide, resolve
+
+
+class CullerMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.rounds = Counter(
+            "gpufleet_culler_rounds",
+            "Rounds of the culler over the running sessions",
+            registry=registry,
+        )
+        self.culls = Counter(
+            "gpufleet_culls", "Sessions culled, by reason", ["reason"], registry=registry
+        )
+        self.cull_failures = Counter(
+            "gpufleet_cull_failures",
+            "Culls that did not stop the session, by step",
+            ["step"],
+            registry=registry,
+        )
+        self.idle_gpu_seconds = Counter(
+            "gpufleet_idle_gpu_seconds",
+            "GPU-seconds held by sessions idle for longer than the culler's grace period",
+            ["project"],
+            registry=registry,
+        )
+        self.reclaimed_gpu_seconds = Counter(
+            "gpufleet_reclaimed_gpu_seconds",
+            "GPU-seconds of idle sessions' GPUs given back: each culled session's GPUs "
+            "times how long it had been idle when culled",
+            ["project"],
+            registry=registry,
+        )
+        self.snapshot_seconds = Histogram(
+            "gpufleet_session_snapshot_seconds",
+            "Duration of session snapshot passes",
+            ["pass_"],
+            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=registry,
+        )
+
+
+class IdleCuller:
+    def __init__(
+        self,
+        store: FleetStore,
+        policies: Mapping[str, Any],
+        *,
+        hub_api_url: str,
+        hub_api_token: str,
+        snapshot_settings: snapshots.SnapshotSettings | None,
+        registry: CollectorRegistry,
+        log: logging.Logger,
+        now: Callable[[], datetime],
+        interval: float = 30.0,
+        retry_after: float = 300.0,
+        idle_grace: float = 300.0,
+    ):
+        self.store = store
+        self.policies = policies
+        self.hub_api_url = hub_api_url
+        self.headers = {"Authorization": f"token {hub_api_token}"}
+        self.snapshot_settings = snapshot_settings
+        self.metrics = CullerMetrics(registry)
+        self.log = log
+        self.now = now
+        self.interval = interval
+        self.retry_after = retry_after
+        self.idle_grace = idle_grace
+        self._policy_cache: dict[tuple[str, str], IdlePolicy] = {}
+        self._kicked = asyncio.Event()
+        self._culling: dict[int, asyncio.Task[None]] = {}
+        self._failed_at: dict[int, float] = {}  # workload -> monotonic time of a failed cull
+        self._last_round: float | None = None
+
+    # ----------------------------------------------------------------- policy
+    def policy_for(self, project: str, profile: str = "") -> IdlePolicy:
+        key = (project, profile)
+        if key not in self._policy_cache:
+            self._policy_cache[key] = resolve(self.policies, project, profile)
+        return self._policy_cache[key]
+
+    def check_policies(self, projects: list[str]) -> None:
+        """Fail at start, naming the bad key, rather than at the first idle session."""
+        for project in ["", *projects]:
+            self.policy_for(project)
+        for profile in self.policies.get("profiles", {}):
+            self.policy_for("", profile)
+
+    def kick(self) -> None:
+        self._kicked.set()
+
+    # ------------------------------------------------------------------ loop
+    async def run(self, is_leader: Callable[[], bool]) -> None:
+        while True:
+            if is_leader():
+                try:
+                    await self.run_once()
+                except (httpx.HTTPError, OSError) as e:
+                    self.log.warning("culler round failed: %s", e)
+                except Exception:
+                    self.log.exception("culler round failed")
+            self._kicked.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kicked.wait(), self.interval)
+
+    async def run_once(self) -> list[tuple[int, Decision]]:
+        """One round over every running session: what was decided for each."""
+        sessions = await asyncio.to_thread(self.store.culler_sessions)
+        activity = await self._hub_activity() if sessions else {}
+        now = self.now()
+        elapsed = self._elapsed()
+        decided = []
+        for s in sessions:
+            policy = self.policy_for(s.project, s.profile)
+            signals = Signals(
+                hub_activity=activity.get((s.username, s.server_name)),
+                kernel_activity=s.kernel_activity,
+                terminal_activity=s.terminal_activity,
+                gpu_activity=s.gpu_activity,
+                kernels_busy=s.kernels_busy,
+                reported_at=s.reported_at,
+                keep_alive_until=s.keep_alive_until,
+            )
+            view = Session(
+                s.workload_id, s.started_at, s.idle_since is not None, s.warned_at, s.warned_stop_at
+            )
+            decision = decide(view, signals, policy, now)
+            decided.append((s.workload_id, decision))
+            if decision.last_active and (now - decision.last_active).total_seconds() > (
+                self.idle_grace
+            ):
+                self.metrics.idle_gpu_seconds.labels(s.project).inc(s.gpus * elapsed)
+            await self._act(s, decision, policy, now)
+        self.metrics.rounds.inc()
+        return decided
+
+    def _elapsed(self) -> float:
+        now = time.monotonic()
+        elapsed = (
+            0.0 if self._last_round is None else min(now - self._last_round, 10 * self.interval)
+        )
+        self._last_round = now
+        return elapsed
+
+    async def _act(
+        self, s: CulledSession, decision: Decision, policy: IdlePolicy, now: datetime
+    ) -> None:
+        action = decision.action
+        if action is Action.KEEP:
+            if (
+                s.warned_at is not None
+                and decision.last_active
+                and decision.last_active > (s.warned_at)
+            ):
+                await self._record(s, "withdraw", decision, now)
+            return
+        if action is Action.CULL:
+            failed = self._failed_at.get(s.workload_id)
+            if s.workload_id in self._culling or (
+                failed is not None and time.monotonic() - failed < self.retry_after
+            ):
+                return
+            task = asyncio.create_task(self._cull(s, decision, policy))
+            self._culling[s.workload_id] = task
+
+            def done(_task: asyncio.Task[None], workload_id: int = s.workload_id) -> None:
+                self._culling.pop(workload_id, None)
+
+            task.add_done_callback(done)
+            return
+        if (
+            action is Action.WARN
+            and s.warned_at is not None
+            and s.warned_stop_at == (decision.due_at)
+        ):
+            return  # already shown
+        await self._record(s, action.value, decision, now)
+
+    async def _record(
+        self, s: CulledSession, action: str, decision: Decision, now: datetime
+    ) -> None:
+        recorded = await asyncio.to_thread(
+            self.store.record_idle_decision,
+            now,
+            s.workload_id,
+            action,
+            decision.reason,
+            cause=decision.cause.value,
+            last_active=decision.last_active,
+            due_at=decision.due_at,
+        )
+        if recorded:
+            self.log.info(
+                "session %s of %s: %s — %s", s.workload_id, s.username, action, decision.reason
+            )
+
+    # ------------------------------------------------------------------ cull
+    async def _cull(self, s: CulledSession, decision: Decision, policy: IdlePolicy) -> None:
+        await self._record(s, "cull", decision, self.now())
+        sources = snapshots.Sources.from_json(s.snapshot_sources or {})
+        if self.snapshot_settings is not None and sources:
+            try:
+                await self._live_pass(s, sources)
+            except snapshots.SnapshotFailed as e:
+                self.metrics.cull_failures.labels("live-snapshot").inc()
+                if not policy.stop_without_snapshot:
+                    self._failed_at[s.workload_id] = time.monotonic()
+                    await asyncio.to_thread(
+                        self.store.record_session_event,
+                        self.now(),
+                        s.workload_id,
+                        "session-cull-failed",
+                        f"the live snapshot failed, so the session keeps running (tried "
+                        f"again in {int(self.retry_after)} s): {e}",
+                    )
+                    return
+                self.log.warning("session %s: live snapshot failed (%s); stopping anyway", s, e)
+        async with httpx.AsyncClient(timeout=30, headers=self.headers) as client:
+            response = await stop_server(client, self.hub_api_url, s.username, s.server_name)
+        if response.status_code >= 400 and response.status_code != 404:
+            self.metrics.cull_failures.labels("stop").inc()
+            self._failed_at[s.workload_id] = time.monotonic()
+            self.log.warning(
+                "the hub did not stop culled session %s: %s %s",
+                s.workload_id,
+                response.status_code,
+                response.text[:200],
+            )
+            return
+        self.metrics.culls.labels(decision.cause.value or "idle").inc()
+        if decision.last_active is not None:
+            idle_for = (self.now() - decision.last_active).total_seconds()
+            self.metrics.reclaimed_gpu_seconds.labels(s.project).inc(s.gpus * idle_for)
+        self._failed_at.pop(s.workload_id, None)
+
+    async def _live_pass(self, s: CulledSession, sources: snapshots.Sources) -> None:
+        assert self.snapshot_settings is not None
+        started = time.monotonic()
+        result = await snapshots.create(
+            self.snapshot_settings, s.project, s.username, s.server_name, sources, tags=["live"]
+        )
+        seconds = time.monotonic() - started
+        self.metrics.snapshot_seconds.labels("live").observe(seconds)
+        stats = result.get("stats", {})
+        now = self.now()
+        await asyncio.to_thread(
+            self.store.record_snapshot,
+            now,
+            SnapshotRecord(
+                project=s.project,
+                username=s.username,
+                server_name=s.server_name,
+                store_uri=self.snapshot_settings.store,
+                manifest_key=str(result.get("name", "")),
+                created_at=now,
+                size_bytes=int(stats.get("bytes", 0)),
+                file_count=int(stats.get("files", 0)),
+                workload_id=s.workload_id,
+            ),
+        )
+        await asyncio.to_thread(
+            self.store.record_session_event,
+            now,
+            s.workload_id,
+            "session-snapshot",
+            f"live snapshot {result.get('id')}: {stats.get('files', 0)} files, "
+            f"{int(stats.get('new_bytes', 0)) >> 20} MiB new, in {seconds:.1f} s",
+        )
+
+    # ------------------------------------------------------------------- hub
+    async def _hub_activity(self) -> dict[tuple[str, str], datetime]:
+        """Every running server's last activity as the hub knows it (browser, API)."""
+        found: dict[tuple[str, str], datetime] = {}
+        headers = {**self.headers, "Accept": "application/jupyterhub-pagination+json"}
+        offset = 0
+        async with httpx.AsyncClient(timeout=10) as client:
+            while True:
+                response = await client.get(
+                    f"{self.hub_api_url}/users",
+                    params={"state": "active", "offset": offset},
+                    headers=headers,
+                )
+                response.raise_for_status()
+                page = response.json()
+                for user in page["items"]:
+                    for name, server in (user.get("servers") or {}).items():
+                        if server.get("last_activity"):
+                            found[(user["name"], name)] = datetime.fromisoformat(
+                                server["last_activity"].replace("Z", "+00:00")
+                            )
+                next_page = page.get("_pagination", {}).get("next")
+                if not next_page:
+                    return found
+                offset = next_page["offset"]

@@ -1,0 +1,98 @@
+"""The idle culler's API: what a session's extension reports, and keep-alives.
+
+``POST /api/v1/sessions/<id>/activity``: the session extension (``culler/session_extension``)
+reports its kernels and terminals with the server's own token; the answer carries the
+notices the session should show and the keep-alive in force. ``PUT .../keep-alive``: the
+user keeps the session from being culled until a time within the project's limit.
+The session's own user (any token of theirs, the server's included), the spawner and
+admins may call these; anyone else is told there is no such session.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from ...scheduler.store.sessions import ActivityReport, SessionState
+from .. import scopes
+from ..errors import Unauthenticated
+from . import schemas
+from .base import APIHandler, store_errors_as_http
+
+
+class _SessionHandler(APIHandler):
+    def caller(self) -> str | None:
+        """The user whose session this must be; None for the spawner and admins."""
+        if self.identity is None:
+            raise Unauthenticated(
+                "send a JupyterHub API token as 'Authorization: token <token>', or log in"
+            )
+        if self.identity.has(scopes.SPAWN):
+            return None
+        return self.identity.name if self.identity.kind == "user" else "\0no user"
+
+    def answer(self, state: SessionState) -> None:
+        policy = self.controller.culler.policy_for(state.project, state.profile)
+        self.send(
+            {
+                "notices": state.notices,
+                "keep_alive_until": (
+                    state.keep_alive_until.isoformat() if state.keep_alive_until else None
+                ),
+                "keep_alive_max_s": policy.keep_alive_max_s,
+            }
+        )
+
+
+class SessionActivityHandler(_SessionHandler):
+    async def post(self, workload_id: str) -> None:
+        username = self.caller()
+        body = self.body(schemas.ActivityIn)
+        kernel_times = [_utc(k.last_activity) for k in body.kernels if k.last_activity]
+        terminal_times = [_utc(t.last_activity) for t in body.terminals if t.last_activity]
+        report = ActivityReport(
+            kernels=len(body.kernels),
+            kernels_busy=any(k.execution_state == "busy" for k in body.kernels),
+            kernel_activity=max(kernel_times, default=None),
+            terminal_activity=max(terminal_times, default=None),
+        )
+        with store_errors_as_http():
+            state = self.controller.store.record_activity(
+                self.controller.now(), int(workload_id), username, report
+            )
+        self.answer(state)
+
+    async def get(self, workload_id: str) -> None:
+        username = self.caller()
+        with store_errors_as_http():
+            state = self.controller.store.session_state(int(workload_id), username)
+        self.answer(state)
+
+
+class KeepAliveHandler(_SessionHandler):
+    async def put(self, workload_id: str) -> None:
+        username = self.caller()
+        body = self.body(schemas.KeepAliveIn)
+        now = self.controller.now()
+        wid = int(workload_id)
+        with store_errors_as_http():
+            state = self.controller.store.session_state(wid, username)
+            policy = self.controller.culler.policy_for(state.project, state.profile)
+            until = _utc(body.until) if body.until else now + timedelta(hours=body.hours or 0)
+            self.controller.store.set_keep_alive(
+                now, wid, username, until, timedelta(seconds=policy.keep_alive_max_s)
+            )
+            state = self.controller.store.session_state(wid, username)
+        self.controller.culler.kick()
+        self.answer(state)
+
+
+def _utc(at: datetime) -> datetime:
+    """A time as sent; one without a zone is taken as UTC (what JupyterHub sends)."""
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+
+
+def session_routes(api: str) -> list[tuple[str, type]]:
+    return [
+        (rf"{api}/sessions/(\d+)/activity", SessionActivityHandler),
+        (rf"{api}/sessions/(\d+)/keep-alive", KeepAliveHandler),
+    ]

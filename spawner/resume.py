@@ -1,0 +1,218 @@
+"""Snapshots around a session's life: the final pass at stop, the restore at start.
+
+At stop, once every process of the session is gone, the spawner takes a final
+incremental snapshot (the culler took a live one while the server ran; this one adds what
+changed since) and only then releases the GPUs. A final pass that fails is retried; the
+GPUs stay with the session meanwhile, so nothing unsaved is lost to a waiting workload.
+After a committed snapshot the session's overlay upper directory may be freed
+(``free_upper_after_snapshot``): the snapshot holds it.
+
+At start, before the notebook server runs, whatever the latest snapshot holds that is
+missing here (an emptied upper directory, a home on a fresh node, an environment prefix
+gone) is restored, with its progress on the spawn page; the user is told what came back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from traitlets import Bool, Float, Integer, List, Unicode, default
+from traitlets.config import LoggingConfigurable
+
+from ..culler import snapshots
+from ..snapshotter.envspec import conda_environments, home_excludes
+
+
+class SnapshottingMixin(LoggingConfigurable):
+    snapshots_enabled = Bool(
+        True,
+        help="Snapshot a session's home, its container changes and its environments when it "
+        "stops, and restore what is missing when it starts (docs/culler.md).",
+    ).tag(config=True)
+
+    snapshot_store = Unicode(
+        help="Where snapshots go: the controller's c.FleetController.snapshot_store. "
+        "Default: $GPUFLEET_SNAPSHOT_STORE, else <data_dir>/snapshots.",
+    ).tag(config=True)
+
+    @default("snapshot_store")
+    def _default_snapshot_store(self) -> str:
+        return os.environ.get("GPUFLEET_SNAPSHOT_STORE") or os.path.join(_data_dir(), "snapshots")
+
+    snapshot_key_file = Unicode(
+        help="The snapshot master key: the controller's c.FleetController.snapshot_key_file. "
+        "Default: $GPUFLEET_SNAPSHOT_KEY_FILE, else <data_dir>/snapshot-master.key.",
+    ).tag(config=True)
+
+    @default("snapshot_key_file")
+    def _default_snapshot_key_file(self) -> str:
+        return os.environ.get("GPUFLEET_SNAPSHOT_KEY_FILE") or os.path.join(
+            _data_dir(), "snapshot-master.key"
+        )
+
+    snapshot_s3_endpoint = Unicode(
+        help="The S3 endpoint of an s3:// snapshot store that is not AWS itself.",
+    ).tag(config=True)
+
+    @default("snapshot_s3_endpoint")
+    def _default_snapshot_s3_endpoint(self) -> str:
+        return os.environ.get("GPUFLEET_S3_ENDPOINT", "")
+
+    snapshot_excludes = List(
+        Unicode(),
+        help="Patterns left out of a home's snapshot (caches). Default: pip, conda, "
+        "Hugging Face and torch caches, npm's cache, the trash.",
+    ).tag(config=True)
+
+    @default("snapshot_excludes")
+    def _default_snapshot_excludes(self) -> list[str]:
+        return list(home_excludes())
+
+    free_upper_after_snapshot = Bool(
+        True,
+        help="Empty the session's overlay upper directory once the final snapshot holds it "
+        "(it is restored at the next start): frees the node's disk.",
+    ).tag(config=True)
+
+    final_snapshot_attempts = Integer(
+        3, help="Tries of the final snapshot at stop before it is retried in the background."
+    ).tag(config=True)
+
+    final_snapshot_retry_seconds = Float(
+        60.0, help="Seconds between background retries of a failed final snapshot."
+    ).tag(config=True)
+
+    # Provided by the spawner this is mixed into.
+    sandbox_upper: str
+    sandbox_mode: str
+
+    def snapshot_settings(self) -> snapshots.SnapshotSettings:
+        return snapshots.SnapshotSettings(
+            self.snapshot_store,
+            self.snapshot_key_file,
+            self.snapshot_s3_endpoint,
+            os.path.join(_data_dir(), "statcache"),
+        )
+
+    def snapshot_sources(self, home: str) -> snapshots.Sources:
+        """The session's home; its overlay upper directory when it runs in one (everything
+        it changed outside its home is there, conda environments included); otherwise the
+        environment prefixes conda recorded outside its home."""
+        overlays: tuple[str, ...] = ()
+        prefixes: tuple[str, ...] = ()
+        if self.sandbox_upper:
+            overlays = (self.sandbox_upper,)
+        else:
+            prefixes = tuple(
+                str(p)
+                for p in conda_environments([Path(home)])
+                if not str(p).startswith(home.rstrip("/") + "/")
+            )
+        return snapshots.Sources(
+            paths=(home,) if home else (),
+            prefixes=prefixes,
+            overlays=overlays,
+            exclude=tuple(self.snapshot_excludes),
+        )
+
+    async def final_snapshot(
+        self, project: str, user: str, server: str, sources: snapshots.Sources
+    ) -> dict[str, Any]:
+        """The final pass, tried ``final_snapshot_attempts`` times; raises the last
+        failure. Frees the upper directory once the snapshot is committed."""
+        settings = self.snapshot_settings()
+        failure: snapshots.SnapshotFailed | None = None
+        for attempt in range(self.final_snapshot_attempts):
+            try:
+                result = await snapshots.create(
+                    settings, project, user, server, sources, tags=["final"]
+                )
+            except snapshots.SnapshotFailed as e:
+                failure = e
+                self.log.warning(
+                    "final snapshot of %s/%s failed (try %d): %s", user, server, attempt + 1, e
+                )
+                await asyncio.sleep(min(2.0 * (attempt + 1), 10.0))
+                continue
+            if self.free_upper_after_snapshot:
+                for upper in sources.overlays:
+                    await asyncio.to_thread(_empty, Path(upper.partition(":")[0]))
+            return result
+        assert failure is not None
+        raise failure
+
+    async def restore_missing(self, project: str, user: str, server: str, report: Any) -> str:
+        """Restore what the latest snapshot holds and is missing here; what the user should
+        read about it ("" when nothing was restored)."""
+        settings = self.snapshot_settings()
+        local = not settings.store.startswith("s3://")
+        if local and not await asyncio.to_thread(os.path.isdir, settings.store):
+            return ""  # nothing was ever snapshotted here
+        shown = await snapshots.show_latest(settings, project, user, server)
+        if shown is None:
+            return ""
+        sources = shown.get("sources", [])
+        gone = await asyncio.to_thread(lambda: [_is_missing(Path(s["path"])) for s in sources])
+        missing = [s for s, is_gone in zip(sources, gone, strict=True) if is_gone]
+        if not missing:
+            return ""
+        names = [s["name"] for s in missing]
+        report(f"Restoring your last snapshot ({', '.join(_label(s) for s in missing)})", 30)
+
+        def progress(line: dict[str, Any]) -> None:
+            total, done = line.get("total") or 0, line.get("done") or 0
+            share = f"{done / total:.0%}" if total else line.get("phase", "")
+            report(
+                f"Restoring your last snapshot: {share}",
+                30 + int(25 * done / total) if total else 30,
+            )
+
+        result = await snapshots.restore_latest(
+            settings, project, user, server, only=names, on_progress=progress
+        )
+        taken = datetime.fromtimestamp(float(shown.get("created_at", 0)), UTC)
+        return (
+            f"Stopped at {taken:%H:%M UTC on %d %b}; restored from snapshot {result.get('id')}: "
+            f"{', '.join(_label(s) for s in missing)} as they were; kernels were restarted"
+        )
+
+
+def _label(source: dict[str, Any]) -> str:
+    kind = source.get("kind")
+    if kind == "overlay":
+        return "installed packages and system changes"
+    if kind == "prefix":
+        return f"environment {source.get('path')}"
+    return "files"
+
+
+def _is_missing(path: Path) -> bool:
+    try:
+        with os.scandir(path) as listing:
+            return next(listing, None) is None
+    except FileNotFoundError:
+        return True
+    except NotADirectoryError:
+        return False
+
+
+def _empty(directory: Path) -> None:
+    """Remove what a directory holds, keeping the directory (its owner and mode)."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def _data_dir() -> str:
+    return os.environ.get("GPUFLEET_DATA_DIR") or os.path.abspath(".gpufleet")

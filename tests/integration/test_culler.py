@@ -1,0 +1,181 @@
+"""The idle culler end to end: a real hub, controller, node agent, sandboxed sessions and
+snapshots, on a fleet of 8 fake GPUs (two nodes of 4).
+
+vision culls idle sessions (``always``, 20 s, a 6 s warning); nlp only marks them
+(``on-demand``). What a researcher would see: an idle session is warned, snapshotted,
+stopped, and a queued session gets its GPUs; a session whose GPUs work is left alone; an
+on-demand session is only stopped when someone waits; the next start finds the files, the
+package and the environment as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpufleet.recovery.fake_nvml import write_control
+
+from .harness import Hub, run_in_kernel, wait_for
+from .test_agent import DECLARED, declared_fake_gpus
+
+pytestmark = pytest.mark.integration
+
+CULLER_CONFIG = """
+c.FleetController.idle_policies = {
+    "default": {"mode": "always", "idle_timeout_s": 20, "warn_before_s": 6},
+    "projects": {"nlp": {"mode": "on-demand"}},
+}
+c.FleetController.cull_interval = 1
+"""
+
+WRITE_STATE = """
+import json, os, pathlib
+home = pathlib.Path.home()
+(home / "notes.txt").write_text("results of run 7")
+pkg = pathlib.Path("/opt/gpufleet-test/site/mypkg")
+pkg.mkdir(parents=True, exist_ok=True)
+(pkg / "__init__.py").write_text("VERSION = '1.2.3'")
+env = pathlib.Path("/opt/gpufleet-test/envs/demo")
+(env / "conda-meta").mkdir(parents=True, exist_ok=True)
+(env / "conda-meta" / "history").write_text("# created by the test")
+(home / ".conda").mkdir(exist_ok=True)
+(home / ".conda" / "environments.txt").write_text(str(env) + "\\n")
+print("written")
+"""
+
+READ_STATE = """
+import pathlib
+home = pathlib.Path.home()
+print((home / "notes.txt").read_text(), end="|")
+print(pathlib.Path("/opt/gpufleet-test/site/mypkg/__init__.py").read_text(), end="|")
+print(pathlib.Path("/opt/gpufleet-test/envs/demo/conda-meta/history").read_text())
+"""
+
+
+@pytest.fixture(scope="module")
+def culling(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    hub = Hub.create(Path(tmp_path_factory.mktemp("culler")), CULLER_CONFIG)
+    hub.start()
+    try:
+        yield hub
+    finally:
+        hub.kill_everything()
+
+
+@pytest.fixture
+def hub(culling: Hub) -> Iterator[Hub]:
+    yield culling
+    write_control(culling.fake_nvml_control, declared_fake_gpus(DECLARED))
+    culling.stop_all_servers()
+
+
+def events(hub: Hub, workload_id: int) -> list[dict[str, Any]]:
+    items = hub.controller("GET", "/events", params={"limit": 1000}).json()["items"]
+    return [e for e in items if e.get("workload_id") == workload_id]
+
+
+def kinds(hub: Hub, workload_id: int) -> list[str]:
+    return [e["kind"] for e in sorted(events(hub, workload_id), key=lambda e: e["id"])]
+
+
+def culler_rounds(hub: Hub) -> float:
+    text = httpx.get(f"{hub.url}/services/gpufleet/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "gpufleet_culler_rounds_total":
+                return float(sample.value)
+    return 0.0
+
+
+def busy_gpus(hub: Hub, uuids: list[str]) -> None:
+    gpus = declared_fake_gpus(DECLARED)
+    for gpu in gpus:
+        if gpu.uuid in uuids:
+            gpu.utilization_gpu = 90
+    write_control(hub.fake_nvml_control, gpus)
+
+
+def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_queue(
+    hub: Hub,
+) -> None:
+    hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=4)
+    hub.wait_ready("alice")
+    alice = hub.workload_of("alice")
+    assert alice is not None
+    token = hub.user_token("alice")
+    assert run_in_kernel(hub, "alice", "", WRITE_STATE, token).strip() == "written"
+    # carol's GPUs work (fake NVML says 90%): her session stays, whatever else it does.
+    hub.spawn("carol", project="nlp", gpu_type="A100-80GB", gpus=4)
+    hub.wait_ready("carol")
+    carol = hub.workload_of("carol")
+    assert carol is not None
+    busy_gpus(hub, [a["uuid"] for a in carol["allocations"]])
+    # bob asks for vision's 4 GPUs, which alice holds: he waits.
+    hub.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=4)
+    waiting = wait_for(lambda: hub.workload_of("bob"), 30, "bob's request")
+    assert waiting["state"] == "pending"
+
+    # alice is warned first, with the time of the stop; then snapshotted and stopped.
+    warning = wait_for(
+        lambda: [e for e in events(hub, alice["id"]) if e["kind"] == "session-idle-warning"],
+        60,
+        "the idle warning",
+    )[0]
+    assert "idle for" in warning["message"] and "snapshotted and stopped at" in warning["message"]
+    ended = hub.wait_ended(alice, 90)
+    assert ended["outcome"] == "stopped"
+    order = kinds(hub, alice["id"])
+    assert order.index("session-idle-warning") < order.index("session-cull")
+    assert order.index("session-cull") < order.index("session-snapshot") < order.index("ended")
+    hub.wait_ready("bob", timeout=90)
+    bob = hub.workload_of("bob")
+    assert bob is not None and bob["state"] == "running"
+    assert {a["uuid"] for a in bob["allocations"]} == {a["uuid"] for a in alice["allocations"]}
+
+    # carol, whose GPUs work, was neither warned nor stopped.
+    assert hub.workload_of("carol") is not None
+    assert not {"session-idle-warning", "session-marked-idle", "session-cull"} & set(
+        kinds(hub, carol["id"])
+    )
+
+    # alice comes back (bob leaves first: vision's quota is 4): everything is there.
+    hub.stop_server("bob")
+    hub.wait_gone("bob")
+    hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=4)
+    hub.wait_ready("alice", timeout=120)
+    restored = run_in_kernel(hub, "alice", "", READ_STATE, hub.user_token("alice"))
+    assert restored.strip() == "results of run 7|VERSION = '1.2.3'|# created by the test"
+
+
+def test_on_demand_marks_an_idle_session_and_stops_it_only_when_someone_waits(
+    hub: Hub,
+) -> None:
+    hub.spawn("carol", project="nlp", gpu_type="A100-80GB", gpus=4)
+    hub.wait_ready("carol")
+    carol = hub.workload_of("carol")
+    assert carol is not None
+    marked = wait_for(
+        lambda: [e for e in events(hub, carol["id"]) if e["kind"] == "session-marked-idle"],
+        60,
+        "carol's session marked idle",
+    )
+    assert "idle for" in marked[0]["message"]
+    # Nobody waits: marked, not stopped, for five more culler rounds.
+    after_mark = kinds(hub, carol["id"])
+    first = culler_rounds(hub)
+    wait_for(lambda: culler_rounds(hub) >= first + 5, 60, "five more culler rounds")
+    assert hub.workload_of("carol") is not None
+    assert "session-cull" not in kinds(hub, carol["id"]) and after_mark == kinds(hub, carol["id"])
+
+    # vision fills its 4, then wants 4 more than the free 0: carol's idle session makes room.
+    hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=4)
+    hub.wait_ready("alice")
+    hub.spawn("alice", "more", project="nlp", gpu_type="A100-80GB", gpus=4)
+    ended = hub.wait_ended(carol, 90)
+    assert ended["outcome"] == "preempted"
+    hub.wait_ready("alice", "more", timeout=90)
