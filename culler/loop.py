@@ -103,6 +103,7 @@ class IdleCuller:
         self._culling: dict[int, asyncio.Task[None]] = {}
         self._failed_at: dict[int, float] = {}  # workload -> monotonic time of a failed cull
         self._last_round: float | None = None
+        self._next_check: datetime | None = None
 
     # ----------------------------------------------------------------- policy
     def policy_for(self, project: str, profile: str = "") -> IdlePolicy:
@@ -133,7 +134,7 @@ class IdleCuller:
                     self.log.exception("culler round failed")
             self._kicked.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kicked.wait(), self.interval)
+                await asyncio.wait_for(self._kicked.wait(), self._until_next_round())
 
     async def run_once(self) -> list[tuple[int, Decision]]:
         """One round over every running session: what was decided for each."""
@@ -142,6 +143,7 @@ class IdleCuller:
         now = self.now()
         elapsed = self._elapsed()
         decided = []
+        self._next_check = None
         for s in sessions:
             policy = self.policy_for(s.project, s.profile)
             signals = Signals(
@@ -158,6 +160,10 @@ class IdleCuller:
             )
             decision = decide(view, signals, policy, now)
             decided.append((s.workload_id, decision))
+            if decision.recheck_at is not None and (
+                self._next_check is None or decision.recheck_at < self._next_check
+            ):
+                self._next_check = decision.recheck_at
             if decision.last_active and (now - decision.last_active).total_seconds() > (
                 self.idle_grace
             ):
@@ -165,6 +171,13 @@ class IdleCuller:
             await self._act(s, decision, policy, now)
         self.metrics.rounds.inc()
         return decided
+
+    def _until_next_round(self) -> float:
+        """The interval, or less when a session's decision changes sooner."""
+        wait = self.interval
+        if self._next_check is not None:
+            wait = min(wait, (self._next_check - self.now()).total_seconds() + 0.05)
+        return max(wait, 0.1)
 
     def _elapsed(self) -> float:
         now = time.monotonic()

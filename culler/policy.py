@@ -151,6 +151,9 @@ class Decision:
     last_active: datetime | None = None
     # When the session will be culled (always, max age) or marked (on-demand).
     due_at: datetime | None = None
+    # When, without any new signal, the decision would change: the culler looks again then
+    # rather than at its next round, so no session waits a round past its threshold.
+    recheck_at: datetime | None = None
 
 
 def last_activity(session: Session, signals: Signals, now: datetime) -> tuple[datetime, str]:
@@ -192,7 +195,10 @@ def decide(session: Session, signals: Signals, policy: IdlePolicy, now: datetime
     if keep_alive is not None and keep_alive > now:
         action = Action.UNMARK if session.idle_marked else Action.KEEP
         return Decision(
-            action, f"kept alive by its user until {_clock(keep_alive)}", last_active=active_at
+            action,
+            f"kept alive by its user until {_clock(keep_alive)}",
+            last_active=active_at,
+            recheck_at=keep_alive,
         )
 
     due = active_at + timedelta(seconds=policy.idle_timeout_s)
@@ -204,7 +210,10 @@ def decide(session: Session, signals: Signals, policy: IdlePolicy, now: datetime
                 last_active=active_at,
             )
         return Decision(
-            Action.KEEP, f"last in use {_ago(idle_for)} ago: {source}", last_active=active_at
+            Action.KEEP,
+            f"last in use {_ago(idle_for)} ago: {source}",
+            last_active=active_at,
+            recheck_at=due - warn_before,
         )
     why = f"idle for {_ago(idle_for)} (last in use: {source})"
     if policy.mode is ReclaimMode.ALWAYS:
@@ -239,12 +248,12 @@ def _toward(
     if warn_before and (warned is None or (warned < active_at and cause is Cause.IDLE)):
         at = max(due, now + warn_before)
         return Decision(
-            Action.WARN, f"{why}: {_what(action)} at {_clock(at)}", cause, active_at, at
+            Action.WARN, f"{why}: {_what(action)} at {_clock(at)}", cause, active_at, at, at
         )
     at = max(due, warned + warn_before) if warn_before and warned is not None else due
     if now < at:
         return Decision(
-            Action.KEEP, f"{why}: {_what(action)} at {_clock(at)}", cause, active_at, at
+            Action.KEEP, f"{why}: {_what(action)} at {_clock(at)}", cause, active_at, at, at
         )
     return Decision(action, why, cause, active_at, at)
 

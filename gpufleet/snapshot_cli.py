@@ -238,7 +238,10 @@ def _json_line(**fields: Any) -> None:
 
 
 def _create(repository: Repository, args: argparse.Namespace, console: Console) -> int:
+    from .scheduler import failpoints
     from .snapshotter import envspec
+
+    failpoints.reach("snapshot-create")  # crash tests: a snapshot process that dies
     from .snapshotter.capture import SourceSpec, create_snapshot
     from .snapshotter.manifest import SourceKind
 

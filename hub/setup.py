@@ -124,6 +124,10 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
     c.LocalGPUSpawner.home_dir_template = str(d.data_dir / "homes" / "{username}")
     c.LocalGPUSpawner.fake_nvml_dir = str(d.data_dir / "agent" / "fake-nvml")
     c.LocalGPUSpawner.sandbox_dir = str(d.data_dir / "sessions")
+    # The same store, key and stat caches as the controller's defaults (docs/culler.md).
+    c.LocalGPUSpawner.snapshot_store = str(d.data_dir / "snapshots")
+    c.LocalGPUSpawner.snapshot_key_file = str(d.data_dir / "snapshot-master.key")
+    c.LocalGPUSpawner.snapshot_cache_dir = str(d.data_dir / "statcache")
     c.Spawner.default_url = "/lab"
     c.Spawner.http_timeout = 120
     c.Spawner.server_token_scopes = [

@@ -502,7 +502,7 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
                 await self._release("stopped", "")  # says why the GPUs stay allocated
                 return
             try:
-                await self._final_snapshot()
+                saved = await self._final_snapshot()
             except SnapshotFailed as e:
                 self.log.error(
                     "the final snapshot of %s failed; its files stay where they are and its "
@@ -512,6 +512,8 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
                 )
                 self._retry_final_snapshot()
                 return
+            await self._release("stopped", f"the server stopped; {saved}")
+            return
         await self._release("stopped", "")
 
     # -------------------------------------------------------------- snapshots
@@ -531,7 +533,8 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
             # user would take an empty home for lost work.
             raise web.HTTPError(503, f"could not restore your last snapshot: {e}") from e
 
-    async def _final_snapshot(self) -> None:
+    async def _final_snapshot(self) -> str:
+        """The final pass; what it did, for the workload's end event."""
         started = time.monotonic()
         result = await self.final_snapshot(
             str(self.user_options.get("project", "")),
@@ -539,23 +542,22 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
             self.name,
             self.snapshot_holds,
         )
+        seconds = time.monotonic() - started
         self.log.info(
-            "final snapshot %s of %s in %.1f s",
-            result.get("id"),
-            self._log_name,
-            time.monotonic() - started,
+            "final snapshot %s of %s in %.1f s", result.get("id"), self._log_name, seconds
         )
+        return f"final snapshot {result.get('id')} in {seconds:.2f} s"
 
     def _retry_final_snapshot(self) -> None:
         async def retry() -> None:
             while True:
                 await asyncio.sleep(self.final_snapshot_retry_seconds)
                 try:
-                    await self._final_snapshot()
+                    saved = await self._final_snapshot()
                 except SnapshotFailed as e:
                     self.log.warning("final snapshot of %s still failing: %s", self._log_name, e)
                     continue
-                await self._release("stopped", "after its final snapshot was retried")
+                await self._release("stopped", f"the server stopped; {saved}, retried")
                 return
 
         task = asyncio.create_task(retry())

@@ -17,15 +17,30 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Histogram
 from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from ..culler import snapshots
 from ..snapshotter.envspec import conda_environments, home_excludes
+
+# In the hub's own registry: JupyterHub serves it at /hub/metrics.
+_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+FINAL_SNAPSHOT_SECONDS = Histogram(
+    "gpufleet_session_final_snapshot_seconds",
+    "Duration of the final snapshot pass when a session stops",
+    buckets=_BUCKETS,
+)
+RESTORE_SECONDS = Histogram(
+    "gpufleet_session_restore_seconds",
+    "Duration of restoring a session's snapshot before its server starts",
+    buckets=_BUCKETS,
+)
 
 
 class SnapshottingMixin(LoggingConfigurable):
@@ -63,6 +78,15 @@ class SnapshottingMixin(LoggingConfigurable):
     def _default_snapshot_s3_endpoint(self) -> str:
         return os.environ.get("GPUFLEET_S3_ENDPOINT", "")
 
+    snapshot_cache_dir = Unicode(
+        help="Where stat caches live (what the last pass read, so the next reads only what "
+        "changed); shared with the controller's live passes. Default: <data_dir>/statcache.",
+    ).tag(config=True)
+
+    @default("snapshot_cache_dir")
+    def _default_snapshot_cache_dir(self) -> str:
+        return os.path.join(_data_dir(), "statcache")
+
     snapshot_excludes = List(
         Unicode(),
         help="Patterns left out of a home's snapshot (caches). Default: pip, conda, "
@@ -96,7 +120,7 @@ class SnapshottingMixin(LoggingConfigurable):
             self.snapshot_store,
             self.snapshot_key_file,
             self.snapshot_s3_endpoint,
-            os.path.join(_data_dir(), "statcache"),
+            self.snapshot_cache_dir,
         )
 
     def snapshot_sources(self, home: str) -> snapshots.Sources:
@@ -128,6 +152,7 @@ class SnapshottingMixin(LoggingConfigurable):
         settings = self.snapshot_settings()
         failure: snapshots.SnapshotFailed | None = None
         for attempt in range(self.final_snapshot_attempts):
+            started = time.monotonic()
             try:
                 result = await snapshots.create(
                     settings, project, user, server, sources, tags=["final"]
@@ -139,6 +164,7 @@ class SnapshottingMixin(LoggingConfigurable):
                 )
                 await asyncio.sleep(min(2.0 * (attempt + 1), 10.0))
                 continue
+            FINAL_SNAPSHOT_SECONDS.observe(time.monotonic() - started)
             if self.free_upper_after_snapshot:
                 for upper in sources.overlays:
                     await asyncio.to_thread(_empty, Path(upper.partition(":")[0]))
@@ -172,9 +198,11 @@ class SnapshottingMixin(LoggingConfigurable):
                 30 + int(25 * done / total) if total else 30,
             )
 
+        started = time.monotonic()
         result = await snapshots.restore_latest(
             settings, project, user, server, only=names, on_progress=progress
         )
+        RESTORE_SECONDS.observe(time.monotonic() - started)
         taken = datetime.fromtimestamp(float(shown.get("created_at", 0)), UTC)
         return (
             f"Stopped at {taken:%H:%M UTC on %d %b}; restored from snapshot {result.get('id')}: "

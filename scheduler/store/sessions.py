@@ -192,6 +192,10 @@ class SessionActivityStore(StoreBase):
             if workload is None or workload.state is not WorkloadState.running:
                 return False
             row = _activity(session, workload_id)
+            data = {
+                "last_active": last_active.isoformat() if last_active else None,
+                "due_at": due_at.isoformat() if due_at else None,
+            }
             if action == "warn":
                 row.warned_at, row.warned_stop_at = now, due_at
                 row.notice = _notice(now, "warning", reason, due_at)
@@ -203,6 +207,7 @@ class SessionActivityStore(StoreBase):
                     reason=cause,
                     cause="culler",
                     workload=workload,
+                    data=data,
                 )
             elif action == "mark-idle":
                 workload.idle_since = last_active or now
@@ -216,13 +221,20 @@ class SessionActivityStore(StoreBase):
                     reason=cause,
                     cause="culler",
                     workload=workload,
+                    data=data,
                 )
             elif action == "unmark":
                 workload.idle_since = None
                 workload.version += 1
                 row.warned_at = row.warned_stop_at = row.notice = None
                 _event(
-                    session, now, "session-active-again", reason, cause="culler", workload=workload
+                    session,
+                    now,
+                    "session-active-again",
+                    reason,
+                    cause="culler",
+                    workload=workload,
+                    data=data,
                 )
             elif action == "withdraw":
                 row.warned_at = row.warned_stop_at = row.notice = None
@@ -233,6 +245,7 @@ class SessionActivityStore(StoreBase):
                     reason,
                     cause="culler",
                     workload=workload,
+                    data=data,
                 )
             elif action == "cull":
                 row.notice = _notice(
@@ -246,6 +259,7 @@ class SessionActivityStore(StoreBase):
                     reason=cause,
                     cause="culler",
                     workload=workload,
+                    data=data,
                 )
             else:
                 raise ValueError(f"unknown idle decision {action!r}")

@@ -31,6 +31,7 @@ c.FleetController.idle_policies = {
     "projects": {"nlp": {"mode": "on-demand"}},
 }
 c.FleetController.cull_interval = 1
+c.FleetController.cull_retry_seconds = 3
 """
 
 WRITE_STATE = """
@@ -179,3 +180,27 @@ def test_on_demand_marks_an_idle_session_and_stops_it_only_when_someone_waits(
     ended = hub.wait_ended(carol, 90)
     assert ended["outcome"] == "preempted"
     hub.wait_ready("alice", "more", timeout=90)
+
+
+def test_a_session_whose_live_snapshot_fails_keeps_running_until_a_pass_succeeds(
+    hub: Hub,
+) -> None:
+    # The next snapshot process dies (SIGKILL) as it starts: the culler's live pass.
+    (hub.data_dir / "failpoints" / "snapshot-create").touch()
+    hub.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=2)
+    hub.wait_ready("bob")
+    bob = hub.workload_of("bob")
+    assert bob is not None
+    failed = wait_for(
+        lambda: [e for e in events(hub, bob["id"]) if e["kind"] == "session-cull-failed"],
+        60,
+        "the failed cull",
+    )
+    assert "the live snapshot failed, so the session keeps running" in failed[0]["message"]
+    running = hub.workload_of("bob")
+    assert running is not None and running["state"] == "running"
+    assert (hub.server_model("bob") or {}).get("ready")
+    # Tried again after cull_retry_seconds: this time it is snapshotted and stopped.
+    ended = hub.wait_ended(bob, 90)
+    assert ended["outcome"] == "stopped"
+    assert "session-snapshot" in kinds(hub, bob["id"])

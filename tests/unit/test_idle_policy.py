@@ -55,7 +55,9 @@ def test_a_stale_busy_report_counts_only_until_it_was_made() -> None:
 
 def test_always_mode_warns_then_culls_after_the_full_warning() -> None:
     signals = Signals(hub_activity=minutes(0))
-    assert decide(session(), signals, ALWAYS, minutes(49)).action is Action.KEEP
+    keep = decide(session(), signals, ALWAYS, minutes(49))
+    assert keep.action is Action.KEEP
+    assert keep.recheck_at == minutes(50)  # the culler looks again exactly then
     # 50 minutes idle: the 10-minute warning before the 60-minute time-out.
     warn = decide(session(), signals, ALWAYS, minutes(50))
     assert warn.action is Action.WARN
@@ -63,7 +65,8 @@ def test_always_mode_warns_then_culls_after_the_full_warning() -> None:
     assert "idle for 50 min" in warn.reason
     assert "snapshotted and stopped at 10:00 UTC" in warn.reason
     warned = session(warned_at=minutes(50), warned_stop_at=warn.due_at)
-    assert decide(warned, signals, ALWAYS, minutes(59)).action is Action.KEEP
+    waiting = decide(warned, signals, ALWAYS, minutes(59))
+    assert (waiting.action, waiting.recheck_at) == (Action.KEEP, minutes(60))
     cull = decide(warned, signals, ALWAYS, minutes(60))
     assert (cull.action, cull.cause) == (Action.CULL, Cause.IDLE)
 
