@@ -1,6 +1,6 @@
 """A memo carried across cycles gives the plans a fresh one gives (``scheduler/memo.py``),
 and deciding a frozen queue's rest at once gives the decisions deciding it request by
-request gives (``plan.py``, ``_frozen_tails``).
+request gives (``plan.py``, ``frozen.py``).
 
 The worlds are those of ``test_plan_properties.py``: random fleets, project trees and
 many cycles of arrivals, completions, cancellations, idle marks, node failures and quota

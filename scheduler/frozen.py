@@ -1,0 +1,303 @@
+"""The frozen tail of a scheduling cycle (``plan.py``): deciding the rest of every queue
+at once when nothing the planner does can change the cycle's state any more.
+
+Invariants:
+- Frozen (``Frozen``): every preemption search of the cycle is spent (or the mode never
+  preempts); for every GPU type waited for, a zone is held for its first in line (or no
+  zone has the type); no waiting request has a node selector; and no node outside the
+  held zone has as many free GPUs as the smallest pod waiting (or the free GPUs of the
+  type are fewer than the smallest request). Then no request can start, search for
+  victims or hold a zone, so no decision changes what a later one sees, and each
+  decision depends on the state alone, not on the order.
+- Once frozen, the state is never changed by this module: it only reads the planner's
+  capacity index, quota book and in-flight victims, and appends ``Waiting`` rows.
+- A queue's rest decided here is exactly what ``_Planner._next_in_queue`` would decide
+  one request at a time (``tests/unit/test_plan_memo.py``,
+  ``test_frozen_tails_decide_as_one_by_one``); only a reason's numbers may differ, being
+  the frozen state's rather than those of whichever request of the shape came first.
+- Last cycle's answers are reused only under equality of everything they read: a queue's
+  ``memo.Tail`` when its requests, its first position and its context (its project's
+  usage up the tree, the free blocks of its GPU type, the victims stopping for it) are
+  equal; a shape's ``memo.Verdict`` when its context (usage view, whether the type is
+  known, most pods, largest block) is equal. Per-user caps and node selectors are too
+  particular to compare: such queues and requests go through the planner one by one.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from .memo import Tail, Verdict
+from .quota import UNLIMITED
+from .snapshot import Mode, Pending, WaitCause, Waiting
+
+if TYPE_CHECKING:
+    from .plan import _Planner, _Queue
+
+
+class Frozen:
+    """Whether the cycle's state can still change. It cannot once every preemption search
+    of the cycle is spent (or the mode never preempts), and, for every GPU type waited
+    for, a zone is held for its first in line (or no zone has the type), no waiting
+    request has a node selector (those may use the held zone), and no node outside the
+    held zone has as many free GPUs as the smallest pod waiting, or the free GPUs of the
+    type are fewer than the smallest request: then no request can start, search, or
+    hold a zone, so no decision changes what a later one sees. Checked again only after
+    something changed."""
+
+    def __init__(self, planner: _Planner):
+        self.planner = planner
+        self.seen: tuple[int, int, int] | None = None
+        self.frozen = False
+
+    def now(self, heap: list[tuple[Any, ...]]) -> bool:
+        p = self.planner
+        if not p.memo.frozen_tails:
+            return False
+        state = (p.epoch, p.searches_left, len(p.reserved))
+        if state != self.seen:
+            self.seen = state
+            self.frozen = self._check(heap)
+        return self.frozen
+
+    def _check(self, heap: list[tuple[Any, ...]]) -> bool:
+        p = self.planner
+        if p.mode is Mode.GPUFLEET and p.searches_left > 0:
+            return False
+        capacity, memo = p.capacity, p.memo
+        for gpu_type, pod_sizes in memo.pod_sizes.items():
+            if not pod_sizes:
+                continue
+            if memo.selectors.get(gpu_type):
+                return False
+            zones = capacity.zones_by_type.get(gpu_type)
+            if not zones:
+                continue
+            if capacity.free_by_type[gpu_type] < min(memo.sizes[gpu_type]):
+                if gpu_type in p.reserved or not any(k[1] == gpu_type for *_, k in heap):
+                    continue
+                return False  # nothing fits, but a refusal may still hold a zone
+            held = p.reserved.get(gpu_type)
+            if held is None:
+                if any(key[1] == gpu_type for *_, key in heap):
+                    return False
+                continue  # nothing of the type is left to decide
+            smallest = min(pod_sizes)
+            for zone in zones:
+                if zone != held[0] and capacity.most_free(zone) >= smallest:
+                    return False
+        return True
+
+
+class FrozenTails:
+    """The frozen-tail decisions of one cycle, and what they read, for the memo."""
+
+    def __init__(self, planner: _Planner):
+        self.p = planner
+        self.tails: dict[tuple[str, str], Tail] = {}
+        # The numbers frozen refusals read, and the verdicts given, for the memo.
+        self.usage_views: dict[tuple[str, str], tuple[int, ...]] = {}
+        self.shape_views: dict[tuple[str, int, bool], tuple[Any, ...]] = {}
+        self.verdicts: dict[tuple[Any, ...], Verdict] = {}
+        self.frozen_said: dict[tuple[Any, ...], tuple[WaitCause, str]] = {}  # by shape
+        self.preempting_by_queue: dict[tuple[str, str], tuple[Any, ...]] = {}
+
+    def decide(
+        self,
+        heap: list[tuple[Any, ...]],
+        queues: dict[tuple[str, str], _Queue],
+        blocked_users: dict[tuple[str, str], int],
+    ) -> None:
+        """Decide the rest of every queue once nothing can change the cycle's state any
+        more (``Frozen``): no request can start, search for victims or hold a zone. Each
+        decision then depends on the state, not on the order: the queues are decided one
+        after the other (in the order their heads stand), each from its head to its end.
+
+        The refusals remembered so far are dropped first: their reasons' numbers may date
+        from before the last admissions, and the answers here must depend on the frozen
+        state alone — so that a queue whose requests and whose numbers (its project's
+        usage up the tree, the free blocks of its GPU type, the victims stopping for it)
+        are those of its tail last cycle gets last cycle's answers without deciding them
+        again (``memo.Tail``)."""
+        self.p.settled.clear()
+        self.p.no_room_reasons.clear()
+        self.p.quota_said.clear()
+        order = sorted((self.p._order(queues[key].current), key) for _, _, key in heap)
+        views: dict[str, tuple[Any, ...]] = {}
+        previous = self.p.memo.tails
+        # The victims stopping for the queue's requests (their reasons name them).
+        by_queue: dict[tuple[str, str], list[tuple[Any, ...]]] = defaultdict(list)
+        for wid in sorted(self.p.in_flight):
+            request = self.p.memo.pending.get(wid)
+            if request is not None:
+                victims = tuple((v.id, v.gpus) for v in self.p.in_flight[wid])
+                by_queue[(request.project, request.gpu_type)].append((wid, victims))
+        self.preempting_by_queue = {key: tuple(v) for key, v in by_queue.items()}
+        for _, key in order:
+            queue = queues[key]
+            rest = queue.requests[queue.head :]
+            start = self.p.positions[key]
+            context = self._tail_context(key, rest, views, blocked_users)
+            tail = previous.get(key)
+            if (
+                context is not None
+                and tail is not None
+                and tail.start == start
+                and tail.context == context
+                and tail.requests == rest
+            ):
+                self.p.waiting.extend(tail.waits)
+                self.p.positions[key] += len(tail.waits)
+                self.tails[key] = tail
+                continue
+            mark = len(self.p.waiting)
+            if context is None:
+                while queue.head < len(queue.requests):
+                    self.p._next_in_queue(queue, blocked_users)
+                continue
+            self._rest(key, rest)
+            self.tails[key] = Tail(rest, start, context, self.p.waiting[mark:])
+
+    def _rest(self, key: tuple[str, str], rest: list[Pending]) -> None:
+        """Decide a frozen queue's rest (no per-user cap, so no user holds a place) as
+        ``_next_in_queue`` would, request by request, with ``_outcome``. The hot
+        loop of a cycle at scale: one dictionary read and one tuple per request."""
+        waiting, in_flight, said = self.p.waiting, self.p.in_flight, self.frozen_said
+        position = self.p.positions[key]
+        for i, request in enumerate(rest):
+            outcome = said.get(request.shape)
+            if outcome is None or request.id in in_flight:
+                if request.node_selector or request.id in in_flight:
+                    self.p.positions[key] = position
+                    decided = self.p._decide(request)
+                    position = self.p.positions[key]
+                    assert decided.cause is not None, "nothing starts once frozen"
+                    outcome = (decided.cause, decided.reason)
+                else:
+                    outcome = said[request.shape] = self._outcome(request)
+                    position += 1
+                    waiting.append(Waiting(request.id, position, *outcome))
+            else:
+                position += 1
+                waiting.append(Waiting(request.id, position, *outcome))
+            if outcome[0] is WaitCause.QUOTA:
+                for later in rest[i + 1 :]:
+                    position += 1
+                    waiting.append(
+                        Waiting(
+                            later.id,
+                            position,
+                            WaitCause.BEHIND,
+                            f"waiting behind an earlier request for {request.gpu_type} in "
+                            f"project {request.project} (workload {request.id}): {outcome[1]}",
+                        )
+                    )
+                break
+        self.p.positions[key] = position
+
+    def _outcome(self, request: Pending) -> tuple[WaitCause, str]:
+        """A frozen refusal, by what it depends on: project, type and shape (the class
+        matters only to searches, which are spent), and a few numbers of the state (see
+        ``_verdict_context``): last cycle's stands if those are the same."""
+        said = (request.project, request.gpu_type, request.gpus_per_pod, request.pods)
+        verdict = self.verdicts.get(said)
+        if verdict is None:
+            context = self._verdict_context(request)
+            verdict = self.p.memo.verdicts.get(said)
+            if verdict is None or verdict[0] != context:
+                verdict = (context, *self._verdict(request))
+            self.verdicts[said] = verdict
+        return verdict[1], verdict[2]
+
+    def _verdict(self, request: Pending) -> tuple[WaitCause, str]:
+        """``_Planner._decide_afresh`` in a frozen state, where nothing is placed (``Frozen``),
+        no search runs and a zone is held for every type the fleet has: the same checks
+        in the same order, without those that cannot pass."""
+        t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
+        fits = self.p.capacity.ever_fits(t, k, pods)
+        if self.p.mode is not Mode.FIFO:
+            beyond = self.p._beyond_limits(request)
+            if beyond is not None:
+                return WaitCause.NEVER_FITS, beyond
+            refusal = self.p._quota_refusal(request)
+            if refusal is not None:
+                if not fits:
+                    return WaitCause.NEVER_FITS, self.p._never_fits(request)
+                return WaitCause.QUOTA, refusal
+        if not fits:
+            return WaitCause.NEVER_FITS, self.p._never_fits(request)
+        block = self.p.capacity.largest_block(t, k, pods)
+        within = self.p.mode is not Mode.FIFO and self.p.book.within_guarantee(
+            request.project, t, request.gpus
+        )
+        return WaitCause.CAPACITY, self.p._no_room_reason(request, block, within)
+
+    def _tail_context(
+        self,
+        key: tuple[str, str],
+        rest: list[Pending],
+        views: dict[str, tuple[Any, ...]],
+        blocked_users: dict[tuple[str, str], int],
+    ) -> tuple[Any, ...] | None:
+        """What the frozen decisions on a queue's rest read besides its requests, or None
+        when that is too particular to compare (per-user caps: each user's usage)."""
+        project, gpu_type = key
+        if project in self.p.capped or any(p == project for p, _ in blocked_users):
+            return None
+        view = views.get(gpu_type)
+        if view is None:
+            view = views[gpu_type] = self._type_view(gpu_type)
+        usage = self._usage_view(project, gpu_type)
+        preempting = self.preempting_by_queue.get(key, ())
+        return (usage, view, preempting)
+
+    def _usage_view(self, project: str, gpu_type: str) -> tuple[int, ...]:
+        """The project's usage, and its ancestors' where they cap it (only then do their
+        numbers enter a reason)."""
+        view = self.usage_views.get((project, gpu_type))
+        if view is None:
+            book = self.p.book
+            view = self.usage_views[(project, gpu_type)] = tuple(
+                book.usage(name, gpu_type)
+                for i, name in enumerate(book.path(project))
+                if i == 0 or book.cap(name, gpu_type) != UNLIMITED
+            )
+        return view
+
+    def _known(self, gpu_type: str) -> bool:
+        return gpu_type in self.p.capacity.zones_by_type or any(
+            zt == gpu_type for (_, _, zt) in self.p.capacity.totals_by_zone
+        )
+
+    def _type_view(self, gpu_type: str) -> tuple[Any, ...]:
+        """What a frozen refusal's reason can say about a GPU type's capacity: whether the
+        fleet has it, and for every shape waiting the most pods any zone could hold and
+        the largest free block it could get."""
+        capacity = self.p.capacity
+        return (
+            self._known(gpu_type),
+            tuple(
+                (
+                    k,
+                    multi,
+                    capacity.most_pods(gpu_type, k),
+                    capacity.largest_block(gpu_type, k, 2 if multi else 1),
+                )
+                for k, multi in sorted(self.p.memo.shapes[gpu_type])
+            ),
+        )
+
+    def _verdict_context(self, request: Pending) -> tuple[Any, ...]:
+        """What a frozen refusal of the request reads of the state (see ``_tail_context``)."""
+        t, k, multi = request.gpu_type, request.gpus_per_pod, request.pods > 1
+        usage = self._usage_view(request.project, t)
+        shape = self.shape_views.get((t, k, multi))
+        if shape is None:
+            capacity = self.p.capacity
+            shape = self.shape_views[(t, k, multi)] = (
+                self._known(t),
+                capacity.most_pods(t, k),
+                capacity.largest_block(t, k, 2 if multi else 1),
+            )
+        return (usage, shape)
