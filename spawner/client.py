@@ -125,10 +125,13 @@ class ControllerClient:
         return WorkloadStatus.from_json(await self._call("POST", f"/workloads/{workload_id}/renew"))
 
     async def running(
-        self, workload_id: int, snapshot: dict[str, Any] | None = None
+        self, workload_id: int, snapshot: dict[str, Any] | None = None, notice: str = ""
     ) -> WorkloadStatus:
-        """The server is up; ``snapshot``: what its snapshots hold (culler/snapshots.py)."""
-        body = {"snapshot": snapshot} if snapshot else {}
+        """The server is up; ``snapshot``: what its snapshots hold (culler/snapshots.py);
+        ``notice``: what the session should tell its user about this start."""
+        body: dict[str, Any] = {"snapshot": snapshot} if snapshot else {}
+        if notice:
+            body["notice"] = notice
         return WorkloadStatus.from_json(
             await self._call("POST", f"/workloads/{workload_id}/running", json=body)
         )

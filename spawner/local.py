@@ -366,7 +366,9 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
             if self.snapshots_enabled:
                 self.snapshot_holds = self.snapshot_sources(self.get_env().get("HOME", ""))
             holds = self.snapshot_holds.to_json() if self.snapshot_holds else None
-            await self._until_answered(lambda: self.controller.running(workload_id, holds), 120)
+            await self._until_answered(
+                lambda: self.controller.running(workload_id, holds, resumed), 120
+            )
             await self._wait_ready(ip, port)
             self._report(f"Server is up. {resumed}" if resumed else "Server is up", 100)
             return ip, port

@@ -195,6 +195,8 @@ class WorkloadActionHandler(APIHandler):
                 running = self.body(schemas.RunningIn)
                 sources = running.snapshot.model_dump() if running.snapshot else None
                 store.mark_running(now, wid, sources)
+                if running.notice:
+                    store.post_session_notice(now, wid, "info", running.notice)
             else:
                 body = self.body(schemas.ReleaseIn)
                 message = (

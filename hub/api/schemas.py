@@ -43,6 +43,8 @@ class SnapshotSourcesIn(Strict):
 
 class RunningIn(Strict):
     snapshot: SnapshotSourcesIn | None = None
+    # What the user should read in the session about its start ("restored from ...").
+    notice: str = Field(default="", max_length=2000)
 
 
 class KernelIn(BaseModel):

@@ -167,6 +167,13 @@ class SessionActivityStore(StoreBase):
             rows = session.execute(query).all()
             return [_culled(w, project, a, busy) for w, project, a, busy in rows]
 
+    def post_session_notice(
+        self, now: datetime, workload_id: int, level: str, message: str
+    ) -> None:
+        """A notice the session shows its user (until the culler replaces it)."""
+        with self._write(now) as session:
+            _activity(session, workload_id).notice = _notice(now, level, message, None)
+
     def record_session_event(
         self, now: datetime, workload_id: int, kind: str, message: str, reason: str = ""
     ) -> None:

@@ -149,8 +149,16 @@ def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_qu
     hub.wait_gone("bob")
     hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=4)
     hub.wait_ready("alice", timeout=120)
-    restored = run_in_kernel(hub, "alice", "", READ_STATE, hub.user_token("alice"))
+    token = hub.user_token("alice")
+    restored = run_in_kernel(hub, "alice", "", READ_STATE, token)
     assert restored.strip() == "results of run 7|VERSION = '1.2.3'|# created by the test"
+    # The session tells her what happened (its extension shows this notice in JupyterLab).
+    again = hub.workload_of("alice")
+    assert again is not None
+    notices = hub.controller("GET", f"/sessions/{again['id']}/activity", token=token).json()
+    message = notices["notices"][0]["message"]
+    assert "Stopped at" in message and "restored from snapshot" in message
+    assert "kernels were restarted" in message
 
 
 def test_on_demand_marks_an_idle_session_and_stops_it_only_when_someone_waits(
