@@ -31,6 +31,14 @@ from .models import (
 )
 
 _LIVE = (WorkloadState.admitted, WorkloadState.running)
+# The culler's decisions, as the events a user reads.
+_DECISION_EVENTS = {
+    "warn": "session-idle-warning",
+    "mark-idle": "session-marked-idle",
+    "unmark": "session-active-again",
+    "withdraw": "session-warning-withdrawn",
+    "cull": "session-cull",
+}
 
 
 @dataclass(frozen=True)
@@ -199,77 +207,38 @@ class SessionActivityStore(StoreBase):
             if workload is None or workload.state is not WorkloadState.running:
                 return False
             row = _activity(session, workload_id)
-            data = {
-                "last_active": last_active.isoformat() if last_active else None,
-                "due_at": due_at.isoformat() if due_at else None,
-            }
+            kind = _DECISION_EVENTS.get(action)
+            if kind is None:
+                raise ValueError(f"unknown idle decision {action!r}")
             if action == "warn":
                 row.warned_at, row.warned_stop_at = now, due_at
                 row.notice = _notice(now, "warning", reason, due_at)
-                _event(
-                    session,
-                    now,
-                    "session-idle-warning",
-                    reason,
-                    reason=cause,
-                    cause="culler",
-                    workload=workload,
-                    data=data,
-                )
             elif action == "mark-idle":
                 workload.idle_since = last_active or now
                 workload.version += 1
                 row.notice = _notice(now, "info", reason, None)
-                _event(
-                    session,
-                    now,
-                    "session-marked-idle",
-                    reason,
-                    reason=cause,
-                    cause="culler",
-                    workload=workload,
-                    data=data,
-                )
-            elif action == "unmark":
-                workload.idle_since = None
-                workload.version += 1
-                row.warned_at = row.warned_stop_at = row.notice = None
-                _event(
-                    session,
-                    now,
-                    "session-active-again",
-                    reason,
-                    cause="culler",
-                    workload=workload,
-                    data=data,
-                )
-            elif action == "withdraw":
-                row.warned_at = row.warned_stop_at = row.notice = None
-                _event(
-                    session,
-                    now,
-                    "session-warning-withdrawn",
-                    reason,
-                    cause="culler",
-                    workload=workload,
-                    data=data,
-                )
             elif action == "cull":
                 row.notice = _notice(
                     now, "warning", f"{reason}: being snapshotted and stopped now", None
                 )
-                _event(
-                    session,
-                    now,
-                    "session-cull",
-                    reason,
-                    reason=cause,
-                    cause="culler",
-                    workload=workload,
-                    data=data,
-                )
-            else:
-                raise ValueError(f"unknown idle decision {action!r}")
+            else:  # unmark, withdraw: in use again, the warning and notice go
+                if action == "unmark":
+                    workload.idle_since = None
+                    workload.version += 1
+                row.warned_at = row.warned_stop_at = row.notice = None
+            _event(
+                session,
+                now,
+                kind,
+                reason,
+                reason=cause,
+                cause="culler",
+                workload=workload,
+                data={
+                    "last_active": last_active.isoformat() if last_active else None,
+                    "due_at": due_at.isoformat() if due_at else None,
+                },
+            )
             return True
 
 

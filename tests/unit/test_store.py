@@ -645,3 +645,67 @@ def test_a_lost_gpu_is_neither_free_nor_offered_and_its_loss_is_an_event(
     with store.read() as session:
         h1 = next(row for row in node_rows(session) if row.name == "h1")
     assert (h1.gpus, h1.free_gpus) == (2, 1)
+
+
+# ------------------------------------------------------------------ the culler's rows
+def running_session(store: FleetStore, username: str = "alice") -> int:
+    workload_id = ask(store, t(1), username)
+    cycle(store, t(2))
+    store.mark_running(t(3), workload_id, {"paths": ["/home/alice"]})
+    return workload_id
+
+
+def test_a_busy_kernel_unmarks_an_idle_session_in_the_same_request(store: FleetStore) -> None:
+    from gpufleet.scheduler.store.sessions import ActivityReport
+
+    wid = running_session(store)
+    assert store.record_idle_decision(t(10), wid, "mark-idle", "idle for 60 min", last_active=t(3))
+    assert workload(store, wid).idle_since == t(3)
+    quiet = ActivityReport(
+        kernels=1, kernels_busy=False, kernel_activity=t(2), terminal_activity=None
+    )
+    store.record_activity(t(11), wid, "alice", quiet)
+    assert workload(store, wid).idle_since == t(3)  # nothing new: still reclaimable
+    busy = ActivityReport(
+        kernels=1, kernels_busy=True, kernel_activity=t(12), terminal_activity=None
+    )
+    state = store.record_activity(t(12), wid, "alice", busy)
+    assert workload(store, wid).idle_since is None
+    assert state.notices == []  # the idle notice went with the mark
+    assert events(store, "session-active-again") == ["in use again: a kernel is running code"]
+
+
+def test_a_report_for_someone_elses_session_finds_nothing(store: FleetStore) -> None:
+    from gpufleet.scheduler.errors import NotFound
+    from gpufleet.scheduler.store.sessions import ActivityReport
+
+    wid = running_session(store)
+    report = ActivityReport(
+        kernels=0, kernels_busy=False, kernel_activity=None, terminal_activity=None
+    )
+    with pytest.raises(NotFound, match=f"no running session {wid} of bob"):
+        store.record_activity(t(5), wid, "bob", report)
+
+
+def test_keep_alive_beyond_the_projects_limit_says_the_latest_allowed_time(
+    store: FleetStore,
+) -> None:
+    wid = running_session(store)
+    with pytest.raises(InvalidRequest) as refused:
+        store.set_keep_alive(t(5), wid, "alice", t(5 + 9 * 3600), timedelta(hours=8))
+    assert "its project allows at most 8 h ahead, so until 2026-01-05 17:00 UTC" in str(
+        refused.value
+    )
+    assert store.set_keep_alive(t(5), wid, "alice", t(3605), timedelta(hours=8)) == t(3605)
+    (row,) = store.culler_sessions()
+    assert (row.keep_alive_until, row.snapshot_sources) == (t(3605), {"paths": ["/home/alice"]})
+
+
+def test_the_culler_sees_when_a_gpu_of_the_session_last_worked(store: FleetStore) -> None:
+    wid = running_session(store)
+    (uuid,) = [u for w, u, closed in allocations(store) if w == wid and closed is None]
+    sample = {"uuid": uuid, "index": 0, "at": 0.0}
+    store.record_samples(t(20), "agent-1", [{**sample, "utilization_gpu_pct": 40}], 5.0)
+    store.record_samples(t(30), "agent-1", [{**sample, "utilization_gpu_pct": 2}], 5.0)
+    (row,) = store.culler_sessions()
+    assert (row.workload_id, row.gpu_activity) == (wid, t(20))
