@@ -1,0 +1,148 @@
+/**
+ * Shows the gpufleet controller's notices about this session ("idle for 45 min, will be
+ * stopped at 14:02") as JupyterLab notifications, with a "Keep alive 1 hour" action.
+ *
+ * The notices come from the server extension gpufleet.culler.session_extension
+ * (GET gpufleet/notices); the action POSTs gpufleet/keep-alive. Each notice id is shown once;
+ * a notice the controller withdraws (after a keep-alive, say) is dismissed.
+ */
+import {
+  JupyterFrontEnd,
+  JupyterFrontEndPlugin
+} from '@jupyterlab/application';
+import { Notification } from '@jupyterlab/apputils';
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+const POLL_MS = 10_000;
+const KEEP_ALIVE_HOURS = 1;
+
+interface ISessionNotice {
+  id: string;
+  level: 'info' | 'warning' | 'error';
+  message: string;
+  deadline: string | null;
+}
+
+interface INoticesReply {
+  notices: ISessionNotice[];
+  keep_alive_until: string | null;
+  keep_alive_max_s: number | null;
+}
+
+class SessionNotices {
+  constructor(private readonly settings: ServerConnection.ISettings) {}
+
+  /** Polls now and every POLL_MS while the server has the gpufleet extension. */
+  start(): void {
+    const tick = async (): Promise<void> => {
+      if (await this.poll()) {
+        window.setTimeout(tick, POLL_MS);
+      }
+    };
+    void tick();
+  }
+
+  /** Shows new notices, dismisses withdrawn ones; false when there is no extension. */
+  async poll(): Promise<boolean> {
+    let reply: INoticesReply;
+    try {
+      const response = await this.request('gpufleet/notices', { method: 'GET' });
+      if (response.status === 404) {
+        console.info('gpufleet: this server has no session extension; no notices');
+        return false;
+      }
+      if (!response.ok) {
+        console.warn(`gpufleet: notices answered ${response.status}`);
+        return true;
+      }
+      reply = (await response.json()) as INoticesReply;
+    } catch (reason) {
+      console.warn('gpufleet: could not fetch notices', reason);
+      return true;
+    }
+    const current = new Set(reply.notices.map(notice => notice.id));
+    for (const [noticeId, notificationId] of this.active) {
+      if (!current.has(noticeId)) {
+        Notification.dismiss(notificationId);
+        this.active.delete(noticeId);
+      }
+    }
+    for (const notice of reply.notices) {
+      if (!this.seen.has(notice.id)) {
+        this.seen.add(notice.id);
+        this.active.set(notice.id, this.show(notice));
+      }
+    }
+    return true;
+  }
+
+  private show(notice: ISessionNotice): string {
+    const actions: Notification.IAction[] = [];
+    if (notice.level === 'warning' || notice.deadline !== null) {
+      actions.push({
+        label: `Keep alive ${KEEP_ALIVE_HOURS} hour`,
+        caption: 'Ask gpufleet to keep this session running for another hour',
+        displayType: 'accent',
+        callback: () => void this.keepAlive(KEEP_ALIVE_HOURS)
+      });
+    }
+    return Notification.emit(notice.message, notice.level, {
+      autoClose: false,
+      actions
+    });
+  }
+
+  private async keepAlive(hours: number): Promise<void> {
+    let message: string;
+    try {
+      const response = await this.request('gpufleet/keep-alive', {
+        method: 'POST',
+        body: JSON.stringify({ hours })
+      });
+      const body = await response.json().catch(() => ({}));
+      if (response.ok) {
+        const until = body.keep_alive_until
+          ? new Date(body.keep_alive_until).toLocaleTimeString([], {
+              hour: '2-digit',
+              minute: '2-digit'
+            })
+          : null;
+        Notification.success(
+          until
+            ? `This session will be kept running until ${until}.`
+            : 'This session will be kept running.',
+          { autoClose: 8000 }
+        );
+        await this.poll();
+        return;
+      }
+      message =
+        body.message ?? `Keep-alive failed (the server answered ${response.status}).`;
+    } catch (reason) {
+      message = `Keep-alive failed: ${reason}`;
+    }
+    Notification.error(message, { autoClose: false });
+  }
+
+  private request(path: string, init: RequestInit): Promise<Response> {
+    const url = URLExt.join(this.settings.baseUrl, path);
+    return ServerConnection.makeRequest(url, init, this.settings);
+  }
+
+  private readonly seen = new Set<string>();
+  private readonly active = new Map<string, string>();
+}
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: '@gpufleet/session-notices:plugin',
+  description: "Shows the gpufleet controller's notices about this session.",
+  autoStart: true,
+  activate: (app: JupyterFrontEnd): void => {
+    // Toasts emitted before the shell is restored land in the notification centre only.
+    const notices = new SessionNotices(app.serviceManager.serverSettings);
+    void app.restored.then(() => notices.start());
+  }
+};
+
+export default plugin;
