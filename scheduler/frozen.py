@@ -19,8 +19,11 @@ Invariants:
   ``memo.Tail`` when its requests, its first position and its context (its project's
   usage up the tree, the free blocks of its GPU type, the victims stopping for it) are
   equal; a shape's ``memo.Verdict`` when its context (usage view, whether the type is
-  known, most pods, largest block) is equal. Per-user caps and node selectors are too
-  particular to compare: such queues and requests go through the planner one by one.
+  known, most pods, largest block) is equal; when only the type's free blocks changed,
+  the tail's answers stand except those of the shapes whose verdict changed, unless a
+  quota refusal (which moves the positions after it) is involved. Per-user caps and node
+  selectors are too particular to compare: such queues and requests go through the
+  planner one by one.
 """
 
 from __future__ import annotations
@@ -144,13 +147,18 @@ class FrozenTails:
                 context is not None
                 and tail is not None
                 and tail.start == start
-                and tail.context == context
+                and tail.context[0] == context[0]
+                and tail.context[2] == context[2]
                 and tail.requests == rest
             ):
-                self.p.waiting.extend(tail.waits)
-                self.p.positions[key] += len(tail.waits)
-                self.tails[key] = tail
-                continue
+                if tail.context[1] != context[1]:  # only the type's free blocks changed
+                    waits = self._patched(rest, tail)
+                    tail = None if waits is None else Tail(rest, start, context, waits, tail.index)
+                if tail is not None:
+                    self.p.waiting.extend(tail.waits)
+                    self.p.positions[key] += len(tail.waits)
+                    self.tails[key] = tail
+                    continue
             mark = len(self.p.waiting)
             if context is None:
                 while queue.head < len(queue.requests):
@@ -158,6 +166,49 @@ class FrozenTails:
                 continue
             self._rest(key, rest)
             self.tails[key] = Tail(rest, start, context, self.p.waiting[mark:])
+
+    def _patched(self, rest: list[Pending], tail: Tail) -> list[Waiting] | None:
+        """Last cycle's answers for a queue whose requests, start, usage and victims are
+        those of its tail, where only its GPU type's free blocks changed: the answers of
+        the shapes whose verdict changed are rebuilt, the others stand. None when that
+        could move a position (a quota refusal, which makes the rest wait behind it,
+        appears, goes or changes) or the tail has answers not given by a verdict
+        (requests with victims stopping for them)."""
+        index = self._index(rest, tail)
+        if index is None:
+            return None
+        waits: list[Waiting] | None = None
+        old_waits = tail.waits
+        for positions in index.values():
+            first = old_waits[positions[0]]
+            cause, reason = self._outcome(rest[positions[0]])
+            if cause is first.cause and reason == first.reason:
+                continue
+            if cause is WaitCause.QUOTA or first.cause is WaitCause.QUOTA:
+                return None
+            if waits is None:
+                waits = list(old_waits)
+            for i in positions:
+                waits[i] = old_waits[i]._replace(cause=cause, reason=reason)
+        return old_waits if waits is None else waits
+
+    def _index(self, rest: list[Pending], tail: Tail) -> dict[Any, list[int]] | None:
+        """The positions in the tail's answers of each shape decided by its verdict (up to
+        the first quota refusal; those after it wait behind it); None if some answer was
+        not given by a verdict. Kept in the tail: its requests do not change."""
+        index = tail.index
+        if index:
+            return None if None in index else index
+        in_flight = self.p.in_flight
+        for i, request in enumerate(rest):
+            if request.id in in_flight or request.node_selector:
+                index.clear()
+                index[None] = []
+                return None
+            index.setdefault(request.shape, []).append(i)
+            if tail.waits[i].cause is WaitCause.QUOTA:
+                break
+        return index
 
     def _rest(self, key: tuple[str, str], rest: list[Pending]) -> None:
         """Decide a frozen queue's rest (no per-user cap, so no user holds a place) as

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .model import ProjectTree
@@ -42,12 +42,15 @@ Verdict = tuple[tuple[Any, ...], WaitCause, str]
 class Tail:
     """A queue's frozen tail as decided in a cycle: its requests from the first one decided
     after the state froze, their first position, what the state said about them, and the
-    answers."""
+    answers. ``index``, filled when first needed (``frozen.py``): the positions in
+    ``waits`` of each request shape decided by its verdict, so that when only some
+    shapes' numbers changed only their answers are rebuilt."""
 
     requests: list[Pending]
     start: int
     context: tuple[Any, ...]
     waits: list[Waiting]
+    index: dict[Any, list[int]] = field(default_factory=dict, compare=False)
 
 
 class PlanMemo:
