@@ -83,7 +83,10 @@ class Settings:
         if not api_url or not workload_id:
             return None
         raw = environ.get("GPUFLEET_ACTIVITY_INTERVAL", "").strip()
-        interval = float(raw) if raw else DEFAULT_INTERVAL_S
+        try:
+            interval = float(raw) if raw else DEFAULT_INTERVAL_S
+        except ValueError:
+            interval = math.nan
         if not math.isfinite(interval) or interval <= 0:
             raise ValueError(f"GPUFLEET_ACTIVITY_INTERVAL must be a positive number, not {raw!r}")
         return cls(api_url, workload_id, environ.get("JUPYTERHUB_API_TOKEN") or None, interval)
@@ -220,6 +223,17 @@ class ActivityReporter:
             asyncio.ensure_future(self._report_loop(self.settings)),
             asyncio.ensure_future(self._watch_loop()),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        """The loops run until the server stops; say so if one ends by a bug."""
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error(
+                "gpufleet: activity reporting stopped: %r",
+                task.exception(),
+                exc_info=task.exception(),
+            )
 
     async def snapshot(self) -> Json:
         kernels = self.serverapp.kernel_manager.list_kernels()

@@ -36,7 +36,13 @@ class SessionNotices {
   /** Polls now and every POLL_MS while the server has the gpufleet extension. */
   start(): void {
     const tick = async (): Promise<void> => {
-      if (await this.poll()) {
+      let again = true;
+      try {
+        again = await this.poll();
+      } catch (reason) {
+        console.warn('gpufleet: could not show the notices', reason);
+      }
+      if (again) {
         window.setTimeout(tick, POLL_MS);
       }
     };
@@ -61,14 +67,15 @@ class SessionNotices {
       console.warn('gpufleet: could not fetch notices', reason);
       return true;
     }
-    const current = new Set(reply.notices.map(notice => notice.id));
+    const notices = Array.isArray(reply.notices) ? reply.notices : [];
+    const current = new Set(notices.map(notice => notice.id));
     for (const [noticeId, notificationId] of this.active) {
       if (!current.has(noticeId)) {
         Notification.dismiss(notificationId);
         this.active.delete(noticeId);
       }
     }
-    for (const notice of reply.notices) {
+    for (const notice of notices) {
       if (!this.seen.has(notice.id)) {
         this.seen.add(notice.id);
         this.active.set(notice.id, this.show(notice));
