@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -233,7 +234,7 @@ def test_reports_activity_periodically_with_the_server_token(
     controller.clear()
     reports = wait_for(lambda: r if len(r := controller.reports()) >= 5 else None, 30, "reports")
     gaps = [b.at - a.at for a, b in itertools.pairwise(reports)]
-    assert all(gap > 0.2 for gap in gaps), gaps  # the interval, not a flood
+    assert statistics.median(gaps) > 0.4, gaps  # every half second, not a flood
     for report in reports:
         assert report.path == f"{API_PREFIX}/sessions/{WORKLOAD}/activity"
         assert report.headers["Authorization"] == f"token {HUB_TOKEN}"
@@ -405,7 +406,8 @@ def test_a_kernel_turning_busy_or_idle_is_reported_at_once(tmp_path: Path) -> No
             sent = time.monotonic()
             execute(connection, "import time; time.sleep(3)")
             busy = wait_for(lambda: reports_of("busy"), 20, "a report of the kernel, busy")[0]
-            assert busy.at - sent < 2.5, f"busy reported after {busy.at - sent:.2f} s"
+            # About a second (0.9 s here); the margin is for a busy two-core machine.
+            assert busy.at - sent < 3, f"busy reported after {busy.at - sent:.2f} s"
             wait_for(lambda: reports_of("idle", busy.at), 30, "a report of it idle again")
             (seen,) = [k for k in busy.body["kernels"] if k["id"] == kernel]
             assert seen["connections"] == 1
