@@ -123,9 +123,12 @@ class Signals:
     kernel_activity: datetime | None = None
     terminal_activity: datetime | None = None
     gpu_activity: datetime | None = None
-    # At ``reported_at`` the session extension saw a kernel executing.
+    # At ``reported_at`` the session extension saw a kernel executing. It reports every
+    # change at once and everything at least every interval, so a busy report stands
+    # for ``report_holds_for`` after it was made (the session is in use until then).
     kernels_busy: bool = False
     reported_at: datetime | None = None
+    report_holds_for: timedelta = timedelta(seconds=90)
     keep_alive_until: datetime | None = None
 
 
@@ -158,7 +161,8 @@ class Decision:
 
 def last_activity(session: Session, signals: Signals, now: datetime) -> tuple[datetime, str]:
     """The latest sign of use, and which source gave it. A kernel reported busy is in use
-    at the time of the report."""
+    now, as long as the report holds (an extension that stopped reporting vouches for no
+    more than that)."""
     seen = [
         (session.started_at, "the session started"),
         (signals.hub_activity, "browser or API activity"),
@@ -167,7 +171,8 @@ def last_activity(session: Session, signals: Signals, now: datetime) -> tuple[da
         (signals.gpu_activity, "its GPUs did work"),
     ]
     if signals.kernels_busy and signals.reported_at is not None:
-        seen.append((min(signals.reported_at, now), "a kernel is running code"))
+        holds_until = signals.reported_at + signals.report_holds_for
+        seen.append((min(holds_until, now), "a kernel is running code"))
     when, what = max(((t, w) for t, w in seen if t is not None), key=lambda item: item[0])
     return when, what
 
@@ -255,6 +260,8 @@ def _toward(
         return Decision(
             Action.KEEP, f"{why}: {_what(action)} at {_clock(at)}", cause, active_at, at, at
         )
+    if action is Action.MARK_IDLE:
+        why += ": it will be snapshotted and stopped when a waiting workload needs its GPUs"
     return Decision(action, why, cause, active_at, at)
 
 

@@ -134,6 +134,8 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
         "users:activity!user",
         "access:servers!server",
         scopes.USE,
+        # The session extension reports activity to the controller with this token.
+        f"access:services!service={CONTROLLER_SERVICE}",
     ]
 
     # --- the gpufleet services

@@ -230,6 +230,9 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
 
     def get_args(self) -> list[str]:
         args: list[str] = super().get_args()
+        # Reports kernel and terminal activity to the culler, relays its notices
+        # (culler/session_extension.py, docs/session-extension.md).
+        args.append("--ServerApp.jpserver_extensions=gpufleet.culler.session_extension=True")
         if os.geteuid() == 0 and not self._system_user():
             args.append("--allow-root")  # single-user mode under a root hub (CI)
         return args

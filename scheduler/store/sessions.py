@@ -216,7 +216,8 @@ class SessionActivityStore(StoreBase):
             elif action == "mark-idle":
                 workload.idle_since = last_active or now
                 workload.version += 1
-                row.notice = _notice(now, "info", reason, None)
+                # A warning: it may be stopped at any moment now (keep-alive undoes it).
+                row.notice = _notice(now, "warning", reason, None)
             elif action == "cull":
                 row.notice = _notice(
                     now, "warning", f"{reason}: being snapshotted and stopped now", None

@@ -26,3 +26,25 @@ def fleet(hub: Hub) -> Iterator[Hub]:
     if hub.proc is None:
         hub.start()
     hub.stop_all_servers()
+
+
+# The culler's tests (test_culler.py, test_culler_browser.py): vision culls idle sessions
+# (always, 20 s, a 6 s warning), nlp only marks them (on-demand).
+CULLER_CONFIG = """
+c.FleetController.idle_policies = {
+    "default": {"mode": "always", "idle_timeout_s": 20, "warn_before_s": 6},
+    "projects": {"nlp": {"mode": "on-demand"}},
+}
+c.FleetController.cull_interval = 1
+c.FleetController.cull_retry_seconds = 3
+"""
+
+
+@pytest.fixture(scope="session")
+def culling_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    instance = Hub.create(Path(tmp_path_factory.mktemp("culler")), CULLER_CONFIG)
+    instance.start()
+    try:
+        yield instance
+    finally:
+        instance.kill_everything()

@@ -2,16 +2,18 @@
 snapshots, on a fleet of 8 fake GPUs (two nodes of 4).
 
 vision culls idle sessions (``always``, 20 s, a 6 s warning); nlp only marks them
-(``on-demand``). What a researcher would see: an idle session is warned, snapshotted,
-stopped, and a queued session gets its GPUs; a session whose GPUs work is left alone; an
-on-demand session is only stopped when someone waits; the next start finds the files, the
-package and the environment as they were.
+(``on-demand``): ``conftest.CULLER_CONFIG``. What a researcher would see: an idle session
+is warned, snapshotted, stopped, and a queued session gets its GPUs; a session whose GPUs
+work, or whose kernel runs code, is left alone; an on-demand session is only stopped when
+someone waits; the next start finds the files, the package and the environment as they
+were; a session whose live snapshot fails keeps running.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -24,15 +26,6 @@ from .harness import Hub, run_in_kernel, wait_for
 from .test_agent import DECLARED, declared_fake_gpus
 
 pytestmark = pytest.mark.integration
-
-CULLER_CONFIG = """
-c.FleetController.idle_policies = {
-    "default": {"mode": "always", "idle_timeout_s": 20, "warn_before_s": 6},
-    "projects": {"nlp": {"mode": "on-demand"}},
-}
-c.FleetController.cull_interval = 1
-c.FleetController.cull_retry_seconds = 3
-"""
 
 WRITE_STATE = """
 import json, os, pathlib
@@ -58,21 +51,11 @@ print(pathlib.Path("/opt/gpufleet-test/envs/demo/conda-meta/history").read_text(
 """
 
 
-@pytest.fixture(scope="module")
-def culling(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    hub = Hub.create(Path(tmp_path_factory.mktemp("culler")), CULLER_CONFIG)
-    hub.start()
-    try:
-        yield hub
-    finally:
-        hub.kill_everything()
-
-
 @pytest.fixture
-def hub(culling: Hub) -> Iterator[Hub]:
-    yield culling
-    write_control(culling.fake_nvml_control, declared_fake_gpus(DECLARED))
-    culling.stop_all_servers()
+def hub(culling_hub: Hub) -> Iterator[Hub]:
+    yield culling_hub
+    write_control(culling_hub.fake_nvml_control, declared_fake_gpus(DECLARED))
+    culling_hub.stop_all_servers()
 
 
 def events(hub: Hub, workload_id: int) -> list[dict[str, Any]]:
@@ -212,3 +195,26 @@ def test_a_session_whose_live_snapshot_fails_keeps_running_until_a_pass_succeeds
     ended = hub.wait_ended(bob, 90)
     assert ended["outcome"] == "stopped"
     assert "session-snapshot" in kinds(hub, bob["id"])
+
+
+def test_a_kernel_running_code_keeps_its_session_whatever_the_browser_does(hub: Hub) -> None:
+    hub.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=2)
+    hub.wait_ready("bob")
+    bob = hub.workload_of("bob")
+    assert bob is not None
+    token = hub.user_token("bob")
+    # A long silent cell: no output, no browser, only the session extension's "busy".
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(
+            run_in_kernel, hub, "bob", "", "import time; time.sleep(45); print('done')", token
+        )
+        started = time.monotonic()
+        # Past the 20 s time-out and its warning, round after round: never warned.
+        wait_for(
+            lambda: time.monotonic() - started > 32 and culler_rounds(hub) > 0,
+            60,
+            "the time-out to pass with the kernel busy",
+        )
+        assert not {"session-idle-warning", "session-cull"} & set(kinds(hub, bob["id"]))
+        assert (hub.workload_of("bob") or {}).get("state") == "running"
+        assert running.result(timeout=60).strip() == "done"

@@ -45,12 +45,16 @@ def test_gpus_that_did_work_keep_a_session_without_any_browser() -> None:
     assert "its GPUs did work" in decision.reason
 
 
-def test_a_stale_busy_report_counts_only_until_it_was_made() -> None:
-    # The extension said "busy" at minute 10 and nothing since: idle from then on.
-    signals = Signals(kernels_busy=True, reported_at=minutes(10))
-    decision = decide(session(), signals, ALWAYS, minutes(75))
+def test_a_busy_report_holds_until_the_extension_should_have_reported_again() -> None:
+    # A long silent cell since minute 10: the last report, 40 s ago, said "busy".
+    busy = Signals(kernels_busy=True, kernel_activity=minutes(10), reported_at=minutes(74.4))
+    kept = decide(session(), busy, ALWAYS, minutes(75))
+    assert (kept.action, kept.last_active) == (Action.KEEP, minutes(75))
+    # An extension that stopped reporting vouches for no longer than its report holds.
+    stale = Signals(kernels_busy=True, reported_at=minutes(10))
+    decision = decide(session(), stale, ALWAYS, minutes(75))
     assert decision.action is Action.WARN
-    assert decision.last_active == minutes(10)
+    assert decision.last_active == minutes(11.5)
 
 
 def test_always_mode_warns_then_culls_after_the_full_warning() -> None:
@@ -98,6 +102,7 @@ def test_on_demand_marks_an_idle_session_and_never_stops_it_itself() -> None:
     assert "when someone needs its GPUs" in warn.reason
     marked = decide(session(warned_at=minutes(55)), signals, ON_DEMAND, minutes(65))
     assert (marked.action, marked.cause) == (Action.MARK_IDLE, Cause.IDLE)
+    assert marked.reason.endswith("snapshotted and stopped when a waiting workload needs its GPUs")
     for hours in (2, 10, 48):
         kept = decide(
             session(warned_at=minutes(55), idle_marked=True),

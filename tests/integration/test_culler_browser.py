@@ -1,0 +1,71 @@
+"""The culler's notice as a researcher sees it: in JupyterLab, in headless Chromium, on a
+real hub whose nlp project marks idle sessions (``conftest.CULLER_CONFIG``).
+
+Its own module: Playwright's sync API keeps an asyncio loop running while it is started
+(see test_browser.py), which test_culler.py's kernels (asyncio.run) must not meet.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from playwright.sync_api import Browser, expect, sync_playwright
+
+from . import browser as ui
+from .harness import Hub, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Browser]:
+    if not ui.CHROMIUM.exists():
+        pytest.skip(f"no Chromium at {ui.CHROMIUM} (set GPUFLEET_CHROMIUM)")
+    expect.set_options(timeout=ui.PAGE_TIMEOUT_MS)
+    with sync_playwright() as playwright:
+        instance = ui.launch(playwright)
+        try:
+            yield instance
+        finally:
+            instance.close()
+
+
+def events(hub: Hub, workload_id: int, kind: str) -> list[dict[str, Any]]:
+    items = hub.controller("GET", "/events", params={"limit": 1000}).json()["items"]
+    return [e for e in items if e.get("workload_id") == workload_id and e["kind"] == kind]
+
+
+def test_the_idle_notice_shows_in_jupyterlab_and_keep_alive_clears_the_mark(
+    culling_hub: Hub, chromium: Browser
+) -> None:
+    hub = culling_hub
+    hub.spawn("carol", project="nlp", gpu_type="A100-80GB", gpus=2)
+    hub.wait_ready("carol")
+    carol = hub.workload_of("carol")
+    assert carol is not None
+    context = ui.new_context(chromium, hub.url)
+    try:
+        page = ui.login(context, "carol")
+        page.goto("/user/carol/lab")
+        expect(page.locator("#jp-main-dock-panel")).to_be_visible(timeout=ui.LAB_TIMEOUT_MS)
+        # Idle by every signal with the lab open: warned, then marked; the notice says so.
+        notice = page.get_by_text(re.compile(r"Idle for \d+"))
+        expect(notice.first).to_be_visible(timeout=60_000)
+        wait_for(lambda: events(hub, carol["id"], "session-marked-idle"), 60, "carol marked idle")
+        page.get_by_role("button", name="Keep alive 1 hour").first.click()
+        wait_for(lambda: events(hub, carol["id"], "session-keep-alive"), 30, "the keep-alive")
+        kept = hub.controller("GET", f"/workloads/{carol['id']}").json()
+        assert kept["state"] == "running"
+        keep_alive = events(hub, carol["id"], "session-keep-alive")[0]["message"]
+        assert keep_alive.startswith("kept alive by carol until")
+        # The notice is gone with the mark, and the session says until when it is kept.
+        state = hub.controller(
+            "GET", f"/sessions/{carol['id']}/activity", token=hub.user_token("carol")
+        ).json()
+        assert state["notices"] == [] and state["keep_alive_until"]
+    finally:
+        context.close()
+        hub.stop_all_servers()
