@@ -30,7 +30,7 @@ from ..scheduler.store.fleet import FleetStore
 from ..scheduler.store.sessions import CulledSession
 from ..scheduler.store.snapshots import SnapshotRecord
 from . import snapshots
-from .policy import Action, Decision, IdlePolicy, Session, Signals, decide, resolve
+from .policy import Action, Cause, Decision, IdlePolicy, Session, Signals, decide, resolve
 
 
 class CullerMetrics:
@@ -102,6 +102,9 @@ class IdleCuller:
         self._kicked = asyncio.Event()
         self._culling: dict[int, asyncio.Task[None]] = {}
         self._failed_at: dict[int, float] = {}  # workload -> monotonic time of a failed cull
+        # Stops the hub accepted: the spawner's final pass may take a while, and the session
+        # is not culled twice meanwhile.
+        self._stopping: set[int] = set()
         self._last_round: float | None = None
         self._next_check: datetime | None = None
 
@@ -144,6 +147,7 @@ class IdleCuller:
         elapsed = self._elapsed()
         decided = []
         self._next_check = None
+        self._stopping &= {s.workload_id for s in sessions}
         for s in sessions:
             policy = self.policy_for(s.project, s.profile)
             signals = Signals(
@@ -192,17 +196,21 @@ class IdleCuller:
     ) -> None:
         action = decision.action
         if action is Action.KEEP:
+            # Used since the warning: it no longer applies (a maximum age's still does).
             if (
                 s.warned_at is not None
+                and decision.cause is not Cause.MAX_AGE
                 and decision.last_active
-                and decision.last_active > (s.warned_at)
+                and decision.last_active > s.warned_at
             ):
                 await self._record(s, "withdraw", decision, now)
             return
         if action is Action.CULL:
             failed = self._failed_at.get(s.workload_id)
-            if s.workload_id in self._culling or (
-                failed is not None and time.monotonic() - failed < self.retry_after
+            if (
+                s.workload_id in self._culling
+                or s.workload_id in self._stopping
+                or (failed is not None and time.monotonic() - failed < self.retry_after)
             ):
                 return
             task = asyncio.create_task(self._cull(s, decision, policy))
@@ -272,6 +280,7 @@ class IdleCuller:
                 response.text[:200],
             )
             return
+        self._stopping.add(s.workload_id)
         self.metrics.culls.labels(decision.cause.value or "idle").inc()
         if decision.last_active is not None:
             idle_for = (self.now() - decision.last_active).total_seconds()
