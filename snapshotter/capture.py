@@ -35,10 +35,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import cache
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from stat import S_ISREG
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import blake3
 import zstandard
@@ -50,7 +50,7 @@ from .index import Index
 from .manifest import Manifest, Source, SourceKind, Stats, new_snapshot_id
 from .pack import BUNDLE_BYTES, DATA, TREE, FinishedPack, PackAssembler, Segment, seal_segment
 from .repository import Repository, SnapshotRef
-from .tree import Node, NodeType, encode_tree
+from .tree import Node, NodeType, encode_entries, node_json
 
 # Overlay's own bookkeeping, never part of a file's attributes.
 _OVERLAY_XATTRS = ("trusted.overlay.", "user.overlay.")
@@ -94,6 +94,26 @@ def compile_excludes(patterns: Iterable[str]) -> Callable[[str], bool]:
 
 
 _by_name = attrgetter("name")
+
+
+class StatSignature(NamedTuple):
+    """What a listing's signature and the stat cache read of an ``lstat``: what a restore's
+    worker processes send back of each path (a whole ``os.stat_result`` costs eight times
+    as much to pass between processes)."""
+
+    st_mode: int
+    st_uid: int
+    st_gid: int
+    st_size: int
+    st_mtime_ns: int
+    st_ctime_ns: int
+    st_ino: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> StatSignature:
+        return cls(
+            st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+        )
 
 
 @dataclass(slots=True)
@@ -597,8 +617,8 @@ class _Walker:
                 here.tree = cached[1]
                 continue
             self.rebuilt_dirs += 1
-            nodes = [self._node(e) for e in here.entries]
-            here.tree = self.run.store_blob(TREE, encode_tree(nodes))
+            entries = [self._node_json(e) for e in here.entries]
+            here.tree = self.run.store_blob(TREE, encode_entries(entries))
 
     def signature(self, here: _Dir) -> bytes:
         return _signature(
@@ -608,36 +628,37 @@ class _Walker:
             ]
         )
 
-    def _node(self, e: _Entry) -> Node:
+    def _node_json(self, e: _Entry) -> dict[str, object]:
         if e.node_type is NodeType.DELETED:
-            return Node(e.name, NodeType.DELETED)
+            return node_json(e.name, NodeType.DELETED)
         st = e.st
         chunks, sparse = e.content if e.content is not None else ((), ())
-        return Node(
-            name=e.name,
-            type=e.node_type,
-            mode=stat.S_IMODE(st.st_mode),
-            uid=st.st_uid,
-            gid=st.st_gid,
-            user=_user(st.st_uid),
-            group=_group(st.st_gid),
-            mtime_ns=st.st_mtime_ns,
-            size=st.st_size if e.node_type is NodeType.FILE else 0,
-            xattrs=_xattrs(e.where),
-            chunks=chunks,
-            sparse=sparse,
-            target=e.target,
-            rdev=st.st_rdev if e.node_type in (NodeType.CHAR, NodeType.BLOCK) else 0,
-            link=e.link,
-            subtree=e.subdir.tree if e.subdir is not None else b"",
-            opaque=e.opaque,
+        kind = e.node_type
+        return node_json(
+            e.name,
+            kind,
+            stat.S_IMODE(st.st_mode),
+            st.st_uid,
+            st.st_gid,
+            _user(st.st_uid),
+            _group(st.st_gid),
+            st.st_mtime_ns,
+            st.st_size if kind is NodeType.FILE else 0,
+            _xattrs(e.where),
+            chunks,
+            sparse,
+            e.target,
+            st.st_rdev if kind is NodeType.CHAR or kind is NodeType.BLOCK else 0,
+            e.link,
+            e.subdir.tree if e.subdir is not None else b"",
+            e.opaque,
         )
 
     def root_node(self) -> Node:
         root = self.dirs[-1]
         assert root.st is not None
         entry = _Entry("", root.st, NodeType.DIR, str(self.spec.path), subdir=root)
-        return self._node(entry)
+        return Node.from_json(self._node_json(entry))
 
     def new_cache(self, snapshot: str) -> statcache.StatCache:
         if self.use_dirs and not self.to_read and not self.rebuilt_dirs:
@@ -789,7 +810,7 @@ def prime_cache(
     nodes: dict[str, Node],
     cache_dir: Path,
     snapshot: str,
-    stats: Mapping[str, os.stat_result] | None = None,
+    stats: Mapping[str, StatSignature] | None = None,
 ) -> None:
     """The stat cache of a freshly restored ``target``, as if it had just been snapshotted:
     the restored files' new inodes and ctimes with the chunks they were restored from, and
@@ -807,60 +828,85 @@ def prime_cache(
             for rel, node in nodes.items():
                 if node.type is NodeType.FILE:
                     restored = os.path.join(target, rel)
-                    st = stats.get(restored) or os.lstat(restored)
+                    st = cast(os.stat_result, stats.get(restored) or os.lstat(restored))
                     cache.files[rel] = (
                         statcache.file_signature(st),
                         tuple(node.chunks),
                         tuple(node.sparse),
                     )
-        spec = SourceSpec(source.name, target, source.kind, source.exclude)
-        walker = _Walker(run, spec, cache, use_dirs=False)
         trees = {rel: node.subtree for rel, node in nodes.items() if node.type is NodeType.DIR}
         trees[""] = source.tree
         if source.kind is SourceKind.OVERLAY:
+            spec = SourceSpec(source.name, target, source.kind, source.exclude)
+            walker = _Walker(run, spec, cache, use_dirs=False)
             walker.walk_overlay(target, None)
+            for here in walker.dirs:
+                here.signature = walker.signature(here)
+                here.tree = trees.get(here.rel, b"")
+            cache = walker.new_cache(snapshot)
         else:
-            walker.dirs = _restored_dirs(target, nodes, stats)
-        for here in walker.dirs:
-            here.signature = walker.signature(here)
-            here.tree = trees.get(here.rel, b"")
+            cache = _restored_cache(target, nodes, stats, trees, snapshot)
         path = statcache.cache_path(
             cache_dir, repository.store.uri, repository.project, str(target)
         )
-        statcache.save(path, walker.new_cache(snapshot))
+        statcache.save(path, cache)
     finally:
         run.close()
 
 
-def _restored_dirs(
-    target: Path, nodes: dict[str, Node], stats: Mapping[str, os.stat_result]
-) -> list[_Dir]:
-    """The directories a walk of a restored tree would find, children before parents, each
-    with its entries in name order and their fresh ``lstat``."""
-    dirs = {"": _Dir("", stats.get(str(target)) or os.lstat(target))}
-    for rel in sorted(
-        (r for r, n in nodes.items() if n.type is NodeType.DIR), key=lambda r: r.count("/")
-    ):
-        dirs[rel] = _Dir(rel, None)
+def _restored_cache(
+    target: Path,
+    nodes: dict[str, Node],
+    stats: Mapping[str, StatSignature],
+    trees: Mapping[str, bytes],
+    snapshot: str,
+) -> statcache.StatCache:
+    """The stat cache a walk of a restored tree would leave: each directory's listing
+    signed as ``_Walker._walk_dir`` signs it (children in name order, subdirectories'
+    signatures within), from the restored paths' fresh ``lstat``."""
     prefix = f"{target}/"
-    for rel, node in nodes.items():  # in any order: each directory's entries sorted below
+    children: dict[str, list[tuple[str, str, Node]]] = {"": []}
+    for rel, node in nodes.items():
         if node.type is NodeType.SOCKET:
             continue  # not restored: a walk will not find it
-        parent, _, name = rel.rpartition("/")
-        path = prefix + rel
-        st = stats.get(path) or os.lstat(path)
-        entry = _Entry(
-            name, st, node.type, path, target=node.target, link=node.link, opaque=node.opaque
-        )
         if node.type is NodeType.DIR:
-            dirs[rel].st = st
-            entry.subdir = dirs[rel]
-        elif node.type is NodeType.FILE:
-            entry.content = (tuple(node.chunks), tuple(node.sparse))
-        dirs[parent].entries.append(entry)
-    for here in dirs.values():
-        here.entries.sort(key=_by_name)
-    return sorted(dirs.values(), key=lambda d: -d.rel.count("/") if d.rel else 1)
+            children.setdefault(rel, [])
+        parent, _, name = rel.rpartition("/")
+        children.setdefault(parent, []).append((name, rel, node))
+    cache = statcache.StatCache(snapshot=snapshot)
+    signatures: dict[str, bytes] = {}
+    for rel in sorted(children, key=lambda r: -r.count("/") if r else 1):  # deepest first
+        rows = []
+        for name, child, node in sorted(children[rel], key=itemgetter(0)):
+            path = prefix + child
+            st = stats.get(path) or StatSignature.of(os.lstat(path))
+            kind = node.type
+            rows.append(
+                (
+                    name,
+                    kind._value_,
+                    st.st_mode,
+                    st.st_uid,
+                    st.st_gid,
+                    st.st_size,
+                    st.st_mtime_ns,
+                    st.st_ctime_ns,
+                    st.st_ino,
+                    node.target,
+                    node.link,
+                    node.opaque,
+                    signatures.get(child, b"") if kind is NodeType.DIR else b"",
+                )
+            )
+            if kind is NodeType.FILE:
+                cache.files[child] = (
+                    (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
+                    tuple(node.chunks),
+                    tuple(node.sparse),
+                )
+        signatures[rel] = _signature(rows)
+        cache.dirs[rel] = (signatures[rel], trees.get(rel, b""))
+    return cache
 
 
 def _with_upload(manifest: Manifest, uploaded: int) -> Manifest:

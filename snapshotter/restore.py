@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .capture import StatSignature, prime_cache
 from .errors import CorruptObject, DamagedSnapshot, ObjectMissing, RestoreRefused, StoreError
 from .index import Index, Location
 from .manifest import Manifest, Source, SourceKind
@@ -187,8 +188,6 @@ def restore_snapshot(
     if damaged:
         raise DamagedSnapshot(manifest.id, "some data failed its integrity check", sorted(damaged))
     if cache_dir is not None:
-        from .capture import prime_cache
-
         for source, target in placed:
             nodes = plan_for(plan, target)
             prime_cache(repository, index, source, target, nodes, cache_dir, manifest.name, stats)
@@ -434,7 +433,7 @@ def _apply_metadata(
     plan: _Plan,
     placed: list[tuple[Source, Path]],
     damaged: set[str],
-) -> dict[str, os.stat_result]:
+) -> dict[str, StatSignature]:
     """Owners, modes, extended attributes and mtimes: everything but directories in the
     workers, then directories here, deepest first (writing into a directory moves its
     mtime). Returns each restored path's ``lstat`` afterwards, for the stat cache."""
@@ -444,12 +443,14 @@ def _apply_metadata(
         pool.submit(_file_metadata, start, min(start + step, count), damaged)
         for start in range(0, count, step)
     ]
-    stats: dict[str, os.stat_result] = {}
+    stats: dict[str, StatSignature] = {}
+    make = StatSignature._make
     for future in futures:
-        stats.update(future.result())
+        for path, row in future.result():
+            stats[path] = make(row)
     for entry in plan.entries:  # their inode's metadata is set with its first path's
         if entry.node.type is NodeType.HARDLINK and entry.path not in damaged:
-            stats[entry.path] = os.lstat(entry.path)
+            stats[entry.path] = StatSignature.of(os.lstat(entry.path))
     overlay_roots = tuple(str(t) for s, t in placed if s.kind is SourceKind.OVERLAY)
     for entry in reversed(plan.entries):
         if entry.node.type is not NodeType.DIR:
@@ -457,19 +458,20 @@ def _apply_metadata(
         _set_metadata(entry.path, entry.node)
         if entry.node.opaque and overlay_roots and entry.path.startswith(overlay_roots):
             os.setxattr(entry.path, "trusted.overlay.opaque", b"y")
-        stats[entry.path] = os.lstat(entry.path)
+        stats[entry.path] = StatSignature.of(os.lstat(entry.path))
     for source, target in placed:  # the sources' own directories, last of all
         if source.root is not None:
             _set_metadata(str(target), source.root)
-        stats[str(target)] = os.lstat(target)
+        stats[str(target)] = StatSignature.of(os.lstat(target))
     return stats
 
 
-def _file_metadata(start: int, stop: int, damaged: set[str]) -> dict[str, os.stat_result]:
+def _file_metadata(start: int, stop: int, damaged: set[str]) -> list[tuple[str, tuple[int, ...]]]:
     """In a worker: metadata of the entries ``start:stop`` that are not directories, and
-    every such path's ``lstat`` afterwards."""
+    what the stat cache needs of every such path's ``lstat`` afterwards (``StatSignature``
+    as a plain tuple: the cheapest to send back)."""
     assert _inherited is not None
-    stats = {}
+    stats: list[tuple[str, tuple[int, ...]]] = []
     for entry in _inherited[1].entries[start:stop]:
         node, path = entry.node, entry.path
         kind = node.type
@@ -477,7 +479,21 @@ def _file_metadata(start: int, stop: int, damaged: set[str]) -> dict[str, os.sta
             continue
         if kind is not NodeType.DELETED:
             _set_metadata(path, node)
-        stats[path] = os.lstat(path)
+        st = os.lstat(path)
+        stats.append(
+            (
+                path,
+                (
+                    st.st_mode,
+                    st.st_uid,
+                    st.st_gid,
+                    st.st_size,
+                    st.st_mtime_ns,
+                    st.st_ctime_ns,
+                    st.st_ino,
+                ),
+            )
+        )
     return stats
 
 
