@@ -12,7 +12,7 @@
    snapshots it); its home is then moved away, as on a node that never had it, and the
    session started again: spawn request to the server answering, the restore included.
    Baseline, in the same run: the same session started with its home in place (nothing
-   to restore).
+   to restore); for scale, ``cp -a`` of the environment to the same disk, with ``sync``.
 
     .venv/bin/python bench/culler.py [--rounds 3] [--env DIR]
 """
@@ -75,6 +75,16 @@ def threshold_to_gpus(hub: Hub, server: str) -> dict[str, float]:
     crossed = when(cull["data"]["due_at"])
     assigned = when(bob["admitted_at"])
     total = (assigned - crossed).total_seconds()
+    steps = {
+        "cull decided": when(cull["at"]),
+        "live pass done": when(live["at"]),
+        "GPUs released": when(ended["ended_at"]),
+        "bob admitted": assigned,
+    }
+    print(
+        f"  {server}: after the threshold: "
+        + ", ".join(f"{k} +{(v - crossed).total_seconds():.2f} s" for k, v in steps.items())
+    )
     hub.stop_server("bob", server)
     hub.wait_gone("bob", server)
     return {"total": total, "live": live_s, "final": final_s, "overhead": total - live_s - final_s}
@@ -123,7 +133,15 @@ def restore_to_ready(hub: Hub, env: Path, server: str) -> dict[str, float]:
         hub.wait_gone("alice", server, timeout=600)
         shutil.rmtree(home, ignore_errors=True)
         away.rename(home)
-    return {"baseline": baseline, "restored": restored, "stop": stop_s}
+    # What writing these bytes costs this machine's disk at all: cp -a to the same file
+    # system, and sync (the restore writes 1.7 GB there).
+    copy = home.parent / "copy-check"
+    began = time.perf_counter()
+    subprocess.run(["cp", "-a", str(env), str(copy)], check=True)
+    subprocess.run(["sync"], check=True)
+    copy_s = time.perf_counter() - began
+    shutil.rmtree(copy)
+    return {"baseline": baseline, "restored": restored, "stop": stop_s, "copy": copy_s}
 
 
 def main() -> None:
@@ -141,6 +159,9 @@ def main() -> None:
             hub.start()
             culls = [threshold_to_gpus(hub, f"c{i}") for i in range(args.rounds)]
             resumes = [restore_to_ready(hub, args.env, f"r{i}") for i in range(args.rounds)]
+        except BaseException:
+            print("\n".join(hub.log_path.read_text().splitlines()[-60:]), file=sys.stderr)
+            raise
         finally:
             hub.kill_everything()
 
@@ -164,6 +185,7 @@ def main() -> None:
         f"{median(resumes, 'restored') / median(resumes, 'baseline'):6.2f}"
     )
     print(f"  stop with its final snapshot: {median(resumes, 'stop'):6.2f} s")
+    print(f"  for scale: cp -a + sync of it: {median(resumes, 'copy'):6.2f} s (the same disk)")
 
 
 if __name__ == "__main__":

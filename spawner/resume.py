@@ -202,7 +202,16 @@ class SnapshottingMixin(LoggingConfigurable):
         result = await snapshots.restore_latest(
             settings, project, user, server, only=names, on_progress=progress
         )
-        RESTORE_SECONDS.observe(time.monotonic() - started)
+        seconds = time.monotonic() - started
+        RESTORE_SECONDS.observe(seconds)
+        self.log.info(
+            "restored snapshot %s of %s/%s (%s) in %.1f s",
+            result.get("id"),
+            user,
+            server,
+            ", ".join(names),
+            seconds,
+        )
         taken = datetime.fromtimestamp(float(shown.get("created_at", 0)), UTC)
         return (
             f"Stopped at {taken:%H:%M UTC on %d %b}; restored from snapshot {result.get('id')}: "

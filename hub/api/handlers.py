@@ -197,6 +197,7 @@ class WorkloadActionHandler(APIHandler):
                 store.mark_running(now, wid, sources)
                 if running.notice:
                     store.post_session_notice(now, wid, "info", running.notice)
+                self.controller.culler.kick()  # a new session: when is it due?
             else:
                 body = self.body(schemas.ReleaseIn)
                 message = (

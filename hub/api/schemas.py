@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -249,6 +249,8 @@ class EventOut(BaseModel):
     project: str | None
     username: str | None
     node: str | None
+    # Details for programs (e.g. an idle warning's ``last_active`` and ``due_at``).
+    data: dict[str, Any] = Field(default_factory=dict)
 
 
 class ErrorOut(BaseModel):
