@@ -6,7 +6,8 @@ this machine), reads the database, calls it and applies the repairs.
 
 The rules (the table with examples is in docs/reconciler.md):
 - ``session-lost``: a session holds GPUs (admitted, running), the hub runs no server for
-  it and no process of it is alive: end it as ``lost``, releasing its GPUs.
+  it and no process of it is alive: end it as ``lost``, releasing its GPUs — unless its
+  final snapshot is pending (its spawner retries it; the GPUs wait for it).
 - ``stop-finished``: a workload is stopping and nothing of it runs: end it as ``stopped``.
 - ``stray-processes``: as either of those, but processes of it are still alive: end them
   (the next pass releases the GPUs).
@@ -73,6 +74,8 @@ class RecordedWorkload:
     since: datetime  # when it entered ``state``
     marker: str | None  # None: recorded before markers were; nothing can be proved gone
     outcome: str | None = None  # how it ended, for an ended one
+    # Stopped, its final snapshot not committed yet: its spawner retries, its GPUs stay.
+    snapshot_pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,7 @@ def _check_open(
             return None  # the hub is stopping it
         gone = f"workload {workload.id} is stopping"
     elif workload.state in HOLDING_GPUS and workload.kind == "session":
-        if server is not None:
+        if server is not None or workload.snapshot_pending:
             return None
         gone = f"the hub no longer runs {label}"
     else:

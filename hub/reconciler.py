@@ -293,6 +293,7 @@ def _recorded(w: Workload, last_event: datetime | None) -> RecordedWorkload:
         since=_since(w, last_event),
         marker=w.process_marker,
         outcome=w.outcome,
+        snapshot_pending=w.snapshot_pending_since is not None,
     )
 
 

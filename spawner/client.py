@@ -136,6 +136,12 @@ class ControllerClient:
             await self._call("POST", f"/workloads/{workload_id}/running", json=body)
         )
 
+    async def hold(self, workload_id: int, message: str) -> WorkloadStatus:
+        """Keep a stopped session's GPUs: its final snapshot failed and is retried."""
+        return WorkloadStatus.from_json(
+            await self._call("POST", f"/workloads/{workload_id}/hold", json={"message": message})
+        )
+
     async def release(self, workload_id: int, outcome: str, message: str = "") -> WorkloadStatus:
         return WorkloadStatus.from_json(
             await self._call(

@@ -515,6 +515,10 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
                     self._log_name,
                     e,
                 )
+                try:
+                    await self.controller.hold(self.workload_id, f"the final snapshot failed: {e}")
+                except ControllerError as held:
+                    self.log.warning("could not tell the controller: %s", held)
                 self._retry_final_snapshot()
                 return
             await self._release("stopped", f"the server stopped; {saved}")

@@ -191,12 +191,20 @@ class WorkloadActionHandler(APIHandler):
         with store_errors_as_http():
             if action == "renew":
                 store.renew(now, wid, self.controller.request_lease)
+            elif action == "hold":
+                body_hold = self.body(schemas.HoldIn)
+                store.hold_for_snapshot(now, wid, body_hold.message)
             elif action == "running":
                 running = self.body(schemas.RunningIn)
                 sources = running.snapshot.model_dump() if running.snapshot else None
                 store.mark_running(now, wid, sources)
                 if running.notice:
-                    store.post_session_notice(now, wid, "info", running.notice)
+                    notice = running.notice
+                    culled = store.last_cull(wid)
+                    if culled is not None:
+                        at, why = culled
+                        notice = f"Culled at {at:%H:%M} UTC: {why}. {notice}"
+                    store.post_session_notice(now, wid, "info", notice)
                 self.controller.culler.kick()  # a new session: when is it due?
             else:
                 body = self.body(schemas.ReleaseIn)
@@ -418,7 +426,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/sessions", SessionsHandler),
         (rf"{api}/workloads", WorkloadsHandler),
         (rf"{api}/workloads/(\d+)", WorkloadHandler),
-        (rf"{api}/workloads/(\d+)/(renew|running|release)", WorkloadActionHandler),
+        (rf"{api}/workloads/(\d+)/(renew|running|release|hold)", WorkloadActionHandler),
         (rf"{api}/users/([^/]+)/spawn-options", SpawnOptionsHandler),
         (rf"{api}/nodes", NodesHandler),
         (rf"{api}/agent/register", AgentRegisterHandler),

@@ -73,6 +73,12 @@ class KeepAliveIn(Strict):
     hours: float | None = Field(default=None, ge=0, le=24 * 14)
 
 
+class HoldIn(Strict):
+    """The spawner keeps a stopped session's GPUs: its final snapshot failed."""
+
+    message: str = Field(min_length=1, max_length=2000)
+
+
 class ReleaseIn(Strict):
     outcome: Literal["withdrawn", "stopped", "failed"] = "stopped"
     message: str = Field(default="", max_length=2000)

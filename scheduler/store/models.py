@@ -302,6 +302,9 @@ class Workload(Base):
     # What a snapshot of this session holds, as its spawner reported when it started:
     # {"paths": [...], "prefixes": [...], "overlays": ["upper[:merged]"], "exclude": [...]}.
     snapshot_sources: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    # The session stopped but its final snapshot has not committed yet: its GPUs stay
+    # allocated (the reconciler leaves it alone) until a retry commits or an admin releases.
+    snapshot_pending_since: Mapped[datetime | None] = mapped_column(default=None)
 
     project: Mapped[Project] = relationship()
     allocations: Mapped[list[Allocation]] = relationship(back_populates="workload")

@@ -22,6 +22,7 @@ from ..errors import InvalidRequest, NotFound
 from .base import StoreBase, _event
 from .models import (
     Allocation,
+    Event,
     Gpu,
     Project,
     SessionActivity,
@@ -181,6 +182,52 @@ class SessionActivityStore(StoreBase):
         """A notice the session shows its user (until the culler replaces it)."""
         with self._write(now) as session:
             _activity(session, workload_id).notice = _notice(now, level, message, None)
+
+    def last_cull(self, workload_id: int) -> tuple[datetime, str] | None:
+        """When and why the culler stopped this server's previous session, if it did."""
+        with self.read() as session:
+            current = session.get(Workload, workload_id)
+            if current is None:
+                return None
+            previous = session.scalars(
+                select(Workload.id)
+                .where(
+                    Workload.username == current.username,
+                    Workload.server_name == current.server_name,
+                    Workload.id < workload_id,
+                )
+                .order_by(Workload.id.desc())
+                .limit(1)
+            ).first()
+            if previous is None:
+                return None
+            cull = session.scalars(
+                select(Event)
+                .where(Event.workload_id == previous, Event.kind == "session-cull")
+                .order_by(Event.id.desc())
+                .limit(1)
+            ).first()
+            return (cull.at, cull.message) if cull is not None else None
+
+    def hold_for_snapshot(self, now: datetime, workload_id: int, message: str) -> None:
+        """The session stopped but its final snapshot failed: its GPUs stay allocated
+        while its spawner retries (``end`` releases them once one commits)."""
+        with self._write(now) as session:
+            workload = session.get(Workload, workload_id)
+            if workload is None or workload.state not in _LIVE:
+                raise NotFound(f"no running session {workload_id}")
+            if workload.snapshot_pending_since is None:
+                workload.snapshot_pending_since = now
+            _event(
+                session,
+                now,
+                "session-final-snapshot-failed",
+                f"{message}; its files stay where they are and its GPUs stay allocated "
+                "while the snapshot is retried (an admin may release them)",
+                reason="snapshot-pending",
+                cause="spawner",
+                workload=workload,
+            )
 
     def record_session_event(
         self, now: datetime, workload_id: int, kind: str, message: str, reason: str = ""

@@ -37,6 +37,8 @@ c.FleetController.idle_policies = {
 }
 c.FleetController.cull_interval = 1
 c.FleetController.cull_retry_seconds = 3
+c.LocalGPUSpawner.final_snapshot_attempts = 1
+c.LocalGPUSpawner.final_snapshot_retry_seconds = 1
 """
 
 

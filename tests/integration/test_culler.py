@@ -140,6 +140,7 @@ def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_qu
     assert again is not None
     notices = hub.controller("GET", f"/sessions/{again['id']}/activity", token=token).json()
     message = notices["notices"][0]["message"]
+    assert message.startswith("Culled at ") and "idle for" in message
     assert "Stopped at" in message and "restored from snapshot" in message
     assert "kernels were restarted" in message
 
@@ -218,3 +219,22 @@ def test_a_kernel_running_code_keeps_its_session_whatever_the_browser_does(hub: 
         assert not {"session-idle-warning", "session-cull"} & set(kinds(hub, bob["id"]))
         assert (hub.workload_of("bob") or {}).get("state") == "running"
         assert running.result(timeout=60).strip() == "done"
+
+
+def test_a_failing_final_snapshot_keeps_the_gpus_until_a_retry_commits_it(hub: Hub) -> None:
+    hub.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=2)
+    hub.wait_ready("bob")
+    bob = hub.workload_of("bob")
+    assert bob is not None
+    failpoint = hub.data_dir / "failpoints" / "snapshot-create"
+    failpoint.touch()  # the next snapshot process dies as it starts: the final pass
+    hub.stop_server("bob")
+    hub.wait_gone("bob")
+    for _ in range(2):  # it fails, and fails again when retried: the GPUs stay bob's
+        wait_for(lambda: not failpoint.exists(), 60, "a final pass that dies")
+        held = hub.controller("GET", f"/workloads/{bob['id']}").json()
+        assert held["state"] == "running" and len(held["allocations"]) == 2
+        failpoint.touch()
+    wait_for(lambda: not failpoint.exists(), 60, "the last failing pass")
+    ended = hub.wait_ended(bob, 60)  # the next retry commits, then they are released
+    assert ended["outcome"] == "stopped" and "final snapshot" in ended["reason"]

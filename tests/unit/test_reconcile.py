@@ -85,6 +85,11 @@ def test_a_server_the_hub_is_starting_or_stopping_is_not_lost() -> None:
     assert reconcile([replace(ALICE, state="admitted")], pending, NOW, GRACE) == ()
 
 
+def test_a_stopped_session_whose_final_snapshot_is_pending_keeps_its_gpus() -> None:
+    # Its spawner retries the snapshot; the GPUs wait for it (or for an admin).
+    assert reconcile([replace(ALICE, snapshot_pending=True)], NOTHING, NOW, GRACE) == ()
+
+
 def test_a_session_whose_marker_is_unknown_is_never_released_blind() -> None:
     assert reconcile([replace(ALICE, marker=None)], NOTHING, NOW, GRACE) == ()
 

@@ -22,6 +22,7 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("busy_at", sa.DateTime(), nullable=True))
     with op.batch_alter_table("workloads", schema=None) as batch_op:
         batch_op.add_column(sa.Column("snapshot_sources", sa.JSON(), nullable=True))
+        batch_op.add_column(sa.Column("snapshot_pending_since", sa.DateTime(), nullable=True))
     op.create_table(
         "session_activity",
         sa.Column("workload_id", sa.Integer(), nullable=False),
@@ -46,6 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("session_activity")
     with op.batch_alter_table("workloads", schema=None) as batch_op:
+        batch_op.drop_column("snapshot_pending_since")
         batch_op.drop_column("snapshot_sources")
     with op.batch_alter_table("gpus", schema=None) as batch_op:
         batch_op.drop_column("busy_at")
