@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .capture import StatSignature, prime_cache
 from .errors import CorruptObject, DamagedSnapshot, ObjectMissing, RestoreRefused, StoreError
 from .index import Index, Location
 from .manifest import Manifest, Source, SourceKind
 from .pack import open_segment, pack_name
+from .primed import StatSignature, prime_cache
 from .repository import Repository
 from .tree import Node, NodeType, decode_tree
 

@@ -1,4 +1,5 @@
-"""Sessions in the overlay sandbox, through a real hub: changes land in the server's upper only.
+"""Sessions in the overlay sandbox, through a real hub: changes land in the server's upper only,
+and come back from its snapshot after a stop.
 
 The hub's spawner runs with ``sandbox = "overlay"``. The sandbox's lower layer is the host's
 real root file system, so the session deletes only a file this test made on the host for it
@@ -149,15 +150,18 @@ print(json.dumps({{
     home = Path(inside["home"]).relative_to("/")
     assert not [c for c in changes if Path(c.path).is_relative_to(home) and c.path != str(home)]
 
-    # Stopping ends every process of the session; the upper keeps what it changed.
+    # Stopping ends every process of the session, then snapshots it: the snapshot holds
+    # the container state, and the upper is emptied (free_upper_after_snapshot).
     sandboxed.stop_server(USER)
-    assert sandboxed.wait_ended(workload, 60)["outcome"] == "stopped"
+    ended = sandboxed.wait_ended(workload, 60)
+    assert ended["outcome"] == "stopped" and "final snapshot" in ended["reason"]
     assert live(pids_with_env("GPUFLEET_SESSION_MARKER", inside["marker"])) == []
     assert live(pids_with_env("GPUFLEET_SANDBOX_UPPER", str(upper))) == []
-    assert written <= set(read_upper(upper))
+    assert list(upper.iterdir()) == []
     assert stored_state(sandboxed)["gpufleet_sandbox_upper"] == str(upper)
 
-    # The same server started again finds its changes: the upper is its container state.
+    # The same server started again finds its changes: the snapshot restores its upper,
+    # deletions (whiteouts) included.
     sandboxed.wait_gone(USER)
     sandboxed.spawn(USER, project="vision", gpu_type="A100-80GB", gpus=1)
     sandboxed.wait_ready(USER, timeout=60)
