@@ -139,7 +139,7 @@ def _signature_row(
     target: str,
     link: str,
     opaque: bool,
-    subdir: _Dir | None,
+    subdir_signature: bytes,
 ) -> tuple[Any, ...]:
     """What a directory's signature covers of one child: any change of content (ctime),
     owner, mode, name or link shows here."""
@@ -156,7 +156,7 @@ def _signature_row(
         target,
         link,
         opaque,
-        subdir.signature if subdir is not None else b"",
+        subdir_signature,
     )
 
 
@@ -603,7 +603,15 @@ class _Walker:
     def signature(self, here: _Dir) -> bytes:
         return _signature(
             [
-                _signature_row(e.name, e.node_type, e.st, e.target, e.link, e.opaque, e.subdir)
+                _signature_row(
+                    e.name,
+                    e.node_type,
+                    e.st,
+                    e.target,
+                    e.link,
+                    e.opaque,
+                    e.subdir.signature if e.subdir is not None else b"",
+                )
                 for e in here.entries
             ]
         )

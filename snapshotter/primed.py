@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import NamedTuple, cast
 
 from . import statcache
-from .capture import SourceSpec, _Run, _signature, _Walker
+from .capture import SourceSpec, _Run, _signature, _signature_row, _Walker
 from .index import Index
 from .manifest import Source, SourceKind
 from .repository import Repository
@@ -38,9 +38,12 @@ class StatSignature(NamedTuple):
 
     @classmethod
     def of(cls, st: os.stat_result) -> StatSignature:
-        return cls(
-            st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
-        )
+        return cls._make(signature_fields(st))
+
+
+def signature_fields(st: os.stat_result) -> tuple[int, ...]:
+    """``StatSignature``'s fields as a plain tuple: the cheapest to send between processes."""
+    return (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def prime_cache(
@@ -123,16 +126,10 @@ def _restored_cache(
             st = stats.get(path) or StatSignature.of(os.lstat(path))
             kind = node.type
             rows.append(
-                (
+                _signature_row(
                     name,
-                    kind._value_,
-                    st.st_mode,
-                    st.st_uid,
-                    st.st_gid,
-                    st.st_size,
-                    st.st_mtime_ns,
-                    st.st_ctime_ns,
-                    st.st_ino,
+                    kind,
+                    cast(os.stat_result, st),  # the fields a signature reads
                     node.target,
                     node.link,
                     node.opaque,

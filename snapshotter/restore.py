@@ -38,7 +38,7 @@ from .errors import CorruptObject, DamagedSnapshot, ObjectMissing, RestoreRefuse
 from .index import Index, Location
 from .manifest import Manifest, Source, SourceKind
 from .pack import open_segment, pack_name
-from .primed import StatSignature, prime_cache
+from .primed import StatSignature, prime_cache, signature_fields
 from .repository import Repository
 from .tree import Node, NodeType, decode_tree
 
@@ -479,21 +479,7 @@ def _file_metadata(start: int, stop: int, damaged: set[str]) -> list[tuple[str, 
             continue
         if kind is not NodeType.DELETED:
             _set_metadata(path, node)
-        st = os.lstat(path)
-        stats.append(
-            (
-                path,
-                (
-                    st.st_mode,
-                    st.st_uid,
-                    st.st_gid,
-                    st.st_size,
-                    st.st_mtime_ns,
-                    st.st_ctime_ns,
-                    st.st_ino,
-                ),
-            )
-        )
+        stats.append((path, signature_fields(os.lstat(path))))
     return stats
 
 
