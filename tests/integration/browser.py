@@ -9,9 +9,19 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expect
+import pytest
+from playwright.sync_api import (
+    Browser,
+    BrowserContext,
+    Page,
+    Playwright,
+    expect,
+    sync_playwright,
+)
 
 CHROMIUM = Path(os.environ.get("GPUFLEET_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = [
@@ -36,6 +46,25 @@ def launch(playwright: Playwright) -> Browser:
     return playwright.chromium.launch(
         executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True
     )
+
+
+@contextmanager
+def chromium() -> Iterator[Browser]:
+    """One Chromium for a test module; skips when there is none. Wrap it in a
+    module-scoped fixture: while Playwright's sync API is started it keeps an asyncio loop
+    running in the main thread, so asyncio.run() (harness.run_in_kernel) and
+    pytest-asyncio tests in other modules would fail if it outlived the module."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (set GPUFLEET_CHROMIUM)")
+    # Assertions wait for the hub and the controller: far longer than Playwright's 5 s
+    # default on a busy two-core machine.
+    expect.set_options(timeout=PAGE_TIMEOUT_MS)
+    with sync_playwright() as playwright:
+        instance = launch(playwright)
+        try:
+            yield instance
+        finally:
+            instance.close()
 
 
 def new_context(browser: Browser, base_url: str) -> BrowserContext:

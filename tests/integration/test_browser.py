@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
+from playwright.sync_api import Browser, BrowserContext, Page, expect
 
 from . import browser as ui
 from .harness import Hub, wait_for
@@ -24,23 +24,8 @@ SETTLED_MS = 2_000
 
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Browser]:
-    """One Chromium for this module's tests.
-
-    Module-scoped on purpose: while Playwright's sync API is started it keeps an asyncio
-    loop running in the main thread, so asyncio.run() (harness.run_in_kernel) and
-    pytest-asyncio tests in other modules would fail if it outlived this module.
-    """
-    if not ui.CHROMIUM.exists():
-        pytest.skip(f"no Chromium at {ui.CHROMIUM} (set GPUFLEET_CHROMIUM)")
-    # Assertions wait for the hub and the controller: far longer than Playwright's 5 s
-    # default on a busy two-core machine. Only this module drives Playwright.
-    expect.set_options(timeout=ui.PAGE_TIMEOUT_MS)
-    with sync_playwright() as playwright:
-        instance = ui.launch(playwright)
-        try:
-            yield instance
-        finally:
-            instance.close()
+    with ui.chromium() as instance:
+        yield instance
 
 
 @pytest.fixture

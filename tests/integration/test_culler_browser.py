@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, expect, sync_playwright
+from playwright.sync_api import Browser, expect
 
 from . import browser as ui
 from .harness import Hub, wait_for
@@ -22,15 +22,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Browser]:
-    if not ui.CHROMIUM.exists():
-        pytest.skip(f"no Chromium at {ui.CHROMIUM} (set GPUFLEET_CHROMIUM)")
-    expect.set_options(timeout=ui.PAGE_TIMEOUT_MS)
-    with sync_playwright() as playwright:
-        instance = ui.launch(playwright)
-        try:
-            yield instance
-        finally:
-            instance.close()
+    with ui.chromium() as instance:
+        yield instance
 
 
 def events(hub: Hub, workload_id: int, kind: str) -> list[dict[str, Any]]:

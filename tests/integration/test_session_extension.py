@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 import websocket
-from playwright.sync_api import Browser, expect, sync_playwright
+from playwright.sync_api import Browser, expect
 
 from . import browser as ui
 from .harness import REPO, wait_for
@@ -288,15 +288,8 @@ def test_keep_alive_passes_the_controllers_answer_through(
 
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Browser]:
-    if not ui.CHROMIUM.exists():
-        pytest.skip(f"no Chromium at {ui.CHROMIUM} (set GPUFLEET_CHROMIUM)")
-    expect.set_options(timeout=ui.PAGE_TIMEOUT_MS)
-    with sync_playwright() as playwright:
-        instance = ui.launch(playwright)
-        try:
-            yield instance
-        finally:
-            instance.close()
+    with ui.chromium() as instance:
+        yield instance
 
 
 @pytest.mark.browser
