@@ -28,6 +28,9 @@ from typing import Any
 
 from .errors import PolicyError
 
+# The longest a session's JupyterLab waits between two looks at its notices.
+NOTICE_POLL_MAX_S = 10.0
+
 
 class ReclaimMode(enum.StrEnum):
     ALWAYS = "always"
@@ -49,6 +52,13 @@ class IdlePolicy:
     reclaim_by_anyone: bool = True
     # Stop even when the live snapshot fails (the admin accepts losing what is unsaved).
     stop_without_snapshot: bool = False
+
+    @property
+    def notice_poll_s(self) -> float:
+        """How often a browser should look for this session's notices: often enough that a
+        warning is on screen for most of its time (a quarter of it), never more than every
+        second, never less than every NOTICE_POLL_MAX_S."""
+        return min(NOTICE_POLL_MAX_S, max(1.0, self.warn_before_s / 4))
 
     def validate(self, where: str) -> IdlePolicy:
         problems = []

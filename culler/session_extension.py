@@ -9,7 +9,8 @@ keep-alive deadline) for the JupyterLab extension ``@gpufleet/session-notices`` 
   server's ``JUPYTERHUB_API_TOKEN``; the answer's notices replace the ones it holds.
 - A kernel turning busy or idle (or a kernel or terminal appearing or going) is reported
   within about a second, at most one such report a second: a busy kernel is never idle.
-- ``GET {base_url}gpufleet/notices`` serves the latest notices; ``POST
+- ``GET {base_url}gpufleet/notices`` serves the latest notices (asking the controller first
+  when they are older than the poll period it gave, ``poll_s`` in the answer); ``POST
   {base_url}gpufleet/keep-alive`` with ``{"hours": h}`` or ``{"until": iso}`` asks the
   controller to keep the session (its answer, errors included, is passed through).
 
@@ -50,6 +51,9 @@ PROMPT_GAP_S = 1.0
 WARN_EVERY_S = 60.0
 REQUEST_TIMEOUT_S = 10.0
 NOTICE_LEVELS = ("info", "warning", "error")
+# The frontend's poll period until the controller says otherwise, and the shortest it may say.
+DEFAULT_NOTICE_POLL_S = 10.0
+MIN_NOTICE_POLL_S = 1.0
 # What reading the kernel and terminal managers may raise while they change under us.
 SNAPSHOT_ERRORS = (KeyError, AttributeError, TypeError, ValueError)
 # What a request to the controller may raise: network failures and a malformed URL.
@@ -176,23 +180,44 @@ class SessionNotices:
     notices: list[Json] = field(default_factory=list)
     keep_alive_until: str | None = None
     keep_alive_max_s: float | None = None
+    # How often the frontend should ask, as the controller says (from the project's warning
+    # time: a short warning must not fall between two looks).
+    poll_s: float = DEFAULT_NOTICE_POLL_S
+    # time.monotonic() of the controller's last answer; -inf before the first.
+    answered_at: float = -math.inf
 
     def update(self, answer: object) -> None:
         if not isinstance(answer, dict):
             return
         self.notices = parse_notices(answer)
+        self.answered_at = time.monotonic()
         until = answer.get("keep_alive_until")
         self.keep_alive_until = until if isinstance(until, str) else None
-        max_s = answer.get("keep_alive_max_s")
-        if isinstance(max_s, int | float) and not isinstance(max_s, bool):
-            self.keep_alive_max_s = float(max_s)
+        max_s = _number(answer.get("keep_alive_max_s"))
+        if max_s is not None:
+            self.keep_alive_max_s = max_s
+        poll_s = _number(answer.get("notice_poll_s"))
+        if poll_s is not None and poll_s > 0:
+            self.poll_s = min(max(poll_s, MIN_NOTICE_POLL_S), DEFAULT_NOTICE_POLL_S * 6)
+
+    def stale(self) -> bool:
+        """Older than the frontend's own poll period: a browser looking now would be shown
+        what the controller said a whole period (or a 30 s report interval) ago."""
+        return time.monotonic() - self.answered_at >= self.poll_s
 
     def as_json(self) -> Json:
         return {
             "notices": self.notices,
             "keep_alive_until": self.keep_alive_until,
             "keep_alive_max_s": self.keep_alive_max_s,
+            "poll_s": self.poll_s,
         }
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 class ActivityReporter:
@@ -205,6 +230,7 @@ class ActivityReporter:
         self.notices = SessionNotices()
         self._client: httpx.AsyncClient | None = None
         self._wake = asyncio.Event()
+        self._refreshing = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._last_warning = -math.inf
         self._failing = False
@@ -307,6 +333,24 @@ class ActivityReporter:
         else:
             self.log.debug("gpufleet: activity report failed again: %s", why)
 
+    async def refresh_notices(self) -> None:
+        """Ask the controller for the notices when the ones held are stale, so an open
+        JupyterLab sees a warning within its poll period rather than the report interval.
+        Browsers polling together share one request; a failure keeps the old notices."""
+        if self.settings is None or self._client is None or not self.notices.stale():
+            return
+        async with self._refreshing:
+            if not self.notices.stale():  # another browser's look just brought them
+                return
+            url = f"{self.settings.session_url}/activity"
+            try:
+                response = await self._client.get(url)
+                answer = response.json() if response.status_code == 200 else None
+            except (*REQUEST_ERRORS, ValueError) as e:
+                self.log.debug("gpufleet: could not refresh the notices from %s: %r", url, e)
+                return
+            self.notices.update(answer)
+
     async def keep_alive(self, until: datetime) -> tuple[int, Json]:
         """Ask the controller to keep the session until ``until``; (status, body) to return."""
         if self.settings is None or self._client is None:
@@ -353,6 +397,7 @@ class NoticesHandler(APIHandler):
     @authorized
     async def get(self) -> None:
         self.set_header("Cache-Control", "no-store")
+        await self.reporter.refresh_notices()
         await self.finish(json.dumps(self.reporter.notices.as_json()))
 
 

@@ -39,6 +39,7 @@ class _SessionHandler(APIHandler):
                     state.keep_alive_until.isoformat() if state.keep_alive_until else None
                 ),
                 "keep_alive_max_s": policy.keep_alive_max_s,
+                "notice_poll_s": policy.notice_poll_s,
             }
         )
 

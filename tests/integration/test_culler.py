@@ -5,8 +5,9 @@ vision culls idle sessions (``always``, 20 s, a 6 s warning); nlp only marks the
 (``on-demand``): ``conftest.CULLER_CONFIG``. What a researcher would see: an idle session
 is warned, snapshotted, stopped, and a queued session gets its GPUs; a session whose GPUs
 work, or whose kernel runs code, is left alone; an on-demand session is only stopped when
-someone waits; the next start finds the files, the package and the environment as they
-were; a session whose live snapshot fails keeps running.
+someone waits; the next start finds the files, a pip-installed package and a real conda
+environment created under /opt as they were; a session whose live snapshot fails keeps
+running.
 """
 
 from __future__ import annotations
@@ -22,32 +23,45 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet.recovery.fake_nvml import write_control
 
-from .harness import Hub, run_in_kernel, wait_for
+from .harness import REPO, Hub, run_in_kernel, wait_for
 from .test_agent import DECLARED, declared_fake_gpus
 
 pytestmark = pytest.mark.integration
 
-WRITE_STATE = """
-import json, os, pathlib
+# Run in the session (its kernel starts it as a process: rattler needs its own event loop).
+# A file in the home; a wheel pip-installs into the session's own Python, outside the home;
+# a real conda environment (tests/condaenv.py: a local channel, solved and installed by
+# rattler) under /opt, listed in ~/.conda/environments.txt as conda does.
+SETUP_SCRIPT = f"""
+import pathlib, subprocess, sys
+sys.path.insert(0, {str(REPO / "tests")!r})
+from condaenv import build_wheel, create_env, demo_packages, make_channel
 home = pathlib.Path.home()
 (home / "notes.txt").write_text("results of run 7")
-pkg = pathlib.Path("/opt/gpufleet-test/site/mypkg")
-pkg.mkdir(parents=True, exist_ok=True)
-(pkg / "__init__.py").write_text("VERSION = '1.2.3'")
-env = pathlib.Path("/opt/gpufleet-test/envs/demo")
-(env / "conda-meta").mkdir(parents=True, exist_ok=True)
-(env / "conda-meta" / "history").write_text("# created by the test")
+wheel = build_wheel(home / "wheels")
+subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                "--disable-pip-version-check", "--no-cache-dir", str(wheel)], check=True)
+work = pathlib.Path("/opt/gpufleet-test")
+channel = make_channel(work / "channel", demo_packages())
+env = work / "envs" / "demo"
+create_env(channel, env, ["gpufleet-hello"], work / "pkgs")
 (home / ".conda").mkdir(exist_ok=True)
 (home / ".conda" / "environments.txt").write_text(str(env) + "\\n")
-print("written")
+"""
+
+WRITE_STATE = f"""
+import subprocess, sys
+done = subprocess.run([sys.executable, "-c", {SETUP_SCRIPT!r}], capture_output=True, text=True)
+print("written" if done.returncode == 0 else done.stderr[-3000:])
 """
 
 READ_STATE = """
-import pathlib
-home = pathlib.Path.home()
-print((home / "notes.txt").read_text(), end="|")
-print(pathlib.Path("/opt/gpufleet-test/site/mypkg/__init__.py").read_text(), end="|")
-print(pathlib.Path("/opt/gpufleet-test/envs/demo/conda-meta/history").read_text())
+import pathlib, subprocess
+import gpufleet_tiny
+print((pathlib.Path.home() / "notes.txt").read_text(), end="|")
+print(gpufleet_tiny.__version__, end="|")
+hello = subprocess.run(["/opt/gpufleet-test/envs/demo/bin/hello"], capture_output=True, text=True)
+print(hello.stdout.strip(), hello.returncode)
 """
 
 
@@ -134,7 +148,7 @@ def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_qu
     hub.wait_ready("alice", timeout=120)
     token = hub.user_token("alice")
     restored = run_in_kernel(hub, "alice", "", READ_STATE, token)
-    assert restored.strip() == "results of run 7|VERSION = '1.2.3'|# created by the test"
+    assert restored.strip() == "results of run 7|0.4.2|hello from a conda env 0"
     # The session tells her what happened (its extension shows this notice in JupyterLab).
     again = hub.workload_of("alice")
     assert again is not None

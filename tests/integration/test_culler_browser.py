@@ -1,5 +1,6 @@
-"""The culler's notice as a researcher sees it: in JupyterLab, in headless Chromium, on a
-real hub whose nlp project marks idle sessions (``conftest.CULLER_CONFIG``).
+"""The culler's notices as a researcher sees them: in JupyterLab, in headless Chromium, on a
+real hub whose vision project stops idle sessions (20 s, warned 6 s before) and whose nlp
+project only marks them (``conftest.CULLER_CONFIG``).
 
 Its own module: Playwright's sync API keeps an asyncio loop running while it is started
 (see test_browser.py), which test_culler.py's kernels (asyncio.run) must not meet.
@@ -59,6 +60,39 @@ def test_the_idle_notice_shows_in_jupyterlab_and_keep_alive_clears_the_mark(
             "GET", f"/sessions/{carol['id']}/activity", token=hub.user_token("carol")
         ).json()
         assert state["notices"] == [] and state["keep_alive_until"]
+    finally:
+        context.close()
+        hub.stop_all_servers()
+
+
+def test_the_warning_shows_in_jupyterlab_before_the_stop_and_the_resume_says_what_happened(
+    culling_hub: Hub, chromium: Browser
+) -> None:
+    hub = culling_hub
+    hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
+    hub.wait_ready("alice")
+    alice = hub.workload_of("alice")
+    assert alice is not None
+    context = ui.new_context(chromium, hub.url)
+    try:
+        page = ui.login(context, "alice")
+        page.goto("/user/alice/lab")
+        expect(page.locator("#jp-main-dock-panel")).to_be_visible(timeout=ui.LAB_TIMEOUT_MS)
+        # The warning stands for 6 s: the lab looks every 1.5 s (the controller's poll_s).
+        warning = page.get_by_text(re.compile(r"Idle for \d+.*snapshotted and stopped at"))
+        expect(warning.first).to_be_visible(timeout=60_000)
+        ended = hub.wait_ended(alice, 90)
+        assert ended["outcome"] == "stopped"
+        warned = events(hub, alice["id"], "session-idle-warning")
+        assert warned and events(hub, alice["id"], "session-snapshot")
+
+        # Back again: the restored session's JupyterLab says what happened.
+        hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
+        hub.wait_ready("alice", timeout=120)
+        page.goto("/user/alice/lab")
+        expect(page.locator("#jp-main-dock-panel")).to_be_visible(timeout=ui.LAB_TIMEOUT_MS)
+        resumed = page.get_by_text(re.compile(r"Culled at .*restored from snapshot"))
+        expect(resumed.first).to_be_visible(timeout=30_000)
     finally:
         context.close()
         hub.stop_all_servers()

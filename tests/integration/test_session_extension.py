@@ -62,6 +62,7 @@ class FakeController:
         self.requests: list[Seen] = []
         self.notices: list[dict[str, Any]] = []
         self.keep_alive_answer: tuple[int, dict[str, Any]] | None = None
+        self.notice_poll_s: float | None = None
         self.lock = threading.Lock()
         self.port = 0
         self.server: ThreadingHTTPServer | None = None
@@ -79,6 +80,9 @@ class FakeController:
 
             def do_PUT(self) -> None:
                 self.answer(*controller.handle("PUT", self))
+
+            def do_GET(self) -> None:
+                self.answer(*controller.handle("GET", self))
 
             def answer(self, status: int, body: dict[str, Any]) -> None:
                 data = json.dumps(body).encode()
@@ -108,8 +112,10 @@ class FakeController:
         with self.lock:
             self.requests.append(Seen(method, request.path, dict(request.headers), body))
             session = f"{API_PREFIX}/sessions/{WORKLOAD}"
-            if method == "POST" and request.path == f"{session}/activity":
+            if method in ("POST", "GET") and request.path == f"{session}/activity":
                 answer = {"notices": self.notices, "keep_alive_until": None}
+                if self.notice_poll_s is not None:
+                    answer["notice_poll_s"] = self.notice_poll_s
                 return 200, {**answer, "keep_alive_max_s": 4 * 3600.0}
             if method == "PUT" and request.path == f"{session}/keep-alive":
                 return self.keep_alive_answer or (200, {"keep_alive_until": body["until"]})
@@ -417,11 +423,44 @@ def test_a_kernel_turning_busy_or_idle_is_reported_at_once(tmp_path: Path) -> No
         controller.stop()
 
 
+def test_a_browser_looking_for_notices_gets_the_controllers_latest_word(tmp_path: Path) -> None:
+    controller = FakeController()
+    controller.notice_poll_s = 1.5  # a project whose warning stands for 6 s
+    controller.start()
+    # An hour between reports: only the browser's looks can bring a new notice in time.
+    session = Session.start(tmp_path, controller.api_url, 3600, "jupyter_server")
+    try:
+        wait_for(controller.reports, 60, "the report at start-up")
+        first = session.api("GET", "/gpufleet/notices").json()
+        assert first["notices"] == [] and first["poll_s"] == 1.5
+        warning = {"id": "idle-7", "level": "warning", "message": IDLE_WARNING, "deadline": None}
+        controller.notices = [warning]
+        # Within one poll period (and without waiting for the next report) the look finds it.
+        seen = wait_for(
+            lambda: session.api("GET", "/gpufleet/notices").json()["notices"], 5, "the warning"
+        )
+        assert seen == [warning]
+        assert len(controller.reports()) == 1 and controller.seen("GET", "/activity")
+        # Looks within the period are answered from what the extension holds.
+        controller.clear()
+        for _ in range(5):
+            session.api("GET", "/gpufleet/notices")
+        assert len(controller.seen("GET", "/activity")) <= 1
+    finally:
+        session.stop()
+        controller.stop()
+
+
 def test_without_a_controller_the_extension_serves_empty_notices(tmp_path: Path) -> None:
     session = Session.start(tmp_path, "", 0.5, "jupyter_server")
     try:
         notices = session.api("GET", "/gpufleet/notices")
-        assert notices.json() == {"notices": [], "keep_alive_until": None, "keep_alive_max_s": None}
+        assert notices.json() == {
+            "notices": [],
+            "keep_alive_until": None,
+            "keep_alive_max_s": None,
+            "poll_s": 10.0,
+        }
         refused = session.api("POST", "/gpufleet/keep-alive", {"hours": 1})
         assert refused.status_code == 503 and refused.json()["error"] == "not_configured"
         assert "not reporting activity" in session.log_text()

@@ -191,3 +191,9 @@ def test_a_bad_policy_names_what_to_fix(raw: dict[str, object], message: str) ->
     with pytest.raises(PolicyError, match="idle policy for project vision") as raised:
         resolve({"projects": {"vision": raw}}, "vision")
     assert message in str(raised.value)
+
+
+def test_an_open_jupyterlab_looks_often_enough_to_show_a_short_warning() -> None:
+    assert IdlePolicy(idle_timeout_s=20, warn_before_s=6).notice_poll_s == 1.5
+    assert IdlePolicy(warn_before_s=600).notice_poll_s == 10.0  # never slower than 10 s
+    assert IdlePolicy(warn_before_s=0).notice_poll_s == 1.0  # never faster than 1 s

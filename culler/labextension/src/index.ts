@@ -14,7 +14,9 @@ import { Notification } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
-const POLL_MS = 10_000;
+// Until the server extension says how often (poll_s, from the project's warning time).
+const DEFAULT_POLL_MS = 10_000;
+const MIN_POLL_MS = 1_000;
 const KEEP_ALIVE_HOURS = 1;
 
 interface ISessionNotice {
@@ -28,12 +30,13 @@ interface INoticesReply {
   notices: ISessionNotice[];
   keep_alive_until: string | null;
   keep_alive_max_s: number | null;
+  poll_s?: number;
 }
 
 class SessionNotices {
   constructor(private readonly settings: ServerConnection.ISettings) {}
 
-  /** Polls now and every POLL_MS while the server has the gpufleet extension. */
+  /** Polls now and then every pollMs while the server has the gpufleet extension. */
   start(): void {
     const tick = async (): Promise<void> => {
       let again = true;
@@ -43,7 +46,7 @@ class SessionNotices {
         console.warn('gpufleet: could not show the notices', reason);
       }
       if (again) {
-        window.setTimeout(tick, POLL_MS);
+        window.setTimeout(tick, this.pollMs);
       }
     };
     void tick();
@@ -66,6 +69,9 @@ class SessionNotices {
     } catch (reason) {
       console.warn('gpufleet: could not fetch notices', reason);
       return true;
+    }
+    if (typeof reply.poll_s === 'number' && Number.isFinite(reply.poll_s)) {
+      this.pollMs = Math.max(MIN_POLL_MS, reply.poll_s * 1000);
     }
     const notices = Array.isArray(reply.notices) ? reply.notices : [];
     const current = new Set(notices.map(notice => notice.id));
@@ -137,6 +143,7 @@ class SessionNotices {
     return ServerConnection.makeRequest(url, init, this.settings);
   }
 
+  private pollMs = DEFAULT_POLL_MS;
   private readonly seen = new Set<string>();
   private readonly active = new Map<string, string>();
 }
