@@ -438,11 +438,14 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
             # The workload stays in the spawner's state; the next stop() retries.
             self.log.error("could not release workload %s: %s", workload_id, e)
             return
+        self._forget_workload()
+        self._progress_log().clear()
+
+    def _forget_workload(self) -> None:
         self.workload_id = None
         self.gpu_uuids = ()
         self.node_name = ""
         self.marker = ""
-        self._progress_log().clear()
 
     async def _renew_while_waiting(self, workload_id: int) -> None:
         while True:
@@ -558,9 +561,13 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
         return f"final snapshot {result.get('id')} in {seconds:.2f} s"
 
     def _retry_final_snapshot(self) -> None:
+        workload_id = self.workload_id
+
         async def retry() -> None:
             while True:
                 await asyncio.sleep(self.final_snapshot_retry_seconds)
+                if workload_id is None or await self._released_elsewhere(workload_id):
+                    return
                 try:
                     saved = await self._final_snapshot()
                 except SnapshotFailed as e:
@@ -572,3 +579,24 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
         task = asyncio.create_task(retry())
         _background.add(task)
         task.add_done_callback(_background.discard)
+
+    async def _released_elsewhere(self, workload_id: int) -> bool:
+        """Whether an admin released the GPUs of a session whose final snapshot kept failing
+        (``POST /workloads/<id>/release``): then retrying stops, and its files stay where
+        they are, in its home and its upper directory."""
+        try:
+            status = await self.controller.watch(workload_id, 0, 0)
+        except ControllerError as e:
+            self.log.warning("could not ask about workload %s: %s", workload_id, e)
+            return False
+        if status.state != "ended":
+            return False
+        self.log.warning(
+            "workload %s of %s was released (%s); its final snapshot is no longer retried",
+            workload_id,
+            self._log_name,
+            status.reason,
+        )
+        if self.workload_id == workload_id:
+            self._forget_workload()
+        return True

@@ -252,3 +252,44 @@ def test_a_failing_final_snapshot_keeps_the_gpus_until_a_retry_commits_it(hub: H
     wait_for(lambda: not failpoint.exists(), 60, "the last failing pass")
     ended = hub.wait_ended(bob, 60)  # the next retry commits, then they are released
     assert ended["outcome"] == "stopped" and "final snapshot" in ended["reason"]
+
+
+def test_an_admin_may_release_the_gpus_of_a_session_whose_final_snapshot_keeps_failing(
+    hub: Hub,
+) -> None:
+    hub.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=2)
+    hub.wait_ready("bob")
+    bob = hub.workload_of("bob")
+    assert bob is not None
+    failpoint = hub.data_dir / "failpoints" / "snapshot-create"
+    failpoint.touch()
+    hub.stop_server("bob")
+    hub.wait_gone("bob")
+    wait_for(lambda: not failpoint.exists(), 60, "a final pass that dies")
+    failpoint.touch()  # and every retry dies too, until the admin acts
+    held = wait_for(
+        lambda: [e for e in events(hub, bob["id"]) if e["kind"] == "session-final-snapshot-failed"],
+        30,
+        "the event saying the GPUs are held",
+    )
+    assert "an admin may release them" in held[0]["message"]
+    assert hub.controller("GET", f"/workloads/{bob['id']}").json()["state"] == "running"
+
+    released = hub.controller(
+        "POST",
+        f"/workloads/{bob['id']}/release",
+        json={"outcome": "stopped", "message": "released by the admin: the disk is full"},
+    )
+    assert released.status_code == 200, released.text
+    ended = hub.wait_ended(bob, 30)
+    assert ended["reason"] == "released by the admin: the disk is full"
+    # The GPUs are free again: vision's whole quota (4) goes to another session.
+    hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=4)
+    hub.wait_ready("alice", timeout=90)
+    # The spawner stops retrying (it would otherwise release a workload that has ended).
+    wait_for(
+        lambda: "its final snapshot is no longer retried" in hub.log_path.read_text(),
+        30,
+        "the spawner to give up the retries",
+    )
+    failpoint.unlink(missing_ok=True)
