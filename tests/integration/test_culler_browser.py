@@ -86,11 +86,13 @@ def test_the_warning_shows_in_jupyterlab_before_the_stop_and_the_resume_says_wha
         warned = events(hub, alice["id"], "session-idle-warning")
         assert warned and events(hub, alice["id"], "session-snapshot")
 
-        # Back again: the restored session's JupyterLab says what happened.
-        hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
-        hub.wait_ready("alice", timeout=120)
-        page.goto("/user/alice/lab")
-        expect(page.locator("#jp-main-dock-panel")).to_be_visible(timeout=ui.LAB_TIMEOUT_MS)
+        # Back again from the spawn page: the restore shows there, before JupyterLab
+        # starts; the restored session's JupyterLab then says what happened.
+        ui.open_spawn_form(page)
+        ui.fill_spawn_form(page, project="vision", gpu_type="A100-80GB", gpus="2")
+        ui.submit_spawn_form(page)
+        expect(page.locator("#progress-log")).to_contain_text("Restoring your last snapshot")
+        ui.expect_jupyterlab(page, "alice")
         resumed = page.get_by_text(re.compile(r"Culled at .*restored from snapshot"))
         expect(resumed.first).to_be_visible(timeout=30_000)
     finally:
