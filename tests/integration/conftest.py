@@ -2,10 +2,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from .harness import Hub
+
+if TYPE_CHECKING:  # boto3 is imported only when a test asks for S3
+    from ..s3server import S3Server
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +33,9 @@ def fleet(hub: Hub) -> Iterator[Hub]:
 
 
 # The culler's tests (test_culler.py, test_culler_browser.py): vision culls idle sessions
-# (always, 20 s, a 6 s warning), nlp only marks them (on-demand).
+# (always, 20 s, a 6 s warning), nlp only marks them (on-demand). Snapshots go to the real
+# S3 server (SeaweedFS), as a deployment's would: credentials in the usual AWS_* variables,
+# for the hub (its spawners' final passes and restores) and the controller (live passes).
 CULLER_CONFIG = """
 c.FleetController.idle_policies = {
     "default": {"mode": "always", "idle_timeout_s": 20, "warn_before_s": 6},
@@ -41,10 +47,31 @@ c.LocalGPUSpawner.final_snapshot_attempts = 1
 c.LocalGPUSpawner.final_snapshot_retry_seconds = 1
 """
 
+S3_CONFIG = """
+import os
+os.environ.update({credentials!r})
+for service in c.JupyterHub.services:
+    if "environment" in service:
+        service["environment"].update({credentials!r})
+c.FleetController.snapshot_store = c.LocalGPUSpawner.snapshot_store = {store!r}
+c.FleetController.snapshot_s3_endpoint = {endpoint!r}
+c.LocalGPUSpawner.snapshot_s3_endpoint = {endpoint!r}
+"""
+
 
 @pytest.fixture(scope="session")
-def culling_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    instance = Hub.create(Path(tmp_path_factory.mktemp("culler")), CULLER_CONFIG)
+def culling_hub(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> Iterator[Hub]:
+    options = s3_server.store_options()
+    s3 = S3_CONFIG.format(
+        credentials={
+            "AWS_ACCESS_KEY_ID": options["access_key"],
+            "AWS_SECRET_ACCESS_KEY": options["secret_key"],
+            "AWS_DEFAULT_REGION": options["region"],
+        },
+        store=f"s3://{s3_server.create_bucket('culler')}/snapshots",
+        endpoint=options["endpoint_url"],
+    )
+    instance = Hub.create(Path(tmp_path_factory.mktemp("culler")), CULLER_CONFIG + s3)
     instance.start()
     try:
         yield instance

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet.recovery.fake_nvml import write_control
 
+from ..s3server import S3Server
 from .harness import REPO, Hub, run_in_kernel, wait_for
 from .test_agent import DECLARED, declared_fake_gpus
 
@@ -98,8 +99,16 @@ def busy_gpus(hub: Hub, uuids: list[str]) -> None:
     write_control(hub.fake_nvml_control, gpus)
 
 
+def stored_keys(s3_server: S3Server) -> list[str]:
+    """What the culler's bucket on the S3 server holds (``conftest.culling_hub``)."""
+    client = s3_server.client()
+    buckets = client.list_buckets()["Buckets"]
+    (bucket,) = [b["Name"] for b in buckets if b["Name"].startswith("culler-")]
+    return [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+
+
 def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_queue(
-    hub: Hub,
+    hub: Hub, s3_server: S3Server
 ) -> None:
     hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=4)
     hub.wait_ready("alice")
@@ -130,6 +139,9 @@ def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_qu
     order = kinds(hub, alice["id"])
     assert order.index("session-idle-warning") < order.index("session-cull")
     assert order.index("session-cull") < order.index("session-snapshot") < order.index("ended")
+    # Its snapshot is on the S3 server: a manifest of alice's in vision's repository.
+    keys = stored_keys(s3_server)
+    assert any(k.startswith("snapshots/projects/vision/snapshots/alice/") for k in keys), keys
     hub.wait_ready("bob", timeout=90)
     bob = hub.workload_of("bob")
     assert bob is not None and bob["state"] == "running"
