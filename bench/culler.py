@@ -14,7 +14,7 @@
    Baseline, in the same run: the same session started with its home in place (nothing
    to restore); for scale, ``cp -a`` of the environment to the same disk, with ``sync``.
 
-    .venv/bin/python bench/culler.py [--rounds 3] [--env DIR]
+    .venv/bin/python bench/culler.py [--rounds 3] [--restore-rounds N] [--env DIR]
 """
 
 from __future__ import annotations
@@ -150,15 +150,19 @@ def main() -> None:
     parser.add_argument(
         "--env", type=Path, default=Path.home() / ".cache" / "gpufleet-bench" / "env"
     )
+    parser.add_argument(
+        "--restore-rounds", type=int, default=None, help="default: --rounds; 0 skips part 2"
+    )
     args = parser.parse_args()
-    if not (args.env / "pyvenv.cfg").exists():
+    restore_rounds = args.rounds if args.restore_rounds is None else args.restore_rounds
+    if restore_rounds and not (args.env / "pyvenv.cfg").exists():
         raise SystemExit(f"{args.env}: run bench/snapshot.py once to create the environment")
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         hub = Hub.create(Path(tmp) / "hub", extra_config=CONFIG)
         try:
             hub.start()
             culls = [threshold_to_gpus(hub, f"c{i}") for i in range(args.rounds)]
-            resumes = [restore_to_ready(hub, args.env, f"r{i}") for i in range(args.rounds)]
+            resumes = [restore_to_ready(hub, args.env, f"r{i}") for i in range(restore_rounds)]
         except BaseException:
             print("\n".join(hub.log_path.read_text().splitlines()[-60:]), file=sys.stderr)
             raise
@@ -177,7 +181,9 @@ def main() -> None:
         f"  beyond the snapshot's time  : {median(culls, 'overhead'):6.2f} s "
         f"(worst {worst:.2f} s; target <= 2 s)"
     )
-    print(f"restore to ready, a 1.7 GB environment in the home, {args.rounds} rounds (median)")
+    if not resumes:
+        return
+    print(f"restore to ready, a 1.7 GB environment in the home, {restore_rounds} rounds (median)")
     print(f"  start without a snapshot    : {median(resumes, 'baseline'):6.2f} s")
     print(f"  start restoring the snapshot: {median(resumes, 'restored'):6.2f} s")
     print(

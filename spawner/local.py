@@ -115,6 +115,13 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
         "check backs off; probing here lets the hub find the server up on its first try.",
     ).tag(config=True)
 
+    death_interval = Float(
+        0.05,
+        help="Seconds between checks that a stopping server has exited. The hub's own wait "
+        "backs off (0.1, 0.2, 0.4, 0.8, 1.6 s…), which let a culled session's GPUs reach the "
+        "waiting workload up to a back-off step after its server was gone.",
+    ).tag(config=True)
+
     fake_nvml_dir = Unicode(
         "",
         help="Where the node agent keeps gpufleet's fake NVML library, on machines without "
@@ -503,6 +510,15 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
                 await asyncio.sleep(self.readiness_interval)
 
     # -------------------------------------------------------------- stop
+    async def wait_for_death(self, timeout: float = 10) -> bool:
+        """Whether the server exited within ``timeout``, polled every ``death_interval``."""
+        deadline = time.monotonic() + timeout
+        while await self.poll() is None:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(self.death_interval)
+        return True
+
     async def stop(self, now: bool = False) -> None:
         await super().stop(now=now)
         if self.workload_id is not None and self.snapshots_enabled and self.snapshot_holds:
