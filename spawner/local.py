@@ -510,7 +510,7 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
                 await asyncio.sleep(self.readiness_interval)
 
     # -------------------------------------------------------------- stop
-    async def wait_for_death(self, timeout: float = 10) -> bool:
+    async def wait_for_death(self, timeout: float = 10) -> bool:  # noqa: ASYNC109 (hub API)
         """Whether the server exited within ``timeout``, polled every ``death_interval``."""
         deadline = time.monotonic() + timeout
         while await self.poll() is None:
