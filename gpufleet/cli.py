@@ -1,10 +1,12 @@
-"""The ``gpufleet`` command. Researcher and admin commands (submit, jobs, queue, nodes, ...)
-come with the SDK; today it reports its version, where the server commands are, runs
-the what-if simulator (``gpufleet simulate``, docs/simulator.md) and manages snapshots
-(``gpufleet snapshot``, ``snapshot_cli.py``, docs/snapshots.md).
+"""The ``gpufleet`` command: the queue and the nodes, cordon and uncordon
+(``fleet_cli.py``, through the SDK ``gpufleet.client``), the what-if simulator
+(``gpufleet simulate``, docs/simulator.md) and snapshots (``gpufleet snapshot``,
+``snapshot_cli.py``, docs/snapshots.md). There are no training-job commands yet (submit,
+jobs, logs).
 
 Exit codes: 0 done; 1 a part of gpufleet this install lacks; 2 bad input (arguments,
-trace, fleet or projects file), with a message that names the file and what to fix.
+trace, fleet or projects file), with a message that names the file and what to fix. The
+API commands and the snapshot commands say theirs in their modules.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__, snapshot_cli
+from . import __version__, fleet_cli, snapshot_cli
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -35,9 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"gpufleet {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    fleet_cli.add_fleet_commands(commands)
     _add_simulate(commands)
     snapshot_cli.add_snapshot(commands)
     args = parser.parse_args(argv)
+    if args.command in fleet_cli.COMMANDS:
+        from rich.console import Console
+
+        return fleet_cli.fleet_command(args, Console(), Console(stderr=True))
     if args.command == "simulate":
         return simulate_command(args)
     if args.command == "snapshot":

@@ -29,6 +29,8 @@ class Operation:
 
 
 WORKLOAD_ID = ("workload_id", "integer", "the workload's id")
+USERNAME = ("username", "string", "a hub user name")
+NODE_NAME = ("node_name", "string", "a node's name, as GET /nodes lists it")
 
 OPERATIONS = (
     Operation("get", "/", "Service information", ()),
@@ -108,6 +110,22 @@ OPERATIONS = (
     ),
     Operation(
         "post",
+        "/nodes/{node_name}/cordon",
+        "Cordon a node: it takes no new work; what runs there keeps running (admins)",
+        (scopes.ADMIN,),
+        None,
+        schemas.NodeOut,
+    ),
+    Operation(
+        "post",
+        "/nodes/{node_name}/uncordon",
+        "Uncordon a node: it takes new work again (admins)",
+        (scopes.ADMIN,),
+        None,
+        schemas.NodeOut,
+    ),
+    Operation(
+        "post",
         "/agent/register",
         "A node agent reports its nodes and GPUs",
         (scopes.AGENT,),
@@ -174,7 +192,7 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "schema": {"type": kind},
                 "description": text,
             }
-            for name, kind, text in (WORKLOAD_ID, ("username", "string", "a hub user name"))
+            for name, kind, text in (WORKLOAD_ID, USERNAME, NODE_NAME)
             if "{" + name + "}" in op.path
         ] + [
             {

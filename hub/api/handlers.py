@@ -312,6 +312,21 @@ class NodesHandler(APIHandler):
         self.send({"items": [row.model_dump(mode="json") for row in rows]})
 
 
+class NodeCordonHandler(APIHandler):
+    """POST ``/nodes/<name>/cordon`` or ``/uncordon`` (admins): a cordoned node takes no
+    new work; what runs there keeps running. Answers the node as ``GET /nodes`` lists it."""
+
+    async def post(self, node_name: str, action: str) -> None:
+        identity = self.require(scopes.ADMIN)
+        with store_errors_as_http():
+            self.controller.store.set_cordoned(
+                self.controller.now(), node_name, action == "cordon", identity.name
+            )
+        with self.controller.store.read() as session:
+            (row,) = [n for n in node_rows(session) if n.name == node_name]
+        self.send(row.model_dump(mode="json"))
+
+
 class AgentRegisterHandler(APIHandler):
     async def post(self) -> None:
         identity = self.require(scopes.AGENT)
@@ -429,6 +444,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/workloads/(\d+)/(renew|running|release|hold)", WorkloadActionHandler),
         (rf"{api}/users/([^/]+)/spawn-options", SpawnOptionsHandler),
         (rf"{api}/nodes", NodesHandler),
+        (rf"{api}/nodes/([^/]+)/(cordon|uncordon)", NodeCordonHandler),
         (rf"{api}/agent/register", AgentRegisterHandler),
         (rf"{api}/agent/heartbeat", AgentHeartbeatHandler),
         (rf"{api}/agent/samples", AgentSamplesHandler),

@@ -1,0 +1,307 @@
+"""gpufleet's Python SDK: the controller's REST API (docs/api.md) from a notebook, a
+script or the ``gpufleet`` command.
+
+    from gpufleet.client import Client
+    with Client() as fleet:          # inside a session: no arguments needed
+        for node in fleet.nodes():
+            print(node.name, node.free_gpus)
+
+``AsyncClient`` has the same methods, awaited. Answers are the API's own pydantic models
+(``hub.api.schemas``). Where the controller is and who calls it (``Connection.discover``):
+
+- the controller's API URL: ``api_url``, else the hub's public URL ``hub_url`` +
+  ``/services/gpufleet/api/v1``, else ``$GPUFLEET_API_URL``, else
+  ``$GPUFLEET_CONTROLLER_API_URL`` (set in every gpufleet session), else
+  ``$GPUFLEET_HUB_URL`` + ``/services/gpufleet/api/v1``;
+- the token: ``token``, else ``$GPUFLEET_TOKEN``, else ``$JUPYTERHUB_API_TOKEN`` (a
+  session's own token acts for its user).
+
+Errors are one tree: ``NotConfigured`` (nothing says where the controller is),
+``Unreachable`` (no answer), ``ApiError`` (the controller's ``{code, message, details}``,
+with the HTTP status).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+
+from .hub.api.schemas import EventOut, NodeOut, WorkloadOut
+
+API_PATH = "/services/gpufleet/api/v1"
+PAGE = 1000  # the API's largest page
+DEFAULT_TIMEOUT_S = 30.0
+T = TypeVar("T")
+
+
+class GpufleetError(Exception):
+    """Base class for the SDK's errors."""
+
+
+class NotConfigured(GpufleetError):
+    """Nothing says where the controller is, or no token was found."""
+
+
+class Unreachable(GpufleetError):
+    """The controller did not answer."""
+
+
+class ApiError(GpufleetError):
+    """The controller answered with an error: ``status``, ``code``, ``message``."""
+
+    def __init__(self, status: int, code: str, message: str, details: object = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.details = status, code, message, details
+
+
+@dataclass(frozen=True)
+class Connection:
+    api_url: str
+    token: str
+
+    @classmethod
+    def discover(
+        cls,
+        api_url: str | None = None,
+        token: str | None = None,
+        *,
+        hub_url: str | None = None,
+        environ: Mapping[str, str] = os.environ,
+    ) -> Connection:
+        """Where the controller is and the token to show it (see the module's doc)."""
+        hub = environ.get("GPUFLEET_HUB_URL", "")
+        url = (
+            api_url
+            or (hub_url.rstrip("/") + API_PATH if hub_url else "")
+            or environ.get("GPUFLEET_API_URL")
+            or environ.get("GPUFLEET_CONTROLLER_API_URL")
+            or (hub.rstrip("/") + API_PATH if hub else "")
+        )
+        if not url:
+            raise NotConfigured(
+                "where is the gpufleet controller? Pass hub_url (the hub's public URL, e.g. "
+                "https://hub.example.org) or set $GPUFLEET_HUB_URL; inside a gpufleet session "
+                "it is found by itself"
+            )
+        secret = token or environ.get("GPUFLEET_TOKEN") or environ.get("JUPYTERHUB_API_TOKEN")
+        if not secret:
+            raise NotConfigured(
+                "no token: create one on the hub's Token page (/hub/token) and pass it as "
+                "token= or set $GPUFLEET_TOKEN"
+            )
+        return cls(url.rstrip("/"), secret)
+
+
+# ------------------------------------------------------------------ operations
+# Each operation is a generator: it yields the requests it needs and receives each
+# answer's JSON, so one definition serves the blocking and the asyncio client.
+@dataclass(frozen=True)
+class _Request:
+    method: str
+    path: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    json: Any = None
+
+
+Steps = Generator[_Request, Any, T]
+
+
+def _workloads(states: Sequence[str], username: str | None) -> Steps[list[WorkloadOut]]:
+    items: list[WorkloadOut] = []
+    while True:
+        params: dict[str, Any] = {"offset": len(items), "limit": PAGE, "state": list(states)}
+        if username is not None:
+            params["username"] = username
+        page = yield _Request("GET", "/workloads", params)
+        items += [WorkloadOut.model_validate(w) for w in page["items"]]
+        if not page["items"] or len(items) >= page["total"]:
+            return items
+
+
+def _queue(username: str | None) -> Steps[list[WorkloadOut]]:
+    waiting = yield from _workloads(["pending"], username)
+    return sorted(
+        waiting, key=lambda w: (w.project, w.gpu_type, w.queue_position or 0, w.created_at)
+    )
+
+
+def _nodes() -> Steps[list[NodeOut]]:
+    answer = yield _Request("GET", "/nodes")
+    return [NodeOut.model_validate(n) for n in answer["items"]]
+
+
+def _cordon(node: str, cordoned: bool) -> Steps[NodeOut]:
+    action = "cordon" if cordoned else "uncordon"
+    answer = yield _Request("POST", f"/nodes/{node}/{action}")
+    return NodeOut.model_validate(answer)
+
+
+def _events(limit: int, workload_id: int | None) -> Steps[list[EventOut]]:
+    params: dict[str, Any] = {"limit": limit}
+    if workload_id is not None:
+        params["workload_id"] = workload_id
+    answer = yield _Request("GET", "/events", params)
+    return [EventOut.model_validate(e) for e in answer["items"]]
+
+
+def _info() -> Steps[dict[str, Any]]:
+    answer: dict[str, Any] = yield _Request("GET", "/")
+    return answer
+
+
+# ------------------------------------------------------------------ the clients
+def _answer(response: httpx.Response) -> Any:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.is_success:
+        return body
+    error = body if isinstance(body, dict) else {}
+    raise ApiError(
+        response.status_code,
+        str(error.get("code", "http")),
+        str(error.get("message") or f"the controller answered {response.status_code}"),
+        error.get("details"),
+    )
+
+
+def _unreachable(connection: Connection, e: httpx.TransportError) -> Unreachable:
+    return Unreachable(f"the gpufleet controller at {connection.api_url} did not answer: {e}")
+
+
+class _Common:
+    def __init__(
+        self,
+        api_url: str | None = None,
+        token: str | None = None,
+        *,
+        hub_url: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ):
+        self.connection = Connection.discover(api_url, token, hub_url=hub_url)
+        self._options: dict[str, Any] = {
+            "base_url": self.connection.api_url,
+            "headers": {"Authorization": f"token {self.connection.token}"},
+            "timeout": timeout,
+            # A session's HTTP_PROXY is for the researcher's downloads, not for its token.
+            "trust_env": False,
+        }
+
+
+class Client(_Common):
+    """The controller's API, blocking. Use it as a context manager, or ``close()`` it."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._http = httpx.Client(**self._options)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _run(self, steps: Steps[T]) -> T:
+        answer: Any = None
+        try:
+            while True:
+                request = steps.send(answer)
+                try:
+                    response = self._http.request(
+                        request.method, request.path, params=request.params, json=request.json
+                    )
+                except httpx.TransportError as e:
+                    raise _unreachable(self.connection, e) from e
+                answer = _answer(response)
+        except StopIteration as done:
+            return done.value
+
+    def info(self) -> dict[str, Any]:
+        """The controller's version, and whether it is the active one."""
+        return self._run(_info())
+
+    def workloads(
+        self, state: Sequence[str] = (), username: str | None = None
+    ) -> list[WorkloadOut]:
+        """Your workloads (everyone's for admins), newest first, every page."""
+        return self._run(_workloads(state, username))
+
+    def queue(self, username: str | None = None) -> list[WorkloadOut]:
+        """Waiting workloads by project, GPU type and place, each with why it waits."""
+        return self._run(_queue(username))
+
+    def nodes(self) -> list[NodeOut]:
+        return self._run(_nodes())
+
+    def cordon(self, node: str) -> NodeOut:
+        """No new work on ``node`` (admins); what runs there keeps running."""
+        return self._run(_cordon(node, True))
+
+    def uncordon(self, node: str) -> NodeOut:
+        return self._run(_cordon(node, False))
+
+    def events(self, limit: int = 100, workload_id: int | None = None) -> list[EventOut]:
+        return self._run(_events(limit, workload_id))
+
+
+class AsyncClient(_Common):
+    """The controller's API for asyncio code (a notebook's running loop included)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._http = httpx.AsyncClient(**self._options)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _run(self, steps: Steps[T]) -> T:
+        answer: Any = None
+        try:
+            while True:
+                request = steps.send(answer)
+                try:
+                    response = await self._http.request(
+                        request.method, request.path, params=request.params, json=request.json
+                    )
+                except httpx.TransportError as e:
+                    raise _unreachable(self.connection, e) from e
+                answer = _answer(response)
+        except StopIteration as done:
+            return done.value
+
+    async def info(self) -> dict[str, Any]:
+        return await self._run(_info())
+
+    async def workloads(
+        self, state: Sequence[str] = (), username: str | None = None
+    ) -> list[WorkloadOut]:
+        return await self._run(_workloads(state, username))
+
+    async def queue(self, username: str | None = None) -> list[WorkloadOut]:
+        return await self._run(_queue(username))
+
+    async def nodes(self) -> list[NodeOut]:
+        return await self._run(_nodes())
+
+    async def cordon(self, node: str) -> NodeOut:
+        return await self._run(_cordon(node, True))
+
+    async def uncordon(self, node: str) -> NodeOut:
+        return await self._run(_cordon(node, False))
+
+    async def events(self, limit: int = 100, workload_id: int | None = None) -> list[EventOut]:
+        return await self._run(_events(limit, workload_id))
