@@ -62,6 +62,11 @@ class CullerMetrics:
             ["project"],
             registry=registry,
         )
+        # Every series exists from the start, so dashboards show 0 rather than no data.
+        for cause in (Cause.IDLE, Cause.MAX_AGE):
+            self.culls.labels(cause.value)
+        for step in ("live-snapshot", "stop"):
+            self.cull_failures.labels(step)
         self.snapshot_seconds = Histogram(
             "gpufleet_session_snapshot_seconds",
             "Duration of session snapshot passes",

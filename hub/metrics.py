@@ -15,7 +15,16 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
 from ..scheduler.snapshot import PreemptionCause
-from ..scheduler.store.models import Allocation, Gpu, Node, Project, Workload, WorkloadState
+from ..scheduler.store.models import (
+    WORKLOAD_OUTCOMES,
+    Allocation,
+    Gpu,
+    Node,
+    Project,
+    Workload,
+    WorkloadKind,
+    WorkloadState,
+)
 from .reconcile import Rule
 
 if TYPE_CHECKING:
@@ -104,6 +113,9 @@ class ControllerMetrics:
             ["kind", "outcome"],
             registry=self.registry,
         )
+        for kind in WorkloadKind:  # every series exists from the start
+            for outcome in WORKLOAD_OUTCOMES:
+                self.ended.labels(kind.value, outcome)
         self.repairs = Counter(
             "gpufleet_reconciler_repairs_total",
             "Repairs the reconciler made, by rule (docs/reconciler.md)",

@@ -78,6 +78,10 @@ class WorkloadKind(enum.StrEnum):
     job = "job"
 
 
+# How an ended workload ended (``Workload.outcome``), as docs/api.md lists them.
+WORKLOAD_OUTCOMES = ("stopped", "withdrawn", "expired", "failed", "preempted", "superseded")
+
+
 class WorkloadState(enum.StrEnum):
     """Where a workload is in its life. GPUs are held from ``admitted`` until ``ended``."""
 

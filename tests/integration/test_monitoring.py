@@ -1,0 +1,100 @@
+"""The Grafana dashboard and the recording rules of docs/monitoring/ against what the
+controller and a node agent really export (the shared test hub, with a session running so
+the agent labels its GPUs with the workload), and ``promtool check rules``."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from .harness import REPO, Hub
+
+pytestmark = pytest.mark.integration
+
+RULES = REPO / "docs" / "monitoring" / "gpufleet-rules.yml"
+DASHBOARD = REPO / "docs" / "monitoring" / "gpufleet-dashboard.json"
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric (or recorded) names a PromQL expression reads: identifiers outside label
+    matchers, grouping clauses and ranges that are not called like functions."""
+    bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", expr)
+    bare = re.sub(r"\b(by|without)\s*\([^)]*\)", " ", bare)
+    return set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*(?![a-zA-Z0-9_:]*\s*\()", bare)) - {"le"}
+
+
+def rules() -> list[dict[str, str]]:
+    return [
+        rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
+    ]
+
+
+def dashboard_exprs() -> list[str]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [target["expr"] for panel in panels for target in panel["targets"]]
+
+
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def exported(hub: Hub) -> dict[str, list[dict[str, str]]]:
+    """Every series name the controller and the agent declare, with each sample's labels (a
+    labelled counter has no sample until its first event: its series names still count)."""
+    samples: dict[str, list[dict[str, str]]] = {}
+    for url in (f"{hub.url}/services/gpufleet/metrics", hub.metrics_url):
+        for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+            for suffix in ("", *SUFFIXES.get(family.type, ())):
+                samples.setdefault(family.name + suffix, [])
+            for sample in family.samples:
+                samples.setdefault(sample.name, []).append(sample.labels)
+    return samples
+
+
+def test_every_series_the_rules_and_the_dashboard_read_is_exported(fleet: Hub) -> None:
+    fleet.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
+    fleet.wait_ready("alice")
+    samples = exported(fleet)
+    recorded = {rule["record"] for rule in rules()}
+    read_by_rules = set().union(*(metric_names(rule["expr"]) for rule in rules()))
+    missing = sorted(read_by_rules - set(samples))
+    assert not missing, f"the rules read series nobody exports: {missing}"
+    read_by_dashboard = set().union(*(metric_names(e) for e in dashboard_exprs()))
+    unknown = sorted(n for n in read_by_dashboard - set(samples) if n not in recorded)
+    assert not unknown, f"the dashboard reads series neither exported nor recorded: {unknown}"
+    # The per-workload rules select GPUs by the holder's label: alice's two carry it.
+    held = [s for s in samples["DCGM_FI_DEV_GPU_UTIL"] if s.get("gpufleet_workload")]
+    assert len(held) == 2 and {s["gpufleet_user"] for s in held} == {"alice"}
+    assert any(s.get("project") == "vision" for s in samples["gpufleet_allocated_gpus"])
+    # Series of known labels exist from the start: a dashboard shows 0, not "no data".
+    ended = {(s["kind"], s["outcome"]) for s in samples["gpufleet_workloads_ended_total"]}
+    assert ("job", "failed") in ended and ("session", "preempted") in ended
+    assert {s["reason"] for s in samples["gpufleet_culls_total"]} == {"idle", "max-age"}
+
+
+def test_the_dashboard_is_a_grafana_dashboard_on_a_chosen_prometheus() -> None:
+    board = json.loads(DASHBOARD.read_text())
+    assert board["uid"] and board["schemaVersion"] >= 36
+    (source,) = board["templating"]["list"]
+    assert (source["type"], source["query"]) == ("datasource", "prometheus")
+    for panel in board["panels"]:
+        assert panel["title"] and panel["targets"], panel
+        assert panel["datasource"]["uid"] == "${datasource}"
+
+
+def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("no promtool (Debian: apt-get install prometheus; scripts/install --test)")
+    checked = subprocess.run(
+        [promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"SUCCESS: {len(rules())} rules found" in checked.stdout
