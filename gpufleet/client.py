@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from .hub.api.schemas import EventOut, NodeOut, WorkloadOut
+from .hub.api.schemas import EventOut, NodeOut, ProjectUsageOut, WorkloadOut
 
 API_PATH = "/services/gpufleet/api/v1"
 PAGE = 1000  # the API's largest page
@@ -127,6 +127,11 @@ def _queue(username: str | None) -> Steps[list[WorkloadOut]]:
     return sorted(
         waiting, key=lambda w: (w.project, w.gpu_type, w.queue_position or 0, w.created_at)
     )
+
+
+def _projects() -> Steps[list[ProjectUsageOut]]:
+    answer = yield _Request("GET", "/projects")
+    return [ProjectUsageOut.model_validate(p) for p in answer["items"]]
 
 
 def _nodes() -> Steps[list[NodeOut]]:
@@ -238,6 +243,11 @@ class Client(_Common):
         """Waiting workloads by project, GPU type and place, each with why it waits."""
         return self._run(_queue(username))
 
+    def projects(self) -> list[ProjectUsageOut]:
+        """Your projects and the nodes above them (every node for admins): quotas per GPU
+        type with what is used and asked for now."""
+        return self._run(_projects())
+
     def nodes(self) -> list[NodeOut]:
         return self._run(_nodes())
 
@@ -293,6 +303,9 @@ class AsyncClient(_Common):
 
     async def queue(self, username: str | None = None) -> list[WorkloadOut]:
         return await self._run(_queue(username))
+
+    async def projects(self) -> list[ProjectUsageOut]:
+        return await self._run(_projects())
 
     async def nodes(self) -> list[NodeOut]:
         return await self._run(_nodes())

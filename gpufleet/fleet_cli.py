@@ -1,8 +1,8 @@
-"""``gpufleet queue``, ``gpufleet nodes``, ``gpufleet cordon NODE``, ``gpufleet uncordon
-NODE``: the controller's API (through ``gpufleet.client``) as tables, or as JSON with
-``--json``. Where the controller is and the token come from ``--hub-url``/``--api-url``
-and ``--token``, else from the environment as ``Connection.discover`` says (inside a
-gpufleet session, nothing is needed).
+"""``gpufleet queue``, ``gpufleet quota``, ``gpufleet nodes``, ``gpufleet cordon NODE``,
+``gpufleet uncordon NODE``: the controller's API (through ``gpufleet.client``) as tables,
+or as JSON with ``--json``. Where the controller is and the token come from
+``--hub-url``/``--api-url`` and ``--token``, else from the environment as
+``Connection.discover`` says (inside a gpufleet session, nothing is needed).
 
 Exit codes: 0 done; 2 nothing says where the controller is, or no token; 3 the controller
 refused (its message is printed: not allowed, no such node, ...); 4 it did not answer.
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 EXIT_NOT_CONFIGURED = 2
 EXIT_REFUSED = 3
 EXIT_UNREACHABLE = 4
-COMMANDS = ("queue", "nodes", "cordon", "uncordon")
+COMMANDS = ("queue", "quota", "nodes", "cordon", "uncordon")
 
 
 def add_fleet_commands(commands: Any) -> None:
@@ -39,6 +39,11 @@ def add_fleet_commands(commands: Any) -> None:
         "queue", parents=[connection], help="waiting workloads, their place and why they wait"
     )
     queue.add_argument("--user", help="only this user's (admins); default: yours, or all")
+    commands.add_parser(
+        "quota",
+        parents=[connection],
+        help="your projects' quotas and what they use now (admins: the whole tree)",
+    )
     commands.add_parser("nodes", parents=[connection], help="nodes, their health and free GPUs")
     for verb, what in (("cordon", "no new work on"), ("uncordon", "new work again on")):
         command = commands.add_parser(verb, parents=[connection], help=f"{what} a node (admins)")
@@ -80,6 +85,45 @@ def _queue(client: Client, args: argparse.Namespace, console: Console) -> int:
         )
     console.print(table if waiting else "nothing waits")
     return 0
+
+
+def _quota(client: Client, args: argparse.Namespace, console: Console) -> int:
+    projects = client.projects()
+    if args.json:
+        return _print_json(projects)
+    from rich.table import Table
+
+    parents = {p.name: p.parent for p in projects}
+    paths = {name: _path(name, parents) for name in parents}
+    table = Table(
+        "project", "GPU type", "used / guaranteed", "may borrow", "waiting", title="quotas"
+    )
+    for p in sorted(projects, key=lambda p: paths[p.name]):
+        kind = "" if p.kind == "project" else f" ({p.kind})"
+        label = "  " * (len(paths[p.name]) - 1) + p.name + kind
+        if not p.quotas:
+            table.add_row(label, "", "", "", "")
+        for i, q in enumerate(p.quotas):
+            borrow = "any" if q.borrow_limit is None else str(q.borrow_limit)
+            table.add_row(
+                label if i == 0 else "",
+                q.gpu_type,
+                f"{q.used} / {q.guaranteed}",
+                borrow,
+                str(q.waiting or ""),
+            )
+    console.print(table if projects else "you are in no project: ask an admin to add you")
+    return 0
+
+
+def _path(name: str, parents: dict[str, str | None]) -> tuple[str, ...]:
+    """A node's names from the root down: sorting by it lists each node under its parent."""
+    path = [name]
+    up = parents[name]
+    while up is not None and up in parents:
+        path.append(up)
+        up = parents[up]
+    return tuple(reversed(path))
 
 
 def _nodes(client: Client, args: argparse.Namespace, console: Console) -> int:
@@ -126,6 +170,7 @@ def _print_json(items: Sequence[BaseModel]) -> int:
 
 _COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Console], int]] = {
     "queue": _queue,
+    "quota": _quota,
     "nodes": _nodes,
     "cordon": _cordon,
     "uncordon": _cordon,

@@ -104,6 +104,15 @@ OPERATIONS = (
     ),
     Operation(
         "get",
+        "/projects",
+        "The project tree with quotas and live usage (yours and the nodes above, or all "
+        "for admins)",
+        (scopes.USE, scopes.SPAWN),
+        None,
+        schemas.ProjectList,
+    ),
+    Operation(
+        "get",
         "/nodes",
         "Nodes with their health and free GPUs",
         (scopes.USE, scopes.SPAWN, scopes.AGENT),

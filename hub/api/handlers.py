@@ -23,6 +23,7 @@ from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
 from . import schemas
 from .base import APIHandler, store_errors_as_http
+from .projects import project_routes
 from .sessions import session_routes
 
 MAX_WAIT_SECONDS = 60
@@ -451,6 +452,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/agent/xid", AgentXidHandler),
         (rf"{api}/events", EventsHandler),
         *session_routes(api),
+        *project_routes(api),
         (rf"{prefix.rstrip('/')}/metrics", MetricsHandler),
     ]
     return [(path, handler, {"controller": controller}) for path, handler in table]

@@ -235,6 +235,32 @@ class ProjectOut(BaseModel):
     quotas: list[QuotaOut]
 
 
+class QuotaUsageOut(BaseModel):
+    gpu_type: str
+    guaranteed: int
+    borrow_limit: int | None = Field(description="more than the guarantee it may borrow; None: any")
+    lend_limit: int | None = Field(description="of its guarantee others may borrow; None: all")
+    used: int = Field(description="GPUs allocated now, in this project and those under it")
+    waiting: int = Field(description="GPUs asked for by its waiting workloads")
+
+
+class ProjectUsageOut(BaseModel):
+    """A node of the project tree with its quotas and what it uses now."""
+
+    name: str
+    display_name: str
+    kind: str = Field(description="organisation, team or project")
+    parent: str | None
+    fair_share_weight: float
+    per_user_gpu_cap: int | None
+    default_priority: str
+    quotas: list[QuotaUsageOut]
+
+
+class ProjectList(BaseModel):
+    items: list[ProjectUsageOut]
+
+
 class SpawnOptionsOut(BaseModel):
     """Everything the spawn page offers one user."""
 

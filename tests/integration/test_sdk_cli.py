@@ -107,3 +107,25 @@ def test_the_command_says_what_to_set_and_when_the_controller_does_not_answer() 
         port = s.getsockname()[1]
     silent = cli("nodes", token="t", api_url=f"http://127.0.0.1:{port}/api/v1")
     assert silent.returncode == 4 and "did not answer" in silent.stderr
+
+
+def test_quota_shows_your_projects_usage_and_what_waits(fleet: Hub, admin: Client) -> None:
+    fleet.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
+    fleet.wait_ready("alice")
+    fleet.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=4)
+    wait_for(lambda: (w := fleet.workload_of("bob")) and w["state"] == "pending", 30, "bob")
+    # bob is in vision only: he sees it and the organisation above it, not nlp.
+    answer = cli("quota", "--json", token=fleet.user_token("bob"), api_url=fleet.controller_api)
+    assert answer.returncode == 0, answer.stderr
+    seen = {p["name"]: p for p in json.loads(answer.stdout)}
+    assert set(seen) == {"research", "vision"}
+    assert seen["vision"]["parent"] == "research" and seen["research"]["kind"] == "organisation"
+    (quota,) = seen["vision"]["quotas"]
+    assert (quota["gpu_type"], quota["guaranteed"], quota["borrow_limit"]) == ("A100-80GB", 4, 0)
+    assert (quota["used"], quota["waiting"]) == (2, 4)
+    table = cli("quota", token=fleet.user_token("bob"), api_url=fleet.controller_api)
+    assert "  vision" in table.stdout and "2 / 4" in table.stdout
+    # An admin sees the whole tree.
+    tree = {p.name: p for p in admin.projects()}
+    assert set(tree) == {"research", "vision", "nlp"}
+    assert tree["nlp"].quotas[0].used == 0 and tree["nlp"].quotas[0].borrow_limit is None
