@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from .hub.api.schemas import EventOut, NodeOut, ProjectUsageOut, WorkloadOut
+from .hub.api.schemas import EventOut, NodeOut, ProjectUsageOut, WeekUsageOut, WorkloadOut
 
 API_PATH = "/services/gpufleet/api/v1"
 PAGE = 1000  # the API's largest page
@@ -132,6 +132,11 @@ def _queue(username: str | None) -> Steps[list[WorkloadOut]]:
 def _projects() -> Steps[list[ProjectUsageOut]]:
     answer = yield _Request("GET", "/projects")
     return [ProjectUsageOut.model_validate(p) for p in answer["items"]]
+
+
+def _usage(weeks: int) -> Steps[list[WeekUsageOut]]:
+    answer = yield _Request("GET", "/usage", {"weeks": weeks})
+    return [WeekUsageOut.model_validate(u) for u in answer["items"]]
 
 
 def _nodes() -> Steps[list[NodeOut]]:
@@ -248,6 +253,10 @@ class Client(_Common):
         type with what is used and asked for now."""
         return self._run(_projects())
 
+    def usage(self, weeks: int = 8) -> list[WeekUsageOut]:
+        """GPU-hours per project, user and week in your projects (all for admins)."""
+        return self._run(_usage(weeks))
+
     def nodes(self) -> list[NodeOut]:
         return self._run(_nodes())
 
@@ -306,6 +315,9 @@ class AsyncClient(_Common):
 
     async def projects(self) -> list[ProjectUsageOut]:
         return await self._run(_projects())
+
+    async def usage(self, weeks: int = 8) -> list[WeekUsageOut]:
+        return await self._run(_usage(weeks))
 
     async def nodes(self) -> list[NodeOut]:
         return await self._run(_nodes())

@@ -113,6 +113,18 @@ OPERATIONS = (
     ),
     Operation(
         "get",
+        "/usage",
+        "GPU-hours per project, user and week (your projects', or all for admins)",
+        (scopes.USE, scopes.SPAWN),
+        None,
+        schemas.UsageList,
+        query=(
+            ("weeks", "integer", "how many weeks back, this one included (1-104, default 8)"),
+            ("format", "string", "json (default) or csv: a file to download"),
+        ),
+    ),
+    Operation(
+        "get",
         "/nodes",
         "Nodes with their health and free GPUs",
         (scopes.USE, scopes.SPAWN, scopes.AGENT),

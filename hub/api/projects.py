@@ -1,4 +1,5 @@
-"""``GET /projects``: the project tree with quotas and live usage.
+"""``GET /projects``: the project tree with quotas and live usage; ``GET /usage``: GPU-hours
+per project, user and week (``?format=csv`` for the export).
 
 Admins see every node of the tree (organisations, teams, projects); a researcher sees the
 projects they are a member of and the nodes above them (an organisation's cap limits its
@@ -8,15 +9,26 @@ waiting counts the GPUs its own waiting workloads ask for.
 
 from __future__ import annotations
 
+import csv
+import io
 from collections import Counter
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import selectinload
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session, selectinload
 
 from ...scheduler.store.models import Allocation, Project, Workload, WorkloadState
 from .. import scopes
+from ..errors import BadRequest
+from ..usage import Span, WeekUsage, to_csv_rows, usage_by_week, week_start
 from . import schemas
-from .base import APIHandler
+from .base import APIHandler, Identity
+
+if TYPE_CHECKING:
+    from ..app import FleetController
+
+MAX_WEEKS = 104  # two years: allocations are kept
 
 
 class ProjectsHandler(APIHandler):
@@ -88,5 +100,62 @@ class ProjectsHandler(APIHandler):
         self.send(schemas.ProjectList(items=items))
 
 
+def usage_for(
+    controller: FleetController, session: Session, identity: Identity, weeks: int
+) -> list[WeekUsage]:
+    """GPU-hours per project, user and week over the last ``weeks`` weeks (this one
+    included): every project's for admins and the spawner, else those of the caller's
+    projects, colleagues included (a project's members share its quota)."""
+    now = controller.now()
+    since = week_start(now) - timedelta(weeks=weeks - 1)
+    query = (
+        select(Project.name, Allocation.username, Allocation.opened_at, Allocation.closed_at)
+        .join(Project, Allocation.project_id == Project.id)
+        .where(
+            Allocation.opened_at < now,
+            or_(Allocation.closed_at.is_(None), Allocation.closed_at > since),
+        )
+    )
+    if not identity.has(scopes.SPAWN):
+        mine = [p.id for p in controller.store.projects_of(session, identity.name)]
+        query = query.where(Allocation.project_id.in_(mine))
+    spans = (Span(*row) for row in session.execute(query))
+    return usage_by_week(spans, since, now)
+
+
+def usage_csv(usage: list[WeekUsage]) -> str:
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(to_csv_rows(usage))
+    return out.getvalue()
+
+
+class UsageHandler(APIHandler):
+    async def get(self) -> None:
+        identity = self.require(scopes.USE, scopes.SPAWN)
+        weeks = self.int_argument("weeks", 8, 1, MAX_WEEKS)
+        fmt = self.get_query_argument("format", "json")
+        if fmt not in ("json", "csv"):
+            raise BadRequest(f"format must be json or csv, not {fmt!r}")
+        await self.controller.refresh_memberships(max_age=5.0)
+        with self.controller.store.read() as session:
+            usage = usage_for(self.controller, session, identity, weeks)
+        if fmt == "csv":
+            self.set_header("Content-Type", "text/csv; charset=utf-8")
+            self.set_header("Content-Disposition", 'attachment; filename="gpufleet-usage.csv"')
+            self.finish(usage_csv(usage))
+            return
+        self.send(
+            schemas.UsageList(
+                weeks=weeks,
+                items=[
+                    schemas.WeekUsageOut(
+                        project=u.project, username=u.username, week=u.week, gpu_hours=u.gpu_hours
+                    )
+                    for u in usage
+                ],
+            )
+        )
+
+
 def project_routes(api: str) -> list[tuple[str, type]]:
-    return [(rf"{api}/projects", ProjectsHandler)]
+    return [(rf"{api}/projects", ProjectsHandler), (rf"{api}/usage", UsageHandler)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -259,6 +259,18 @@ class ProjectUsageOut(BaseModel):
 
 class ProjectList(BaseModel):
     items: list[ProjectUsageOut]
+
+
+class WeekUsageOut(BaseModel):
+    project: str
+    username: str
+    week: date = Field(description="the Monday (UTC) the week starts on")
+    gpu_hours: float
+
+
+class UsageList(BaseModel):
+    weeks: int
+    items: list[WeekUsageOut]
 
 
 class SpawnOptionsOut(BaseModel):

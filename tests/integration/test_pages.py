@@ -1,12 +1,18 @@
-"""The controller's own page, reached through the hub's OAuth in headless Chromium."""
+"""The controller's own pages, reached through the hub's OAuth in headless Chromium: my
+sessions and the queue; GPU usage per project, user and week."""
 
 from __future__ import annotations
 
+import csv
+import io
 import re
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from playwright.sync_api import Browser, expect, sync_playwright
+
+from gpufleet.client import Client
 
 from .browser import launch, login, new_context
 from .harness import Hub, wait_for
@@ -71,3 +77,50 @@ def test_pages_need_a_login(fleet: Hub, chromium: Browser) -> None:
         expect(page.locator("#workloads")).to_have_count(0)
     finally:
         context.close()
+
+
+def test_usage_page_charts_gpu_hours_per_week_for_the_projects_members(
+    fleet: Hub, chromium: Browser
+) -> None:
+    fleet.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
+    fleet.wait_ready("alice")
+    fleet.stop_server("alice")
+    fleet.wait_gone("alice")
+    # bob shares vision with alice: he sees her GPU-hours; carol (nlp only) does not.
+    context = new_context(chromium, fleet.url)
+    try:
+        page = login(context, "bob")
+        page.goto("/services/gpufleet/")
+        page.locator("#usage-link").click()
+        expect(page.locator("h1")).to_have_text("GPU usage")
+        vision = page.locator('section[data-project="vision"]')
+        expect(vision.locator("svg.chart rect.bar").first).to_be_visible()
+        expect(vision.locator(".legend")).to_contain_text("alice")
+        assert "week of" in (vision.locator("svg.chart title").first.text_content() or "")
+        with page.expect_download() as download:
+            page.locator("#csv").click()
+        rows = list(csv.reader(io.StringIO(download.value.path().read_text())))
+        assert rows[0] == ["project", "week", "username", "gpu_hours"]
+        assert any(r[0] == "vision" and r[2] == "alice" and float(r[3]) > 0 for r in rows[1:])
+
+    finally:
+        context.close()
+    context = new_context(chromium, fleet.url)
+    try:
+        page = login(context, "carol")
+        page.goto("/services/gpufleet/usage")
+        expect(page.locator("h1")).to_have_text("GPU usage")
+        expect(page.locator('section[data-project="vision"]')).to_have_count(0)
+    finally:
+        context.close()
+    # The same figures through the SDK; a bad window is refused with what to fix.
+    token = fleet.user_token("bob")
+    with Client(fleet.controller_api, token) as client:
+        assert ("vision", "alice") in {(u.project, u.username) for u in client.usage(weeks=2)}
+    bad = httpx.get(
+        f"{fleet.controller_api}/usage",
+        params={"weeks": 500},
+        headers={"Authorization": f"token {token}"},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and "weeks" in bad.json()["message"]
