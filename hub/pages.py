@@ -21,7 +21,7 @@ from ..scheduler.store.models import Workload, WorkloadState
 from . import scopes
 from .api.base import Identity
 from .api.handlers import node_rows
-from .api.projects import MAX_WEEKS, usage_csv, usage_for
+from .api.projects import MAX_WEEKS, finish_with_csv, usage_for
 from .usage import WeekUsage, week_start
 
 if TYPE_CHECKING:
@@ -228,9 +228,7 @@ class UsagePage(PageHandler):
         with self.controller.store.read() as session:
             usage = usage_for(self.controller, session, identity, weeks)
         if csv_suffix:
-            self.set_header("Content-Type", "text/csv; charset=utf-8")
-            self.set_header("Content-Disposition", 'attachment; filename="gpufleet-usage.csv"')
-            self.finish(usage_csv(usage))
+            finish_with_csv(self, usage)
             return
         first = week_start(self.controller.now()).date() - timedelta(weeks=weeks - 1)
         week_list = [first + timedelta(weeks=i) for i in range(weeks)]

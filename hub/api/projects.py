@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, selectinload
+from tornado import web
 
 from ...scheduler.store.models import Allocation, Project, Workload, WorkloadState
 from .. import scopes
@@ -28,7 +29,7 @@ from .base import APIHandler, Identity
 if TYPE_CHECKING:
     from ..app import FleetController
 
-MAX_WEEKS = 104  # two years: allocations are kept
+MAX_WEEKS = 104  # how far back a usage query may reach: two years
 
 
 class ProjectsHandler(APIHandler):
@@ -123,10 +124,13 @@ def usage_for(
     return usage_by_week(spans, since, now)
 
 
-def usage_csv(usage: list[WeekUsage]) -> str:
+def finish_with_csv(handler: web.RequestHandler, usage: list[WeekUsage]) -> None:
+    """Answer with the usage as a CSV file to download (the API's and the page's)."""
     out = io.StringIO()
     csv.writer(out, lineterminator="\n").writerows(to_csv_rows(usage))
-    return out.getvalue()
+    handler.set_header("Content-Type", "text/csv; charset=utf-8")
+    handler.set_header("Content-Disposition", 'attachment; filename="gpufleet-usage.csv"')
+    handler.finish(out.getvalue())
 
 
 class UsageHandler(APIHandler):
@@ -140,9 +144,7 @@ class UsageHandler(APIHandler):
         with self.controller.store.read() as session:
             usage = usage_for(self.controller, session, identity, weeks)
         if fmt == "csv":
-            self.set_header("Content-Type", "text/csv; charset=utf-8")
-            self.set_header("Content-Disposition", 'attachment; filename="gpufleet-usage.csv"')
-            self.finish(usage_csv(usage))
+            finish_with_csv(self, usage)
             return
         self.send(
             schemas.UsageList(

@@ -117,6 +117,14 @@ def test_usage_page_charts_gpu_hours_per_week_for_the_projects_members(
     token = fleet.user_token("bob")
     with Client(fleet.controller_api, token) as client:
         assert ("vision", "alice") in {(u.project, u.username) for u in client.usage(weeks=2)}
+    exported = httpx.get(
+        f"{fleet.controller_api}/usage",
+        params={"format": "csv"},
+        headers={"Authorization": f"token {token}"},
+        timeout=30,
+    )
+    assert exported.headers["content-type"].startswith("text/csv")
+    assert exported.text.splitlines()[0] == "project,week,username,gpu_hours"
     bad = httpx.get(
         f"{fleet.controller_api}/usage",
         params={"weeks": 500},
