@@ -233,6 +233,7 @@ class ActivityReporter:
         self._refreshing = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._last_warning = -math.inf
+        self._reported: tuple[tuple[str, ...], ...] | None = None  # the last report's state
         self._failing = False
 
     def start(self) -> None:
@@ -270,7 +271,9 @@ class ActivityReporter:
         return activity_report(list(kernels), list(terminals), datetime.now(UTC))
 
     async def _watch_loop(self) -> None:
-        seen: tuple[tuple[str, ...], ...] | None = None
+        # Compared with what the last report said (or tried to say), not with this loop's
+        # own last look: a kernel that appeared between the report at start-up and this
+        # loop's first look was otherwise never reported before the next interval.
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             try:
@@ -278,9 +281,8 @@ class ActivityReporter:
             except SNAPSHOT_ERRORS as e:
                 self.log.debug("gpufleet: cannot read kernel states: %r", e)
                 continue
-            if seen is not None and state != seen:
+            if self._reported is not None and state != self._reported:
                 self._wake.set()
-            seen = state
 
     async def _report_loop(self, settings: Settings) -> None:
         loop = asyncio.get_running_loop()
@@ -304,6 +306,9 @@ class ActivityReporter:
         except SNAPSHOT_ERRORS as e:
             self._failed(f"the kernels could not be read: {e!r}")
             return
+        # Set whether or not it arrives: a controller that is down is retried at the next
+        # change or tick, not every time the watch loop looks.
+        self._reported = watched_state(body)
         try:
             response = await self._client.post(url, json=body)
         except REQUEST_ERRORS as e:
