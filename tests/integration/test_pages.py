@@ -10,11 +10,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, expect, sync_playwright
+from playwright.sync_api import Browser, expect
 
 from gpufleet.client import Client
 
-from .browser import launch, login, new_context
+from . import browser as ui
+from .browser import login, new_context
 from .harness import Hub, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
@@ -22,12 +23,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        browser = launch(playwright)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with ui.chromium() as instance:
+        yield instance
 
 
 def page_rows(chromium: Browser, hub: Hub, username: str) -> tuple[list[str], str]:
