@@ -238,6 +238,14 @@ class Hub:
         items: list[dict[str, Any]] = response.json()["items"]
         return items
 
+    def start_session(self, username: str, server: str = "", **options: Any) -> dict[str, Any]:
+        """Spawn a server, wait until it answers, and return its running workload."""
+        self.spawn(username, server, **options)
+        self.wait_ready(username, server)
+        workload = self.workload_of(username, server)
+        assert workload is not None, f"{username}/{server} is up without a workload"
+        return workload
+
     def workload_of(self, username: str, server: str = "") -> dict[str, Any] | None:
         for w in self.workloads(username=username):
             if w["server_name"] == server and w["state"] != "ended":

@@ -110,17 +110,11 @@ def stored_keys(s3_server: S3Server) -> list[str]:
 def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_queue(
     hub: Hub, s3_server: S3Server
 ) -> None:
-    hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=4)
-    hub.wait_ready("alice")
-    alice = hub.workload_of("alice")
-    assert alice is not None
+    alice = hub.start_session("alice", project="vision", gpu_type="A100-80GB", gpus=4)
     token = hub.user_token("alice")
     assert run_in_kernel(hub, "alice", "", WRITE_STATE, token).strip() == "written"
     # carol's GPUs work (fake NVML says 90%): her session stays, whatever else it does.
-    hub.spawn("carol", project="nlp", gpu_type="A100-80GB", gpus=4)
-    hub.wait_ready("carol")
-    carol = hub.workload_of("carol")
-    assert carol is not None
+    carol = hub.start_session("carol", project="nlp", gpu_type="A100-80GB", gpus=4)
     busy_gpus(hub, [a["uuid"] for a in carol["allocations"]])
     # bob asks for vision's 4 GPUs, which alice holds: he waits.
     hub.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=4)
@@ -174,10 +168,7 @@ def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_qu
 def test_on_demand_marks_an_idle_session_and_stops_it_only_when_someone_waits(
     hub: Hub,
 ) -> None:
-    hub.spawn("carol", project="nlp", gpu_type="A100-80GB", gpus=4)
-    hub.wait_ready("carol")
-    carol = hub.workload_of("carol")
-    assert carol is not None
+    carol = hub.start_session("carol", project="nlp", gpu_type="A100-80GB", gpus=4)
     marked = wait_for(
         lambda: [e for e in events(hub, carol["id"]) if e["kind"] == "session-marked-idle"],
         60,
@@ -205,10 +196,7 @@ def test_a_session_whose_live_snapshot_fails_keeps_running_until_a_pass_succeeds
 ) -> None:
     # The next snapshot process dies (SIGKILL) as it starts: the culler's live pass.
     (hub.data_dir / "failpoints" / "snapshot-create").touch()
-    hub.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=2)
-    hub.wait_ready("bob")
-    bob = hub.workload_of("bob")
-    assert bob is not None
+    bob = hub.start_session("bob", project="vision", gpu_type="A100-80GB", gpus=2)
     failed = wait_for(
         lambda: [e for e in events(hub, bob["id"]) if e["kind"] == "session-cull-failed"],
         60,
@@ -225,10 +213,7 @@ def test_a_session_whose_live_snapshot_fails_keeps_running_until_a_pass_succeeds
 
 
 def test_a_kernel_running_code_keeps_its_session_whatever_the_browser_does(hub: Hub) -> None:
-    hub.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=2)
-    hub.wait_ready("bob")
-    bob = hub.workload_of("bob")
-    assert bob is not None
+    bob = hub.start_session("bob", project="vision", gpu_type="A100-80GB", gpus=2)
     token = hub.user_token("bob")
     # A long silent cell: no output, no browser, only the session extension's "busy".
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -248,10 +233,7 @@ def test_a_kernel_running_code_keeps_its_session_whatever_the_browser_does(hub: 
 
 
 def test_a_failing_final_snapshot_keeps_the_gpus_until_a_retry_commits_it(hub: Hub) -> None:
-    hub.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=2)
-    hub.wait_ready("bob")
-    bob = hub.workload_of("bob")
-    assert bob is not None
+    bob = hub.start_session("bob", project="vision", gpu_type="A100-80GB", gpus=2)
     failpoint = hub.data_dir / "failpoints" / "snapshot-create"
     failpoint.touch()  # the next snapshot process dies as it starts: the final pass
     hub.stop_server("bob")
@@ -269,10 +251,7 @@ def test_a_failing_final_snapshot_keeps_the_gpus_until_a_retry_commits_it(hub: H
 def test_an_admin_may_release_the_gpus_of_a_session_whose_final_snapshot_keeps_failing(
     hub: Hub,
 ) -> None:
-    hub.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=2)
-    hub.wait_ready("bob")
-    bob = hub.workload_of("bob")
-    assert bob is not None
+    bob = hub.start_session("bob", project="vision", gpu_type="A100-80GB", gpus=2)
     failpoint = hub.data_dir / "failpoints" / "snapshot-create"
     failpoint.touch()
     hub.stop_server("bob")

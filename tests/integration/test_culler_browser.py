@@ -36,10 +36,7 @@ def test_the_idle_notice_shows_in_jupyterlab_and_keep_alive_clears_the_mark(
     culling_hub: Hub, chromium: Browser
 ) -> None:
     hub = culling_hub
-    hub.spawn("carol", project="nlp", gpu_type="A100-80GB", gpus=2)
-    hub.wait_ready("carol")
-    carol = hub.workload_of("carol")
-    assert carol is not None
+    carol = hub.start_session("carol", project="nlp", gpu_type="A100-80GB", gpus=2)
     context = ui.new_context(chromium, hub.url)
     try:
         page = ui.login(context, "carol")
@@ -69,10 +66,7 @@ def test_the_warning_shows_in_jupyterlab_before_the_stop_and_the_resume_says_wha
     culling_hub: Hub, chromium: Browser
 ) -> None:
     hub = culling_hub
-    hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
-    hub.wait_ready("alice")
-    alice = hub.workload_of("alice")
-    assert alice is not None
+    alice = hub.start_session("alice", project="vision", gpu_type="A100-80GB", gpus=2)
     context = ui.new_context(chromium, hub.url)
     try:
         page = ui.login(context, "alice")
