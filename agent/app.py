@@ -1,9 +1,9 @@
 """The node agent: the controller's eyes and hands on a GPU node.
 
-This first version reports the node's inventory and a heartbeat. On a machine without
-GPUs the inventory is the one declared in the config (``c.NodeAgent.declared_nodes``),
-with stable made-up UUIDs, so the whole flow runs on a laptop and in CI. The NVML
-inventory, GPU samples and the process runner come with the node agent issue.
+It reports the node's inventory, a heartbeat, GPU samples and XIDs, and runs the job
+pods the controller places on its nodes (``jobs.PodKeeper``). On a machine without GPUs
+the inventory is the one declared in the config (``c.NodeAgent.declared_nodes``), with
+stable made-up UUIDs, so the whole flow runs on a laptop and in CI.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .gpus import (
     start_fake_nvml,
     try_real_nvml,
 )
+from .jobs import PodKeeper
 from .metrics import Assignment
 
 
@@ -137,6 +138,13 @@ class NodeAgent(Application):
     def _default_node_name(self) -> str:
         return socket.gethostname()
 
+    job_poll_seconds = Float(
+        10.0,
+        help="Longest wait for news of job pods while none runs here; the controller "
+        "answers at once when one is placed, cancelled or preempted. While pods run, "
+        "their logs are sent every second.",
+    ).tag(config=True)
+
     def initialize(self, argv: list[str] | None = None) -> None:
         self.parse_command_line(argv)
         path = os.path.abspath(self.config_file)
@@ -208,7 +216,7 @@ class NodeAgent(Application):
                 start_exporter(self.gpus, self.node_name, self.metrics_ip, self.metrics_port)
         headers = {"Authorization": f"token {self.api_token}"}
         async with httpx.AsyncClient(headers=headers, timeout=10) as client:
-            loops = [self._heartbeats(client)]
+            loops = [self._heartbeats(client), self._job_pods(client)]
             if self.gpus is not None:
                 loops += [self._samples(client, self.gpus), self._xids(client, self.gpus)]
             await asyncio.gather(*loops)
@@ -238,6 +246,30 @@ class NodeAgent(Application):
                 await asyncio.sleep(min(self.heartbeat_interval, 1.0))
                 continue
             await asyncio.sleep(self.heartbeat_interval if registered else 0.2)
+
+    async def _job_pods(self, client: httpx.AsyncClient) -> None:
+        """Report the job pods this agent runs, with their new log lines; run what the
+        controller answers (agent/jobs.py)."""
+        keeper = PodKeeper(Path(self.data_dir) / "jobs", self.log, os.environ)
+        nodes = [n["name"] for n in self.inventory]
+        while True:
+            pods, chunks = keeper.report()
+            known = keeper.known()
+            wait = 0.0 if keeper.busy() else (1.0 if known else self.job_poll_seconds)
+            body = {"nodes": nodes, "pods": pods, "logs": chunks, "known": known}
+            try:
+                response = await client.post(
+                    f"{self.controller_api_url}/agent/pods",
+                    json={**body, "wait": wait},
+                    timeout=wait + 30,
+                )
+                response.raise_for_status()
+            except httpx.HTTPError as e:
+                self.log.warning("could not sync job pods with the controller (%s)", e)
+                await asyncio.sleep(1.0)
+                continue
+            keeper.acknowledged(len(chunks))
+            await keeper.apply(response.json()["pods"])
 
     async def _samples(self, client: httpx.AsyncClient, gpus: GpuState) -> None:
         while True:

@@ -45,6 +45,9 @@ class RankSpec:
     gpu_uuids: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    # The marker its processes carry; None: a new random one. The controller gives a
+    # job's pods the parts of the job's recorded marker (processes.part_marker).
+    marker: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class RankRunner:
         current = self._ranks.get(spec.rank_id)
         if current is not None and self.status(spec.rank_id).state == "running":
             raise RankExists(f"rank {spec.rank_id} is already running (pid {current.process.pid})")
-        marker = processes.new_marker()
+        marker = spec.marker or processes.new_marker()
         devices = ",".join(spec.gpu_uuids)
         env = {
             **self.base_env,
@@ -131,6 +134,12 @@ class RankRunner:
         code = rank.process.wait()
         rank.status = _ended(rank.status, "stopped", code)
         return rank.status
+
+    def forget(self, rank_id: str) -> None:
+        """Drop an ended rank (its log files stay)."""
+        if self.status(rank_id).state == "running":
+            raise RunnerError(f"rank {rank_id} is still running; stop it first")
+        del self._ranks[rank_id]
 
     def _rank(self, rank_id: str) -> _Rank:
         try:

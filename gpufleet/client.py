@@ -24,16 +24,31 @@ with the HTTP status).
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Mapping, Sequence
+import sys
+import time
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 
+from .hub.api.job_schemas import JobOut, LogOut
 from .hub.api.schemas import EventOut, NodeOut, ProjectUsageOut, WeekUsageOut, WorkloadOut
 
 API_PATH = "/services/gpufleet/api/v1"
 PAGE = 1000  # the API's largest page
+LONG_POLL_S = 20  # under DEFAULT_TIMEOUT_S
+# What a job takes from the submitting session's environment unless told otherwise: what
+# its Python needs to find its packages and tools. Never tokens.
+JOB_ENVIRONMENT = (
+    "PATH",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "CONDA_PREFIX",
+    "CONDA_DEFAULT_ENV",
+    "LD_LIBRARY_PATH",
+)
 DEFAULT_TIMEOUT_S = 30.0
 T = TypeVar("T")
 
@@ -158,6 +173,106 @@ def _events(limit: int, workload_id: int | None) -> Steps[list[EventOut]]:
     return [EventOut.model_validate(e) for e in answer["items"]]
 
 
+def job_submission(
+    *,
+    gpus: int,
+    gpu_type: str,
+    project: str,
+    script: str | None = None,
+    file: str | os.PathLike[str] | None = None,
+    gpus_per_pod: int | None = None,
+    priority: str | None = None,
+    name: str = "",
+    args: Sequence[str] = (),
+    python: str | None = None,
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+    checkpoint_uri: str = "",
+    environ: Mapping[str, str] = os.environ,
+) -> dict[str, Any]:
+    """The body of ``POST /jobs``: the entry script's code (``script``) or its file
+    (``file``), run with this Python (``sys.executable``) from this directory, with the
+    variables of ``JOB_ENVIRONMENT`` that are set here plus ``env``."""
+    if (script is None) == (file is None):
+        raise GpufleetError("give the entry script as script= (its code) or file= (a path)")
+    script_name = "train.py"
+    if file is not None:
+        path = Path(file)
+        try:
+            script = path.read_text()
+        except OSError as e:
+            raise GpufleetError(f"cannot read the entry script {path}: {e.strerror}") from e
+        script_name = path.name if path.suffix == ".py" else f"{path.name}.py"
+    inherited = {k: environ[k] for k in JOB_ENVIRONMENT if k in environ}
+    body: dict[str, Any] = {
+        "project": project,
+        "gpu_type": gpu_type,
+        "gpus": gpus,
+        "name": name,
+        "script": script,
+        "script_name": script_name,
+        "args": [str(a) for a in args],
+        "python": python or sys.executable,
+        "cwd": cwd if cwd is not None else os.getcwd(),
+        "env": {**inherited, **(env or {})},
+        "checkpoint_uri": checkpoint_uri,
+    }
+    if gpus_per_pod is not None:
+        body["gpus_per_pod"] = gpus_per_pod
+    if priority is not None:
+        body["priority"] = priority
+    return body
+
+
+def _submit(body: dict[str, Any]) -> Steps[JobOut]:
+    answer = yield _Request("POST", "/jobs", json=body)
+    return JobOut.model_validate(answer)
+
+
+def _jobs(states: Sequence[str], username: str | None) -> Steps[list[JobOut]]:
+    items: list[JobOut] = []
+    while True:
+        params: dict[str, Any] = {"offset": len(items), "limit": PAGE, "state": list(states)}
+        if username is not None:
+            params["username"] = username
+        page = yield _Request("GET", "/jobs", params)
+        items += [JobOut.model_validate(j) for j in page["items"]]
+        if not page["items"] or len(items) >= page["total"]:
+            return items
+
+
+def _job(job: int, wait: int = 0, version: int = 0) -> Steps[JobOut]:
+    params = {"wait": wait, "version": version} if wait else {}
+    answer = yield _Request("GET", f"/jobs/{job}", params)
+    return JobOut.model_validate(answer)
+
+
+def _wait(job: int, timeout: float | None) -> Steps[JobOut]:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    current = yield from _job(job)
+    while current.state != "ended":
+        left = LONG_POLL_S if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"job {job} is still {current.state} after {timeout} s")
+        current = yield from _job(job, max(1, min(LONG_POLL_S, int(left))), current.version)
+    return current
+
+
+def _cancel(job: int) -> Steps[JobOut]:
+    answer = yield _Request("POST", f"/jobs/{job}/cancel")
+    return JobOut.model_validate(answer)
+
+
+def _log_piece(job: int, rank: int, stream: str, offset: int, wait: int) -> Steps[LogOut]:
+    params = {"rank": rank, "stream": stream, "offset": offset, "wait": wait}
+    answer = yield _Request("GET", f"/jobs/{job}/logs", params)
+    return LogOut.model_validate(answer)
+
+
+def _job_id(job: int | JobOut) -> int:
+    return job.id if isinstance(job, JobOut) else int(job)
+
+
 def _info() -> Steps[dict[str, Any]]:
     answer: dict[str, Any] = yield _Request("GET", "/")
     return answer
@@ -270,6 +385,40 @@ class Client(_Common):
     def events(self, limit: int = 100, workload_id: int | None = None) -> list[EventOut]:
         return self._run(_events(limit, workload_id))
 
+    def submit(self, script: str | None = None, **options: Any) -> JobOut:
+        """Queue a training job; the options are those of ``job_submission``:
+        ``submit(file="train.py", gpus=8, gpu_type="A100-80GB", project="vision")``."""
+        return self._run(_submit(job_submission(script=script, **options)))
+
+    def jobs(self, state: Sequence[str] = (), username: str | None = None) -> list[JobOut]:
+        """Your jobs (everyone's for admins), newest first."""
+        return self._run(_jobs(state, username))
+
+    def job(self, job: int | JobOut) -> JobOut:
+        return self._run(_job(_job_id(job)))
+
+    def wait(self, job: int | JobOut, timeout: float | None = None) -> JobOut:
+        """Block until the job has ended (``TimeoutError`` after ``timeout`` seconds)."""
+        return self._run(_wait(_job_id(job), timeout))
+
+    def cancel(self, job: int | JobOut) -> JobOut:
+        """Stop every rank; the GPUs are released once they are gone."""
+        return self._run(_cancel(_job_id(job)))
+
+    def logs(
+        self, job: int | JobOut, rank: int = 0, stream: str = "stdout", follow: bool = False
+    ) -> Iterator[str]:
+        """One rank's output as it comes; with ``follow``, until the job has ended."""
+        offset = 0
+        while True:
+            wait = LONG_POLL_S if follow else 0
+            piece = self._run(_log_piece(_job_id(job), rank, stream, offset, wait))
+            if piece.data:
+                yield piece.data
+            offset = piece.next_offset
+            if piece.complete or not (follow or piece.data):
+                return
+
 
 class AsyncClient(_Common):
     """The controller's API for asyncio code (a notebook's running loop included)."""
@@ -330,3 +479,32 @@ class AsyncClient(_Common):
 
     async def events(self, limit: int = 100, workload_id: int | None = None) -> list[EventOut]:
         return await self._run(_events(limit, workload_id))
+
+    async def submit(self, script: str | None = None, **options: Any) -> JobOut:
+        return await self._run(_submit(job_submission(script=script, **options)))
+
+    async def jobs(self, state: Sequence[str] = (), username: str | None = None) -> list[JobOut]:
+        return await self._run(_jobs(state, username))
+
+    async def job(self, job: int | JobOut) -> JobOut:
+        return await self._run(_job(_job_id(job)))
+
+    async def wait(self, job: int | JobOut) -> JobOut:
+        """Until the job has ended; bound it with ``asyncio.timeout``."""
+        return await self._run(_wait(_job_id(job), None))
+
+    async def cancel(self, job: int | JobOut) -> JobOut:
+        return await self._run(_cancel(_job_id(job)))
+
+    async def logs(
+        self, job: int | JobOut, rank: int = 0, stream: str = "stdout", follow: bool = False
+    ) -> AsyncIterator[str]:
+        offset = 0
+        while True:
+            wait = LONG_POLL_S if follow else 0
+            piece = await self._run(_log_piece(_job_id(job), rank, stream, offset, wait))
+            if piece.data:
+                yield piece.data
+            offset = piece.next_offset
+            if piece.complete or not (follow or piece.data):
+                return

@@ -260,6 +260,24 @@ class FleetController(DatabaseMixin):
         "(the store is the truth; the index lets pages and the API list snapshots fast).",
     ).tag(config=True)
 
+    job_checkpoint_store = Unicode(
+        help="Where a job's checkpoints go unless its submission says otherwise: a local "
+        "directory or an s3:// prefix, with {user}, {job} (its name) and {id} filled in; "
+        "the ranks read it as $GPUFLEET_CHECKPOINT_URI. A job submitted again under the "
+        "same name finds its checkpoints there. Defaults to "
+        "<data_dir>/checkpoints/{user}/{job}.",
+    ).tag(config=True)
+
+    @default("job_checkpoint_store")
+    def _default_job_checkpoint_store(self) -> str:
+        return os.path.join(os.path.abspath(self.data_dir), "checkpoints", "{user}", "{job}")
+
+    job_stop_grace_seconds = Float(
+        30.0,
+        help="Seconds a job's ranks get between SIGTERM (the checkpoint signal: save and "
+        "exit) and SIGKILL when the job is cancelled or preempted.",
+    ).tag(config=True)
+
     idle_policies = Dict(
         help="Idle culling per project and profile: {'default': {...}, 'projects': {name: "
         "{...}}, 'profiles': {name: {...}}}, a profile's keys over its project's over the "

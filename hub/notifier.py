@@ -10,11 +10,30 @@ from collections.abc import Iterable
 class Notifier:
     def __init__(self) -> None:
         self._waiters: dict[int, set[asyncio.Event]] = defaultdict(set)
+        self._any: set[asyncio.Event] = set()  # node agents: any workload changed
 
     def changed(self, workload_ids: Iterable[int]) -> None:
+        woken = False
         for workload_id in workload_ids:
+            woken = True
             for waiter in self._waiters.pop(workload_id, ()):
                 waiter.set()
+        if woken:
+            for waiter in self._any:
+                waiter.set()
+            self._any.clear()
+
+    async def wait_for_any_change(self, within: float) -> None:
+        """Return when any workload changes or after ``within`` seconds (same guarantee
+        as ``wait_for_change``)."""
+        waiter = asyncio.Event()
+        self._any.add(waiter)
+        try:
+            await asyncio.wait_for(waiter.wait(), within)
+        except TimeoutError:
+            pass
+        finally:
+            self._any.discard(waiter)
 
     async def wait_for_change(self, workload_id: int, within: float) -> None:
         """Return when ``workload_id`` changes or after ``within`` seconds.

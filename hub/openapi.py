@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from . import scopes
+from .api import job_schemas as js
 from .api import schemas
 
 
@@ -31,6 +32,11 @@ class Operation:
 WORKLOAD_ID = ("workload_id", "integer", "the workload's id")
 USERNAME = ("username", "string", "a hub user name")
 NODE_NAME = ("node_name", "string", "a node's name, as GET /nodes lists it")
+JOB_ID = ("job_id", "integer", "a job's id (the id of its workload)")
+PAGING = (
+    ("offset", "integer", "skip this many"),
+    ("limit", "integer", "at most this many (1-1000)"),
+)
 
 OPERATIONS = (
     Operation("get", "/", "Service information", ()),
@@ -147,6 +153,70 @@ OPERATIONS = (
     ),
     Operation(
         "post",
+        "/jobs",
+        "Submit a training job (a gang of pods, each running the script under torchrun)",
+        (scopes.USE,),
+        js.JobSubmitIn,
+        js.JobOut,
+        201,
+    ),
+    Operation(
+        "get",
+        "/jobs",
+        "List jobs (yours, or everyone's for admins), newest first",
+        (scopes.USE,),
+        None,
+        js.JobList,
+        query=(
+            ("username", "string", "only this user's (admins)"),
+            ("state", "string", "pending|admitted|running|stopping|ended, repeatable"),
+            *PAGING,
+        ),
+    ),
+    Operation(
+        "get",
+        "/jobs/{job_id}",
+        "One job with its pods; long-poll with wait and version",
+        (scopes.USE,),
+        None,
+        js.JobOut,
+        query=(
+            ("wait", "integer", "seconds to wait for a change (0-60)"),
+            ("version", "integer", "the version the caller already has"),
+        ),
+    ),
+    Operation(
+        "post",
+        "/jobs/{job_id}/cancel",
+        "Cancel a job: every rank is stopped, then its GPUs are released",
+        (scopes.USE,),
+        None,
+        js.JobOut,
+    ),
+    Operation(
+        "get",
+        "/jobs/{job_id}/logs",
+        "One rank's stdout or stderr from an offset on; long-poll with wait",
+        (scopes.USE,),
+        None,
+        js.LogOut,
+        query=(
+            ("rank", "integer", "a global rank (default 0); -1 - p: pod p's launcher"),
+            ("stream", "string", "stdout (default) or stderr"),
+            ("offset", "integer", "bytes of the stream already read"),
+            ("wait", "integer", "seconds to wait for more while the job runs (0-60)"),
+        ),
+    ),
+    Operation(
+        "post",
+        "/agent/pods",
+        "A node agent reports its job pods and their logs, and learns what to run",
+        (scopes.AGENT,),
+        js.AgentSyncIn,
+        js.AgentSyncOut,
+    ),
+    Operation(
+        "post",
         "/agent/register",
         "A node agent reports its nodes and GPUs",
         (scopes.AGENT,),
@@ -213,7 +283,7 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "schema": {"type": kind},
                 "description": text,
             }
-            for name, kind, text in (WORKLOAD_ID, USERNAME, NODE_NAME)
+            for name, kind, text in (WORKLOAD_ID, USERNAME, NODE_NAME, JOB_ID)
             if "{" + name + "}" in op.path
         ] + [
             {

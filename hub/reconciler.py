@@ -94,7 +94,10 @@ class Reconciler:
             servers = await self._active_servers(client)
             if servers is None:
                 return []
-            marked = await asyncio.to_thread(processes.marked_processes)
+            marked = {
+                pid: processes.workload_marker(found)
+                for pid, found in (await asyncio.to_thread(processes.marked_processes)).items()
+            }
             recorded = recorded_workloads(self.store, set(marked.values()))
             for username in sorted(_unseen_users(recorded, servers)):
                 found = await self._servers_of_user(client, username)

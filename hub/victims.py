@@ -5,7 +5,8 @@ GPUs stay allocated until its backend has observed every process gone and ended 
 session that backend is the spawner: the controller asks the hub to stop the server, the
 spawner ends every process carrying the session's marker, then releases the GPUs (the
 snapshot before the stop comes with the snapshotter). The waiting workload is admitted by
-the first cycle after that.
+the first cycle after that. A job's node agents learn from their next sync that it is
+stopping, and end its ranks (SIGTERM, the grace period, SIGKILL) before reporting it gone.
 
 The hub may be down or busy with that server: a victim still stopping is asked again
 every ``retry_after`` seconds, so a controller restart or a failed call delays a
@@ -63,13 +64,7 @@ class VictimStopper:
 
     async def _stop(self, victim: Stop) -> None:
         if victim.kind != "session":
-            self.log.warning(
-                "workload %s (%s) was preempted, but this backend cannot stop %s workloads yet",
-                victim.workload_id,
-                victim.kind,
-                victim.kind,
-            )
-            return
+            return  # a job: its node agents see it stopping and stop its ranks
         if not self.hub_api_url:
             self.log.warning("no hub API: cannot stop preempted session %s", victim.workload_id)
             return

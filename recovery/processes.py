@@ -31,9 +31,28 @@ def new_marker() -> str:
     return uuid.uuid4().hex
 
 
+def part_marker(marker: str, part: int) -> str:
+    """The marker of one part of a workload (a job's pod): ``<marker>.<part>``.
+
+    The workload's own marker finds its parts too (``marked_pids``), so the reconciler
+    ends a whole job by the one marker it records, and the rank runner each pod by its own.
+    """
+    return f"{marker}.{part}"
+
+
+def workload_marker(found: str) -> str:
+    """The workload's marker for a process's marker, which may be a part's."""
+    return found.split(".", 1)[0]
+
+
 def marked_pids(marker: str, proc: Path = Path("/proc")) -> list[int]:
-    """Live processes whose initial environment carries ``marker``."""
-    return [pid for pid, found in marked_processes(proc).items() if found == marker]
+    """Live processes that carry ``marker`` or the marker of one of its parts."""
+    part = marker + "."
+    return [
+        pid
+        for pid, found in marked_processes(proc).items()
+        if found == marker or found.startswith(part)
+    ]
 
 
 def marked_processes(proc: Path = Path("/proc")) -> dict[int, str]:

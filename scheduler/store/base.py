@@ -17,9 +17,9 @@ from sqlalchemy import Engine, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ..errors import LeaseLost
+from ..errors import LeaseLost, NotFound
 from . import db
-from .models import ControllerLease, Event, Workload
+from .models import ControllerLease, Event, PriorityClass, Workload, WorkloadState
 
 LEASE_NAME = "controller"
 
@@ -88,6 +88,32 @@ class StoreBase:
     def read(self) -> Session:
         return self._sessions()
 
+    def _end(
+        self, session: Session, now: datetime, workload: Workload, outcome: str, message: str
+    ) -> None:
+        for allocation in workload.allocations:
+            if allocation.closed_at is None:
+                allocation.closed_at = now
+        if workload.preempted_for_id is not None and workload.state == WorkloadState.stopping:
+            # However its backend ends it, a preempted workload ended for being preempted.
+            message = f"{workload.reason}; {message}" if message else workload.reason
+            outcome = "preempted"
+        workload.state = WorkloadState.ended
+        workload.queue_position = None
+        workload.outcome = outcome
+        workload.ended_at = now
+        workload.lease_expires_at = None
+        workload.reason = message
+        workload.version += 1
+        _event(
+            session,
+            now,
+            "ended",
+            f"workload {workload.id} ended ({outcome}): {message}",
+            reason=outcome,
+            workload=workload,
+        )
+
 
 def _event(
     session: Session,
@@ -115,3 +141,15 @@ def _event(
             data=data or {},
         )
     )
+
+
+def _get_workload(session: Session, workload_id: int) -> Workload:
+    workload = session.get(Workload, workload_id)
+    if workload is None:
+        raise NotFound(f"there is no workload {workload_id}")
+    return workload
+
+
+def _preemptible(session: Session, priority_class: str) -> bool:
+    known = session.get(PriorityClass, priority_class)
+    return bool(known and known.preemptible_by_default)

@@ -17,15 +17,17 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, selectinload
 
-from ..errors import InputError, InvalidRequest, NotFound
+from ..errors import InputError, InvalidRequest
 from ..model import project_tree
 from ..validation import Catalogue, ProfileRule, SessionRequest, validate_session_request
-from .base import _event
+from .base import _event, _get_workload, _preemptible
 from .cycle import SchedulingStore
 from .inventory import InventoryStore
+from .jobs import JobStore
 from .models import (
     Gpu,
     Membership,
+    Node,
     PriorityClass,
     Profile,
     Project,
@@ -44,7 +46,7 @@ OPEN_STATES = (WorkloadState.pending, *ACTIVE_STATES)
 
 
 class FleetStore(
-    SchedulingStore, ReconcileStore, InventoryStore, SnapshotStore, SessionActivityStore
+    SchedulingStore, ReconcileStore, InventoryStore, SnapshotStore, SessionActivityStore, JobStore
 ):
     # ------------------------------------------------------------- bootstrap
     def apply_config(
@@ -142,13 +144,19 @@ class FleetStore(
 
     def catalogue(self, session: Session, username: str) -> Catalogue:
         largest: dict[str, int] = defaultdict(int)
+        in_zone: dict[tuple[str, int], int] = defaultdict(int)
         rows = session.execute(
-            select(Gpu.node_id, Gpu.gpu_type, func.count())
+            select(Node.zone_id, Gpu.node_id, Gpu.gpu_type, func.count())
+            .join(Node, Gpu.node_id == Node.id)
             .where(Gpu.present.is_(True))
-            .group_by(Gpu.node_id, Gpu.gpu_type)
+            .group_by(Node.zone_id, Gpu.node_id, Gpu.gpu_type)
         )
-        for _node_id, gpu_type, count in rows:
+        for zone_id, _node_id, gpu_type, count in rows:
             largest[gpu_type] = max(largest[gpu_type], count)
+            in_zone[gpu_type, zone_id] += count
+        largest_zone: dict[str, int] = defaultdict(int)
+        for (gpu_type, _zone_id), count in in_zone.items():
+            largest_zone[gpu_type] = max(largest_zone[gpu_type], count)
         profiles = {
             p.name: ProfileRule(tuple(p.allowed_gpu_types), tuple(p.allowed_projects), p.is_default)
             for p in session.scalars(select(Profile).order_by(Profile.name))
@@ -157,6 +165,8 @@ class FleetStore(
             largest_node=dict(largest),
             user_projects=frozenset(p.name for p in self.projects_of(session, username)),
             profiles=profiles,
+            largest_zone=dict(largest_zone),
+            priority_classes=frozenset(session.scalars(select(PriorityClass.name))),
         )
 
     # ------------------------------------------------------------- workloads
@@ -267,32 +277,6 @@ class FleetStore(
                 self._end(session, now, workload, outcome, message)
             return workload
 
-    def _end(
-        self, session: Session, now: datetime, workload: Workload, outcome: str, message: str
-    ) -> None:
-        for allocation in workload.allocations:
-            if allocation.closed_at is None:
-                allocation.closed_at = now
-        if workload.preempted_for_id is not None and workload.state == WorkloadState.stopping:
-            # However its backend ends it, a preempted workload ended for being preempted.
-            message = f"{workload.reason}; {message}" if message else workload.reason
-            outcome = "preempted"
-        workload.state = WorkloadState.ended
-        workload.queue_position = None
-        workload.outcome = outcome
-        workload.ended_at = now
-        workload.lease_expires_at = None
-        workload.reason = message
-        workload.version += 1
-        _event(
-            session,
-            now,
-            "ended",
-            f"workload {workload.id} ended ({outcome}): {message}",
-            reason=outcome,
-            workload=workload,
-        )
-
     def extend_leases(self, now: datetime, lease: timedelta) -> int:
         """Give every waiting request a full lease again.
 
@@ -342,15 +326,3 @@ class FleetStore(
     def record_event(self, now: datetime, kind: str, message: str, **fields: Any) -> None:
         with self._write(now) as session:
             _event(session, now, kind, message, **fields)
-
-
-def _get_workload(session: Session, workload_id: int) -> Workload:
-    workload = session.get(Workload, workload_id)
-    if workload is None:
-        raise NotFound(f"there is no workload {workload_id}")
-    return workload
-
-
-def _preemptible(session: Session, priority_class: str) -> bool:
-    known = session.get(PriorityClass, priority_class)
-    return bool(known and known.preemptible_by_default)

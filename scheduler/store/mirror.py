@@ -59,7 +59,7 @@ from .models import (
 _QUIET = {
     Node: {"last_heartbeat_at", "agent"},
     Gpu: {"sampled_at", "last_sample", "busy_at"},
-    Workload: {"lease_expires_at", "snapshot_pending_since", "snapshot_sources"},
+    Workload: {"lease_expires_at", "snapshot_pending_since", "snapshot_sources", "spec"},
 }
 _ALL = ("all", 0)
 

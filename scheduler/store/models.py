@@ -79,7 +79,16 @@ class WorkloadKind(enum.StrEnum):
 
 
 # How an ended workload ended (``Workload.outcome``), as docs/api.md lists them.
-WORKLOAD_OUTCOMES = ("stopped", "withdrawn", "expired", "failed", "preempted", "superseded")
+WORKLOAD_OUTCOMES = (
+    "stopped",
+    "withdrawn",
+    "expired",
+    "failed",
+    "preempted",
+    "superseded",
+    "succeeded",
+    "cancelled",
+)
 
 
 class WorkloadState(enum.StrEnum):
@@ -309,6 +318,9 @@ class Workload(Base):
     # The session stopped but its final snapshot has not committed yet: its GPUs stay
     # allocated (the reconciler leaves it alone) until a retry commits or an admin releases.
     snapshot_pending_since: Mapped[datetime | None] = mapped_column(default=None)
+    # A job's launch: {"script", "script_name", "args", "python", "cwd", "env",
+    # "checkpoint_uri"} (``store.jobs.JobSpec``); None for a session.
+    spec: Mapped[dict[str, Any] | None] = mapped_column(default=None)
 
     project: Mapped[Project] = relationship()
     allocations: Mapped[list[Allocation]] = relationship(back_populates="workload")
@@ -346,6 +358,48 @@ class Allocation(Base):
     workload: Mapped[Workload] = relationship(back_populates="allocations")
     gpu: Mapped[Gpu] = relationship()
     node: Mapped[Node] = relationship()
+
+
+class JobPod(Base):
+    """What the node agent last reported of one pod of a job (its process group).
+
+    ``state``: ``running``; ``exited`` (on its own; ``exit_code`` says how); ``stopped``
+    (by the agent, on a cancel, a failure elsewhere in the gang or a preemption); or
+    ``failed`` (it could not start). Only ``running`` may still hold a process.
+    """
+
+    __tablename__ = "job_pods"
+
+    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"), primary_key=True)
+    pod_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node: Mapped[str] = mapped_column(String(255))
+    state: Mapped[str] = mapped_column(String(16))
+    exit_code: Mapped[int | None] = mapped_column(Integer, default=None)
+    signal: Mapped[int | None] = mapped_column(Integer, default=None)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    ended_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class JobLog(Base):
+    """A chunk of one rank's stdout or stderr, as the node agent sent it.
+
+    ``offset`` is where the chunk starts in the rank's stream, so a chunk sent twice (an
+    agent retrying after a lost answer) is recognised and stored once. A negative rank is
+    a pod's launcher (torchrun itself): pod ``p`` logs as rank ``-1 - p``.
+    """
+
+    __tablename__ = "job_logs"
+    # Also the index every read uses.
+    __table_args__ = (UniqueConstraint("workload_id", "rank", "stream", "offset"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"))
+    rank: Mapped[int] = mapped_column(Integer)
+    stream: Mapped[str] = mapped_column(String(8))
+    offset: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[str] = mapped_column(Text)
+    at: Mapped[datetime]
 
 
 class Snapshot(Base):

@@ -264,10 +264,14 @@ class Hub:
         return wait_for(ended, timeout, f"workload {workload['id']} to end")
 
     def stop_all_servers(self) -> None:
+        """Stop every server and cancel every job; wait until every workload has ended."""
         users = self.hub_api("GET", "/users", params={"state": "active"}).json()
         for user in users:
             for name in user.get("servers", {}):
                 self.stop_server(user["name"], name)
+        for job in self.workloads():
+            if job["kind"] == "job" and job["state"] not in ("ended", "stopping"):
+                self.controller("POST", f"/jobs/{job['id']}/cancel")
         wait_for(
             lambda: not [w for w in self.workloads() if w["state"] != "ended"],
             60,

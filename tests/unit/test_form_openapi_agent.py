@@ -210,7 +210,9 @@ def test_every_operation_is_documented_with_parameters_and_scopes(
         assert ("security" in operation) == bool(op.scopes)
         path_params = {p["name"] for p in operation["parameters"] if p["in"] == "path"}
         assert path_params == {
-            name for name in ("workload_id", "username", "node_name") if "{" + name + "}" in op.path
+            name
+            for name in ("workload_id", "username", "node_name", "job_id")
+            if "{" + name + "}" in op.path
         }
     sessions = document["paths"]["/sessions"]["post"]
     assert sessions["requestBody"]["content"]["application/json"]["schema"] == {

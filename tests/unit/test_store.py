@@ -500,6 +500,9 @@ def test_catalogue_offers_the_users_projects_types_and_profiles(store: FleetStor
                 "jax": ProfileRule(gpu_types=("H100",)),
                 "pytorch": ProfileRule(is_default=True),
             },
+            # A job's gang stays in one zone: the most of each type one zone holds.
+            largest_zone={"A100": 6, "H100": 2},
+            priority_classes=frozenset({"standard"}),
         )
         assert store.catalogue(session, "mallory").user_projects == frozenset()
 

@@ -1,0 +1,365 @@
+"""The node agent's job pods: torchrun process groups for the pods the controller placed
+on this agent's nodes, their per-rank logs, and their ends.
+
+The controller says what should run (``DesiredPod``s from ``POST /agent/pods``); the
+keeper makes it so and reports what runs. Each pod is one ``torchrun`` launcher run by
+the ``RankRunner`` with exactly the pod's GPUs, under the session's own Python:
+
+    <python> -m torch.distributed.run --nnodes=<pods> --node-rank=<pod>
+        --nproc-per-node=<gpus per pod> --master-addr=<addr> --master-port=<port>
+        --log-dir=<pod dir>/ranks --redirects=3 <script> <args...>
+
+so every GPU gets one rank with the usual RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT. torchrun writes each local rank's stdout and stderr to files of their own;
+the keeper sends what is new in them with every sync, as chunks at byte offsets (sent
+again until the controller has them; stored once).
+
+Invariants:
+- a pod is reported ended only after its whole process group is gone (the runner
+  checks the marker), and only after its logs were read to the end: the chunks travel
+  in the same sync as the end, and the controller stores them first;
+- a pod this agent was told to run but does not know although the controller saw it
+  start (the agent restarted) is not started again: what is left of it is ended and it
+  is reported failed, so the job fails visibly instead of running twice;
+- the ranks inherit nothing of the agent's environment but the basics (PATH, HOME,
+  locale): never the agent's token.
+
+The local backend runs every pod of a job through this one agent, so the rendezvous is
+this machine's loopback with a port the keeper picks for each job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import logging
+import os
+import re
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..recovery import processes
+from .runner import RankRunner, RankSpec, RankStatus, RunnerError, StopFailed
+
+INHERITED = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR")
+CHUNK_BYTES = 256 * 1024
+# torchrun's summary of a failed child: "rank      : 1 (local_rank: 1)"
+_FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
+_LAUNCHER_STREAMS = ("stdout", "stderr")
+# PyTorch starts the lines a rank writes through its logging with "[rank1]: ".
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
+
+
+@dataclass
+class _LogFile:
+    """One file being tailed: where it was read to, and where its stream stands."""
+
+    rank: int
+    stream: str
+    position: int = 0  # bytes of the file read
+    offset: int = 0  # bytes of the stream sent (as UTF-8 text; see _read_new)
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+
+@dataclass
+class _Pod:
+    workload_id: int
+    pod_index: int
+    rank_id: str
+    directory: Path
+    first_rank: int
+    local_ranks: int
+    grace_s: float = 30.0
+    state: str = "running"  # running | exited | stopped | failed
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str = ""
+    stopping: asyncio.Task[None] | None = None
+    logs: dict[tuple[int, str], _LogFile] = field(default_factory=dict)
+
+
+class PodKeeper:
+    def __init__(self, jobs_dir: Path, log: logging.Logger, base_env: Mapping[str, str]):
+        self.jobs_dir = Path(jobs_dir)
+        self.log = log
+        self.base_env = {k: v for k, v in base_env.items() if k in INHERITED}
+        self.runner = RankRunner(self.jobs_dir / "launchers", self.base_env)
+        self._pods: dict[tuple[int, int], _Pod] = {}
+        self._ports: dict[int, int] = {}
+        self._unsent: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------- the sync
+    def known(self) -> list[tuple[int, int]]:
+        return sorted(self._pods)
+
+    def busy(self) -> bool:
+        """Something to report now: a pod ended, or log chunks wait."""
+        return bool(self._unsent) or any(p.state != "running" for p in self._pods.values())
+
+    def report(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Every known pod's state and the log chunks not yet acknowledged."""
+        for pod in self._pods.values():
+            ended = None
+            if pod.state == "running" and pod.stopping is None:
+                status = self.runner.status(pod.rank_id)
+                if status.state != "running":
+                    ended = status
+            self._unsent += self._read_logs(pod)
+            if ended is not None:  # logs first: they are complete once the group is gone
+                self._record_end(pod, ended)
+        pods = [
+            {
+                "workload_id": pod.workload_id,
+                "pod_index": pod.pod_index,
+                "state": pod.state,
+                "exit_code": pod.exit_code,
+                "signal": pod.signal,
+                "reason": pod.reason[:2000],
+            }
+            for pod in self._pods.values()
+        ]
+        return pods, list(self._unsent)
+
+    def acknowledged(self, chunks: int) -> None:
+        """The controller stored the first ``chunks`` chunks of the last report."""
+        del self._unsent[:chunks]
+
+    async def apply(self, desired: Iterable[Mapping[str, Any]]) -> None:
+        wanted: set[tuple[int, int]] = set()
+        for pod in desired:
+            key = (int(pod["workload_id"]), int(pod["pod_index"]))
+            wanted.add(key)
+            known = self._pods.get(key)
+            if pod["run"] and known is None:
+                if pod["started"]:
+                    await self._lost(pod)
+                else:
+                    self._start(pod)
+            elif not pod["run"]:
+                if known is None:
+                    await self._absent(pod)
+                else:
+                    self._stop(known)
+        for key, known in list(self._pods.items()):
+            if key in wanted:
+                continue
+            if known.state == "running":
+                self._stop(known)  # not ours any more: the controller ended it
+            elif known.stopping is None or known.stopping.done():
+                self._forget(known)
+
+    # ------------------------------------------------------------- starting
+    def _start(self, desired: Mapping[str, Any]) -> None:
+        workload_id, pod_index = int(desired["workload_id"]), int(desired["pod_index"])
+        spec = desired["spec"]
+        job_dir = self.jobs_dir / str(workload_id)
+        pod_dir = job_dir / f"pod-{pod_index}"
+        per_pod = int(desired["gpus_per_pod"])
+        pod = _Pod(
+            workload_id,
+            pod_index,
+            f"{workload_id}-{pod_index}",
+            pod_dir,
+            first_rank=pod_index * per_pod,
+            local_ranks=per_pod,
+            grace_s=float(spec.get("grace_s", 30.0)),
+        )
+        self._pods[workload_id, pod_index] = pod
+        try:
+            pod_dir.mkdir(parents=True, exist_ok=True)
+            script = job_dir / str(spec["script_name"])
+            if not script.exists():
+                script.write_text(str(spec["script"]))
+            checkpoint = str(spec.get("checkpoint_uri", ""))
+            if checkpoint and "://" not in checkpoint:
+                Path(checkpoint).mkdir(parents=True, exist_ok=True)
+            cwd = str(spec.get("cwd") or "")
+            if not cwd or not os.path.isdir(cwd):
+                cwd = str(job_dir)
+            port = self._ports.get(workload_id) or _free_port()
+            self._ports[workload_id] = port
+            argv = (
+                str(spec["python"]),
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={desired['pods']}",
+                f"--node-rank={pod_index}",
+                f"--nproc-per-node={per_pod}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                f"--log-dir={pod_dir / 'ranks'}",
+                "--redirects=3",
+                str(script),
+                *(str(a) for a in spec.get("args", [])),
+            )
+            env = {
+                **{str(k): str(v) for k, v in dict(spec.get("env", {})).items()},
+                "PYTHONUNBUFFERED": "1",
+                "GPUFLEET_JOB_ID": str(workload_id),
+                "GPUFLEET_JOB_NAME": str(desired["name"]),
+                "GPUFLEET_POD_INDEX": str(pod_index),
+                "GPUFLEET_CHECKPOINT_URI": checkpoint,
+            }
+            self.runner.start(
+                RankSpec(
+                    rank_id=pod.rank_id,
+                    argv=argv,
+                    gpu_uuids=tuple(desired["gpu_uuids"]),
+                    env=env,
+                    cwd=cwd,
+                    marker=processes.part_marker(str(desired["marker"]), pod_index),
+                )
+            )
+        except (OSError, RunnerError) as e:
+            pod.state, pod.reason = "failed", f"could not start: {e}"
+            self.log.warning("job %s pod %s %s", workload_id, pod_index, pod.reason)
+            return
+        self.log.info(
+            "started job %s pod %s (%d rank(s)) on %s",
+            workload_id,
+            pod_index,
+            per_pod,
+            desired["node"],
+        )
+
+    async def _lost(self, desired: Mapping[str, Any]) -> None:
+        """A pod that started under an earlier agent: end what is left, report it failed."""
+        marker = processes.part_marker(str(desired["marker"]), int(desired["pod_index"]))
+        await processes.end_all(marker)
+        pod = self._placeholder(desired)
+        pod.state = "failed"
+        pod.reason = "the node agent restarted and lost track of this pod's processes"
+
+    async def _absent(self, desired: Mapping[str, Any]) -> None:
+        """A pod to stop that this agent does not run: make sure nothing of it does."""
+        marker = processes.part_marker(str(desired["marker"]), int(desired["pod_index"]))
+        if not await processes.end_all(marker):
+            return  # something survived SIGKILL: not gone, so not reported
+        pod = self._placeholder(desired)
+        pod.state = "stopped"
+
+    def _placeholder(self, desired: Mapping[str, Any]) -> _Pod:
+        workload_id, pod_index = int(desired["workload_id"]), int(desired["pod_index"])
+        pod = _Pod(workload_id, pod_index, "", Path(), 0, 0)
+        self._pods[workload_id, pod_index] = pod
+        return pod
+
+    # ------------------------------------------------------------- stopping
+    def _stop(self, pod: _Pod) -> None:
+        if pod.state != "running" or pod.stopping is not None:
+            return
+
+        async def stop() -> None:
+            try:
+                status = await self.runner.stop(pod.rank_id, grace=pod.grace_s)
+            except StopFailed as e:
+                self.log.error("job %s pod %s: %s", pod.workload_id, pod.pod_index, e)
+                pod.stopping = None  # still running: the next apply tries again
+                return
+            self._unsent.extend(self._read_logs(pod))
+            pod.state, pod.signal = "stopped", status.signal
+            pod.exit_code = status.exit_code
+
+        self.log.info("stopping job %s pod %s", pod.workload_id, pod.pod_index)
+        pod.stopping = asyncio.create_task(stop())
+
+    def _record_end(self, pod: _Pod, status: RankStatus) -> None:
+        pod.state, pod.exit_code, pod.signal = "exited", status.exit_code, status.signal
+        if status.exit_code != 0:
+            pod.reason = self._failure_reason(pod)
+        self.log.info("job %s pod %s exited (%s)", pod.workload_id, pod.pod_index, status.exit_code)
+
+    def _forget(self, pod: _Pod) -> None:
+        del self._pods[pod.workload_id, pod.pod_index]
+        if pod.rank_id:
+            self.runner.forget(pod.rank_id)
+        if not any(key[0] == pod.workload_id for key in self._pods):
+            self._ports.pop(pod.workload_id, None)
+
+    # ------------------------------------------------------------- logs
+    def _log_files(self, pod: _Pod) -> list[tuple[int, str, Path]]:
+        if not pod.rank_id:
+            return []
+        files = [
+            (-1 - pod.pod_index, stream, self.runner.log_dir / f"{pod.rank_id}.{stream}")
+            for stream in _LAUNCHER_STREAMS
+        ]
+        attempts = sorted((pod.directory / "ranks").glob("*/attempt_*"))
+        if attempts:
+            latest = attempts[-1]
+            for local in range(pod.local_ranks):
+                for stream in _LAUNCHER_STREAMS:
+                    path = latest / str(local) / f"{stream}.log"
+                    files.append((pod.first_rank + local, stream, path))
+        return files
+
+    def _read_logs(self, pod: _Pod) -> list[dict[str, Any]]:
+        chunks = []
+        for rank, stream, path in self._log_files(pod):
+            tail = pod.logs.setdefault((rank, stream), _LogFile(rank, stream))
+            while True:
+                chunk = _read_new(tail, path)
+                if chunk is None:
+                    break
+                chunks.append({"workload_id": pod.workload_id, **chunk})
+        return chunks
+
+    def _failure_reason(self, pod: _Pod) -> str:
+        """The last line the first rank to fail wrote to stderr, else the launcher's."""
+        launcher = _last_line(self.runner.log_dir / f"{pod.rank_id}.stderr", everything=True)
+        # torchrun lists every failed rank, and last the root cause: the first to fail.
+        root_cause = launcher.rfind("Root Cause")
+        failed = _FAILED_RANK.search(launcher, max(root_cause, 0))
+        for rank, stream, path in self._log_files(pod):
+            if stream != "stderr" or rank < 0:
+                continue
+            if failed is not None and rank != int(failed.group(1)):
+                continue
+            line = _RANK_PREFIX.sub("", _last_line(path))
+            if line:
+                return f"rank {rank}: {line}"
+        return _last_line(self.runner.log_dir / f"{pod.rank_id}.stderr")
+
+
+def _read_new(tail: _LogFile, path: Path) -> dict[str, Any] | None:
+    """The next chunk of ``path`` past what was read, as text; None when nothing new.
+
+    Offsets count the UTF-8 bytes of the text sent, so a stream's offsets stay
+    consistent even where the file held bytes that are not UTF-8 (sent as U+FFFD).
+    """
+    try:
+        with path.open("rb") as f:
+            f.seek(tail.position)
+            raw = f.read(CHUNK_BYTES)
+    except FileNotFoundError:
+        return None
+    if not raw:
+        return None
+    tail.position += len(raw)
+    text = tail.decoder.decode(raw)
+    if not text:
+        return None  # the start of a multi-byte character: the rest comes next time
+    chunk = {"rank": tail.rank, "stream": tail.stream, "offset": tail.offset, "data": text}
+    tail.offset += len(text.encode())
+    return chunk
+
+
+def _last_line(path: Path, everything: bool = False) -> str:
+    try:
+        text = path.read_bytes()[-65536:].decode(errors="replace")
+    except OSError:
+        return ""
+    if everything:
+        return text
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

@@ -1,0 +1,131 @@
+"""The REST API's bodies and answers for training jobs and the node agent's pod sync."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from .schemas import Strict, WorkloadOut
+
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class JobSubmitIn(Strict):
+    """A training job: ``gpus`` in pods of ``gpus_per_pod``, every pod in one zone."""
+
+    project: str = Field(min_length=1, max_length=64)
+    gpu_type: str = Field(min_length=1, max_length=64)
+    gpus: int | str = Field(description="GPUs in all; validated with a readable message")
+    gpus_per_pod: int | str | None = Field(
+        default=None, description="GPUs of each pod (one node); default: a whole node's worth"
+    )
+    priority: str | None = Field(default=None, max_length=32, description="a priority class")
+    name: str = Field(default="", max_length=100, description="default: job-<id>")
+    script: str = Field(min_length=1, max_length=1 << 20, description="the entry script's text")
+    script_name: str = Field(
+        default="train.py", min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_.-]+\.py$"
+    )
+    args: list[str] = Field(default_factory=list, max_length=256)
+    python: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="the interpreter the ranks run with (the session's own, sys.executable)",
+    )
+    cwd: str = Field(default="", max_length=4096, description="where the ranks start")
+    env: dict[str, str] = Field(
+        default_factory=dict, max_length=256, description="extra environment for the ranks"
+    )
+    checkpoint_uri: str = Field(
+        default="",
+        max_length=2000,
+        description="where checkpoints go (GPUFLEET_CHECKPOINT_URI); default: the "
+        "controller's job_checkpoint_store for this user and job name",
+    )
+
+
+class JobPodOut(BaseModel):
+    pod: int
+    node: str
+    state: str = Field(description="waiting|running|exited|stopped|failed")
+    ranks: list[int]
+    exit_code: int | None
+    signal: int | None
+    reason: str
+    started_at: datetime | None
+    ended_at: datetime | None
+
+
+class JobOut(WorkloadOut):
+    name: str
+    script_name: str
+    args: list[str]
+    checkpoint_uri: str
+    ranks: int
+    pod_states: list[JobPodOut]
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    total: int
+    offset: int
+    limit: int
+
+
+class LogOut(BaseModel):
+    rank: int
+    stream: str
+    offset: int
+    next_offset: int = Field(description="pass as offset to read on")
+    data: str
+    complete: bool = Field(description="the job ended: nothing will follow next_offset")
+
+
+class AgentPodIn(Strict):
+    workload_id: int
+    pod_index: int = Field(ge=0)
+    state: Literal["running", "exited", "stopped", "failed"]
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str = Field(default="", max_length=2000)
+
+
+class LogChunkIn(Strict):
+    workload_id: int
+    rank: int
+    stream: Literal["stdout", "stderr"]
+    offset: int = Field(ge=0)
+    data: str = Field(max_length=1 << 20)
+
+
+class AgentSyncIn(Strict):
+    nodes: list[str] = Field(max_length=10_000)
+    pods: list[AgentPodIn] = Field(default_factory=list, max_length=10_000)
+    logs: list[LogChunkIn] = Field(default_factory=list, max_length=10_000)
+    known: list[tuple[int, int]] = Field(
+        default_factory=list,
+        max_length=10_000,
+        description="(workload, pod) the agent runs or is stopping: the answer waits "
+        "only while these are exactly the pods the controller lists for its nodes",
+    )
+    wait: float = Field(default=0, ge=0, le=30)
+
+
+class DesiredPodOut(BaseModel):
+    workload_id: int
+    pod_index: int
+    pods: int
+    gpus_per_pod: int
+    node: str
+    gpu_uuids: list[str]
+    marker: str
+    run: bool
+    started: bool
+    username: str
+    name: str
+    spec: dict[str, object]
+
+
+class AgentSyncOut(BaseModel):
+    pods: list[DesiredPodOut]

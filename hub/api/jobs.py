@@ -1,0 +1,294 @@
+"""Training jobs in the REST API: submit, list, one job, its logs, cancel; and the node
+agent's pod sync (report what runs, learn what should)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ...scheduler.store.jobs import DesiredPod, JobSpec, LogChunk, PodReport
+from ...scheduler.store.models import JobPod, Workload, WorkloadKind, WorkloadState
+from ...scheduler.validation import JobRequest
+from .. import scopes
+from ..errors import BadRequest, Forbidden, NotFoundError
+from . import job_schemas as js
+from .base import APIHandler, Identity, store_errors_as_http
+from .views import MAX_WAIT_SECONDS, WORKLOAD_DETAILS, workload_out
+
+MAX_LOG_READ = 1 << 20
+
+
+def job_out(workload: Workload, pods: list[JobPod]) -> js.JobOut:
+    base = workload_out(workload).model_dump()
+    spec = workload.spec or {}
+    reported = {p.pod_index: p for p in pods}
+    placed = {a.pod_index: a.node.name for a in workload.allocations if a.closed_at is None}
+    per_pod = workload.gpus_per_pod
+    pod_states = []
+    for index in range(workload.pods):
+        row = reported.get(index)
+        ranks = list(range(index * per_pod, (index + 1) * per_pod))
+        if row is None:
+            pod_states.append(
+                js.JobPodOut(
+                    pod=index,
+                    node=placed.get(index, ""),
+                    state="waiting",
+                    ranks=ranks,
+                    exit_code=None,
+                    signal=None,
+                    reason="",
+                    started_at=None,
+                    ended_at=None,
+                )
+            )
+            continue
+        pod_states.append(
+            js.JobPodOut(
+                pod=index,
+                node=row.node,
+                state=row.state,
+                ranks=ranks,
+                exit_code=row.exit_code,
+                signal=row.signal,
+                reason=row.reason,
+                started_at=row.started_at,
+                ended_at=row.ended_at,
+            )
+        )
+    return js.JobOut(
+        **base,
+        name=workload.name,
+        script_name=str(spec.get("script_name", "")),
+        args=[str(a) for a in spec.get("args", [])],
+        checkpoint_uri=str(spec.get("checkpoint_uri", "")),
+        ranks=workload.pods * per_pod,
+        pod_states=pod_states,
+    )
+
+
+def load_job(session: Session, identity: Identity, workload_id: int) -> Workload:
+    """The job, if the caller may see it (a researcher's own; anyone's for admins)."""
+    workload = session.scalar(
+        select(Workload).where(Workload.id == workload_id).options(*WORKLOAD_DETAILS)
+    )
+    if (
+        workload is None
+        or workload.kind != WorkloadKind.job
+        or not (identity.is_admin or identity.may_act_for(workload.username))
+    ):
+        raise NotFoundError(f"there is no job {workload_id}")
+    return workload
+
+
+def _pods_of(session: Session, workload_ids: list[int]) -> dict[int, list[JobPod]]:
+    found: dict[int, list[JobPod]] = {i: [] for i in workload_ids}
+    for row in session.scalars(
+        select(JobPod).where(JobPod.workload_id.in_(workload_ids)).order_by(JobPod.pod_index)
+    ):
+        found[row.workload_id].append(row)
+    return found
+
+
+class JobsHandler(APIHandler):
+    async def get(self) -> None:
+        identity = self.require(scopes.USE)
+        offset = self.int_argument("offset", 0, 0, 10**9)
+        limit = self.int_argument("limit", 100, 1, 1000)
+        username = self.get_query_argument("username", None)
+        states = self.get_query_arguments("state")
+        if not identity.is_admin:
+            if username not in (None, identity.name):
+                raise Forbidden("you may list only your own jobs")
+            username = identity.name
+        for state in states:
+            if state not in WorkloadState.__members__:
+                raise BadRequest(
+                    f"unknown state {state!r}; use one of: {', '.join(WorkloadState.__members__)}"
+                )
+        query = select(Workload).where(Workload.kind == WorkloadKind.job)
+        if username is not None:
+            query = query.where(Workload.username == username)
+        if states:
+            query = query.where(Workload.state.in_([WorkloadState(s) for s in states]))
+        with self.controller.store.read() as session:
+            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = session.scalars(
+                query.order_by(Workload.id.desc())
+                .offset(offset)
+                .limit(limit)
+                .options(*WORKLOAD_DETAILS)
+            ).all()
+            pods = _pods_of(session, [w.id for w in rows])
+            items = [job_out(w, pods[w.id]) for w in rows]
+        self.send(js.JobList(items=items, total=total, offset=offset, limit=limit))
+
+    async def post(self) -> None:
+        identity = self.require(scopes.USE)
+        if identity.kind != "user":
+            raise Forbidden("jobs are submitted by users, with their own token")
+        body = self.body(js.JobSubmitIn)
+        controller = self.controller
+        request = JobRequest(
+            username=identity.name,
+            project=body.project,
+            gpu_type=body.gpu_type,
+            gpus=body.gpus,
+            gpus_per_pod=body.gpus_per_pod,
+            priority_class=body.priority,
+            name=body.name,
+        )
+        spec = JobSpec(
+            script=body.script,
+            python=body.python,
+            script_name=body.script_name,
+            args=tuple(body.args),
+            cwd=body.cwd,
+            env=body.env,
+            checkpoint_uri=body.checkpoint_uri or controller.job_checkpoint_store,
+            grace_s=controller.job_stop_grace_seconds,
+        )
+        await controller.refresh_memberships(max_age=5.0)
+        with store_errors_as_http():
+            workload = controller.store.open_job(controller.now(), request, spec)
+        controller.kick()
+        with controller.store.read() as session:
+            self.send(job_out(load_job(session, identity, workload.id), []), status=201)
+
+
+class JobHandler(APIHandler):
+    """One job; ``?wait=S&version=N`` long-polls until its version differs from N."""
+
+    async def get(self, workload_id: str) -> None:
+        identity = self.require(scopes.USE)
+        wait = self.int_argument("wait", 0, 0, MAX_WAIT_SECONDS)
+        known_version = self.int_argument("version", 0, 0, 2**62)
+        wid = int(workload_id)
+        with self.controller.store.read() as session:
+            version = load_job(session, identity, wid).version
+        if wait and version == known_version:
+            await self.controller.notifier.wait_for_change(wid, wait)
+        with self.controller.store.read() as session:
+            workload = load_job(session, identity, wid)
+            self.send(job_out(workload, _pods_of(session, [wid])[wid]))
+
+
+class JobCancelHandler(APIHandler):
+    async def post(self, workload_id: str) -> None:
+        identity = self.require(scopes.USE)
+        wid = int(workload_id)
+        with self.controller.store.read() as session:
+            load_job(session, identity, wid)
+        with store_errors_as_http():
+            self.controller.store.cancel_job(self.controller.now(), wid, identity.name)
+        self.controller.notifier.changed([wid])
+        self.controller.kick()
+        with self.controller.store.read() as session:
+            workload = load_job(session, identity, wid)
+            self.send(job_out(workload, _pods_of(session, [wid])[wid]))
+
+
+class JobLogsHandler(APIHandler):
+    """One rank's stdout or stderr from ``offset`` on; ``wait`` long-polls for more while
+    the job runs."""
+
+    async def get(self, workload_id: str) -> None:
+        identity = self.require(scopes.USE)
+        wid = int(workload_id)
+        rank = self.int_argument("rank", 0, -(10**6), 10**6)
+        offset = self.int_argument("offset", 0, 0, 2**62)
+        wait = self.int_argument("wait", 0, 0, MAX_WAIT_SECONDS)
+        stream = self.get_query_argument("stream", "stdout")
+        if stream not in ("stdout", "stderr"):
+            raise BadRequest(f"stream must be stdout or stderr, not {stream!r}")
+        with self.controller.store.read() as session:
+            workload = load_job(session, identity, wid)
+            ranks = workload.pods * workload.gpus_per_pod
+            if not -workload.pods <= rank < ranks:
+                raise BadRequest(
+                    f"job {wid} has ranks 0-{ranks - 1} (and -1 to -{workload.pods} for its "
+                    f"pods' launchers); there is no rank {rank}"
+                )
+        store = self.controller.store
+        piece = store.read_log(wid, rank, stream, offset, MAX_LOG_READ)
+        ended = self._ended(identity, wid)
+        if wait and not piece.data and not ended:
+            await self.controller.notifier.wait_for_change(wid, wait)
+            piece = store.read_log(wid, rank, stream, offset, MAX_LOG_READ)
+            ended = self._ended(identity, wid)
+        if ended:  # everything the agent sent arrived before the job ended
+            ended = store.read_log(wid, rank, stream, piece.next_offset, 1).data == ""
+        self.send(
+            js.LogOut(
+                rank=rank,
+                stream=stream,
+                offset=offset,
+                next_offset=piece.next_offset,
+                data=piece.data,
+                complete=ended,
+            )
+        )
+
+    def _ended(self, identity: Identity, wid: int) -> bool:
+        with self.controller.store.read() as session:
+            return load_job(session, identity, wid).state == WorkloadState.ended
+
+
+class AgentPodsHandler(APIHandler):
+    """The node agent's sync: its reports and log chunks in, the pods of its nodes out.
+
+    With ``wait``, an agent that knows exactly the pods listed for its nodes is answered
+    when a workload changes (an admission, a cancel, a preemption) or after ``wait``
+    seconds.
+    """
+
+    async def post(self) -> None:
+        self.require(scopes.AGENT)
+        body = self.body(js.AgentSyncIn)
+        controller = self.controller
+        reports = [
+            PodReport(p.workload_id, p.pod_index, p.state, p.exit_code, p.signal, p.reason)
+            for p in body.pods
+        ]
+        chunks = [LogChunk(c.workload_id, c.rank, c.stream, c.offset, c.data) for c in body.logs]
+        with store_errors_as_http():
+            result = controller.store.agent_sync(controller.now(), body.nodes, reports, chunks)
+        if result.changed:
+            controller.notifier.changed(result.changed)
+            controller.kick()  # GPUs may have been released
+        elif chunks:
+            controller.notifier.changed({c.workload_id for c in chunks})
+        desired = result.desired
+        if body.wait and {(p.workload_id, p.pod_index) for p in desired} == set(body.known):
+            await controller.notifier.wait_for_any_change(body.wait)
+            desired = controller.store.desired_pods(body.nodes)
+        self.send(js.AgentSyncOut(pods=[_desired_out(p) for p in desired]))
+
+
+def _desired_out(pod: DesiredPod) -> js.DesiredPodOut:
+    return js.DesiredPodOut(
+        workload_id=pod.workload_id,
+        pod_index=pod.pod_index,
+        pods=pod.pods,
+        gpus_per_pod=pod.gpus_per_pod,
+        node=pod.node,
+        gpu_uuids=list(pod.gpu_uuids),
+        marker=pod.marker,
+        run=pod.run,
+        started=pod.started,
+        username=pod.username,
+        name=pod.name,
+        spec=pod.spec,
+    )
+
+
+def job_routes(api: str) -> list[tuple[str, Any]]:
+    return [
+        (rf"{api}/jobs", JobsHandler),
+        (rf"{api}/jobs/(\d+)", JobHandler),
+        (rf"{api}/jobs/(\d+)/cancel", JobCancelHandler),
+        (rf"{api}/jobs/(\d+)/logs", JobLogsHandler),
+        (rf"{api}/agent/pods", AgentPodsHandler),
+    ]

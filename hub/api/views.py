@@ -1,0 +1,61 @@
+"""How the API shows a workload: the answer models built from the database rows."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from ...scheduler.store.models import Allocation, Workload
+from ..errors import NotFoundError
+from . import schemas
+
+MAX_WAIT_SECONDS = 60
+
+
+# What workload_out reads, loaded up front.
+WORKLOAD_DETAILS = (
+    selectinload(Workload.project),
+    selectinload(Workload.allocations).selectinload(Allocation.gpu),
+    selectinload(Workload.allocations).selectinload(Allocation.node),
+)
+
+
+def workload_out(workload: Workload) -> schemas.WorkloadOut:
+    return schemas.WorkloadOut(
+        id=workload.id,
+        kind=workload.kind.value,
+        state=workload.state.value,
+        outcome=workload.outcome,
+        project=workload.project.name,
+        username=workload.username,
+        server_name=workload.server_name,
+        profile=workload.profile,
+        gpu_type=workload.gpu_type,
+        pods=workload.pods,
+        gpus_per_pod=workload.gpus_per_pod,
+        gpus=workload.gpus,
+        priority_class=workload.priority_class,
+        queue_position=workload.queue_position,
+        reason=workload.reason,
+        version=workload.version,
+        created_at=workload.created_at,
+        admitted_at=workload.admitted_at,
+        started_at=workload.started_at,
+        ended_at=workload.ended_at,
+        allocations=[
+            schemas.GpuOut(
+                uuid=a.gpu_uuid, index=a.gpu.index, pci_bus_id=a.gpu.pci_bus_id, node=a.node.name
+            )
+            for a in sorted(workload.allocations, key=lambda a: a.gpu.index)
+            if a.closed_at is None
+        ],
+    )
+
+
+def load_workload(session: Session, workload_id: int) -> Workload:
+    workload = session.scalar(
+        select(Workload).where(Workload.id == workload_id).options(*WORKLOAD_DETAILS)
+    )
+    if workload is None:
+        raise NotFoundError(f"there is no workload {workload_id}")
+    return workload

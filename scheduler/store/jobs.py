@@ -1,0 +1,473 @@
+"""Training jobs in the store: submission, what the node agents report of their pods,
+cancel, and the per-rank logs.
+
+A job is a workload of kind ``job`` whose ``spec`` says how to launch it. The scheduler
+admits and places it like any workload (a gang: every pod in one zone, or nothing). The
+node agents then learn their pods from ``agent_sync``, the one call by which an agent
+reports what it runs and is told what it should run. The invariants:
+
+- a pod's GPUs are released only when every pod of the job has been reported ended
+  (exited on its own, stopped by the agent, or never started): ``_end`` closes the
+  allocations, and only ``agent_sync`` (or the reconciler, once no process of the job is
+  alive) calls it for a job that held GPUs;
+- one pod failing stops the others: the job goes ``stopping`` with outcome ``failed``
+  and every pod's ``run`` turns false;
+- a pod reported ended stays ended: a late or repeated report cannot revive it.
+
+Mixed into ``FleetStore``; every write is fenced by the controller lease.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload
+
+from ..errors import InvalidRequest
+from ..validation import Catalogue, JobRequest, validate_job_request
+from .base import StoreBase, _event, _get_workload, _preemptible
+from .models import (
+    Allocation,
+    JobLog,
+    JobPod,
+    Node,
+    Project,
+    Workload,
+    WorkloadKind,
+    WorkloadState,
+)
+
+ACTIVE = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
+POD_STATES = ("running", "exited", "stopped", "failed")
+ENDED_POD_STATES = frozenset({"exited", "stopped", "failed"})
+LOG_STREAMS = ("stdout", "stderr")
+MAX_SCRIPT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """How a job is launched: ``python -m torch.distributed.run ... script args``.
+
+    ``python`` is the submitting session's own interpreter, so the job runs with the
+    session's environment; ``env`` is what the submitter chose to pass on (never the
+    session's tokens); ``cwd`` is where the ranks start, if it exists on the node.
+    """
+
+    script: str
+    python: str
+    script_name: str = "train.py"
+    args: tuple[str, ...] = ()
+    cwd: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    checkpoint_uri: str = ""
+    grace_s: float = 30.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "script": self.script,
+            "python": self.python,
+            "script_name": self.script_name,
+            "args": list(self.args),
+            "cwd": self.cwd,
+            "env": dict(self.env),
+            "checkpoint_uri": self.checkpoint_uri,
+            "grace_s": self.grace_s,
+        }
+
+
+@dataclass(frozen=True)
+class PodReport:
+    """What an agent says of one pod it was told about."""
+
+    workload_id: int
+    pod_index: int
+    state: str  # one of POD_STATES
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str = ""  # for an ended pod: what went wrong, in words (the last error line)
+
+
+@dataclass(frozen=True)
+class LogChunk:
+    workload_id: int
+    rank: int  # a global rank; negative: pod ``-1 - rank``'s launcher
+    stream: str  # "stdout" or "stderr"
+    offset: int  # bytes of the stream before this chunk
+    data: str
+
+
+@dataclass(frozen=True)
+class DesiredPod:
+    """One pod an agent should run (``run``) or make sure is gone (not ``run``)."""
+
+    workload_id: int
+    pod_index: int
+    pods: int
+    gpus_per_pod: int
+    node: str
+    gpu_uuids: tuple[str, ...]
+    marker: str
+    run: bool
+    started: (
+        bool  # the agent reported it running before (an agent that lost it must not restart it)
+    )
+    username: str
+    name: str
+    spec: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    desired: list[DesiredPod]
+    changed: list[int]  # workloads whose visible state changed (for long-polling readers)
+
+
+@dataclass(frozen=True)
+class LogSlice:
+    data: str
+    next_offset: int
+
+
+class JobStore(StoreBase):
+    def catalogue(self, session: Session, username: str) -> Catalogue:
+        raise NotImplementedError  # FleetStore's: what the fleet offers the user
+
+    def open_job(self, now: datetime, request: JobRequest, spec: JobSpec) -> Workload:
+        """Validate and queue a job; nothing is recorded for a request that cannot run."""
+        if len(spec.script.encode()) > MAX_SCRIPT_BYTES:
+            raise InvalidRequest(
+                f"the entry script has {len(spec.script.encode())} bytes; the limit is "
+                f"{MAX_SCRIPT_BYTES} (put the code in a module the script imports)"
+            )
+        if not spec.python.startswith("/"):
+            raise InvalidRequest(
+                f"python must be an absolute path to the interpreter, not {spec.python!r}"
+            )
+        with self._write(now) as session:
+            valid = validate_job_request(request, self.catalogue(session, request.username))
+            project = session.scalar(select(Project).where(Project.name == valid.project))
+            assert project is not None  # validation checked membership of an existing project
+            priority = valid.priority_class or project.default_priority
+            workload = Workload(
+                kind=WorkloadKind.job,
+                project=project,
+                username=request.username,
+                name=valid.name,
+                gpu_type=valid.gpu_type,
+                pods=valid.pods,
+                gpus_per_pod=valid.gpus_per_pod,
+                priority_class=priority,
+                preemptible=_preemptible(session, priority),
+                state=WorkloadState.pending,
+                reason="waiting for the next admission cycle",
+                created_at=now,
+                # Known before any process starts: the reconciler tells the job's
+                # processes by it (each pod's marker extends it, see recovery.processes).
+                process_marker=uuid.uuid4().hex,
+            )
+            session.add(workload)
+            session.flush()
+            if not workload.name:
+                workload.name = f"job-{workload.id}"
+            checkpoint = spec.checkpoint_uri.format(
+                user=request.username, job=workload.name, id=workload.id
+            )
+            workload.spec = {**spec.as_json(), "checkpoint_uri": checkpoint}
+            _event(
+                session,
+                now,
+                "requested",
+                f"{request.username} submitted job {workload.name}: {workload.gpus} × "
+                f"{valid.gpu_type} as {valid.pods} pod(s) of {valid.gpus_per_pod} in project "
+                f"{project.name} ({priority})",
+                workload=workload,
+            )
+            return workload
+
+    def cancel_job(self, now: datetime, workload_id: int, by: str) -> Workload:
+        """Cancel: a waiting job ends at once; a placed one stops (its GPUs wait for that)."""
+        with self._write(now) as session:
+            workload = _get_workload(session, workload_id)
+            if workload.kind != WorkloadKind.job:
+                raise InvalidRequest(
+                    f"workload {workload_id} is a session; stop it from the hub's home page"
+                )
+            if workload.state == WorkloadState.pending:
+                self._end(session, now, workload, "cancelled", f"cancelled by {by} while waiting")
+            elif workload.state in (WorkloadState.admitted, WorkloadState.running):
+                workload.state = WorkloadState.stopping
+                workload.outcome = "cancelled"
+                workload.reason = f"cancelled by {by}; stopping every rank"
+                workload.version += 1
+                _event(session, now, "job-cancelled", workload.reason, workload=workload)
+            return workload
+
+    def agent_sync(
+        self,
+        now: datetime,
+        node_names: Sequence[str],
+        reports: Iterable[PodReport],
+        chunks: Iterable[LogChunk],
+    ) -> SyncResult:
+        """Record an agent's pod reports and log chunks; answer the pods of its nodes."""
+        nodes = set(node_names)
+        changed: set[int] = set()
+        with self._write(now) as session:
+            _store_chunks(session, now, chunks)
+            by_workload: dict[int, list[PodReport]] = defaultdict(list)
+            for report in reports:
+                by_workload[report.workload_id].append(report)
+            for workload_id, pod_reports in sorted(by_workload.items()):
+                workload = session.get(Workload, workload_id)
+                if workload is None or workload.kind != WorkloadKind.job:
+                    continue
+                if self._apply_reports(session, now, workload, pod_reports, nodes):
+                    changed.add(workload.id)
+            desired = _desired_pods(session, nodes)
+        return SyncResult(desired, sorted(changed))
+
+    def _apply_reports(
+        self,
+        session: Session,
+        now: datetime,
+        workload: Workload,
+        reports: list[PodReport],
+        nodes: set[str],
+    ) -> bool:
+        if workload.state not in ACTIVE:
+            return False
+        placed = {a.pod_index: a.node.name for a in workload.allocations if a.closed_at is None}
+        rows = {p.pod_index: p for p in _pods(session, workload.id)}
+        visible = False
+        for report in reports:
+            node = placed.get(report.pod_index)
+            if node is None or node not in nodes or report.state not in POD_STATES:
+                continue  # not a pod of this agent's nodes: not its to report
+            row = rows.get(report.pod_index)
+            if row is None:
+                row = JobPod(
+                    workload_id=workload.id, pod_index=report.pod_index, node=node, state=""
+                )
+                session.add(row)
+                rows[report.pod_index] = row
+            if row.state in ENDED_POD_STATES or row.state == report.state:
+                continue
+            row.state = report.state
+            row.exit_code, row.signal, row.reason = report.exit_code, report.signal, report.reason
+            if report.state == "running":
+                row.started_at = now
+                if workload.state == WorkloadState.admitted:
+                    workload.state = WorkloadState.running
+                    workload.started_at = now
+                    workload.reason = f"running: {workload.pods * workload.gpus_per_pod} rank(s)"
+                    visible = True
+                    _event(session, now, "started", workload.reason, workload=workload)
+                continue
+            row.ended_at = now
+            _event(
+                session,
+                now,
+                "job-pod-ended",
+                f"pod {report.pod_index} on {node}: {_pod_ending(row)}",
+                reason=report.state,
+                workload=workload,
+                node=node,
+                data={"pod": report.pod_index, "exit_code": row.exit_code, "signal": row.signal},
+            )
+            failed = report.state == "failed" or (
+                report.state == "exited" and report.exit_code != 0
+            )
+            if failed and workload.state != WorkloadState.stopping:
+                workload.state = WorkloadState.stopping
+                workload.outcome = "failed"
+                workload.reason = f"pod {report.pod_index} on {node} {_pod_ending(row)}"
+                visible = True
+                _event(
+                    session,
+                    now,
+                    "job-failed",
+                    f"{workload.reason}; stopping the other pods",
+                    workload=workload,
+                )
+        ended = [rows.get(i) for i in range(workload.pods)]
+        if all(row is not None and row.state in ENDED_POD_STATES for row in ended):
+            self._end(session, now, workload, *_job_ending(workload, ended))
+            visible = True
+        if visible:
+            workload.version += 1
+        return visible
+
+    def desired_pods(self, node_names: Sequence[str]) -> list[DesiredPod]:
+        with self.read() as session:
+            return _desired_pods(session, set(node_names))
+
+    def job_pods(self, workload_id: int) -> list[JobPod]:
+        with self.read() as session:
+            return list(_pods(session, workload_id))
+
+    def read_log(
+        self, workload_id: int, rank: int, stream: str, offset: int, max_bytes: int
+    ) -> LogSlice:
+        """From ``offset`` (bytes into the stream) on, at most about ``max_bytes``."""
+        with self.read() as session:
+            start = session.scalar(
+                select(func.max(JobLog.offset)).where(
+                    JobLog.workload_id == workload_id,
+                    JobLog.rank == rank,
+                    JobLog.stream == stream,
+                    JobLog.offset <= offset,
+                )
+            )
+            rows = session.execute(
+                select(JobLog.offset, JobLog.data)
+                .where(
+                    JobLog.workload_id == workload_id,
+                    JobLog.rank == rank,
+                    JobLog.stream == stream,
+                    JobLog.offset >= (start if start is not None else offset),
+                )
+                .order_by(JobLog.offset)
+            )
+            pieces: list[bytes] = []
+            size = 0
+            next_offset = offset
+            for chunk_offset, data in rows:
+                raw = data.encode()
+                if chunk_offset + len(raw) <= offset:
+                    continue
+                if chunk_offset > next_offset:
+                    break  # a gap: the rest has not arrived yet
+                piece = raw[next_offset - chunk_offset :]
+                pieces.append(piece)
+                size += len(piece)
+                next_offset = chunk_offset + len(raw)
+                if size >= max_bytes:
+                    break
+        return LogSlice(b"".join(pieces).decode(errors="replace"), next_offset)
+
+
+def _pods(session: Session, workload_id: int) -> Sequence[JobPod]:
+    return session.scalars(
+        select(JobPod).where(JobPod.workload_id == workload_id).order_by(JobPod.pod_index)
+    ).all()
+
+
+def _store_chunks(session: Session, now: datetime, chunks: Iterable[LogChunk]) -> None:
+    """Append chunks, each once: a chunk at a (rank, stream, offset) already stored is the
+    same chunk sent again."""
+    fresh: dict[tuple[int, int, str, int], LogChunk] = {}
+    for chunk in chunks:
+        if chunk.stream in LOG_STREAMS and chunk.offset >= 0 and chunk.data:
+            fresh[chunk.workload_id, chunk.rank, chunk.stream, chunk.offset] = chunk
+    if not fresh:
+        return
+    known = set(
+        session.execute(
+            select(JobLog.workload_id, JobLog.rank, JobLog.stream, JobLog.offset).where(
+                JobLog.workload_id.in_({key[0] for key in fresh}),
+                JobLog.offset.in_({key[3] for key in fresh}),
+            )
+        ).tuples()
+    )
+    jobs = set(
+        session.scalars(
+            select(Workload.id).where(
+                Workload.id.in_({key[0] for key in fresh}), Workload.kind == WorkloadKind.job
+            )
+        )
+    )
+    for key, chunk in fresh.items():
+        if key not in known and chunk.workload_id in jobs:
+            session.add(
+                JobLog(
+                    workload_id=chunk.workload_id,
+                    rank=chunk.rank,
+                    stream=chunk.stream,
+                    offset=chunk.offset,
+                    data=chunk.data,
+                    at=now,
+                )
+            )
+
+
+def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
+    rows = session.execute(
+        select(Allocation, Workload)
+        .join(Workload, Allocation.workload_id == Workload.id)
+        .join(Node, Allocation.node_id == Node.id)
+        .where(
+            Allocation.closed_at.is_(None),
+            Node.name.in_(nodes),
+            Workload.kind == WorkloadKind.job,
+            Workload.state.in_(ACTIVE),
+        )
+        .options(selectinload(Allocation.gpu), selectinload(Allocation.node))
+    ).all()
+    gpus: dict[tuple[int, int], list[tuple[int, str]]] = defaultdict(list)
+    where: dict[tuple[int, int], str] = {}
+    workloads: dict[int, Workload] = {}
+    for allocation, workload in rows:
+        key = (workload.id, allocation.pod_index)
+        gpus[key].append((allocation.gpu.index, allocation.gpu_uuid))
+        where[key] = allocation.node.name
+        workloads[workload.id] = workload
+    pod_rows = {
+        (p.workload_id, p.pod_index): p
+        for p in session.scalars(select(JobPod).where(JobPod.workload_id.in_(workloads)))
+    }
+    desired = []
+    for (workload_id, pod_index), node in sorted(where.items()):
+        workload = workloads[workload_id]
+        row = pod_rows.get((workload_id, pod_index))
+        if row is not None and row.state in ENDED_POD_STATES:
+            continue  # reported ended: nothing left for the agent to do
+        desired.append(
+            DesiredPod(
+                workload_id=workload_id,
+                pod_index=pod_index,
+                pods=workload.pods,
+                gpus_per_pod=workload.gpus_per_pod,
+                node=node,
+                gpu_uuids=tuple(u for _, u in sorted(gpus[workload_id, pod_index])),
+                marker=workload.process_marker or "",
+                run=workload.state != WorkloadState.stopping,
+                started=row is not None,
+                username=workload.username,
+                name=workload.name,
+                spec=dict(workload.spec or {}),
+            )
+        )
+    return desired
+
+
+def _pod_ending(row: JobPod) -> str:
+    if row.state == "exited":
+        how = f"exited with code {row.exit_code}"
+    elif row.state == "failed":
+        how = "could not start"
+    elif row.signal is not None:
+        how = f"was stopped (signal {row.signal})"
+    else:
+        how = "was stopped"
+    return f"{how}: {row.reason}" if row.reason else how
+
+
+def _job_ending(workload: Workload, pods: list[JobPod | None]) -> tuple[str, str]:
+    """The outcome and message of a job all of whose pods ended."""
+    if workload.outcome == "cancelled":
+        return "cancelled", workload.reason.replace("stopping every rank", "every rank stopped")
+    if workload.outcome == "failed":
+        return "failed", workload.reason
+    if workload.state == WorkloadState.stopping:
+        return "stopped", "every rank stopped"  # _end says "preempted" for a preemption
+    unclean = [p for p in pods if p is not None and (p.state != "exited" or p.exit_code != 0)]
+    if unclean:
+        return "failed", f"pod {unclean[0].pod_index} {_pod_ending(unclean[0])}"
+    ranks = workload.pods * workload.gpus_per_pod
+    return "succeeded", f"all {ranks} rank(s) exited with code 0"

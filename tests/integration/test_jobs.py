@@ -1,0 +1,172 @@
+"""Training jobs on the local backend, end to end: the SDK submits to the real controller,
+the scheduler places the gang, the node agent runs each pod under torchrun (CPU PyTorch,
+gloo) and sends each rank's output back; cancel and failures end every rank before the
+GPUs go back."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufleet.client import ApiError, Client
+
+from .harness import Hub, wait_for
+
+pytestmark = pytest.mark.integration
+
+ALL_REDUCE = textwrap.dedent(
+    """
+    import os, pathlib, sys
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    print(f"rank {rank}/{world} local {os.environ['LOCAL_RANK']} sum {total.item():.0f} "
+          f"gpus {os.environ['CUDA_VISIBLE_DEVICES']} args {sys.argv[1:]}")
+    if rank == 0:
+        out = pathlib.Path(os.environ["GPUFLEET_CHECKPOINT_URI"]) / "step-1.txt"
+        out.write_text("checkpoint of step 1")
+    print(f"rank {rank} done", file=sys.stderr)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.fixture
+def alice(fleet: Hub) -> Iterator[Client]:
+    with Client(fleet.controller_api, fleet.user_token("alice")) as client:
+        yield client
+
+
+def submit(client: Client, script: str, **options: object) -> int:
+    defaults: dict[str, object] = {"gpus": 2, "gpu_type": "A100-80GB", "project": "vision"}
+    job = client.submit(script, **{**defaults, **options})
+    return job.id
+
+
+def test_a_two_rank_job_all_reduces_and_keeps_each_ranks_output(fleet: Hub, alice: Client) -> None:
+    job_id = submit(alice, ALL_REDUCE, name="allreduce", args=["--lr", "0.1"])
+    job = alice.wait(job_id, timeout=120)
+    assert (job.state, job.outcome) == ("ended", "succeeded"), job.reason
+    assert job.reason == "all 2 rank(s) exited with code 0"
+    assert [p.state for p in job.pod_states] == ["exited"] and job.pod_states[0].exit_code == 0
+    outputs = ["".join(alice.logs(job_id, rank=rank)) for rank in (0, 1)]
+    for rank, output in enumerate(outputs):
+        assert f"rank {rank}/2 local {rank} sum 3 " in output
+        assert "args ['--lr', '0.1']" in output
+    # Each rank sees the pod's two GPUs, as torchrun hands them on.
+    assert outputs[0].split("gpus ")[1].split()[0].count(",") == 1
+    assert "rank 1 done" in "".join(alice.logs(job_id, rank=1, stream="stderr"))
+    checkpoint = Path(job.checkpoint_uri)
+    assert checkpoint.parts[-2:] == ("alice", "allreduce")
+    assert (checkpoint / "step-1.txt").read_text() == "checkpoint of step 1"
+    kinds = [e.kind for e in alice.events(workload_id=job_id)]
+    assert {"requested", "admitted", "started", "job-pod-ended", "ended"} <= set(kinds)
+    assert not job.allocations  # every GPU went back
+
+
+def test_a_gang_of_two_pods_is_one_world(fleet: Hub, alice: Client) -> None:
+    job_id = submit(alice, ALL_REDUCE, gpus=2, gpus_per_pod=1)
+    job = alice.wait(job_id, timeout=120)
+    assert job.outcome == "succeeded", job.reason
+    assert job.pods == 2 and [p.ranks for p in job.pod_states] == [[0], [1]]
+    # Both pods in one zone, as every gang.
+    assert "rank 1/2 local 0 sum 3" in "".join(alice.logs(job_id, rank=1))
+
+
+def test_a_failing_rank_fails_the_job_with_its_error(fleet: Hub, alice: Client) -> None:
+    script = ALL_REDUCE.replace(
+        'dist.init_process_group("gloo")',
+        'dist.init_process_group("gloo")\n'
+        'if dist.get_rank() == 1:\n    raise RuntimeError("loss is nan at step 7")',
+    )
+    job = alice.wait(submit(alice, script), timeout=120)
+    assert job.outcome == "failed"
+    assert "rank 1: RuntimeError: loss is nan at step 7" in job.reason, job.reason
+    failed = [e for e in alice.events(workload_id=job.id) if e.kind == "job-failed"]
+    assert failed and "RuntimeError: loss is nan" in failed[0].message
+
+
+LOOPS_UNTIL_SIGTERM = textwrap.dedent(
+    """
+    import os, signal, sys, time
+
+    def checkpoint(signum, frame):
+        print(f"rank {os.environ['RANK']} saving a checkpoint", flush=True)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, checkpoint)
+    print(f"rank {os.environ['RANK']} pid {os.getpid()} training", flush=True)
+    while True:
+        time.sleep(0.1)
+    """
+)
+
+
+def test_cancel_signals_every_rank_and_releases_the_gpus_only_once_they_are_gone(
+    fleet: Hub, alice: Client
+) -> None:
+    job_id = submit(alice, LOOPS_UNTIL_SIGTERM)
+
+    def training() -> list[int] | None:
+        pids = []
+        for rank in (0, 1):
+            output = "".join(alice.logs(job_id, rank=rank))
+            if "training" not in output:
+                return None
+            pids.append(int(output.split(" pid ")[1].split()[0]))
+        return pids
+
+    pids = wait_for(training, 120, "both ranks training")
+    assert alice.job(job_id).state == "running"
+    cancelled = alice.cancel(job_id)
+    assert cancelled.state in ("stopping", "ended")
+    job = alice.wait(job_id, timeout=60)
+    assert job.outcome == "cancelled" and job.reason.startswith("cancelled by alice")
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    for rank in (0, 1):
+        assert f"rank {rank} saving a checkpoint" in "".join(alice.logs(job_id, rank=rank))
+    # The GPUs are free again: a 4-GPU session fits on either node.
+    fleet.start_session("alice", project="vision", gpu_type="A100-80GB", gpus=4)
+
+
+def test_logs_follow_a_running_job_until_it_ends(fleet: Hub, alice: Client) -> None:
+    script = (
+        "import time\nfor i in range(3):\n    print('step', i, flush=True)\n    time.sleep(1)\n"
+    )
+    job_id = submit(alice, script, gpus=1)
+    followed = "".join(alice.logs(job_id, follow=True))
+    assert followed.split() == ["step", "0", "step", "1", "step", "2"]
+    assert alice.job(job_id).state == "ended"
+
+
+def test_bad_submissions_say_what_to_fix_and_record_nothing(fleet: Hub, alice: Client) -> None:
+    before = len(alice.jobs())
+    cases = {
+        "3 GPUs do not split into pods of 2": {"gpus": 3, "gpus_per_pod": 2},
+        "is not a member of project 'nope'": {"project": "nope"},
+        "a job runs inside one zone and the largest zone has 4": {"gpus": 8},
+        "unknown priority class 'urgent'": {"priority": "urgent"},
+    }
+    for message, options in cases.items():
+        with pytest.raises(ApiError) as raised:
+            submit(alice, ALL_REDUCE, **options)
+        assert raised.value.status == 400 and message in raised.value.message
+    assert len(alice.jobs()) == before
+
+
+def test_a_researcher_sees_and_cancels_only_their_own_jobs(fleet: Hub, alice: Client) -> None:
+    job_id = submit(alice, LOOPS_UNTIL_SIGTERM)
+    with Client(fleet.controller_api, fleet.user_token("bob")) as bob:
+        assert job_id not in [j.id for j in bob.jobs()]
+        for attempt in (bob.job, bob.cancel, lambda j: list(bob.logs(j))):
+            with pytest.raises(ApiError) as raised:
+                attempt(job_id)
+            assert raised.value.status == 404
+    assert alice.cancel(job_id).outcome == "cancelled"
