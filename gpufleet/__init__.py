@@ -6,3 +6,10 @@ installed with the ``server`` extra.
 """
 
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext gpufleet``: the notebook magics (``gpufleet.magics``)."""
+    from .magics import load_ipython_extension as load
+
+    load(ipython)

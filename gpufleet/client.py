@@ -405,6 +405,16 @@ class Client(_Common):
         """Stop every rank; the GPUs are released once they are gone."""
         return self._run(_cancel(_job_id(job)))
 
+    def watch(self, job: int | JobOut) -> Iterator[JobOut]:
+        """The job now, then again at every change, until it has ended."""
+        current = self._run(_job(_job_id(job)))
+        yield current
+        while current.state != "ended":
+            newer = self._run(_job(current.id, LONG_POLL_S, current.version))
+            if newer.version != current.version:
+                yield newer
+            current = newer
+
     def logs(
         self, job: int | JobOut, rank: int = 0, stream: str = "stdout", follow: bool = False
     ) -> Iterator[str]:
@@ -495,6 +505,15 @@ class AsyncClient(_Common):
 
     async def cancel(self, job: int | JobOut) -> JobOut:
         return await self._run(_cancel(_job_id(job)))
+
+    async def watch(self, job: int | JobOut) -> AsyncIterator[JobOut]:
+        current = await self._run(_job(_job_id(job)))
+        yield current
+        while current.state != "ended":
+            newer = await self._run(_job(current.id, LONG_POLL_S, current.version))
+            if newer.version != current.version:
+                yield newer
+            current = newer
 
     async def logs(
         self, job: int | JobOut, rank: int = 0, stream: str = "stdout", follow: bool = False

@@ -1,11 +1,13 @@
 """``gpufleet queue``, ``gpufleet quota``, ``gpufleet nodes``, ``gpufleet cordon NODE``,
-``gpufleet uncordon NODE``: the controller's API (through ``gpufleet.client``) as tables,
-or as JSON with ``--json``. Where the controller is and the token come from
-``--hub-url``/``--api-url`` and ``--token``, else from the environment as
-``Connection.discover`` says (inside a gpufleet session, nothing is needed).
+``gpufleet uncordon NODE`` and the job commands of ``job_cli``: the controller's API
+(through ``gpufleet.client``) as tables, or as JSON with ``--json``. Where the
+controller is and the token come from ``--hub-url``/``--api-url`` and ``--token``, else
+from the environment as ``Connection.discover`` says (inside a gpufleet session, nothing
+is needed).
 
 Exit codes: 0 done; 2 nothing says where the controller is, or no token; 3 the controller
-refused (its message is printed: not allowed, no such node, ...); 4 it did not answer.
+refused (its message is printed: not allowed, no such node, ...); 4 it did not answer;
+5 a job waited for ended without succeeding.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .job_cli import JOB_COMMANDS, add_job_commands
+
 if TYPE_CHECKING:
     from pydantic import BaseModel
     from rich.console import Console
 
     from .client import Client
+    from .hub.api.schemas import ProjectUsageOut
 
 EXIT_NOT_CONFIGURED = 2
 EXIT_REFUSED = 3
 EXIT_UNREACHABLE = 4
-COMMANDS = ("queue", "quota", "nodes", "cordon", "uncordon")
 
 
 def add_fleet_commands(commands: Any) -> None:
@@ -48,6 +52,7 @@ def add_fleet_commands(commands: Any) -> None:
     for verb, what in (("cordon", "no new work on"), ("uncordon", "new work again on")):
         command = commands.add_parser(verb, parents=[connection], help=f"{what} a node (admins)")
         command.add_argument("node", help="the node's name, as `gpufleet nodes` shows it")
+    add_job_commands(commands, connection)
 
 
 def fleet_command(args: argparse.Namespace, console: Console, err: Console) -> int:
@@ -70,7 +75,7 @@ def fleet_command(args: argparse.Namespace, console: Console, err: Console) -> i
 def _queue(client: Client, args: argparse.Namespace, console: Console) -> int:
     waiting = client.queue(args.user)
     if args.json:
-        return _print_json(waiting)
+        return print_json(waiting)
     from rich.table import Table
 
     table = Table("id", "user", "project", "GPUs", "place", "why it waits", title="queue")
@@ -90,17 +95,13 @@ def _queue(client: Client, args: argparse.Namespace, console: Console) -> int:
 def _quota(client: Client, args: argparse.Namespace, console: Console) -> int:
     projects = client.projects()
     if args.json:
-        return _print_json(projects)
+        return print_json(projects)
     from rich.table import Table
 
-    parents = {p.name: p.parent for p in projects}
-    paths = {name: _path(name, parents) for name in parents}
     table = Table(
         "project", "GPU type", "used / guaranteed", "may borrow", "waiting", title="quotas"
     )
-    for p in sorted(projects, key=lambda p: paths[p.name]):
-        kind = "" if p.kind == "project" else f" ({p.kind})"
-        label = "  " * (len(paths[p.name]) - 1) + p.name + kind
+    for label, p in tree_order(projects):
         if not p.quotas:
             table.add_row(label, "", "", "", "")
         for i, q in enumerate(p.quotas):
@@ -116,6 +117,17 @@ def _quota(client: Client, args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def tree_order(projects: Sequence[ProjectUsageOut]) -> list[tuple[str, ProjectUsageOut]]:
+    """Each node under its parent, labelled with its name indented by its depth."""
+    parents = {p.name: p.parent for p in projects}
+    paths = {name: _path(name, parents) for name in parents}
+    ordered = []
+    for p in sorted(projects, key=lambda p: paths[p.name]):
+        kind = "" if p.kind == "project" else f" ({p.kind})"
+        ordered.append(("  " * (len(paths[p.name]) - 1) + p.name + kind, p))
+    return ordered
+
+
 def _path(name: str, parents: dict[str, str | None]) -> tuple[str, ...]:
     """A node's names from the root down: sorting by it lists each node under its parent."""
     path = [name]
@@ -129,7 +141,7 @@ def _path(name: str, parents: dict[str, str | None]) -> tuple[str, ...]:
 def _nodes(client: Client, args: argparse.Namespace, console: Console) -> int:
     nodes = client.nodes()
     if args.json:
-        return _print_json(nodes)
+        return print_json(nodes)
     from rich.table import Table
 
     table = Table("node", "cluster", "zone", "GPU type", "free / GPUs", "health", "cordoned")
@@ -151,7 +163,7 @@ def _cordon(client: Client, args: argparse.Namespace, console: Console) -> int:
     cordoning = args.command == "cordon"
     node = client.cordon(args.node) if cordoning else client.uncordon(args.node)
     if args.json:
-        return _print_json([node])
+        return print_json([node])
     if cordoning:
         console.print(
             f"{node.name} is cordoned: no new work goes there; what runs there keeps running "
@@ -163,7 +175,7 @@ def _cordon(client: Client, args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _print_json(items: Sequence[BaseModel]) -> int:
+def print_json(items: Sequence[BaseModel]) -> int:
     print(json.dumps([item.model_dump(mode="json") for item in items], indent=2))
     return 0
 
@@ -174,4 +186,6 @@ _COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Console], int]] = {
     "nodes": _nodes,
     "cordon": _cordon,
     "uncordon": _cordon,
+    **JOB_COMMANDS,
 }
+COMMANDS = tuple(_COMMANDS)

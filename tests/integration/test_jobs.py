@@ -5,6 +5,7 @@ GPUs go back."""
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 from collections.abc import Iterator
@@ -170,3 +171,80 @@ def test_a_researcher_sees_and_cancels_only_their_own_jobs(fleet: Hub, alice: Cl
                 attempt(job_id)
             assert raised.value.status == 404
     assert alice.cancel(job_id).outcome == "cancelled"
+
+
+def test_the_cli_submits_waits_lists_shows_logs_and_cancels(fleet: Hub, tmp_path: Path) -> None:
+    from .test_sdk_cli import cli
+
+    token, api = fleet.user_token("alice"), fleet.controller_api
+    script = tmp_path / "train.py"
+    script.write_text(ALL_REDUCE)
+    submitted = cli(
+        "submit", "--gpus", "2", "--gpu-type", "A100-80GB", "--project", "vision",
+        "--name", "from-cli", "--wait", str(script), "--epochs", "3",
+        token=token, api_url=api,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job_id = int(submitted.stdout.split()[1])
+    assert f"gpufleet logs {job_id} -f" in submitted.stdout  # the next useful commands
+    assert f"job {job_id} succeeded: all 2 rank(s) exited with code 0" in submitted.stdout
+    listed = cli("jobs", "--json", token=token, api_url=api)
+    assert [j["name"] for j in json.loads(listed.stdout) if j["id"] == job_id] == ["from-cli"]
+    logs = cli("logs", str(job_id), "--rank", "1", token=token, api_url=api)
+    assert "rank 1/2 local 1 sum 3 " in logs.stdout and "'--epochs', '3'" in logs.stdout
+
+    script.write_text(LOOPS_UNTIL_SIGTERM)
+    queued = cli(
+        "submit", "--gpus", "1", "--gpu-type", "A100-80GB", "--project", "vision", "--json",
+        str(script), token=token, api_url=api,
+    )  # fmt: skip
+    looping = json.loads(queued.stdout)[0]["id"]
+    cancelled = cli("cancel", str(looping), token=token, api_url=api)
+    assert cancelled.returncode == 0 and f"job {looping}" in cancelled.stdout
+    followed = cli("logs", str(looping), "-f", token=token, api_url=api)
+    assert followed.returncode == 5 and f"job {looping} cancelled" in followed.stdout
+    refused = cli("cancel", "999999", token=token, api_url=api)
+    assert refused.returncode == 3 and "there is no job 999999" in refused.stderr
+
+
+def test_a_notebook_trains_with_the_magics_without_blocking_its_kernel(
+    fleet: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("GPUFLEET_API_URL", fleet.controller_api)
+    monkeypatch.setenv("GPUFLEET_TOKEN", fleet.user_token("alice"))
+    cells = [
+        "%load_ext gpufleet",
+        "%%train --gpus 2 --gpu-type A100-80GB --project vision --name nb-allreduce\n" + ALL_REDUCE,
+        "print('the kernel is free:', 6 * 7)",
+        "from gpufleet.client import Client\n"
+        "with Client() as fleet:\n"
+        "    job = [j for j in fleet.jobs() if j.name == 'nb-allreduce'][0]\n"
+        "    job = fleet.wait(job, timeout=120)\n"
+        "    print(job.outcome, ''.join(fleet.logs(job, rank=1)))",
+        "%logs 999999",
+        "%%train --gpus 3 --gpu-type A100-80GB --project vision --pods 2\nprint('never')",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(
+        notebook, timeout=180, kernel_name="python3", allow_errors=True,
+        resources={"metadata": {"path": str(tmp_path)}},
+    ).execute()  # fmt: skip
+
+    def text(index: int) -> str:
+        return "".join(
+            o.get("text", "") + o.get("data", {}).get("text/plain", "") + o.get("evalue", "")
+            for o in notebook.cells[index].outputs
+        )
+
+    assert "job" in text(1) and "nb-allreduce" in text(1)
+    assert text(2) == "the kernel is free: 42\n"
+    assert text(3).startswith("succeeded") and "rank 1/2 local 1 sum 3 " in text(3)
+    # Errors are messages, not tracebacks.
+    assert "there is no job 999999" in text(4)
+    assert "--pods 2 must divide --gpus 3" in text(5)
+    assert all("Traceback" not in text(i) for i in (4, 5))
+    # The table under %%train followed the job to its end (display updates by id).
+    assert "succeeded" in text(1), text(1)
