@@ -37,6 +37,7 @@ from ..scheduler.store import db
 from ..scheduler.store.fleet import FleetStore
 from ..snapshotter.errors import SnapshotError
 from . import logs
+from .admin import admin_routes
 from .api.base import Identity
 from .api.handlers import routes
 from .metrics import ControllerMetrics
@@ -594,8 +595,15 @@ class FleetController(DatabaseMixin):
     # ----------------------------------------------------------- start
     def make_web_app(self) -> web.Application:
         return web.Application(
-            [*routes(self.service_prefix, self), *page_routes(self.service_prefix, self)],
+            [
+                *routes(self.service_prefix, self),
+                *page_routes(self.service_prefix, self),
+                *admin_routes(self.service_prefix, self),
+            ],
             log_function=self._log_request,
+            # The pages' forms carry tornado's XSRF token; the API takes tokens, not
+            # cookies, for its writes (api/base.py), so it needs none.
+            xsrf_cookies=True,
             # Signs the hub's OAuth cookie for the controller's pages; a restart logs
             # browsers in again through the hub, which is silent.
             cookie_secret=os.urandom(32),

@@ -33,6 +33,7 @@ WORKLOAD_ID = ("workload_id", "integer", "the workload's id")
 USERNAME = ("username", "string", "a hub user name")
 NODE_NAME = ("node_name", "string", "a node's name, as GET /nodes lists it")
 JOB_ID = ("job_id", "integer", "a job's id (the id of its workload)")
+PROJECT_NAME = ("project_name", "string", "a project's (or organisation's, team's) name")
 PAGING = (
     ("offset", "integer", "skip this many"),
     ("limit", "integer", "at most this many (1-1000)"),
@@ -128,6 +129,15 @@ OPERATIONS = (
             ("weeks", "integer", "how many weeks back, this one included (1-104, default 8)"),
             ("format", "string", "json (default) or csv: a file to download"),
         ),
+    ),
+    Operation(
+        "patch",
+        "/projects/{project_name}",
+        "Change a project's quotas, weight, default priority or per-user cap (admins); "
+        "audited in the event log, in effect from the next scheduling cycle",
+        (scopes.ADMIN,),
+        schemas.ProjectEditIn,
+        schemas.ProjectUsageOut,
     ),
     Operation(
         "get",
@@ -283,7 +293,7 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "schema": {"type": kind},
                 "description": text,
             }
-            for name, kind, text in (WORKLOAD_ID, USERNAME, NODE_NAME, JOB_ID)
+            for name, kind, text in (WORKLOAD_ID, USERNAME, NODE_NAME, JOB_ID, PROJECT_NAME)
             if "{" + name + "}" in op.path
         ] + [
             {

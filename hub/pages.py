@@ -2,8 +2,8 @@
 usage per project, user and week (a chart and a CSV download).
 
 Researchers see their own workloads with their queue position and reason, and the usage
-of their projects; admins see everyone's and the nodes. No JavaScript: the chart is SVG
-drawn here. The admin panel comes with the surfaces issue.
+of their projects; admins see everyone's and the nodes, and a link to the admin panel
+(``admin.py``). No JavaScript: the chart is SVG drawn here.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ PAGE = """<!doctype html>
 <body>
 <h1>{{ title }}</h1>
 <p>Signed in as <b>{{ identity.name }}</b>{% if identity.is_admin %} (gpufleet admin){% end %}.
-<a href="{{ hub_home }}">Back to the hub</a> · <a id="usage-link" href="usage">GPU usage</a></p>
+<a href="{{ hub_home }}">Back to the hub</a> · <a id="usage-link" href="usage">GPU usage</a>
+· <a id="jobs-link" href="jobs">Jobs</a>
+{% if identity.is_admin %} · <a id="admin-link" href="admin">Admin panel</a>{% end %}</p>
 <h2>{% if identity.is_admin %}Workloads{% else %}Your sessions{% end %}</h2>
 {% if not workloads %}<p id="no-workloads">Nothing running or waiting.</p>{% else %}
 <table id="workloads"><tr><th>id</th><th>user</th><th>server</th><th>project</th>

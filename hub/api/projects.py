@@ -1,5 +1,6 @@
-"""``GET /projects``: the project tree with quotas and live usage; ``GET /usage``: GPU-hours
-per project, user and week (``?format=csv`` for the export).
+"""``GET /projects``: the project tree with quotas and live usage; ``PATCH
+/projects/{name}``: an admin's change to it; ``GET /usage``: GPU-hours per project, user
+and week (``?format=csv`` for the export).
 
 Admins see every node of the tree (organisations, teams, projects); a researcher sees the
 projects they are a member of and the nodes above them (an organisation's cap limits its
@@ -20,11 +21,12 @@ from sqlalchemy.orm import Session, selectinload
 from tornado import web
 
 from ...scheduler.store.models import Allocation, Project, Workload, WorkloadState
+from ...scheduler.store.projects import UNCHANGED, ProjectEdit, QuotaEdit
 from .. import scopes
 from ..errors import BadRequest
 from ..usage import Span, WeekUsage, to_csv_rows, usage_by_week, week_start
 from . import schemas
-from .base import APIHandler, Identity
+from .base import APIHandler, Identity, store_errors_as_http
 
 if TYPE_CHECKING:
     from ..app import FleetController
@@ -36,69 +38,101 @@ class ProjectsHandler(APIHandler):
     async def get(self) -> None:
         identity = self.require(scopes.USE, scopes.SPAWN)
         await self.controller.refresh_memberships(max_age=5.0)
-        store = self.controller.store
-        with store.read() as session:
-            projects = {
-                p.id: p
-                for p in session.scalars(
-                    select(Project).options(selectinload(Project.quotas)).order_by(Project.name)
-                )
-            }
-            allocated = Counter[tuple[int, str]]()
-            for project_id, gpu_type, count in session.execute(
-                select(Allocation.project_id, Allocation.gpu_type, func.count())
-                .where(Allocation.closed_at.is_(None))
-                .group_by(Allocation.project_id, Allocation.gpu_type)
-            ):
-                # Each GPU counts in its project and in every node above it.
-                node: Project | None = projects.get(project_id)
-                while node is not None:
-                    allocated[(node.id, gpu_type)] += count
-                    node = projects.get(node.parent_id) if node.parent_id else None
-            waiting = Counter[tuple[int, str]]()
-            for project_id, gpu_type, gpus in session.execute(
-                select(
-                    Workload.project_id,
-                    Workload.gpu_type,
-                    func.sum(Workload.pods * Workload.gpus_per_pod),
-                )
-                .where(Workload.state == WorkloadState.pending)
-                .group_by(Workload.project_id, Workload.gpu_type)
-            ):
-                waiting[(project_id, gpu_type)] = int(gpus or 0)
-            visible = set(projects)
-            if not identity.has(scopes.SPAWN):
-                visible = set()
-                for member_of in store.projects_of(session, identity.name):
-                    node = member_of
-                    while node is not None and node.id not in visible:
-                        visible.add(node.id)
-                        node = projects.get(node.parent_id) if node.parent_id else None
-            items = [
-                schemas.ProjectUsageOut(
-                    name=p.name,
-                    display_name=p.display_name or p.name,
-                    kind=p.kind.value,
-                    parent=projects[p.parent_id].name if p.parent_id in projects else None,
-                    fair_share_weight=p.fair_share_weight,
-                    per_user_gpu_cap=p.per_user_gpu_cap,
-                    default_priority=p.default_priority,
-                    quotas=[
-                        schemas.QuotaUsageOut(
-                            gpu_type=q.gpu_type,
-                            guaranteed=q.guaranteed,
-                            borrow_limit=q.borrow_limit,
-                            lend_limit=q.lend_limit,
-                            used=allocated[(p.id, q.gpu_type)],
-                            waiting=waiting[(p.id, q.gpu_type)],
-                        )
-                        for q in sorted(p.quotas, key=lambda q: q.gpu_type)
-                    ],
-                )
-                for p in projects.values()
-                if p.id in visible
-            ]
+        with self.controller.store.read() as session:
+            items = project_usage(self.controller, session, identity)
         self.send(schemas.ProjectList(items=items))
+
+
+class ProjectHandler(APIHandler):
+    """``PATCH /projects/{name}``: an admin changes quotas, weight, priority or cap."""
+
+    async def patch(self, name: str) -> None:
+        identity = self.require(scopes.ADMIN)
+        body = self.body(schemas.ProjectEditIn)
+        edit = ProjectEdit(
+            weight=body.weight,
+            default_priority=body.default_priority,
+            per_user_gpu_cap=(
+                body.per_user_gpu_cap if "per_user_gpu_cap" in body.model_fields_set else UNCHANGED
+            ),
+            quotas={
+                gpu_type: QuotaEdit(q.guaranteed, q.borrow_limit, q.lend_limit)
+                for gpu_type, q in body.quotas.items()
+            },
+        )
+        with store_errors_as_http():
+            self.controller.store.edit_project(self.controller.now(), name, identity.name, edit)
+        self.controller.kick()  # takes effect on the next cycle: run one now
+        with self.controller.store.read() as session:
+            items = project_usage(self.controller, session, identity)
+        self.send(next(p for p in items if p.name == name))
+
+
+def project_usage(
+    controller: FleetController, session: Session, identity: Identity
+) -> list[schemas.ProjectUsageOut]:
+    """The tree's nodes the caller may see, with quotas and what each uses and waits for."""
+    store = controller.store
+    projects = {
+        p.id: p
+        for p in session.scalars(
+            select(Project).options(selectinload(Project.quotas)).order_by(Project.name)
+        )
+    }
+    allocated = Counter[tuple[int, str]]()
+    for project_id, gpu_type, count in session.execute(
+        select(Allocation.project_id, Allocation.gpu_type, func.count())
+        .where(Allocation.closed_at.is_(None))
+        .group_by(Allocation.project_id, Allocation.gpu_type)
+    ):
+        # Each GPU counts in its project and in every node above it.
+        node: Project | None = projects.get(project_id)
+        while node is not None:
+            allocated[(node.id, gpu_type)] += count
+            node = projects.get(node.parent_id) if node.parent_id else None
+    waiting = Counter[tuple[int, str]]()
+    for project_id, gpu_type, gpus in session.execute(
+        select(
+            Workload.project_id,
+            Workload.gpu_type,
+            func.sum(Workload.pods * Workload.gpus_per_pod),
+        )
+        .where(Workload.state == WorkloadState.pending)
+        .group_by(Workload.project_id, Workload.gpu_type)
+    ):
+        waiting[(project_id, gpu_type)] = int(gpus or 0)
+    visible = set(projects)
+    if not identity.has(scopes.SPAWN):
+        visible = set()
+        for member_of in store.projects_of(session, identity.name):
+            node = member_of
+            while node is not None and node.id not in visible:
+                visible.add(node.id)
+                node = projects.get(node.parent_id) if node.parent_id else None
+    return [
+        schemas.ProjectUsageOut(
+            name=p.name,
+            display_name=p.display_name or p.name,
+            kind=p.kind.value,
+            parent=projects[p.parent_id].name if p.parent_id in projects else None,
+            fair_share_weight=p.fair_share_weight,
+            per_user_gpu_cap=p.per_user_gpu_cap,
+            default_priority=p.default_priority,
+            quotas=[
+                schemas.QuotaUsageOut(
+                    gpu_type=q.gpu_type,
+                    guaranteed=q.guaranteed,
+                    borrow_limit=q.borrow_limit,
+                    lend_limit=q.lend_limit,
+                    used=allocated[(p.id, q.gpu_type)],
+                    waiting=waiting[(p.id, q.gpu_type)],
+                )
+                for q in sorted(p.quotas, key=lambda q: q.gpu_type)
+            ],
+        )
+        for p in projects.values()
+        if p.id in visible
+    ]
 
 
 def usage_for(
@@ -160,4 +194,8 @@ class UsageHandler(APIHandler):
 
 
 def project_routes(api: str) -> list[tuple[str, type]]:
-    return [(rf"{api}/projects", ProjectsHandler), (rf"{api}/usage", UsageHandler)]
+    return [
+        (rf"{api}/projects", ProjectsHandler),
+        (rf"{api}/projects/([^/]+)", ProjectHandler),
+        (rf"{api}/usage", UsageHandler),
+    ]

@@ -257,6 +257,23 @@ class ProjectUsageOut(BaseModel):
     quotas: list[QuotaUsageOut]
 
 
+class QuotaEditIn(Strict):
+    guaranteed: int = Field(ge=0)
+    borrow_limit: int | None = Field(default=None, ge=0, description="None: any")
+    lend_limit: int | None = Field(default=None, ge=0, description="None: all of it")
+
+
+class ProjectEditIn(Strict):
+    """An admin's change to one node of the project tree; what is left out stays."""
+
+    weight: float | None = Field(default=None, gt=0, le=1e6)
+    default_priority: str | None = Field(default=None, min_length=1, max_length=32)
+    per_user_gpu_cap: int | None = Field(default=None, ge=1, description="null: no cap")
+    quotas: dict[str, QuotaEditIn] = Field(
+        default_factory=dict, max_length=64, description="per GPU type, the whole quota"
+    )
+
+
 class ProjectList(BaseModel):
     items: list[ProjectUsageOut]
 

@@ -37,6 +37,7 @@ from .models import (
     WorkloadKind,
     WorkloadState,
 )
+from .projects import ProjectAdminStore
 from .reconcile import ReconcileStore
 from .sessions import SessionActivityStore
 from .snapshots import SnapshotStore
@@ -46,7 +47,13 @@ OPEN_STATES = (WorkloadState.pending, *ACTIVE_STATES)
 
 
 class FleetStore(
-    SchedulingStore, ReconcileStore, InventoryStore, SnapshotStore, SessionActivityStore, JobStore
+    SchedulingStore,
+    ReconcileStore,
+    InventoryStore,
+    SnapshotStore,
+    SessionActivityStore,
+    JobStore,
+    ProjectAdminStore,
 ):
     # ------------------------------------------------------------- bootstrap
     def apply_config(
@@ -59,7 +66,8 @@ class FleetStore(
         """Create or update the projects, profiles and priority classes the config declares.
 
         Projects are validated first (``model.project_tree``): nothing is written for a
-        declaration that cannot be used.
+        declaration that cannot be used. Values an admin changed in the admin panel
+        (``edited_at`` set) are left as the admin set them.
         """
         try:
             tree = project_tree(projects)
@@ -80,22 +88,25 @@ class FleetStore(
                 project.kind = ProjectKind(declared.kind)
                 project.parent = by_name[declared.parent] if declared.parent else None
                 project.hub_group = declared.hub_group
-                project.default_priority = declared.default_priority
                 project.allowed_priorities = list(declared.allowed_priorities)
-                project.fair_share_weight = declared.weight
-                project.per_user_gpu_cap = declared.per_user_cap
+                if project.edited_at is None:  # else the admin panel's values stand
+                    project.default_priority = declared.default_priority
+                    project.fair_share_weight = declared.weight
+                    project.per_user_gpu_cap = declared.per_user_cap
                 session.add(project)
                 session.flush()
                 quotas = {q.gpu_type: q for q in project.quotas}
                 for gpu_type, q in declared.quotas.items():
                     quota = quotas.pop(gpu_type, None) or ProjectQuota(gpu_type=gpu_type)
-                    quota.guaranteed = q.guaranteed
-                    quota.borrow_limit = q.borrow_limit
-                    quota.lend_limit = q.lend_limit
+                    if quota.edited_at is None:
+                        quota.guaranteed = q.guaranteed
+                        quota.borrow_limit = q.borrow_limit
+                        quota.lend_limit = q.lend_limit
                     if quota not in project.quotas:
                         project.quotas.append(quota)
                 for stale in quotas.values():
-                    project.quotas.remove(stale)
+                    if stale.edited_at is None:
+                        project.quotas.remove(stale)
             for spec in profiles:
                 profile = session.scalar(select(Profile).where(Profile.name == spec["name"]))
                 profile = profile or Profile(name=spec["name"])

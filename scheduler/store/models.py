@@ -132,6 +132,10 @@ class Project(Base):
     allowed_priorities: Mapped[list[str]] = mapped_column(default=list)
     fair_share_weight: Mapped[float] = mapped_column(Float, default=1.0)
     per_user_gpu_cap: Mapped[int | None] = mapped_column(Integer, default=None)
+    # Set when an admin changed the weight, default priority or per-user cap in the admin
+    # panel: from then on the config file no longer overwrites them (docs/admin.md).
+    edited_by: Mapped[str | None] = mapped_column(String(255), default=None)
+    edited_at: Mapped[datetime | None] = mapped_column(default=None)
 
     parent: Mapped[Project | None] = relationship(remote_side=[id])
     quotas: Mapped[list[ProjectQuota]] = relationship(
@@ -157,6 +161,9 @@ class ProjectQuota(Base):
     guaranteed: Mapped[int] = mapped_column(Integer, default=0)
     borrow_limit: Mapped[int | None] = mapped_column(Integer, default=None)
     lend_limit: Mapped[int | None] = mapped_column(Integer, default=None)
+    # As Project.edited_*: an admin's edit in the panel wins over the config file.
+    edited_by: Mapped[str | None] = mapped_column(String(255), default=None)
+    edited_at: Mapped[datetime | None] = mapped_column(default=None)
 
     project: Mapped[Project] = relationship(back_populates="quotas")
 

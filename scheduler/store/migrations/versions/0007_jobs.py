@@ -1,5 +1,5 @@
 """training jobs: their launch spec, their pods as the node agent reports them, and
-their per-rank logs
+their per-rank logs; who last edited a project or quota in the admin panel
 
 Revision ID: 0007
 Revises: 0006
@@ -20,6 +20,10 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("workloads", schema=None) as batch_op:
         batch_op.add_column(sa.Column("spec", sa.JSON(), nullable=True))
+    for table in ("projects", "project_quotas"):
+        with op.batch_alter_table(table, schema=None) as batch_op:
+            batch_op.add_column(sa.Column("edited_by", sa.String(length=255), nullable=True))
+            batch_op.add_column(sa.Column("edited_at", sa.DateTime(), nullable=True))
     op.create_table(
         "job_pods",
         sa.Column("workload_id", sa.Integer(), nullable=False),
@@ -58,5 +62,9 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("job_logs")
     op.drop_table("job_pods")
+    for table in ("project_quotas", "projects"):
+        with op.batch_alter_table(table, schema=None) as batch_op:
+            batch_op.drop_column("edited_at")
+            batch_op.drop_column("edited_by")
     with op.batch_alter_table("workloads", schema=None) as batch_op:
         batch_op.drop_column("spec")

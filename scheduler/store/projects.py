@@ -1,0 +1,138 @@
+"""An admin's changes to the project tree: quotas per GPU type, fair-share weight, default
+priority and per-user cap, each with an audit event.
+
+A change is validated whole before anything is written (``InvalidRequest`` says what to
+fix), committed in one fenced transaction, and marks what it changed as edited so the
+config file no longer overwrites it (``FleetStore.apply_config``). The scheduler reads the
+tree again on its next cycle: a quota change takes effect there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ..errors import InvalidRequest, NotFound
+from .base import StoreBase, _event
+from .models import Gpu, PriorityClass, Project, ProjectQuota
+
+UNCHANGED = object()  # a field the edit leaves as it is
+
+
+@dataclass(frozen=True)
+class QuotaEdit:
+    guaranteed: int
+    borrow_limit: int | None  # None: may borrow whatever is idle
+    lend_limit: int | None  # None: lends all of its unused guarantee
+
+
+@dataclass(frozen=True)
+class ProjectEdit:
+    weight: float | None = None
+    default_priority: str | None = None
+    per_user_gpu_cap: int | object | None = UNCHANGED  # None: no cap
+    quotas: Mapping[str, QuotaEdit] = field(default_factory=dict)
+
+
+class ProjectAdminStore(StoreBase):
+    def edit_project(self, now: datetime, name: str, by: str, edit: ProjectEdit) -> list[str]:
+        """Apply ``edit`` to project ``name``; returns the changes as the audit log says them
+        (empty when the edit changes nothing)."""
+        with self._write(now) as session:
+            project = session.scalar(select(Project).where(Project.name == name))
+            if project is None:
+                raise NotFound(f"there is no project {name!r}")
+            _check(session, edit)
+            changes: list[str] = []
+
+            def note(what: str, old: object, new: object) -> bool:
+                if old == new:
+                    return False
+                changes.append(f"{name}: {what} {_shown(old)} → {_shown(new)}")
+                return True
+
+            edited = False
+            if edit.weight is not None:
+                edited |= note("fair-share weight", project.fair_share_weight, edit.weight)
+                project.fair_share_weight = edit.weight
+            if edit.default_priority is not None:
+                edited |= note("default priority", project.default_priority, edit.default_priority)
+                project.default_priority = edit.default_priority
+            if edit.per_user_gpu_cap is not UNCHANGED:
+                cap = edit.per_user_gpu_cap
+                assert cap is None or isinstance(cap, int)
+                edited |= note("per-user GPU cap", project.per_user_gpu_cap, cap)
+                project.per_user_gpu_cap = cap
+            if edited:
+                project.edited_by, project.edited_at = by, now
+            quotas = {q.gpu_type: q for q in project.quotas}
+            for gpu_type, wanted in sorted(edit.quotas.items()):
+                quota = quotas.get(gpu_type)
+                if quota is None:
+                    quota = ProjectQuota(gpu_type=gpu_type, guaranteed=0)
+                    project.quotas.append(quota)
+                    changes.append(f"{name}: new quota for {gpu_type}")
+                    quota_edited = True
+                else:
+                    quota_edited = False
+                for what, old, new in (
+                    ("guaranteed", quota.guaranteed, wanted.guaranteed),
+                    ("borrow limit", quota.borrow_limit, wanted.borrow_limit),
+                    ("lend limit", quota.lend_limit, wanted.lend_limit),
+                ):
+                    quota_edited |= note(f"{gpu_type} {what}", old, new)
+                quota.guaranteed = wanted.guaranteed
+                quota.borrow_limit = wanted.borrow_limit
+                quota.lend_limit = wanted.lend_limit
+                if quota_edited:
+                    quota.edited_by, quota.edited_at = by, now
+            for change in changes:
+                _event(session, now, "project-edited", f"{change} (by {by})", cause=by)
+            return changes
+
+
+def _check(session: Session, edit: ProjectEdit) -> None:
+    if edit.weight is not None and not edit.weight > 0:
+        raise InvalidRequest(f"the fair-share weight must be above 0, not {edit.weight}")
+    if edit.default_priority is not None:
+        known = set(session.scalars(select(PriorityClass.name)))
+        if edit.default_priority not in known:
+            raise InvalidRequest(
+                f"unknown priority class {edit.default_priority!r}; choose one of: "
+                f"{', '.join(sorted(known))}"
+            )
+    cap = edit.per_user_gpu_cap
+    if cap is not UNCHANGED and cap is not None and (not isinstance(cap, int) or cap < 1):
+        raise InvalidRequest(f"the per-user GPU cap must be at least 1 (or none), not {cap}")
+    if edit.quotas:
+        types = set(session.scalars(select(Gpu.gpu_type).distinct()))
+        types |= set(session.scalars(select(ProjectQuota.gpu_type).distinct()))
+    for gpu_type, q in edit.quotas.items():
+        if gpu_type not in types:
+            raise InvalidRequest(
+                f"unknown GPU type {gpu_type!r}; this fleet has: {', '.join(sorted(types))}"
+            )
+        for what, value in (
+            ("guaranteed", q.guaranteed),
+            ("borrow limit", q.borrow_limit),
+            ("lend limit", q.lend_limit),
+        ):
+            if value is not None and value < 0:
+                raise InvalidRequest(f"{gpu_type}: the {what} must be 0 or more, not {value}")
+        if q.lend_limit is not None and q.lend_limit > q.guaranteed:
+            raise InvalidRequest(
+                f"{gpu_type}: a project lends only from its guarantee; the lend limit "
+                f"({q.lend_limit}) cannot exceed the guarantee ({q.guaranteed})"
+            )
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)

@@ -1,0 +1,138 @@
+"""The admin panel in headless Chromium, against the shared test hub (two nodes of 4
+A100-80GB; vision's guarantee is 4 and it may not borrow): an admin lowers a quota and
+the next spawn queues; cordons a node; a refused change writes nothing; a researcher
+neither sees the panel nor reaches it, by page or by API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, Page, expect
+
+from . import browser as ui
+from .browser import login, new_context
+from .harness import Hub, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
+
+PANEL = "/services/gpufleet/admin"
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Browser]:
+    with ui.chromium() as instance:
+        yield instance
+
+
+@pytest.fixture
+def vision_quota(fleet: Hub) -> Iterator[dict[str, Any]]:
+    """Vision's A100-80GB quota as it was; put back afterwards."""
+    projects = fleet.controller("GET", "/projects").json()["items"]
+    vision = next(p for p in projects if p["name"] == "vision")
+    quota = next(q for q in vision["quotas"] if q["gpu_type"] == "A100-80GB")
+    yield quota
+    restore = {k: quota[k] for k in ("guaranteed", "borrow_limit", "lend_limit")}
+    fleet.controller("PATCH", "/projects/vision", json={"quotas": {"A100-80GB": restore}})
+
+
+@pytest.fixture
+def admin_page(fleet: Hub, chromium: Browser) -> Iterator[Page]:
+    context = new_context(chromium, fleet.url)
+    try:
+        page = login(context, "admin")
+        page.goto("/services/gpufleet/")
+        page.locator("#admin-link").click()
+        expect(page.locator("h1")).to_have_text("gpufleet admin")
+        yield page
+    finally:
+        context.close()
+
+
+def test_an_admin_lowers_a_quota_and_the_next_spawn_queues(
+    fleet: Hub, admin_page: Page, vision_quota: dict[str, Any]
+) -> None:
+    assert vision_quota["guaranteed"] == 4
+    form = admin_page.locator("#project-vision")
+    row = form.locator("tr[data-gpu-type='A100-80GB']")
+    expect(row).to_contain_text("0 / 4")
+    row.locator("input[name='quota-A100-80GB-guaranteed']").fill("1")
+    form.get_by_role("button", name="Save vision").click()
+    expect(admin_page.locator("#saved")).to_have_text("vision: A100-80GB guaranteed 4 → 1")
+    expect(admin_page.locator("#event-log")).to_contain_text(
+        "vision: A100-80GB guaranteed 4 → 1 (by admin)"
+    )
+
+    def alice_waits() -> str | None:
+        w = fleet.workload_of("alice")
+        pending = w and w["state"] == "pending" and "may never hold" in w["reason"]
+        return str(w["reason"]) if w and pending else None
+
+    fleet.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
+    waiting = wait_for(alice_waits, 30, "alice's spawn to queue")
+    assert "project vision may never hold more than 1 × A100-80GB" in waiting, waiting
+    admin_page.goto(PANEL)
+    expect(admin_page.locator("#queue")).to_be_visible()
+    expect(admin_page.locator("tr[data-workload]").filter(has_text="alice")).to_contain_text(
+        "may never hold more than 1 × A100-80GB (guarantee plus borrow limit)"
+    )
+    # Raising it again admits her on the next cycle.
+    row = admin_page.locator("#project-vision tr[data-gpu-type='A100-80GB']")
+    row.locator("input[name='quota-A100-80GB-guaranteed']").fill("4")
+    admin_page.locator("#project-vision").get_by_role("button", name="Save vision").click()
+    expect(admin_page.locator("#saved")).to_have_text("vision: A100-80GB guaranteed 1 → 4")
+    fleet.wait_ready("alice")
+
+
+def test_a_refused_change_says_why_and_writes_nothing(
+    fleet: Hub, admin_page: Page, vision_quota: dict[str, Any]
+) -> None:
+    form = admin_page.locator("#project-vision")
+    form.locator("input[name='quota-A100-80GB-lend']").fill("9")
+    form.locator("input[name='weight']").fill("3")
+    form.get_by_role("button", name="Save vision").click()
+    expect(admin_page.locator("#error")).to_contain_text(
+        "the lend limit (9) cannot exceed the guarantee (4); nothing was changed"
+    )
+    vision = next(
+        p for p in fleet.controller("GET", "/projects").json()["items"] if p["name"] == "vision"
+    )
+    assert vision["fair_share_weight"] != 3
+    assert vision["quotas"][0]["lend_limit"] == vision_quota["lend_limit"]
+
+
+def test_an_admin_cordons_and_uncordons_a_node_from_the_panel(fleet: Hub, admin_page: Page) -> None:
+    node = admin_page.locator("tr[data-node='gpu-node-a']")
+    expect(node).to_contain_text("#0")  # its GPUs, each with its state
+    node.get_by_role("button", name="Cordon").click()
+    expect(admin_page.locator("#saved")).to_have_text("gpu-node-a cordoned")
+    expect(node).to_contain_text("cordoned")
+    assert {n["name"]: n["cordoned"] for n in fleet.controller("GET", "/nodes").json()["items"]}[
+        "gpu-node-a"
+    ]
+    node.get_by_role("button", name="Uncordon").click()
+    expect(admin_page.locator("#saved")).to_have_text("gpu-node-a uncordoned")
+
+
+def test_a_researcher_neither_sees_nor_reaches_the_admin_panel(
+    fleet: Hub, chromium: Browser
+) -> None:
+    context = new_context(chromium, fleet.url)
+    try:
+        page = login(context, "alice")
+        page.goto("/services/gpufleet/")
+        expect(page.locator("#jobs-link")).to_be_visible()
+        expect(page.locator("#admin-link")).to_have_count(0)
+        response = page.goto(PANEL)
+        assert response is not None and response.status == 403
+    finally:
+        context.close()
+    token = fleet.user_token("alice")
+    refused = httpx.patch(
+        f"{fleet.controller_api}/projects/vision",
+        json={"quotas": {"A100-80GB": {"guaranteed": 8}}},
+        headers={"Authorization": f"token {token}"},
+    )
+    assert refused.status_code == 403
