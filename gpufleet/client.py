@@ -34,7 +34,14 @@ from typing import Any, TypeVar
 import httpx
 
 from .hub.api.job_schemas import JobOut, LogOut
-from .hub.api.schemas import EventOut, NodeOut, ProjectUsageOut, WeekUsageOut, WorkloadOut
+from .hub.api.schemas import (
+    EventOut,
+    NodeOut,
+    ProjectUsageOut,
+    SnapshotOut,
+    WeekUsageOut,
+    WorkloadOut,
+)
 
 API_PATH = "/services/gpufleet/api/v1"
 PAGE = 1000  # the API's largest page
@@ -125,12 +132,16 @@ class _Request:
 Steps = Generator[_Request, Any, T]
 
 
-def _workloads(states: Sequence[str], username: str | None) -> Steps[list[WorkloadOut]]:
+def _workloads(
+    states: Sequence[str], username: str | None, kind: str | None = None
+) -> Steps[list[WorkloadOut]]:
     items: list[WorkloadOut] = []
     while True:
         params: dict[str, Any] = {"offset": len(items), "limit": PAGE, "state": list(states)}
         if username is not None:
             params["username"] = username
+        if kind is not None:
+            params["kind"] = kind
         page = yield _Request("GET", "/workloads", params)
         items += [WorkloadOut.model_validate(w) for w in page["items"]]
         if not page["items"] or len(items) >= page["total"]:
@@ -142,6 +153,12 @@ def _queue(username: str | None) -> Steps[list[WorkloadOut]]:
     return sorted(
         waiting, key=lambda w: (w.project, w.gpu_type, w.queue_position or 0, w.created_at)
     )
+
+
+def _snapshots(username: str | None) -> Steps[list[SnapshotOut]]:
+    params = {"username": username} if username else {}
+    answer = yield _Request("GET", "/snapshots", params)
+    return [SnapshotOut.model_validate(s) for s in answer["items"]]
 
 
 def _projects() -> Steps[list[ProjectUsageOut]]:
@@ -363,10 +380,20 @@ class Client(_Common):
         """Waiting workloads by project, GPU type and place, each with why it waits."""
         return self._run(_queue(username))
 
+    def sessions(self, state: Sequence[str] = (), username: str | None = None) -> list[WorkloadOut]:
+        """Your sessions (everyone's for admins), newest first."""
+        return self._run(_workloads(state, username, "session"))
+
+    def snapshots(self, username: str | None = None) -> list[SnapshotOut]:
+        """Your sessions' snapshots, newest first (admins: ``username``'s)."""
+        return self._run(_snapshots(username))
+
     def projects(self) -> list[ProjectUsageOut]:
         """Your projects and the nodes above them (every node for admins): quotas per GPU
         type with what is used and asked for now."""
         return self._run(_projects())
+
+    quota = projects  # what researchers look for: their projects, quotas and use
 
     def usage(self, weeks: int = 8) -> list[WeekUsageOut]:
         """GPU-hours per project, user and week in your projects (all for admins)."""
@@ -472,8 +499,18 @@ class AsyncClient(_Common):
     async def queue(self, username: str | None = None) -> list[WorkloadOut]:
         return await self._run(_queue(username))
 
+    async def sessions(
+        self, state: Sequence[str] = (), username: str | None = None
+    ) -> list[WorkloadOut]:
+        return await self._run(_workloads(state, username, "session"))
+
+    async def snapshots(self, username: str | None = None) -> list[SnapshotOut]:
+        return await self._run(_snapshots(username))
+
     async def projects(self) -> list[ProjectUsageOut]:
         return await self._run(_projects())
+
+    quota = projects
 
     async def usage(self, weeks: int = 8) -> list[WeekUsageOut]:
         return await self._run(_usage(weeks))

@@ -225,10 +225,6 @@ class AdminPage(PageHandler):
             raise web.HTTPError(403, "the admin panel is for gpufleet admins")
         return identity.name
 
-    @property
-    def base(self) -> str:
-        return self.controller.service_prefix.rstrip("/") + "/"
-
     def panel_url(self, saved: str, anchor: str) -> str:
         return f"{self.base}admin?saved={quote(saved)}#{anchor}"
 

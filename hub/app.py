@@ -40,6 +40,7 @@ from . import logs
 from .admin import admin_routes
 from .api.base import Identity
 from .api.handlers import routes
+from .job_pages import job_page_routes
 from .metrics import ControllerMetrics
 from .notifier import Notifier
 from .pages import page_routes
@@ -279,6 +280,12 @@ class FleetController(DatabaseMixin):
         "exit) and SIGKILL when the job is cancelled or preempted.",
     ).tag(config=True)
 
+    snapshot_index_min_interval = Float(
+        10.0,
+        help="Fewest seconds between two reads of the snapshot store into the index; a "
+        "session's end asks for one (so researchers see their last snapshot in seconds).",
+    ).tag(config=True)
+
     idle_policies = Dict(
         help="Idle culling per project and profile: {'default': {...}, 'projects': {name: "
         "{...}}, 'profiles': {name: {...}}}, a profile's keys over its project's over the "
@@ -366,6 +373,8 @@ class FleetController(DatabaseMixin):
             self.exit_with(f"c.FleetController.idle_policies: {e}", code=2)
         self.is_leader = False
         self._kicked = asyncio.Event()
+        self._index_wanted = asyncio.Event()
+        self.snapshot_index_at: datetime | None = None
         self._became_leader = asyncio.Event()
         self._memberships_synced_at = 0.0
         self._membership_lock = asyncio.Lock()
@@ -558,16 +567,30 @@ class FleetController(DatabaseMixin):
             self.log.error("snapshots are unavailable: %s", e)
             return
         while True:
+            self._index_wanted.clear()
             if self.is_leader:
                 try:
+                    started = self.now()
                     records = await asyncio.to_thread(
                         snapshots.scan, store, key, self.store.project_names()
                     )
                     changes = self.store.rebuild_snapshot_index(self.now(), store.uri, records)
+                    self.snapshot_index_at = started
                     self.log.info("snapshot index: %s", changes)
                 except (SnapshotError, SQLAlchemyError, SchedulerError):
                     self.log.exception("could not rebuild the snapshot index; retrying later")
-            await asyncio.sleep(self.snapshot_index_interval)
+            # Asked again when a session ends (its final snapshot is in the store by
+            # then), at most every snapshot_index_min_interval seconds.
+            await asyncio.sleep(self.snapshot_index_min_interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._index_wanted.wait(),
+                    max(0.0, self.snapshot_index_interval - self.snapshot_index_min_interval),
+                )
+
+    def refresh_snapshot_index(self) -> None:
+        """Read the snapshot store into the index soon (a session ended)."""
+        self._index_wanted.set()
 
     async def _reconcile_loop(self) -> None:
         if not self.hub_api_url:
@@ -599,6 +622,7 @@ class FleetController(DatabaseMixin):
                 *routes(self.service_prefix, self),
                 *page_routes(self.service_prefix, self),
                 *admin_routes(self.service_prefix, self),
+                *job_page_routes(self.service_prefix, self),
             ],
             log_function=self._log_request,
             # The pages' forms carry tornado's XSRF token; the API takes tokens, not

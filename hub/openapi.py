@@ -61,8 +61,8 @@ OPERATIONS = (
         query=(
             ("username", "string", "only this user's"),
             ("state", "string", "pending|admitted|running|stopping|ended, repeatable"),
-            ("offset", "integer", "skip this many"),
-            ("limit", "integer", "at most this many (1-1000)"),
+            ("kind", "string", "session or job"),
+            *PAGING,
         ),
     ),
     Operation(
@@ -254,6 +254,15 @@ OPERATIONS = (
         (scopes.AGENT,),
         schemas.XidIn,
         status=202,
+    ),
+    Operation(
+        "get",
+        "/snapshots",
+        "Snapshots of your sessions (anyone's for admins), newest first, from the index",
+        (scopes.USE, scopes.SPAWN),
+        None,
+        schemas.SnapshotList,
+        query=(("username", "string", "this user's (admins)"),),
     ),
     Operation(
         "get",

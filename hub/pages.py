@@ -51,6 +51,13 @@ PAGE = """<!doctype html>
 <td class="{{ w.state.value }}">{{ w.state.value }}</td>
 <td>{{ w.queue_position or "" }}</td><td class="reason">{{ w.reason }}</td></tr>{% end %}
 </table>{% end %}
+<h2>Your snapshots</h2>
+{% if not snapshots %}<p id="no-snapshots">No snapshots yet: an idle session is snapshotted
+before it is stopped, and restored when you start it again.</p>{% else %}
+<table id="snapshots"><tr><th>taken (UTC)</th><th>server</th><th>files</th><th>size</th></tr>
+{% for s in snapshots %}<tr><td>{{ s.created_at.strftime("%Y-%m-%d %H:%M") }}</td>
+<td>{{ s.server_name or "(default)" }}</td><td>{{ s.file_count }}</td>
+<td>{{ "%.1f MB" % (s.size_bytes / 1e6) }}</td></tr>{% end %}</table>{% end %}
 {% if identity.is_admin %}<h2>Nodes</h2>
 <table id="nodes"><tr><th>node</th><th>zone</th><th>GPU type</th><th>GPUs</th><th>free</th>
 <th>health</th></tr>
@@ -78,6 +85,19 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
     def get_current_user(self) -> Any:
         return self.identity
 
+    @property
+    def base(self) -> str:
+        """The pages' root URL, ending in a slash."""
+        return self.controller.service_prefix.rstrip("/") + "/"
+
+    def require_use(self) -> Identity:
+        identity = self.identity
+        if identity is None:
+            raise web.HTTPError(401)
+        if not identity.has(scopes.USE):
+            raise web.HTTPError(403, "your account may not use gpufleet")
+        return identity
+
 
 class MyWorkloadsPage(PageHandler):
     @web.authenticated
@@ -97,12 +117,14 @@ class MyWorkloadsPage(PageHandler):
         with self.controller.store.read() as session:
             workloads = list(session.scalars(query))
             nodes = node_rows(session) if identity.is_admin else []
+        snapshots = self.controller.store.snapshots_of(identity.name)[:20]
         self.finish(
             template.Template(PAGE).generate(
                 title="gpufleet",
                 identity=identity,
                 workloads=workloads,
                 nodes=nodes,
+                snapshots=snapshots,
                 hub_home="/hub/home",
             )
         )

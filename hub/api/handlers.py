@@ -15,6 +15,7 @@ from ...scheduler.store.models import (
     Node,
     Profile,
     Workload,
+    WorkloadKind,
     WorkloadState,
     Zone,
 )
@@ -87,6 +88,9 @@ class WorkloadsHandler(APIHandler):
         limit = self.int_argument("limit", 100, 1, 1000)
         username = self.get_query_argument("username", None)
         states = self.get_query_arguments("state")
+        kind = self.get_query_argument("kind", None)
+        if kind not in (None, "session", "job"):
+            raise BadRequest(f"kind must be session or job, not {kind!r}")
         if not identity.has(scopes.SPAWN):
             if username not in (None, identity.name):
                 raise Forbidden("you may list only your own workloads")
@@ -101,6 +105,8 @@ class WorkloadsHandler(APIHandler):
             query = query.where(Workload.username == username)
         if states:
             query = query.where(Workload.state.in_([WorkloadState(s) for s in states]))
+        if kind is not None:
+            query = query.where(Workload.kind == WorkloadKind(kind))
         with self.controller.store.read() as session:
             total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
             rows = session.scalars(
@@ -170,6 +176,7 @@ class WorkloadActionHandler(APIHandler):
                 )
                 ended = store.end(now, wid, body.outcome, message)
                 self.controller.metrics.ended.labels(ended.kind.value, body.outcome).inc()
+                self.controller.refresh_snapshot_index()  # its final snapshot, if any
         self.controller.notifier.changed([wid])
         self.controller.kick()
         with store.read() as session:
@@ -359,6 +366,23 @@ class AgentXidHandler(APIHandler):
         self.send({"recorded": True}, status=202)
 
 
+class SnapshotsHandler(APIHandler):
+    """Snapshots from the index: yours, or anyone's (``?username=``) for admins."""
+
+    async def get(self) -> None:
+        identity = self.require(scopes.USE, scopes.SPAWN)
+        username = self.get_query_argument("username", None)
+        if not identity.has(scopes.SPAWN) and username not in (None, identity.name):
+            raise Forbidden("you may list only your own snapshots")
+        rows = self.controller.store.snapshots_of(username or identity.name)
+        self.send(
+            schemas.SnapshotList(
+                items=[schemas.SnapshotOut.model_validate(r, from_attributes=True) for r in rows],
+                indexed_at=self.controller.snapshot_index_at,
+            )
+        )
+
+
 class EventsHandler(APIHandler):
     async def get(self) -> None:
         identity = self.require(scopes.USE, scopes.SPAWN)
@@ -402,6 +426,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/agent/samples", AgentSamplesHandler),
         (rf"{api}/agent/xid", AgentXidHandler),
         (rf"{api}/events", EventsHandler),
+        (rf"{api}/snapshots", SnapshotsHandler),
         *session_routes(api),
         *job_routes(api),
         *project_routes(api),

@@ -122,6 +122,24 @@ class WorkloadList(BaseModel):
     limit: int
 
 
+class SnapshotOut(BaseModel):
+    """A snapshot as the index lists it (the store's manifest is the truth)."""
+
+    id: int
+    username: str
+    server_name: str
+    workload_id: int | None
+    created_at: datetime
+    size_bytes: int
+    file_count: int
+    manifest_key: str
+
+
+class SnapshotList(BaseModel):
+    items: list[SnapshotOut]
+    indexed_at: datetime | None = Field(description="when the index last read the store")
+
+
 class GpuSpecIn(Strict):
     uuid: str = Field(min_length=1, max_length=96)
     index: int = Field(ge=0)

@@ -15,12 +15,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpufleet.client import Client
 from gpufleet.recovery.fake_nvml import write_control
 
 from ..s3server import S3Server
@@ -110,6 +112,7 @@ def stored_keys(s3_server: S3Server) -> list[str]:
 def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_queue(
     hub: Hub, s3_server: S3Server
 ) -> None:
+    began = datetime.now(UTC)
     alice = hub.start_session("alice", project="vision", gpu_type="A100-80GB", gpus=4)
     token = hub.user_token("alice")
     assert run_in_kernel(hub, "alice", "", WRITE_STATE, token).strip() == "written"
@@ -136,6 +139,14 @@ def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_qu
     # Its snapshot is on the S3 server: a manifest of alice's in vision's repository.
     keys = stored_keys(s3_server)
     assert any(k.startswith("snapshots/projects/vision/snapshots/alice/") for k in keys), keys
+    # ... and in alice's list of snapshots within seconds (a session's end refreshes it).
+    with Client(hub.controller_api, hub.user_token("alice")) as sdk:
+        listed = wait_for(
+            lambda: [s for s in sdk.snapshots() if s.created_at >= began],
+            30,
+            "alice's snapshot in the index",
+        )
+    assert listed[0].username == "alice" and listed[0].file_count > 0
     hub.wait_ready("bob", timeout=90)
     bob = hub.workload_of("bob")
     assert bob is not None and bob["state"] == "running"

@@ -248,3 +248,31 @@ def test_a_notebook_trains_with_the_magics_without_blocking_its_kernel(
     assert all("Traceback" not in text(i) for i in (4, 5))
     # The table under %%train followed the job to its end (display updates by id).
     assert "succeeded" in text(1), text(1)
+
+
+def test_the_jobs_pages_show_a_researchers_job_its_output_and_cancel_it(
+    fleet: Hub, alice: Client
+) -> None:
+    from playwright.sync_api import expect
+
+    from . import browser as ui
+
+    job_id = submit(alice, LOOPS_UNTIL_SIGTERM, name="page-job")
+    with ui.chromium() as chromium:
+        context = ui.new_context(chromium, fleet.url)
+        try:
+            page = ui.login(context, "alice")
+            page.goto("/services/gpufleet/")
+            page.locator("#jobs-link").click()
+            row = page.locator(f"tr[data-job='{job_id}']")
+            expect(row).to_contain_text("page-job")
+            row.get_by_role("link", name=str(job_id)).click()
+            # The page reloads itself while the job runs: rank 0's output appears.
+            expect(page.locator("#log")).to_contain_text("rank 0 pid", timeout=90_000)
+            page.get_by_role("button", name="Cancel this job").click()
+            expect(page.locator("#state")).to_contain_text("cancelled", timeout=60_000)
+            expect(page.locator("#log")).to_contain_text("rank 0 saving a checkpoint")
+        finally:
+            context.close()
+    with Client(fleet.controller_api, fleet.user_token("bob")) as bob:
+        assert job_id not in [j.id for j in bob.jobs()]
