@@ -15,7 +15,7 @@ from tornado import template, web
 from ..scheduler.errors import InvalidRequest
 from ..scheduler.store.models import Workload, WorkloadKind
 from .api.job_schemas import JobOut
-from .api.jobs import job_out, load_job
+from .api.jobs import cancel_job, job_out, load_job
 from .api.views import WORKLOAD_DETAILS
 from .pages import PageHandler
 
@@ -104,10 +104,10 @@ class JobsPage(PageHandler):
 class JobPage(PageHandler):
     @web.authenticated
     async def get(self, job_id: str) -> None:
-        self.render_job(int(job_id))
+        self.render_job(_page_id(job_id))
 
     def render_job(self, job_id: int, error: str = "", status: int = 200) -> None:
-        rank = _int(self.get_query_argument("rank", "0"))
+        rank = _rank(self.get_query_argument("rank", "0"))
         stream = self.get_query_argument("stream", "stdout")
         stream = stream if stream in ("stdout", "stderr") else "stdout"
         job = self._job(job_id)
@@ -148,15 +148,13 @@ class JobCancelForm(JobPage):
     @web.authenticated
     async def post(self, job_id: str) -> None:
         identity = self.require_use()
-        wid = int(job_id)
+        wid = _page_id(job_id)
         self._job(wid)  # yours, or 404
         try:
-            self.controller.store.cancel_job(self.controller.now(), wid, identity.name)
+            cancel_job(self.controller, wid, identity.name)
         except InvalidRequest as e:
             self.render_job(wid, error=str(e), status=400)
             return
-        self.controller.notifier.changed([wid])
-        self.controller.kick()
         self.redirect(f"{self.base}jobs/{wid}", status=303)
 
 
@@ -167,11 +165,20 @@ def shown_state(job: JobOut) -> str:
     return f"{job.state} (#{job.queue_position})" if job.queue_position else job.state
 
 
-def _int(text: str) -> int:
+def _page_id(text: str) -> int:
+    value = int(text)  # the route admits digits only
+    if value > 2**62:
+        raise web.HTTPError(404, f"there is no job {text}")
+    return value
+
+
+def _rank(text: str) -> int:
+    """The rank asked for; anything unreadable or out of range shows rank 0."""
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         return 0
+    return value if abs(value) <= 10**6 else 0
 
 
 def job_page_routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]]]:

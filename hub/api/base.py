@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ..app import FleetController
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+MAX_ID = 2**62  # above every id a database row can have
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,19 @@ class APIHandler(web.RequestHandler):
         return self.identity
 
     def body(self, model: type[ModelT]) -> ModelT:
+        raw = self.request.body or b"{}"
+        if b"\\u" in raw:  # only an escape can carry a lone surrogate, which no store takes
+            try:
+                json.dumps(json.loads(raw), ensure_ascii=False).encode()
+            except UnicodeEncodeError as e:
+                raise BadRequest(
+                    "the request body holds text that is not valid Unicode (a lone "
+                    "surrogate escape such as \\ud800); send UTF-8 text"
+                ) from e
+            except ValueError:
+                pass  # not JSON: the model's validation says what is wrong
         try:
-            return model.model_validate_json(self.request.body or b"{}")
+            return model.model_validate_json(raw)
         except ValidationError as e:
             details = [
                 {"field": ".".join(str(p) for p in err["loc"]), "problem": err["msg"]}
@@ -109,6 +121,15 @@ class APIHandler(web.RequestHandler):
             ]
             summary = "; ".join(f"{d['field'] or 'body'}: {d['problem']}" for d in details)
             raise BadRequest(f"the request body is not valid: {summary}", details) from e
+
+    @staticmethod
+    def path_id(text: str) -> int:
+        """A workload's or job's id from the URL (the route admits digits only); one too
+        large to be any row's is a 404, not an overflow in the database."""
+        value = int(text)
+        if value > MAX_ID:
+            raise NotFoundError(f"there is no workload or job {text}")
+        return value
 
     def int_argument(self, name: str, default: int, low: int, high: int) -> int:
         raw = self.get_query_argument(name, None)

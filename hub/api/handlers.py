@@ -126,7 +126,7 @@ class WorkloadHandler(APIHandler):
         identity = self.require(scopes.USE, scopes.SPAWN)
         wait = self.int_argument("wait", 0, 0, MAX_WAIT_SECONDS)
         known_version = self.int_argument("version", 0, 0, 2**62)
-        wid = int(workload_id)
+        wid = self.path_id(workload_id)
         with self.controller.store.read() as session:
             workload = load_workload(session, wid)
             if not identity.may_act_for(workload.username):
@@ -145,7 +145,7 @@ class WorkloadActionHandler(APIHandler):
         self.require(scopes.SPAWN)
         store = self.controller.store
         now = self.controller.now()
-        wid = int(workload_id)
+        wid = self.path_id(workload_id)
         with store_errors_as_http():
             if action == "renew":
                 store.renew(now, wid, self.controller.request_lease)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from .schemas import Strict, WorkloadOut
+from .schemas import MAX_INT, Strict, WorkloadOut
 
-ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+MAX_PODS = 100_000
 
 
 class JobSubmitIn(Strict):
@@ -83,19 +83,19 @@ class LogOut(BaseModel):
 
 
 class AgentPodIn(Strict):
-    workload_id: int
-    pod_index: int = Field(ge=0)
+    workload_id: int = Field(ge=1, le=MAX_INT)
+    pod_index: int = Field(ge=0, le=MAX_PODS)
     state: Literal["running", "exited", "stopped", "failed"]
-    exit_code: int | None = None
-    signal: int | None = None
+    exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31)
+    signal: int | None = Field(default=None, ge=0, le=255)
     reason: str = Field(default="", max_length=2000)
 
 
 class LogChunkIn(Strict):
-    workload_id: int
-    rank: int
+    workload_id: int = Field(ge=1, le=MAX_INT)
+    rank: int = Field(ge=-MAX_PODS, le=MAX_PODS * 1024)
     stream: Literal["stdout", "stderr"]
-    offset: int = Field(ge=0)
+    offset: int = Field(ge=0, le=MAX_INT)
     data: str = Field(max_length=1 << 20)
 
 
@@ -103,7 +103,9 @@ class AgentSyncIn(Strict):
     nodes: list[str] = Field(max_length=10_000)
     pods: list[AgentPodIn] = Field(default_factory=list, max_length=10_000)
     logs: list[LogChunkIn] = Field(default_factory=list, max_length=10_000)
-    known: list[tuple[int, int]] = Field(
+    known: list[
+        tuple[Annotated[int, Field(ge=1, le=MAX_INT)], Annotated[int, Field(ge=0, le=MAX_PODS)]]
+    ] = Field(
         default_factory=list,
         max_length=10_000,
         description="(workload, pod) the agent runs or is stopping: the answer waits "

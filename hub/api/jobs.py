@@ -3,7 +3,7 @@ agent's pod sync (report what runs, learn what should)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -16,6 +16,9 @@ from ..errors import BadRequest, Forbidden, NotFoundError
 from . import job_schemas as js
 from .base import APIHandler, Identity, store_errors_as_http
 from .views import MAX_WAIT_SECONDS, WORKLOAD_DETAILS, workload_out
+
+if TYPE_CHECKING:
+    from ..app import FleetController
 
 MAX_LOG_READ = 1 << 20
 
@@ -165,7 +168,7 @@ class JobHandler(APIHandler):
         identity = self.require(scopes.USE)
         wait = self.int_argument("wait", 0, 0, MAX_WAIT_SECONDS)
         known_version = self.int_argument("version", 0, 0, 2**62)
-        wid = int(workload_id)
+        wid = self.path_id(workload_id)
         with self.controller.store.read() as session:
             version = load_job(session, identity, wid).version
         if wait and version == known_version:
@@ -178,16 +181,23 @@ class JobHandler(APIHandler):
 class JobCancelHandler(APIHandler):
     async def post(self, workload_id: str) -> None:
         identity = self.require(scopes.USE)
-        wid = int(workload_id)
+        wid = self.path_id(workload_id)
         with self.controller.store.read() as session:
             load_job(session, identity, wid)
         with store_errors_as_http():
-            self.controller.store.cancel_job(self.controller.now(), wid, identity.name)
-        self.controller.notifier.changed([wid])
-        self.controller.kick()
+            cancel_job(self.controller, wid, identity.name)
         with self.controller.store.read() as session:
             workload = load_job(session, identity, wid)
             self.send(job_out(workload, _pods_of(session, [wid])[wid]))
+
+
+def cancel_job(controller: FleetController, workload_id: int, by: str) -> None:
+    """Cancel (the API's and the jobs page's): the store decides, the loops are told."""
+    cancelled = controller.store.cancel_job(controller.now(), workload_id, by)
+    if cancelled.state == WorkloadState.ended:
+        controller.metrics.ended.labels("job", "cancelled").inc()
+    controller.notifier.changed([workload_id])
+    controller.kick()  # a waiting job's place, or (once its ranks are gone) its GPUs
 
 
 class JobLogsHandler(APIHandler):
@@ -196,7 +206,7 @@ class JobLogsHandler(APIHandler):
 
     async def get(self, workload_id: str) -> None:
         identity = self.require(scopes.USE)
-        wid = int(workload_id)
+        wid = self.path_id(workload_id)
         rank = self.int_argument("rank", 0, -(10**6), 10**6)
         offset = self.int_argument("offset", 0, 0, 2**62)
         wait = self.int_argument("wait", 0, 0, MAX_WAIT_SECONDS)
@@ -255,6 +265,8 @@ class AgentPodsHandler(APIHandler):
         chunks = [LogChunk(c.workload_id, c.rank, c.stream, c.offset, c.data) for c in body.logs]
         with store_errors_as_http():
             result = controller.store.agent_sync(controller.now(), body.nodes, reports, chunks)
+        for outcome in result.ended:
+            controller.metrics.ended.labels("job", outcome).inc()
         if result.changed:
             controller.notifier.changed(result.changed)
             controller.kick()  # GPUs may have been released

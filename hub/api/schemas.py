@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from datetime import date, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# The largest whole number any body may carry: what SQLite's and PostgreSQL's 64-bit
+# integers and JavaScript's numbers all hold exactly. A larger one is refused with a 400.
+MAX_INT = 2**53
 
 
 class Strict(BaseModel):
@@ -52,7 +56,7 @@ class KernelIn(BaseModel):
     name: str = Field(default="", max_length=255)
     execution_state: str = Field(default="", max_length=32)
     last_activity: datetime | None = None
-    connections: int = Field(default=0, ge=0)
+    connections: int = Field(default=0, ge=0, le=MAX_INT)
 
 
 class TerminalIn(BaseModel):
@@ -142,9 +146,9 @@ class SnapshotList(BaseModel):
 
 class GpuSpecIn(Strict):
     uuid: str = Field(min_length=1, max_length=96)
-    index: int = Field(ge=0)
+    index: int = Field(ge=0, le=MAX_INT)
     pci_bus_id: str = ""
-    memory_bytes: int = Field(default=0, ge=0)
+    memory_bytes: int = Field(default=0, ge=0, le=MAX_INT)
     gpu_type: str | None = None
 
 
@@ -154,8 +158,8 @@ class NodeSpecIn(Strict):
     zone: str = Field(min_length=1, max_length=64)
     gpu_type: str = Field(min_length=1, max_length=64)
     gpus: list[GpuSpecIn]
-    cpus: float = Field(default=0.0, ge=0)
-    memory_bytes: int = Field(default=0, ge=0)
+    cpus: float = Field(default=0.0, ge=0, le=MAX_INT)
+    memory_bytes: int = Field(default=0, ge=0, le=MAX_INT)
     labels: dict[str, str] = Field(default_factory=dict)
 
 
@@ -185,30 +189,32 @@ class GpuSampleIn(Strict):
     """One GPU's sample; a reading the GPU does not support is absent, not zero."""
 
     uuid: str = Field(min_length=1, max_length=96)
-    index: int = Field(ge=0)
+    index: int = Field(ge=0, le=MAX_INT)
     at: float
     lost: bool = False
     utilization_gpu_pct: int | None = Field(default=None, ge=0, le=100)
     utilization_memory_pct: int | None = Field(default=None, ge=0, le=100)
-    memory_used_bytes: int | None = Field(default=None, ge=0)
-    memory_total_bytes: int | None = Field(default=None, ge=0)
-    power_watts: float | None = Field(default=None, ge=0)
-    temperature_c: int | None = None
-    clocks_event_reasons: int | None = Field(default=None, ge=0)
-    ecc_uncorrected_volatile: int | None = Field(default=None, ge=0)
-    ecc_corrected_volatile: int | None = Field(default=None, ge=0)
-    ecc_uncorrected_aggregate: int | None = Field(default=None, ge=0)
-    ecc_corrected_aggregate: int | None = Field(default=None, ge=0)
-    remapped_rows_correctable: int | None = Field(default=None, ge=0)
-    remapped_rows_uncorrectable: int | None = Field(default=None, ge=0)
+    memory_used_bytes: int | None = Field(default=None, ge=0, le=MAX_INT)
+    memory_total_bytes: int | None = Field(default=None, ge=0, le=MAX_INT)
+    power_watts: float | None = Field(default=None, ge=0, le=MAX_INT)
+    temperature_c: int | None = Field(default=None, ge=-273, le=1000)
+    clocks_event_reasons: int | None = Field(default=None, ge=0, le=MAX_INT)
+    ecc_uncorrected_volatile: int | None = Field(default=None, ge=0, le=MAX_INT)
+    ecc_corrected_volatile: int | None = Field(default=None, ge=0, le=MAX_INT)
+    ecc_uncorrected_aggregate: int | None = Field(default=None, ge=0, le=MAX_INT)
+    ecc_corrected_aggregate: int | None = Field(default=None, ge=0, le=MAX_INT)
+    remapped_rows_correctable: int | None = Field(default=None, ge=0, le=MAX_INT)
+    remapped_rows_uncorrectable: int | None = Field(default=None, ge=0, le=MAX_INT)
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
-    pcie_replays: int | None = Field(default=None, ge=0)
-    nvlink_replay_errors: int | None = Field(default=None, ge=0)
-    nvlink_recovery_errors: int | None = Field(default=None, ge=0)
-    nvlink_crc_flit_errors: int | None = Field(default=None, ge=0)
-    nvlink_crc_data_errors: int | None = Field(default=None, ge=0)
-    processes: list[tuple[int, int]] = Field(default_factory=list)
+    pcie_replays: int | None = Field(default=None, ge=0, le=MAX_INT)
+    nvlink_replay_errors: int | None = Field(default=None, ge=0, le=MAX_INT)
+    nvlink_recovery_errors: int | None = Field(default=None, ge=0, le=MAX_INT)
+    nvlink_crc_flit_errors: int | None = Field(default=None, ge=0, le=MAX_INT)
+    nvlink_crc_data_errors: int | None = Field(default=None, ge=0, le=MAX_INT)
+    processes: list[
+        tuple[Annotated[int, Field(ge=0, le=MAX_INT)], Annotated[int, Field(ge=0, le=MAX_INT)]]
+    ] = Field(default_factory=list, max_length=4096)
 
 
 class SamplesIn(Strict):
@@ -217,7 +223,7 @@ class SamplesIn(Strict):
 
 class XidIn(Strict):
     uuid: str = Field(min_length=1, max_length=96)
-    xid: int = Field(ge=0)
+    xid: int = Field(ge=0, le=2**31)
 
 
 class NodeOut(BaseModel):
@@ -276,9 +282,9 @@ class ProjectUsageOut(BaseModel):
 
 
 class QuotaEditIn(Strict):
-    guaranteed: int = Field(ge=0)
-    borrow_limit: int | None = Field(default=None, ge=0, description="None: any")
-    lend_limit: int | None = Field(default=None, ge=0, description="None: all of it")
+    guaranteed: int = Field(ge=0, le=MAX_INT)
+    borrow_limit: int | None = Field(default=None, ge=0, le=MAX_INT, description="None: any")
+    lend_limit: int | None = Field(default=None, ge=0, le=MAX_INT, description="None: all of it")
 
 
 class ProjectEditIn(Strict):
@@ -286,7 +292,7 @@ class ProjectEditIn(Strict):
 
     weight: float | None = Field(default=None, gt=0, le=1e6)
     default_priority: str | None = Field(default=None, min_length=1, max_length=32)
-    per_user_gpu_cap: int | None = Field(default=None, ge=1, description="null: no cap")
+    per_user_gpu_cap: int | None = Field(default=None, ge=1, le=MAX_INT, description="null: no cap")
     quotas: dict[str, QuotaEditIn] = Field(
         default_factory=dict, max_length=64, description="per GPU type, the whole quota"
     )

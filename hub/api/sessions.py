@@ -58,14 +58,14 @@ class SessionActivityHandler(_SessionHandler):
         )
         with store_errors_as_http():
             state = self.controller.store.record_activity(
-                self.controller.now(), int(workload_id), username, report
+                self.controller.now(), self.path_id(workload_id), username, report
             )
         self.answer(state)
 
     async def get(self, workload_id: str) -> None:
         username = self.caller()
         with store_errors_as_http():
-            state = self.controller.store.session_state(int(workload_id), username)
+            state = self.controller.store.session_state(self.path_id(workload_id), username)
         self.answer(state)
 
 
@@ -74,7 +74,7 @@ class KeepAliveHandler(_SessionHandler):
         username = self.caller()
         body = self.body(schemas.KeepAliveIn)
         now = self.controller.now()
-        wid = int(workload_id)
+        wid = self.path_id(workload_id)
         with store_errors_as_http():
             state = self.controller.store.session_state(wid, username)
             policy = self.controller.culler.policy_for(state.project, state.profile)

@@ -126,6 +126,7 @@ class DesiredPod:
 class SyncResult:
     desired: list[DesiredPod]
     changed: list[int]  # workloads whose visible state changed (for long-polling readers)
+    ended: list[str]  # the outcome of each job that ended in this sync
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ class JobStore(StoreBase):
         """Record an agent's pod reports and log chunks; answer the pods of its nodes."""
         nodes = set(node_names)
         changed: set[int] = set()
+        ended: list[str] = []
         with self._write(now) as session:
             _store_chunks(session, now, chunks)
             by_workload: dict[int, list[PodReport]] = defaultdict(list)
@@ -229,8 +231,10 @@ class JobStore(StoreBase):
                     continue
                 if self._apply_reports(session, now, workload, pod_reports, nodes):
                     changed.add(workload.id)
+                    if workload.state == WorkloadState.ended:
+                        ended.append(workload.outcome or "")
             desired = _desired_pods(session, nodes)
-        return SyncResult(desired, sorted(changed))
+        return SyncResult(desired, sorted(changed), ended)
 
     def _apply_reports(
         self,

@@ -129,3 +129,14 @@ def test_quota_shows_your_projects_usage_and_what_waits(fleet: Hub, admin: Clien
     tree = {p.name: p for p in admin.projects()}
     assert set(tree) == {"research", "vision", "nlp"}
     assert tree["nlp"].quotas[0].used == 0 and tree["nlp"].quotas[0].borrow_limit is None
+
+
+def test_an_admin_lists_the_project_tree_and_a_researcher_their_part(fleet: Hub) -> None:
+    everything = cli("projects", token=fleet.token, api_url=fleet.controller_api)
+    assert everything.returncode == 0, everything.stderr
+    assert "vision" in everything.stdout and "nlp" in everything.stdout
+    assert "A100-80GB" in everything.stdout and "weight" in everything.stdout
+    mine = cli("projects", "--json", token=fleet.user_token("bob"), api_url=fleet.controller_api)
+    assert mine.returncode == 0, mine.stderr
+    assert {p["name"] for p in json.loads(mine.stdout)} >= {"vision"}
+    assert "nlp" not in {p["name"] for p in json.loads(mine.stdout)}
