@@ -276,3 +276,39 @@ def test_the_jobs_pages_show_a_researchers_job_its_output_and_cancel_it(
             context.close()
     with Client(fleet.controller_api, fleet.user_token("bob")) as bob:
         assert job_id not in [j.id for j in bob.jobs()]
+
+
+def test_a_borrowing_job_is_preempted_for_a_guarantee_and_checkpoints_first(
+    fleet: Hub, alice: Client
+) -> None:
+    # nlp's guarantee is 4 and it may borrow vision's idle 4: two 4-GPU nlp jobs fill the
+    # fleet, one of them on borrowed GPUs. bob asks within vision's guarantee.
+    first = submit(alice, LOOPS_UNTIL_SIGTERM, gpus=4, project="nlp", name="nlp-a")
+    second = submit(alice, LOOPS_UNTIL_SIGTERM, gpus=4, project="nlp", name="nlp-b")
+    wait_for(
+        lambda: all(
+            "training" in "".join(alice.logs(j, rank=rank))
+            for j in (first, second)
+            for rank in range(4)
+        ),
+        120,
+        "every rank of both nlp jobs training",
+    )
+    fleet.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=4)
+    fleet.wait_ready("bob", timeout=180)
+
+    jobs = {j: alice.job(j) for j in (first, second)}
+    preempted = [j for j in jobs.values() if j.outcome == "preempted"]
+    assert len(preempted) == 1, {j.id: (j.state, j.outcome) for j in jobs.values()}
+    victim = preempted[0]
+    survivor = next(j for j in jobs.values() if j.id != victim.id)
+    assert survivor.state == "running"
+    # Its ranks got the checkpoint signal before they were stopped.
+    for rank in range(4):
+        output = "".join(alice.logs(victim.id, rank=rank))
+        assert f"rank {rank} saving a checkpoint" in output, output
+    bob = fleet.workload_of("bob")
+    assert bob is not None and len(bob["allocations"]) == 4
+    assert {a["uuid"] for a in bob["allocations"]}.isdisjoint(
+        {a.uuid for a in survivor.allocations}
+    )
