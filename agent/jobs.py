@@ -46,6 +46,7 @@ from .runner import RankRunner, RankSpec, RankStatus, RunnerError, StopFailed
 
 INHERITED = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR")
 CHUNK_BYTES = 256 * 1024
+CHUNKS_PER_SYNC = 32  # 8 MiB per pod and sync at most: a chatty rank cannot swell a request
 # torchrun's summary of a failed child: "rank      : 1 (local_rank: 1)"
 _FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _LAUNCHER_STREAMS = ("stdout", "stderr")
@@ -73,7 +74,10 @@ class _Pod:
     first_rank: int
     local_ranks: int
     grace_s: float = 30.0
-    state: str = "running"  # running | exited | stopped | failed
+    state: str = "running"
+    # How its process group ended ("exited" on its own, or "stopped" by the agent), noted
+    # as soon as it is gone; reported once its logs have been read to the end.
+    ending: tuple[str, RankStatus] | None = None  # running | exited | stopped | failed
     exit_code: int | None = None
     signal: int | None = None
     reason: str = ""
@@ -97,19 +101,22 @@ class PodKeeper:
 
     def busy(self) -> bool:
         """Something to report now: a pod ended, or log chunks wait."""
-        return bool(self._unsent) or any(p.state != "running" for p in self._pods.values())
+        return bool(self._unsent) or any(
+            p.state != "running" or p.ending is not None for p in self._pods.values()
+        )
 
     def report(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Every known pod's state and the log chunks not yet acknowledged."""
         for pod in self._pods.values():
-            ended = None
-            if pod.state == "running" and pod.stopping is None:
+            if pod.state == "running" and pod.ending is None and pod.stopping is None:
                 status = self.runner.status(pod.rank_id)
                 if status.state != "running":
-                    ended = status
-            self._unsent += self._read_logs(pod)
-            if ended is not None:  # logs first: they are complete once the group is gone
-                self._record_end(pod, ended)
+                    pod.ending = ("exited", status)
+            chunks, drained = self._read_logs(pod)
+            self._unsent += chunks
+            if pod.state == "running" and pod.ending is not None and drained:
+                state, status = pod.ending
+                self._record_end(pod, state, status)  # logs whole: the group is gone
         pods = [
             {
                 "workload_id": pod.workload_id,
@@ -249,8 +256,8 @@ class PodKeeper:
 
     # ------------------------------------------------------------- stopping
     def _stop(self, pod: _Pod) -> None:
-        if pod.state != "running" or pod.stopping is not None:
-            return
+        if pod.state != "running" or pod.stopping is not None or pod.ending is not None:
+            return  # ended, or being stopped already
 
         async def stop() -> None:
             try:
@@ -259,18 +266,23 @@ class PodKeeper:
                 self.log.error("job %s pod %s: %s", pod.workload_id, pod.pod_index, e)
                 pod.stopping = None  # still running: the next apply tries again
                 return
-            self._unsent.extend(self._read_logs(pod))
-            pod.state, pod.signal = "stopped", status.signal
-            pod.exit_code = status.exit_code
+            pod.ending = ("stopped", status)  # reported by report(), with its last logs
 
         self.log.info("stopping job %s pod %s", pod.workload_id, pod.pod_index)
         pod.stopping = asyncio.create_task(stop())
 
-    def _record_end(self, pod: _Pod, status: RankStatus) -> None:
-        pod.state, pod.exit_code, pod.signal = "exited", status.exit_code, status.signal
-        if status.exit_code != 0:
+    def _record_end(self, pod: _Pod, state: str, status: RankStatus) -> None:
+        pod.state, pod.exit_code, pod.signal = state, status.exit_code, status.signal
+        if state == "exited" and status.exit_code != 0:
             pod.reason = self._failure_reason(pod)
-        self.log.info("job %s pod %s exited (%s)", pod.workload_id, pod.pod_index, status.exit_code)
+        self.log.info(
+            "job %s pod %s %s (exit code %s, signal %s)",
+            pod.workload_id,
+            pod.pod_index,
+            state,
+            status.exit_code,
+            status.signal,
+        )
 
     def _forget(self, pod: _Pod) -> None:
         del self._pods[pod.workload_id, pod.pod_index]
@@ -296,16 +308,20 @@ class PodKeeper:
                     files.append((pod.first_rank + local, stream, path))
         return files
 
-    def _read_logs(self, pod: _Pod) -> list[dict[str, Any]]:
-        chunks = []
+    def _read_logs(self, pod: _Pod) -> tuple[list[dict[str, Any]], bool]:
+        """What is new in the pod's log files, at most ``CHUNKS_PER_SYNC`` chunks; and
+        whether that was all of it."""
+        chunks: list[dict[str, Any]] = []
         for rank, stream, path in self._log_files(pod):
             tail = pod.logs.setdefault((rank, stream), _LogFile(rank, stream))
-            while True:
+            while len(chunks) < CHUNKS_PER_SYNC:
                 chunk = _read_new(tail, path)
                 if chunk is None:
                     break
                 chunks.append({"workload_id": pod.workload_id, **chunk})
-        return chunks
+            else:
+                return chunks, False
+        return chunks, True
 
     def _failure_reason(self, pod: _Pod) -> str:
         """The last line the first rank to fail wrote to stderr, else the launcher's."""

@@ -110,8 +110,12 @@ class FleetMagics(Magics):
                 raise
         handle = display(JobStatus(job), display_id=True)
         assert isinstance(handle, DisplayHandle)
+        # A daemon: shutting the kernel down must not wait for the job to end.
         threading.Thread(
-            target=_follow, args=(client, job, handle.update), name=f"gpufleet-job-{job.id}"
+            target=_follow,
+            args=(client, job, handle.update),
+            name=f"gpufleet-job-{job.id}",
+            daemon=True,
         ).start()
 
     @line_magic

@@ -21,7 +21,7 @@ from ..scheduler.store.models import Workload, WorkloadState
 from . import scopes
 from .api.base import Identity
 from .api.handlers import node_rows
-from .api.projects import MAX_WEEKS, finish_with_csv, usage_for
+from .api.projects import MAX_WEEKS, finish_with_csv, project_usage, usage_for
 from .usage import WeekUsage, week_start
 
 if TYPE_CHECKING:
@@ -51,6 +51,13 @@ PAGE = """<!doctype html>
 <td class="{{ w.state.value }}">{{ w.state.value }}</td>
 <td>{{ w.queue_position or "" }}</td><td class="reason">{{ w.reason }}</td></tr>{% end %}
 </table>{% end %}
+<h2>{% if identity.is_admin %}Quotas{% else %}Your projects' quotas{% end %}</h2>
+<table id="quotas"><tr><th>project</th><th>GPU type</th><th>used / guaranteed</th>
+<th>may borrow</th><th>waiting</th></tr>
+{% for p in projects %}{% for q in p.quotas %}<tr data-project="{{ p.name }}">
+<td>{{ p.name }}</td><td>{{ q.gpu_type }}</td><td>{{ q.used }} / {{ q.guaranteed }}</td>
+<td>{{ "any" if q.borrow_limit is None else q.borrow_limit }}</td><td>{{ q.waiting or "" }}</td>
+</tr>{% end %}{% end %}</table>
 <h2>Your snapshots</h2>
 {% if not snapshots %}<p id="no-snapshots">No snapshots yet: an idle session is snapshotted
 before it is stopped, and restored when you start it again.</p>{% else %}
@@ -106,6 +113,7 @@ class MyWorkloadsPage(PageHandler):
         assert identity is not None
         if not identity.has(scopes.USE):
             raise web.HTTPError(403, "your account may not use gpufleet")
+        await self.controller.refresh_memberships(max_age=5.0)
         query = (
             select(Workload)
             .where(Workload.state != WorkloadState.ended)
@@ -117,6 +125,7 @@ class MyWorkloadsPage(PageHandler):
         with self.controller.store.read() as session:
             workloads = list(session.scalars(query))
             nodes = node_rows(session) if identity.is_admin else []
+            projects = project_usage(self.controller, session, identity)
         snapshots = self.controller.store.snapshots_of(identity.name)[:20]
         self.finish(
             template.Template(PAGE).generate(
@@ -125,6 +134,7 @@ class MyWorkloadsPage(PageHandler):
                 workloads=workloads,
                 nodes=nodes,
                 snapshots=snapshots,
+                projects=projects,
                 hub_home="/hub/home",
             )
         )

@@ -116,6 +116,8 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
     # Queued spawns are pending spawns: a limit here would block users who are not queued.
     c.JupyterHub.concurrent_spawn_limit = 0
     c.JupyterHub.cleanup_servers = False  # sessions survive a hub restart
+    # gpufleet's pages in the hub's navigation bar (templates/page.html extends the hub's).
+    c.JupyterHub.template_paths = [str(Path(__file__).parent / "templates")]
 
     # --- the spawner
     c.JupyterHub.spawner_class = "gpufleet.spawner.local.LocalGPUSpawner"

@@ -43,8 +43,8 @@ def admin_page(fleet: Hub, chromium: Browser) -> Iterator[Page]:
     context = new_context(chromium, fleet.url)
     try:
         page = login(context, "admin")
-        page.goto("/services/gpufleet/")
-        page.locator("#admin-link").click()
+        page.goto("/hub/home")
+        page.locator("#gpufleet-admin-nav").click()  # the hub's own navigation bar
         expect(page.locator("h1")).to_have_text("gpufleet admin")
         yield page
     finally:
@@ -122,9 +122,14 @@ def test_a_researcher_neither_sees_nor_reaches_the_admin_panel(
     context = new_context(chromium, fleet.url)
     try:
         page = login(context, "alice")
-        page.goto("/services/gpufleet/")
+        page.goto("/hub/home")
+        expect(page.locator("#gpufleet-admin-nav")).to_have_count(0)
+        page.locator("#gpufleet-nav").click()
         expect(page.locator("#jobs-link")).to_be_visible()
         expect(page.locator("#admin-link")).to_have_count(0)
+        # Her projects' quotas, not the whole tree.
+        expect(page.locator("#quotas tr[data-project='vision']")).to_contain_text("/ 4")
+        expect(page.locator("#quotas")).to_contain_text("nlp")
         response = page.goto(PANEL)
         assert response is not None and response.status == 403
     finally:
