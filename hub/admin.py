@@ -243,7 +243,7 @@ class AdminPage(PageHandler):
             gpus: dict[str, list[GpuState]] = {}
             for node_name, gpu in session.execute(
                 select(Node.name, Gpu).join(Gpu, Gpu.node_id == Node.id).order_by(Gpu.index)
-            ).tuples():
+            ):
                 if gpu.present:
                     state = "lost" if gpu.lost else _sample_state(gpu.last_sample)
                     gpus.setdefault(node_name, []).append(

@@ -112,8 +112,7 @@ class JobPage(PageHandler):
         stream = stream if stream in ("stdout", "stderr") else "stdout"
         job = self._job(job_id)
         store = self.controller.store
-        end = store.read_log(job_id, rank, stream, 0, 1 << 62).next_offset
-        start = max(0, end - LOG_TAIL)
+        start = max(0, store.log_size(job_id, rank, stream) - LOG_TAIL)
         log = store.read_log(job_id, rank, stream, start, LOG_TAIL).data
         self.set_status(status)
         self.finish(

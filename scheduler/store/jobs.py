@@ -315,6 +315,21 @@ class JobStore(StoreBase):
         with self.read() as session:
             return list(_pods(session, workload_id))
 
+    def log_size(self, workload_id: int, rank: int, stream: str) -> int:
+        """Bytes of the stream stored so far (where its last chunk ends)."""
+        with self.read() as session:
+            last = session.execute(
+                select(JobLog.offset, JobLog.data)
+                .where(
+                    JobLog.workload_id == workload_id,
+                    JobLog.rank == rank,
+                    JobLog.stream == stream,
+                )
+                .order_by(JobLog.offset.desc())
+                .limit(1)
+            ).first()
+        return 0 if last is None else last.offset + len(last.data.encode())
+
     def read_log(
         self, workload_id: int, rank: int, stream: str, offset: int, max_bytes: int
     ) -> LogSlice:
@@ -371,14 +386,15 @@ def _store_chunks(session: Session, now: datetime, chunks: Iterable[LogChunk]) -
             fresh[chunk.workload_id, chunk.rank, chunk.stream, chunk.offset] = chunk
     if not fresh:
         return
-    known = set(
-        session.execute(
+    known = {
+        (workload_id, rank, stream, offset)
+        for workload_id, rank, stream, offset in session.execute(
             select(JobLog.workload_id, JobLog.rank, JobLog.stream, JobLog.offset).where(
                 JobLog.workload_id.in_({key[0] for key in fresh}),
                 JobLog.offset.in_({key[3] for key in fresh}),
             )
-        ).tuples()
-    )
+        )
+    }
     jobs = set(
         session.scalars(
             select(Workload.id).where(

@@ -196,6 +196,10 @@ NODES = [
 
 @pytest.fixture
 def store(engine: Engine) -> FleetStore:
+    return make_store(engine)
+
+
+def make_store(engine: Engine) -> FleetStore:
     """A controller holding the lease over a small fleet: 6 A100 on two nodes, 2 H100."""
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(seconds=15))
     assert store.try_acquire_lease(T0)
