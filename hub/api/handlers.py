@@ -16,7 +16,6 @@ from ...scheduler.store.models import (
     Profile,
     Workload,
     WorkloadKind,
-    WorkloadState,
     Zone,
 )
 from ...scheduler.validation import SessionRequest
@@ -27,7 +26,7 @@ from .base import APIHandler, store_errors_as_http
 from .jobs import job_routes
 from .projects import project_routes
 from .sessions import session_routes
-from .views import MAX_WAIT_SECONDS, WORKLOAD_DETAILS, load_workload, workload_out
+from .views import MAX_WAIT_SECONDS, listing, load_workload, page, workload_out
 
 
 class InfoHandler(APIHandler):
@@ -95,26 +94,9 @@ class WorkloadsHandler(APIHandler):
             if username not in (None, identity.name):
                 raise Forbidden("you may list only your own workloads")
             username = identity.name
-        for state in states:
-            if state not in WorkloadState.__members__:
-                raise BadRequest(
-                    f"unknown state {state!r}; use one of: {', '.join(WorkloadState.__members__)}"
-                )
-        query = select(Workload)
-        if username is not None:
-            query = query.where(Workload.username == username)
-        if states:
-            query = query.where(Workload.state.in_([WorkloadState(s) for s in states]))
-        if kind is not None:
-            query = query.where(Workload.kind == WorkloadKind(kind))
+        query = listing(states, username, WorkloadKind(kind) if kind else None)
         with self.controller.store.read() as session:
-            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-            rows = session.scalars(
-                query.order_by(Workload.id.desc())
-                .offset(offset)
-                .limit(limit)
-                .options(*WORKLOAD_DETAILS)
-            ).all()
+            rows, total = page(session, query, offset, limit)
             items = [workload_out(w) for w in rows]
         self.send(schemas.WorkloadList(items=items, total=total, offset=offset, limit=limit))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ...scheduler.store.jobs import DesiredPod, JobSpec, LogChunk, PodReport
@@ -15,7 +15,7 @@ from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
 from . import job_schemas as js
 from .base import APIHandler, Identity, store_errors_as_http
-from .views import MAX_WAIT_SECONDS, WORKLOAD_DETAILS, workload_out
+from .views import MAX_WAIT_SECONDS, WORKLOAD_DETAILS, listing, page, workload_out
 
 if TYPE_CHECKING:
     from ..app import FleetController
@@ -106,24 +106,9 @@ class JobsHandler(APIHandler):
             if username not in (None, identity.name):
                 raise Forbidden("you may list only your own jobs")
             username = identity.name
-        for state in states:
-            if state not in WorkloadState.__members__:
-                raise BadRequest(
-                    f"unknown state {state!r}; use one of: {', '.join(WorkloadState.__members__)}"
-                )
-        query = select(Workload).where(Workload.kind == WorkloadKind.job)
-        if username is not None:
-            query = query.where(Workload.username == username)
-        if states:
-            query = query.where(Workload.state.in_([WorkloadState(s) for s in states]))
+        query = listing(states, username, WorkloadKind.job)
         with self.controller.store.read() as session:
-            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-            rows = session.scalars(
-                query.order_by(Workload.id.desc())
-                .offset(offset)
-                .limit(limit)
-                .options(*WORKLOAD_DETAILS)
-            ).all()
+            rows, total = page(session, query, offset, limit)
             pods = _pods_of(session, [w.id for w in rows])
             items = [job_out(w, pods[w.id]) for w in rows]
         self.send(js.JobList(items=items, total=total, offset=offset, limit=limit))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from collections.abc import Sequence
+
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from ...scheduler.store.models import Allocation, Workload
-from ..errors import NotFoundError
+from ...scheduler.store.models import Allocation, Workload, WorkloadKind, WorkloadState
+from ..errors import BadRequest, NotFoundError
 from . import schemas
 
 MAX_WAIT_SECONDS = 60
@@ -59,3 +61,33 @@ def load_workload(session: Session, workload_id: int) -> Workload:
     if workload is None:
         raise NotFoundError(f"there is no workload {workload_id}")
     return workload
+
+
+def listing(
+    states: Sequence[str], username: str | None, kind: WorkloadKind | None
+) -> Select[Workload]:
+    """The workloads a list asks for: ``?state=`` (repeatable), one user's, one kind."""
+    for state in states:
+        if state not in WorkloadState.__members__:
+            raise BadRequest(
+                f"unknown state {state!r}; use one of: {', '.join(WorkloadState.__members__)}"
+            )
+    query = select(Workload)
+    if username is not None:
+        query = query.where(Workload.username == username)
+    if states:
+        query = query.where(Workload.state.in_([WorkloadState(s) for s in states]))
+    if kind is not None:
+        query = query.where(Workload.kind == kind)
+    return query
+
+
+def page(
+    session: Session, query: Select[Workload], offset: int, limit: int
+) -> tuple[Sequence[Workload], int]:
+    """One page of ``query``, newest first, and how many there are in all."""
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = session.scalars(
+        query.order_by(Workload.id.desc()).offset(offset).limit(limit).options(*WORKLOAD_DETAILS)
+    ).all()
+    return rows, total
