@@ -9,25 +9,23 @@ in one transaction: a controller killed at any point leaves either all of them o
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import select, update
+from sqlalchemy.orm import selectinload
 
 from ..errors import InputError, InvalidRequest
 from ..model import project_tree
-from ..validation import Catalogue, ProfileRule, SessionRequest, validate_session_request
+from ..validation import SessionRequest, validate_session_request
 from .base import _event, _get_workload, _preemptible
+from .catalogue import CatalogueStore
 from .cycle import SchedulingStore
 from .inventory import InventoryStore
 from .jobs import JobStore
 from .models import (
-    Gpu,
     Membership,
-    Node,
     PriorityClass,
     Profile,
     Project,
@@ -54,6 +52,7 @@ class FleetStore(
     SessionActivityStore,
     JobStore,
     ProjectAdminStore,
+    CatalogueStore,
 ):
     # ------------------------------------------------------------- bootstrap
     def apply_config(
@@ -142,43 +141,6 @@ class FleetStore(
                     f"{changes} project membership change(s) synced from hub groups",
                 )
         return changes
-
-    def projects_of(self, session: Session, username: str) -> list[Project]:
-        return list(
-            session.scalars(
-                select(Project)
-                .join(Membership)
-                .where(Membership.username == username, Project.kind == ProjectKind.project)
-                .order_by(Project.name)
-            )
-        )
-
-    def catalogue(self, session: Session, username: str) -> Catalogue:
-        largest: dict[str, int] = defaultdict(int)
-        in_zone: dict[tuple[str, int], int] = defaultdict(int)
-        rows = session.execute(
-            select(Node.zone_id, Gpu.node_id, Gpu.gpu_type, func.count())
-            .join(Node, Gpu.node_id == Node.id)
-            .where(Gpu.present.is_(True))
-            .group_by(Node.zone_id, Gpu.node_id, Gpu.gpu_type)
-        )
-        for zone_id, _node_id, gpu_type, count in rows:
-            largest[gpu_type] = max(largest[gpu_type], count)
-            in_zone[gpu_type, zone_id] += count
-        largest_zone: dict[str, int] = defaultdict(int)
-        for (gpu_type, _zone_id), count in in_zone.items():
-            largest_zone[gpu_type] = max(largest_zone[gpu_type], count)
-        profiles = {
-            p.name: ProfileRule(tuple(p.allowed_gpu_types), tuple(p.allowed_projects), p.is_default)
-            for p in session.scalars(select(Profile).order_by(Profile.name))
-        }
-        return Catalogue(
-            largest_node=dict(largest),
-            user_projects=frozenset(p.name for p in self.projects_of(session, username)),
-            profiles=profiles,
-            largest_zone=dict(largest_zone),
-            priority_classes=frozenset(session.scalars(select(PriorityClass.name))),
-        )
 
     # ------------------------------------------------------------- workloads
     def check_session_request(self, request: SessionRequest) -> None:

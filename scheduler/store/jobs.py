@@ -30,8 +30,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from ..errors import InvalidRequest
-from ..validation import Catalogue, JobRequest, validate_job_request
-from .base import StoreBase, _event, _get_workload, _preemptible
+from ..validation import JobRequest, validate_job_request
+from .base import _event, _get_workload, _preemptible
+from .catalogue import CatalogueStore
 from .models import (
     Allocation,
     JobLog,
@@ -135,10 +136,7 @@ class LogSlice:
     next_offset: int
 
 
-class JobStore(StoreBase):
-    def catalogue(self, session: Session, username: str) -> Catalogue:
-        raise NotImplementedError  # FleetStore's: what the fleet offers the user
-
+class JobStore(CatalogueStore):
     def open_job(self, now: datetime, request: JobRequest, spec: JobSpec) -> Workload:
         """Validate and queue a job; nothing is recorded for a request that cannot run."""
         if len(spec.script.encode()) > MAX_SCRIPT_BYTES:
