@@ -29,7 +29,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .memo import Tail, Verdict
 from .quota import UNLIMITED
@@ -165,7 +165,9 @@ class FrozenTails:
                     self.p._next_in_queue(queue, blocked_users)
                 continue
             self._rest(key, rest)
-            self.tails[key] = Tail(rest, start, context, self.p.waiting[mark:])
+            # ``_rest`` appends rows only: a settled run comes from ``_next_in_queue``.
+            rows = cast(list[Waiting], self.p.waiting[mark:])
+            self.tails[key] = Tail(rest, start, context, rows)
 
     def _patched(self, rest: list[Pending], tail: Tail) -> list[Waiting] | None:
         """Last cycle's answers for a queue whose requests, start, usage and victims are

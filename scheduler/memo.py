@@ -31,7 +31,15 @@ from typing import Any
 
 from .model import ProjectTree
 from .preemption import Candidates
-from .snapshot import Pending, Policy, Running, SchedulingSnapshot, WaitCause, Waiting
+from .snapshot import (
+    Changes,
+    Pending,
+    Policy,
+    Running,
+    SchedulingSnapshot,
+    WaitCause,
+    Waiting,
+)
 
 QueueKey = tuple[str, str]  # project, GPU type
 # A frozen refusal: what it read of the state, its cause and its reason.
@@ -54,14 +62,18 @@ class Tail:
 
 
 class PlanMemo:
-    def __init__(self, frozen_tails: bool = True) -> None:
+    def __init__(self, frozen_tails: bool = True, settled_runs: bool = True) -> None:
         # False: decide every request one by one even once the state froze (for tests
         # that compare the two; the decisions are the same, reasons may show older numbers).
         self.frozen_tails = frozen_tails
+        # False: write a row for every repeated refusal at once rather than keep runs of
+        # them (``waits.py``; for tests that compare the two: the rows are the same).
+        self.settled_runs = settled_runs
         self._reset(None)
 
     def _reset(self, settings: tuple[Any, ...] | None) -> None:
         self.settings = settings
+        self.seen: tuple[object, int] | None = None  # the last snapshot's ``Changes``
         self.now = float("-inf")
         self.running: dict[int, Running] = {}
         self.usage: dict[QueueKey, int] = {}
@@ -70,6 +82,7 @@ class PlanMemo:
         self.in_flight: dict[int, dict[int, Running]] = {}
         self.pending: dict[int, Pending] = {}
         self.queues: dict[QueueKey, list[Pending]] = {}
+        self.queue_shapes: dict[QueueKey, Counter[tuple[Any, ...]]] = {}  # shapes in each
         # Per GPU type: how many waiting workloads have each pod size, each size in GPUs,
         # each node selector (counted, not kept) and each promised placement.
         self.pod_sizes: dict[str, Counter[int]] = defaultdict(Counter)
@@ -96,11 +109,31 @@ class PlanMemo:
             _frozen_map(snapshot.preemptible),
             snapshot.projects,
         )
+        follows = self._follows(snapshot.changes)
         if not self._same_settings(settings) or now < self.now:
             self._reset(settings)
+            follows = False
         self.now = self.candidates.now = now
-        self._sync_running(snapshot.running)
-        self._sync_queue(snapshot.queue)
+        changes = snapshot.changes
+        if follows and changes is not None:
+            self._apply_running(changes.running)
+            self._apply_queue(changes.queue)
+            follows = len(self.running) == len(snapshot.running) and len(self.pending) == len(
+                snapshot.queue
+            )  # a producer that missed a change: read the snapshot whole after all
+        if not follows:
+            self._sync_running(snapshot.running)
+            self._sync_queue(snapshot.queue)
+        self.seen = None if changes is None else (changes.stream, changes.serial)
+
+    def _follows(self, changes: Changes | None) -> bool:
+        """Whether ``changes`` lead from the snapshot the memo saw last to this one."""
+        return (
+            changes is not None
+            and self.seen is not None
+            and changes.stream is self.seen[0]
+            and changes.serial == self.seen[1] + 1
+        )
 
     def _same_settings(self, settings: tuple[Any, ...]) -> bool:
         old = self.settings
@@ -129,6 +162,32 @@ class PlanMemo:
                 self._drop_running(old)
             self._add_running(workload)
         self.running = now
+
+    def _apply_running(self, changes: Mapping[int, Running | None]) -> None:
+        running = self.running
+        for wid, workload in changes.items():
+            old = running.get(wid)
+            if old is workload:
+                continue
+            if old is not None:
+                self._drop_running(old)
+                del running[wid]
+            if workload is not None:
+                running[wid] = workload
+                self._add_running(workload)
+
+    def _apply_queue(self, changes: Mapping[int, Pending | None]) -> None:
+        pending = self.pending
+        for wid, request in changes.items():
+            old = pending.get(wid)
+            if old is request:
+                continue
+            if old is not None:
+                self._drop_pending(old)
+                del pending[wid]
+            if request is not None:
+                pending[wid] = request
+                self._add_pending(request)
 
     def _add_running(self, r: Running) -> None:
         gpus = r.gpus
@@ -174,7 +233,9 @@ class PlanMemo:
         requests = self.queues.get(key)
         if requests is None:
             requests = self.queues[key] = []
+            self.queue_shapes[key] = Counter()
         bisect.insort(requests, r, key=self.queue_order)
+        self.queue_shapes[key][r.shape] += 1
         self.pod_sizes[r.gpu_type][r.gpus_per_pod] += 1
         self.shapes[r.gpu_type][(r.gpus_per_pod, r.pods > 1)] += 1
         self.sizes[r.gpu_type][r.gpus] += 1
@@ -191,7 +252,10 @@ class PlanMemo:
         del requests[i]
         if not requests:
             del self.queues[key]
+            del self.queue_shapes[key]
             self.tails.pop(key, None)
+        else:
+            _count_down(self.queue_shapes[key], r.shape)
         _count_down(self.pod_sizes[r.gpu_type], r.gpus_per_pod)
         _count_down(self.shapes[r.gpu_type], (r.gpus_per_pod, r.pods > 1))
         _count_down(self.sizes[r.gpu_type], r.gpus)

@@ -48,8 +48,10 @@ last cycle's verdict. The decisions are those of deciding one by one
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
+import operator
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -74,6 +76,7 @@ from .snapshot import (
     WaitCause,
     Waiting,
 )
+from .waits import SettledRun, Waits
 
 
 def _gpus_by_node(workloads: Iterable[Running]) -> dict[tuple[str, str], list[str]]:
@@ -83,6 +86,8 @@ def _gpus_by_node(workloads: Iterable[Running]) -> dict[tuple[str, str], list[st
             gpus[(pod.node, workload.gpu_type)].extend(pod.gpus)
     return gpus
 
+
+_SHAPE = operator.attrgetter("shape")
 
 # Outcomes an identical request would get too, as long as nothing changed.
 _REPEATABLE = (WaitCause.QUOTA, WaitCause.USER_CAP, WaitCause.CAPACITY, WaitCause.NEVER_FITS)
@@ -158,7 +163,7 @@ class _Planner:
         self.admissions: list[Admission] = []
         self.kept: list[Kept] = []
         self.preemptions: list[Preemption] = []
-        self.waiting: list[Waiting] = []
+        self.waiting: list[Waiting | SettledRun] = []
         self.positions: dict[tuple[str, str], int] = defaultdict(int)
         self.frozen = FrozenTails(self)  # the rest of every queue once nothing can change
 
@@ -188,7 +193,7 @@ class _Planner:
         return Plan(
             tuple(self.admissions),
             tuple(self.preemptions),
-            tuple(self.waiting),
+            Waits(self.waiting),
             tuple(self.kept),
         )
 
@@ -326,13 +331,69 @@ class _Planner:
         refusal: they change nothing, so the global order does not matter for them
         (positions count within the queue). Stops at the first that needs deciding.
 
-        What ``_settled`` and ``_wait`` do for each, inlined: in a replay where the queues
-        are hundreds long this loop runs millions of times. Within it nothing changes the
-        cycle's state (no admission, so the refusal epoch holds), and every request of a
-        queue shares its project, so whether a per-user cap applies is decided once."""
+        In a replay where the queues are hundreds long this runs over millions of
+        requests. Without a per-user cap (a request's signature is its shape) and node
+        selectors, the stretch is found by a scan that runs in C and kept as one
+        ``SettledRun``, expanded into rows only if the plan's waits are read
+        (``waits.py``). Within it nothing changes the cycle's state (no admission, so
+        the refusal epoch holds)."""
         requests, head = queue.requests, queue.head
         if head >= len(requests):
             return
+        project, gpu_type = requests[head].project, requests[head].gpu_type
+        if (
+            project in self.capped
+            or self.memo.selectors.get(gpu_type)
+            or not self.memo.settled_runs
+        ):
+            self._settle_repeats_one_by_one(queue, blocked_users)
+            return
+        settled, epoch = self.settled, self._refusal_epoch
+        if epoch == 0:  # no lend limits: every refusal stands for the whole cycle
+            stands = settled.__contains__
+        else:
+            stands = {s for s, seen in settled.items() if seen[0] == epoch}.__contains__
+        key = (project, gpu_type)
+        if all(map(stands, self.memo.queue_shapes[key])):
+            count = len(requests) - head
+        else:
+            rest = itertools.islice(requests, head, None)
+            try:
+                count = operator.indexOf(map(stands, map(_SHAPE, rest)), False)
+            except ValueError:
+                count = len(requests) - head
+        if count:  # it ends before the first request with victims stopping for it
+            count = min(count, self._first_preemptor(requests, head) - head)
+        if not count:
+            return
+        self.waiting.append(
+            SettledRun(requests[head : head + count], self.positions[key], dict(settled))
+        )
+        self.positions[key] += count
+        queue.head = head + count
+
+    def _first_preemptor(self, requests: list[Pending], head: int) -> int:
+        """The index of the queue's first request from ``head`` on with victims stopping
+        for it (too particular to repeat a refusal), or the queue's length."""
+        first = len(requests)
+        order, pending = self.memo.queue_order, self.memo.pending
+        for wid in self.in_flight:
+            request = pending.get(wid)
+            if request is None or request.shape[:2] != requests[head].shape[:2]:
+                continue
+            i = bisect.bisect_left(requests, order(request), lo=head, key=order)
+            if i < len(requests) and requests[i].id == wid:
+                first = min(first, i)
+        return first
+
+    def _settle_repeats_one_by_one(
+        self, queue: _Queue, blocked_users: dict[tuple[str, str], int]
+    ) -> None:
+        """``_settle_repeats`` where a per-user cap or node selectors make each request's
+        signature its own: what ``_settled`` and ``_wait`` do for each, inlined. Every
+        request of a queue shares its project, so whether a per-user cap applies is
+        decided once."""
+        requests, head = queue.requests, queue.head
         project, gpu_type = requests[head].project, requests[head].gpu_type
         per_user = project in self.capped
         in_flight, settled, epoch = self.in_flight, self.settled, self._refusal_epoch

@@ -73,6 +73,7 @@ from .snapshot import (
     SchedulingSnapshot,
     WaitCause,
 )
+from .tracked import ChangeStream
 
 __all__ = [
     "PREEMPTIBLE_CLASSES",
@@ -340,8 +341,10 @@ class _Replay:
         self.free_by_type: dict[str, int] = defaultdict(int)
         for n in nodes:
             self.free_by_type[n.gpu_type] += n.gpus
-        self.running: dict[int, Running] = {}
-        self.queue: dict[int, Pending] = {}
+        # Every change to these is recorded and handed to the core with the next snapshot.
+        self.stream = ChangeStream()
+        self.running = self.stream.running
+        self.queue = self.stream.queue
         # GPU type -> GPUs asked -> queued requests of that size: what could start at all.
         self.queued_sizes: dict[str, Counter[int]] = defaultdict(Counter)
         self.events: list[tuple[float, int, int, int, int]] = []
@@ -440,6 +443,7 @@ class _Replay:
             priorities=PRIORITY_RANKS,
             preemptible=PREEMPTIBLE_CLASSES,
             policy=self.policy,
+            changes=self.stream.changes(),
         )
 
     def _enqueue(self, job: _Job) -> None:

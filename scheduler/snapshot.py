@@ -13,7 +13,7 @@ simulator its virtual clock.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -121,6 +121,23 @@ class Policy:
 
 
 @dataclass(frozen=True)
+class Changes:
+    """What a producer changed in ``running`` and ``queue`` since its previous snapshot: a
+    hint that lets ``memo.PlanMemo`` follow a stream of snapshots in the time the changes
+    take, not the time the queue takes to read. By workload id, the new value, or None
+    for one that is gone. It applies only to the snapshot numbered ``serial`` of the
+    stream ``stream`` (any object, compared by identity) right after the one numbered
+    ``serial - 1``; a memo that saw anything else reads the snapshot whole. The producer
+    must list every change (``tracked.TrackedMap`` records them): the plan is then the
+    same as without the hint."""
+
+    stream: object
+    serial: int
+    running: Mapping[int, Running | None]
+    queue: Mapping[int, Pending | None]
+
+
+@dataclass(frozen=True)
 class SchedulingSnapshot:
     nodes: tuple[NodeState, ...]
     running: tuple[Running, ...]
@@ -131,6 +148,7 @@ class SchedulingSnapshot:
     # Class name -> whether its workloads may be preempted inside their project.
     preemptible: Mapping[str, bool] = field(default_factory=dict)
     policy: Policy = field(default_factory=Policy)
+    changes: Changes | None = field(default=None, compare=False, repr=False)
 
 
 class WaitCause(enum.StrEnum):
@@ -195,5 +213,7 @@ class Kept:
 class Plan:
     admissions: tuple[Admission, ...] = ()
     preemptions: tuple[Preemption, ...] = ()
-    waiting: tuple[Waiting, ...] = ()
+    # A tuple, or from ``plan`` a ``waits.Waits``: equal to the tuple of its rows, which
+    # it builds only when read.
+    waiting: Sequence[Waiting] = ()
     kept: tuple[Kept, ...] = ()

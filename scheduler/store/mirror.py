@@ -40,6 +40,7 @@ from ..snapshot import (
     SchedulingSnapshot,
     WaitCause,
 )
+from ..tracked import ChangeStream
 from .models import (
     Allocation,
     Cluster,
@@ -141,8 +142,11 @@ class Mirror:
         self.nodes: dict[int, _NodeRecord] = {}
         self.node_ids: dict[str, int] = {}
         self.states: dict[int, tuple[NodeState, ...]] = {}
-        self.running: dict[int, Running] = {}
-        self.pending: dict[int, Pending] = {}
+        # Every change to these goes to the planner's memo with the next snapshot; a new
+        # stream after a full read (the memo then reads that snapshot whole).
+        self.stream = ChangeStream()
+        self.running = self.stream.running
+        self.pending = self.stream.queue
         self.project_ids: dict[str, int] = {}
         self.shown: dict[int, Shown] = {}
         self.server_names: dict[int, str] = {}
@@ -298,6 +302,7 @@ class Mirror:
             priorities=self.priorities,
             preemptible=self.preemptible,
             policy=policy,
+            changes=self.stream.changes(),
         )
 
     def apply(self, plan: Plan, now: float, shown: dict[int, Shown]) -> None:

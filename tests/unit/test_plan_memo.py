@@ -1,6 +1,8 @@
 """A memo carried across cycles gives the plans a fresh one gives (``scheduler/memo.py``),
-and deciding a frozen queue's rest at once gives the decisions deciding it request by
-request gives (``plan.py``, ``frozen.py``).
+whether it follows each snapshot's changes or reads it whole; runs of repeated refusals
+read as the rows written one by one (``waits.py``); and deciding a frozen queue's rest at
+once gives the decisions deciding it request by request gives (``plan.py``,
+``frozen.py``).
 
 The worlds are those of ``test_plan_properties.py``: random fleets, project trees and
 many cycles of arrivals, completions, cancellations, idle marks, node failures and quota
@@ -28,14 +30,20 @@ searches = st.sampled_from((0, 1, 2, 64))
 def run_world(scenario: Scenario, max_searches: int, check: str) -> None:
     world = World(scenario)
     world.policy = replace(world.policy, max_preemption_searches=max_searches)
-    memo = PlanMemo()
+    memo, reading_whole = PlanMemo(), PlanMemo()
     for number, cycle in enumerate(scenario.cycles + scenario.quiet):
         world.begin(cycle)
         snapshot = world.snapshot()
         fresh = plan(snapshot, world.now)
         if check == "memo":
+            # One memo follows the snapshots' changes, the other reads each one whole.
             carried = plan(snapshot, world.now, memo)
             assert carried == fresh, f"cycle {number}: memo {carried!r}\nfresh {fresh!r}"
+            whole = plan(replace(snapshot, changes=None), world.now, reading_whole)
+            assert whole == fresh, f"cycle {number}: memo {whole!r}\nfresh {fresh!r}"
+        elif check == "rows":
+            rows = plan(snapshot, world.now, PlanMemo(settled_runs=False))
+            assert tuple(rows.waiting) == tuple(fresh.waiting), f"cycle {number}"
         else:
             one_by_one = plan(snapshot, world.now, PlanMemo(frozen_tails=False))
             assert decisions(one_by_one) == decisions(fresh), f"cycle {number}"
@@ -71,3 +79,13 @@ def test_a_carried_memo_plans_as_a_fresh_one_under_contention(
 @given(scenarios(), searches)
 def test_frozen_tails_decide_as_one_by_one(scenario: Scenario, max_searches: int) -> None:
     run_world(scenario, max_searches, "frozen")
+
+
+@FAST
+@given(contended(), searches)
+def test_settled_runs_read_as_rows_written_one_by_one(
+    scenario: Scenario, max_searches: int
+) -> None:
+    """Runs of repeated refusals (``waits.py``) expand to exactly the rows, positions and
+    reasons that writing each row at once gives."""
+    run_world(scenario, max_searches, "rows")

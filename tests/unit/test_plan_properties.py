@@ -108,6 +108,7 @@ from gpufleet.scheduler.snapshot import (
     SchedulingSnapshot,
     WaitCause,
 )
+from gpufleet.scheduler.tracked import ChangeStream
 
 RANKS = {"critical": 300, "standard": 200, "opportunistic": 100}
 PREEMPTIBLE = {"critical": False, "standard": False, "opportunistic": True}
@@ -262,9 +263,11 @@ class World:
         self.policy = Policy(scenario.mode, min_run_time_s=scenario.min_run_time_s)
         self.now = START
         self.cycle = 0
-        self.running: dict[int, Running] = {}
+        # Tracked: each snapshot tells a memo what changed since the last (``Changes``).
+        self.stream = ChangeStream()
+        self.running = self.stream.running
         self.requests: dict[int, Pending] = {}  # every workload's original request
-        self.queue: dict[int, Pending] = {}
+        self.queue = self.stream.queue
         self.stop_left: dict[int, int] = {}
         self.next_id = 1
         self.epoch = 0  # a new one with every event from outside and every idle reclaim
@@ -396,6 +399,7 @@ class World:
             RANKS,
             PREEMPTIBLE,
             self.policy,
+            changes=self.stream.changes(),
         )
 
     def apply(self, result: Plan, delays: Sequence[int]) -> None:
