@@ -45,6 +45,7 @@ import zstandard
 from pyfastcdc import FastCDC
 
 from . import statcache
+from .collector import cycle_collector_paused
 from .errors import CaptureError
 from .index import Index
 from .manifest import Manifest, Source, SourceKind, Stats, new_snapshot_id
@@ -671,6 +672,7 @@ class _Walker:
         return fresh
 
 
+@cycle_collector_paused()  # see collector.py
 def create_snapshot(
     repository: Repository,
     sources: Sequence[SourceSpec],

@@ -25,7 +25,6 @@ Overlay sources come back as an upper directory: deletions as whiteouts (charact
 from __future__ import annotations
 
 import contextlib
-import gc
 import multiprocessing
 import os
 import shutil
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .collector import cycle_collector_paused
 from .errors import CorruptObject, DamagedSnapshot, ObjectMissing, RestoreRefused, StoreError
 from .index import Index, Location
 from .manifest import Manifest, Source, SourceKind
@@ -131,6 +131,7 @@ def read_tree(
     return sorted(walk_trees(repository, index, tree, base), key=lambda item: item[0].split("/"))
 
 
+@cycle_collector_paused()  # see collector.py
 def restore_snapshot(
     repository: Repository,
     manifest: Manifest,
@@ -148,38 +149,6 @@ def restore_snapshot(
     ``workers``: processes that fetch, check and write the data and set the files'
     metadata (default: two per core, so one waits on the store while the other works);
     1 does everything in this process."""
-    with _no_cyclic_collection():
-        return _restore(
-            repository, manifest, targets, only, overwrite, workers, cache_dir, on_progress
-        )
-
-
-@contextlib.contextmanager
-def _no_cyclic_collection() -> Iterator[None]:
-    """A restore builds ~50,000 tree nodes and its plan, none in a reference cycle, and
-    keeps them to the end: each full collection walked them all, again in every forked
-    worker (touching their pages, which made the kernel copy them): an eighth of the
-    CPU a restore used. Nothing a restore makes needs the cycle collector; its
-    garbage is freed by reference counts. Restored afterwards as it was."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _restore(
-    repository: Repository,
-    manifest: Manifest,
-    targets: Mapping[str, Path] | None,
-    only: Collection[str] | None,
-    overwrite: bool,
-    workers: int | None,
-    cache_dir: Path | None,
-    on_progress: Callable[[RestoreProgress], None] | None,
-) -> RestoreResult:
     index = repository.load_index()
     progress = RestoreProgress()
     plan = _Plan()

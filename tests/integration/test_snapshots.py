@@ -8,6 +8,7 @@ mid-upload, a full disk, an unreachable store, garbage collection racing two wri
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import signal
@@ -196,6 +197,36 @@ def test_unchanged_and_restored_trees_are_not_read_again(
     # The restore signed each directory as a walk does: no tree is encoded again.
     assert after_restore.stats.reused_dirs == after_restore.stats.dirs
     assert after_restore.stats.new_bytes == 0
+
+
+def test_the_cycle_collector_is_paused_only_while_a_run_lasts(
+    local_store: LocalStore, tmp_path: Path
+) -> None:
+    """Snapshots and restores pause Python's cycle collector (``collector.py``) and leave
+    it as they found it, whether they succeed or refuse: a service that runs them would
+    otherwise stop freeing its cyclic garbage for good."""
+    home = tmp_path / "home"
+    _write(home / "a.txt", b"a")
+    repo = _repo(local_store)
+    seen: list[bool] = []
+    manifest = create_snapshot(
+        repo,
+        [SourceSpec("home", home)],
+        user="ann",
+        on_progress=lambda _: seen.append(gc.isenabled()),
+    )
+    assert seen and not any(seen) and gc.isenabled()
+    restore_snapshot(repo, manifest, targets={"home": tmp_path / "out"})
+    assert gc.isenabled()
+    with pytest.raises(RestoreRefused):
+        restore_snapshot(repo, manifest, targets={"home": home})  # not empty
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        restore_snapshot(repo, manifest, targets={"home": tmp_path / "again"})
+        assert not gc.isenabled()  # left as it was found
+    finally:
+        gc.enable()
 
 
 def test_a_non_empty_target_is_refused_unless_asked(
