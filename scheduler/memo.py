@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .model import ProjectTree
+from .placement import FleetShape
 from .preemption import Candidates
+from .quota import QuotaLimits
 from .snapshot import (
     Changes,
     Pending,
@@ -94,6 +96,8 @@ class PlanMemo:
         self.verdicts: dict[tuple[Any, ...], Verdict] = {}  # by project, type, shape
         # Why a request exceeds what its project may ever hold, by (project, type, GPUs).
         self.limits: dict[tuple[str, str, int], str | None] = {}
+        self.fleet_shape: FleetShape | None = None  # kept while the nodes' sizes stay
+        self.quota_limits: QuotaLimits | None = None  # kept while the tree stays
         policy: Policy | None = settings[0] if settings else None
         self.ranks: dict[str, int] = dict(settings[1]) if settings else {}
         self.candidates = Candidates(

@@ -15,17 +15,56 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from functools import cached_property
+from operator import attrgetter
 
 from .snapshot import NodeState, Pod
 
 ZoneKey = tuple[str, str, str]  # cluster, zone, GPU type
 
 
-class Capacity:
+_NODE_SIZE = attrgetter("cluster", "zone", "gpu_type", "total")
+
+
+class FleetShape:
+    """What the fleet could ever hold, whatever runs and whatever is cordoned: every node's
+    GPUs by zone, and the most pods of a size a zone could hold. It changes only when
+    nodes come, go or change size, so a memo keeps it across cycles (``of``)."""
+
     def __init__(self, nodes: Sequence[NodeState]):
+        self.sizes = tuple(map(_NODE_SIZE, nodes))
+        totals: dict[ZoneKey, Counter[int]] = defaultdict(Counter)
+        for cluster, zone, gpu_type, total in self.sizes:
+            totals[(cluster, zone, gpu_type)][total] += 1
+        self.totals_by_zone: dict[ZoneKey, Counter[int]] = totals
+        self._most: dict[tuple[str, int], int] = {}
+
+    @classmethod
+    def of(cls, nodes: Sequence[NodeState], last: FleetShape | None) -> FleetShape:
+        """``last`` if the nodes have the sizes it was made from, else a new one."""
+        if last is not None and last.sizes == tuple(map(_NODE_SIZE, nodes)):
+            return last
+        return cls(nodes)
+
+    def most_pods(self, gpu_type: str, per_pod: int) -> int:
+        """The most pods of this size any zone of the fleet could hold, empty and healthy."""
+        most = self._most.get((gpu_type, per_pod))
+        if most is None:
+            most = self._most[(gpu_type, per_pod)] = max(
+                (
+                    sum(nodes * (total // per_pod) for total, nodes in totals.items())
+                    for (_, _, zone_type), totals in self.totals_by_zone.items()
+                    if zone_type == gpu_type
+                ),
+                default=0,
+            )
+        return most
+
+
+class Capacity:
+    def __init__(self, nodes: Sequence[NodeState], shape: FleetShape | None = None):
         # Built for every plan, so written for speed: one pass, locals, no per-node calls.
-        self.all_nodes = nodes
+        self.shape = shape if shape is not None else FleetShape(nodes)
+        self.totals_by_zone = self.shape.totals_by_zone
         self.nodes: dict[tuple[str, str], NodeState] = {}
         self.free: dict[tuple[str, str], list[str]] = {}  # copied from the node when taken from
         self.zone_of: dict[tuple[str, str], ZoneKey] = {}
@@ -61,20 +100,10 @@ class Capacity:
             self.total_by_type[gpu_type] += node.total
         for zones in self.zones_by_type.values():
             zones.sort()
-        # Memos: the most pods of a size any zone could ever hold, and the largest free
-        # block per (type, pod size) with the type's version when it was computed.
-        self._ever: dict[tuple[str, int], int] = {}
+        # Memo: the largest free block per (type, pod size) with the type's version when
+        # it was computed.
         self._version: dict[str, int] = defaultdict(int)
         self._block: dict[tuple[str, int], tuple[int, tuple[int, str] | None]] = {}
-
-    @cached_property
-    def totals_by_zone(self) -> dict[ZoneKey, Counter[int]]:
-        """Every node's GPUs by zone, schedulable or not: what the fleet could ever hold
-        (per zone, how many nodes have each size)."""
-        totals: dict[ZoneKey, Counter[int]] = defaultdict(Counter)
-        for node in self.all_nodes:
-            totals[(node.cluster, node.zone, node.gpu_type)][node.total] += 1
-        return totals
 
     def free_count(self, key: tuple[str, str]) -> int:
         taken = self.free.get(key)
@@ -121,17 +150,7 @@ class Capacity:
 
     def most_pods(self, gpu_type: str, per_pod: int) -> int:
         """The most pods of this size any zone of the fleet could hold, empty and healthy."""
-        most = self._ever.get((gpu_type, per_pod))
-        if most is None:
-            most = self._ever[(gpu_type, per_pod)] = max(
-                (
-                    sum(nodes * (total // per_pod) for total, nodes in totals.items())
-                    for (_, _, zone_type), totals in self.totals_by_zone.items()
-                    if zone_type == gpu_type
-                ),
-                default=0,
-            )
-        return most
+        return self.shape.most_pods(gpu_type, per_pod)
 
     def most_free(self, zone: ZoneKey) -> int:
         """The most free GPUs on one node of the zone now."""

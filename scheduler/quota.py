@@ -32,71 +32,34 @@ from .model import Project, ProjectTree
 UNLIMITED = math.inf
 
 
-class QuotaBook:
-    def __init__(
-        self,
-        tree: ProjectTree,
-        usage: Iterable[tuple[str, str, int]],  # (project, gpu type, GPUs) per workload
-        capacity: Mapping[str, int],  # GPU type -> schedulable GPUs in the fleet
-    ):
+class QuotaLimits:
+    """The tree's half of a quota book: guarantees summed up the tree, caps and lend
+    limits. It depends on the tree alone, so a memo keeps it while the tree stays the same
+    object (``QuotaBook(..., limits=)``); nothing changes it once made."""
+
+    def __init__(self, tree: ProjectTree):
+        self.tree = tree
         self.projects: dict[str, Project] = dict(tree.projects)
-        self.capacity = capacity
-        self._path: dict[str, tuple[str, ...]] = {}
         self.children: dict[str | None, list[str]] = defaultdict(list)
         for declared in self.projects.values():
             self.children[declared.parent].append(declared.name)
-        self._share: dict[str, float] = {}
-        self._share_keys: dict[str, tuple[float, ...]] = {}
-        # Flat (node, GPU type) keys: these are read tens of thousands of times a cycle.
-        self.used: dict[tuple[str, str], int] = defaultdict(int)
-        self.types_used: dict[str, set[str]] = defaultdict(set)
         self.guaranteed: dict[str, dict[str, int]] = {}
-        for project, gpu_type, gpus in usage:
-            self.add(project, gpu_type, gpus)
         for name in self._bottom_up():
             self.guaranteed[name] = self._subtree_guarantee(name)
         self.guaranteed_of = {
             (name, t): g for name, per_type in self.guaranteed.items() for t, g in per_type.items()
         }
-        self._caps = {
+        self.caps = {
             (name, t): self.guaranteed_of.get((name, t), 0) + q.borrow_limit
             for name, p in self.projects.items()
             for t, q in p.quotas.items()
             if q.borrow_limit is not None
         }
-        self._limited = [
+        self.limited = [
             name
             for name, p in self.projects.items()
             if any(q.lend_limit is not None for q in p.quotas.values())
         ]
-        self._lendable = self._lendable_at_start()
-
-    @property
-    def lends_with_limits(self) -> bool:
-        """Whether some node keeps unused guarantee back: then free GPUs a project may take
-        can grow during a cycle (when the keeper's own use grows)."""
-        return bool(self._limited)
-
-    # ------------------------------------------------------------- the tree
-    def ensure(self, name: str) -> None:
-        """A project the tree does not declare runs as a top-level project without
-        guarantee (the simulator's trace groups; a project removed from the config)."""
-        if name not in self.projects:
-            self.projects[name] = Project(name=name, default_priority="opportunistic")
-            self.children[None].append(name)
-
-    def path(self, name: str) -> tuple[str, ...]:
-        """The project and its ancestors, nearest first."""
-        path = self._path.get(name)
-        if path is None:
-            self.ensure(name)
-            chain = [name]
-            parent = self.projects[name].parent
-            while parent is not None:
-                chain.append(parent)
-                parent = self.projects[parent].parent
-            path = self._path[name] = tuple(chain)
-        return path
 
     def _bottom_up(self) -> list[str]:
         order: list[str] = []
@@ -120,6 +83,64 @@ class QuotaBook:
         for gpu_type, gpus in own.items():
             total[gpu_type] = max(total[gpu_type], gpus)
         return dict(total)
+
+
+class QuotaBook:
+    def __init__(
+        self,
+        tree: ProjectTree,
+        usage: Iterable[tuple[str, str, int]],  # (project, gpu type, GPUs) per workload
+        capacity: Mapping[str, int],  # GPU type -> schedulable GPUs in the fleet
+        limits: QuotaLimits | None = None,  # the tree's, from an earlier cycle
+    ):
+        if limits is None or limits.tree is not tree:
+            limits = QuotaLimits(tree)
+        self.limits = limits
+        self.projects: dict[str, Project] = dict(limits.projects)  # ``ensure`` adds to it
+        self.children = limits.children  # shared until ``ensure`` adds to it
+        self.guaranteed = limits.guaranteed
+        self.guaranteed_of = limits.guaranteed_of
+        self._caps = limits.caps
+        self._limited = limits.limited
+        self.capacity = capacity
+        self._path: dict[str, tuple[str, ...]] = {}
+        self._share: dict[str, float] = {}
+        self._share_keys: dict[str, tuple[float, ...]] = {}
+        # Flat (node, GPU type) keys: these are read tens of thousands of times a cycle.
+        self.used: dict[tuple[str, str], int] = defaultdict(int)
+        self.types_used: dict[str, set[str]] = defaultdict(set)
+        for project, gpu_type, gpus in usage:
+            self.add(project, gpu_type, gpus)
+        self._lendable = self._lendable_at_start()
+
+    @property
+    def lends_with_limits(self) -> bool:
+        """Whether some node keeps unused guarantee back: then free GPUs a project may take
+        can grow during a cycle (when the keeper's own use grows)."""
+        return bool(self._limited)
+
+    # ------------------------------------------------------------- the tree
+    def ensure(self, name: str) -> None:
+        """A project the tree does not declare runs as a top-level project without
+        guarantee (the simulator's trace groups; a project removed from the config)."""
+        if name not in self.projects:
+            self.projects[name] = Project(name=name, default_priority="opportunistic")
+            if self.children is self.limits.children:  # the memo's: not ours to change
+                self.children = {parent: list(c) for parent, c in self.children.items()}
+            self.children.setdefault(None, []).append(name)
+
+    def path(self, name: str) -> tuple[str, ...]:
+        """The project and its ancestors, nearest first."""
+        path = self._path.get(name)
+        if path is None:
+            self.ensure(name)
+            chain = [name]
+            parent = self.projects[name].parent
+            while parent is not None:
+                chain.append(parent)
+                parent = self.projects[parent].parent
+            path = self._path[name] = tuple(chain)
+        return path
 
     # ------------------------------------------------------------ accounting
     def add(self, project: str, gpu_type: str, gpus: int) -> None:
