@@ -85,6 +85,17 @@ def seal_segment(
     return SealedSegment(seal(keys.seal_key, b"segment", body), tuple(entries), offset)
 
 
+# A decompression context per thread: making one per segment cost 8% of decompressing.
+_decompressors = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    made: zstandard.ZstdDecompressor | None = getattr(_decompressors, "one", None)
+    if made is None:
+        made = _decompressors.one = zstandard.ZstdDecompressor()
+    return made
+
+
 def open_segment(keys: ProjectKeys, sealed: bytes | memoryview, name: str) -> bytes:
     body = unseal(keys.seal_key, b"segment", sealed, name)
     if not body:
@@ -93,7 +104,7 @@ def open_segment(keys: ProjectKeys, sealed: bytes | memoryview, name: str) -> by
         return body[1:]
     if body[0] == _ZSTD:
         try:
-            return zstandard.ZstdDecompressor().decompress(body[1:])
+            return _decompressor().decompress(memoryview(body)[1:])
         except zstandard.ZstdError as e:
             raise CorruptObject(name, f"segment does not decompress: {e}") from None
     raise CorruptObject(name, f"unknown segment flag {body[0]}")
