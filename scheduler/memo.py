@@ -15,7 +15,13 @@ object"; an equal new object counts as changed, which is merely slower):
   waiting per type (which tell the planner when nothing more can start, see ``plan.py``);
 - the frozen tail of each queue (``Tail``): once a cycle's state can no longer change,
   the rest of a queue is decided by its own requests and a few numbers of the state; when
-  those are the same as last cycle, last cycle's answers are the answers.
+  those are the same as last cycle, last cycle's answers are the answers;
+- what only the tree decides (``quota.QuotaLimits``) and what only the nodes' sizes
+  decide (``placement.FleetShape``).
+
+A snapshot that carries ``Changes`` leading on from the last one the memo saw is followed
+by those changes alone (a replay's event, a cycle's few arrivals and completions); any
+other snapshot is compared whole, as above.
 
 It is reset — everything rebuilt from the snapshot — when the policy, the priority classes
 or the project tree change, and when the clock goes backwards.
@@ -161,10 +167,7 @@ class PlanMemo:
         for wid in gone:
             self._drop_running(before[wid])
         for workload in changed:
-            old = before.get(workload.id)
-            if old is not None:
-                self._drop_running(old)
-            self._add_running(workload)
+            self._replace_running(before.get(workload.id), workload)
         self.running = now
 
     def _apply_running(self, changes: Mapping[int, Running | None]) -> None:
@@ -173,12 +176,21 @@ class PlanMemo:
             old = running.get(wid)
             if old is workload:
                 continue
-            if old is not None:
-                self._drop_running(old)
-                del running[wid]
-            if workload is not None:
+            if workload is None:
+                if old is not None:
+                    self._drop_running(old)
+                    del running[wid]
+            else:
                 running[wid] = workload
-                self._add_running(workload)
+                self._replace_running(old, workload)
+
+    def _replace_running(self, old: Running | None, new: Running) -> None:
+        if old is not None and _only_progress(old, new):
+            self.candidates.swap(old, new)  # a checkpoint: nothing else can differ
+            return
+        if old is not None:
+            self._drop_running(old)
+        self._add_running(new)
 
     def _apply_queue(self, changes: Mapping[int, Pending | None]) -> None:
         pending = self.pending
@@ -273,6 +285,28 @@ class PlanMemo:
         return {
             wid: [victims[v] for v in sorted(victims)] for wid, victims in self.in_flight.items()
         }
+
+
+def _only_progress(old: Running, new: Running) -> bool:
+    """Whether ``new`` is ``old`` with a later checkpoint or snapshot and nothing else: the
+    sums and who borrows stay; only the candidates must see the new value (victims are
+    ordered by lost work). A stopping workload is also indexed by its preemptor: not
+    this way."""
+    return (
+        not old.stopping
+        and not new.stopping
+        and old.pods is new.pods
+        and old.started_at == new.started_at
+        and old.idle_reclaimable == new.idle_reclaimable
+        and old.priority == new.priority
+        and old.preemptible == new.preemptible
+        and old.project == new.project
+        and old.user == new.user
+        and old.gpu_type == new.gpu_type
+        and old.cluster == new.cluster
+        and old.zone == new.zone
+        and old.kind == new.kind
+    )
 
 
 def _frozen_map(mapping: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -90,6 +90,20 @@ class Candidates:
         self._dirty.add(key)
         self._new.add(workload.id)
 
+    def swap(self, old: Running, new: Running) -> None:
+        """``new`` in ``old``'s place where only its last checkpoint or snapshot moved
+        (``memo._only_progress``): who borrows and what each zone counts stay the same."""
+        workloads = self.by_project.get((new.project, new.gpu_type))
+        if workloads is None or workloads.get(new.id) is not old:
+            self.drop(old)
+            self.add(new)
+            return
+        workloads[new.id] = new
+        member = self._member.get(new.id)
+        if member is not None:
+            self._member[new.id] = (new, member[1])
+            self.zones[(new.cluster, new.zone, new.gpu_type)].members[new.id] = new
+
     def drop(self, workload: Running) -> None:
         key = (workload.project, workload.gpu_type)
         workloads = self.by_project.get(key)

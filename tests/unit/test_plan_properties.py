@@ -346,6 +346,9 @@ class World:
             if idle:
                 wid = idle.pop(i % len(idle))
                 self.running[wid] = replace(self.running[wid], idle_reclaimable=False)
+        for wid, workload in sorted(self.running.items()):  # checkpoints: less work to lose
+            if not workload.stopping and (wid + self.cycle) % 3 == 0:
+                self.running[wid] = replace(workload, last_progress_at=self.now)
         up = sorted(n for n, h in self.hosts.items() if h.schedulable)
         if cycle.fail is not None and up:
             host = self.hosts[up[cycle.fail % len(up)]]
