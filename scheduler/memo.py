@@ -103,7 +103,7 @@ class PlanMemo:
         # Why a request exceeds what its project may ever hold, by (project, type, GPUs).
         self.limits: dict[tuple[str, str, int], str | None] = {}
         self.fleet_shape: FleetShape | None = None  # kept while the nodes' sizes stay
-        self.quota_limits: QuotaLimits | None = None  # kept while the tree stays
+        self.quota_limits: QuotaLimits | None = None  # kept while the tree is the same
         policy: Policy | None = settings[0] if settings else None
         self.ranks: dict[str, int] = dict(settings[1]) if settings else {}
         self.candidates = Candidates(
@@ -124,6 +124,9 @@ class PlanMemo:
             self._reset(settings)
             follows = False
         self.now = self.candidates.now = now
+        self.fleet_shape = FleetShape.of(snapshot.nodes, self.fleet_shape)
+        if self.quota_limits is None or self.quota_limits.tree is not snapshot.projects:
+            self.quota_limits = QuotaLimits(snapshot.projects)
         changes = snapshot.changes
         if follows and changes is not None:
             self._apply_running(changes.running)

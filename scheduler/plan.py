@@ -59,7 +59,7 @@ from typing import Any, NamedTuple
 
 from .frozen import Frozen, FrozenTails
 from .memo import PlanMemo
-from .placement import Capacity, FleetShape, ZoneKey
+from .placement import Capacity, ZoneKey
 from .preemption import VictimIndex
 from .quota import QuotaBook
 from .snapshot import (
@@ -138,7 +138,6 @@ class _Planner:
         self.policy = snapshot.policy
         self.mode = snapshot.policy.mode
         self.ranks = snapshot.priorities
-        memo.fleet_shape = FleetShape.of(snapshot.nodes, memo.fleet_shape)
         self.capacity = Capacity(snapshot.nodes, memo.fleet_shape)
         # The sums over what runs come from the memo; the cycle adds to copies.
         self.user_used: dict[tuple[str, str], int] = defaultdict(int, memo.user_used)
@@ -149,7 +148,6 @@ class _Planner:
             self.capacity.total_by_type,
             memo.quota_limits,
         )
-        memo.quota_limits = self.book.limits
         self.reserved: dict[str, tuple[ZoneKey, int]] = {}  # GPU type -> (zone, holder)
         self.failed_shapes: dict[tuple[str, int], int] = {}  # (type, per pod) -> fewest pods
         self.failed_searches: set[tuple[Any, ...]] = set()
