@@ -55,7 +55,8 @@ create_env(channel, env, ["gpufleet-hello"], work / "pkgs")
 WRITE_STATE = f"""
 import subprocess, sys
 done = subprocess.run([sys.executable, "-c", {SETUP_SCRIPT!r}], capture_output=True, text=True)
-print("written" if done.returncode == 0 else done.stderr[-3000:])
+tail = "exit %d: %s %s" % (done.returncode, done.stdout[-1500:], done.stderr[-1500:])
+print("written" if done.returncode == 0 else tail)  # the exit code too: a kill has no stderr
 """
 
 READ_STATE = """
