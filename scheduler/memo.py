@@ -16,8 +16,9 @@ object"; an equal new object counts as changed, which is merely slower):
 - the frozen tail of each queue (``Tail``): once a cycle's state can no longer change,
   the rest of a queue is decided by its own requests and a few numbers of the state; when
   those are the same as last cycle, last cycle's answers are the answers;
-- what only the tree decides (``quota.QuotaLimits``) and what only the nodes' sizes
-  decide (``placement.FleetShape``).
+- what only the tree decides (``quota.QuotaLimits``), and the free GPUs indexed by zone
+  and free count (``placement.FreeIndex``, which also keeps what only the nodes' sizes
+  decide); a cycle takes GPUs from its own ``Capacity`` over that index.
 
 A snapshot that carries ``Changes`` leading on from the last one the memo saw is followed
 by those changes alone (a replay's event, a cycle's few arrivals and completions); any
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .model import ProjectTree
-from .placement import FleetShape
+from .placement import FreeIndex
 from .preemption import Candidates
 from .quota import QuotaLimits
 from .snapshot import (
@@ -102,7 +103,7 @@ class PlanMemo:
         self.verdicts: dict[tuple[Any, ...], Verdict] = {}  # by project, type, shape
         # Why a request exceeds what its project may ever hold, by (project, type, GPUs).
         self.limits: dict[tuple[str, str, int], str | None] = {}
-        self.fleet_shape: FleetShape | None = None  # kept while the nodes' sizes stay
+        self.free_index: FreeIndex | None = None  # brought up to date by changed nodes
         self.quota_limits: QuotaLimits | None = None  # kept while the tree is the same
         policy: Policy | None = settings[0] if settings else None
         self.ranks: dict[str, int] = dict(settings[1]) if settings else {}
@@ -124,7 +125,7 @@ class PlanMemo:
             self._reset(settings)
             follows = False
         self.now = self.candidates.now = now
-        self.fleet_shape = FleetShape.of(snapshot.nodes, self.fleet_shape)
+        self.free_index = FreeIndex.follow(self.free_index, snapshot.nodes)
         if self.quota_limits is None or self.quota_limits.tree is not snapshot.projects:
             self.quota_limits = QuotaLimits(snapshot.projects)
         changes = snapshot.changes

@@ -13,9 +13,11 @@ cycles, once those are gone): a shape that failed stays failed for the rest of t
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from operator import attrgetter
+from itertools import compress
+from operator import attrgetter, is_not
 
 from .snapshot import NodeState, Pod
 
@@ -60,50 +62,146 @@ class FleetShape:
         return most
 
 
-class Capacity:
+class FreeIndex:
+    """The fleet's free GPUs as of one snapshot, indexed the way a cycle's ``Capacity``
+    reads them: per zone, the schedulable nodes bucketed by free-GPU count.
+
+    A memo keeps it across cycles and brings it to the next snapshot by the nodes that
+    changed (``follow``: a replay's event changes a few of 48, a cycle a few hundred of
+    2,000), instead of indexing every node again. A ``Capacity`` works over it and copies
+    a zone before taking from it, so the index changes only in ``follow``.
+
+    Invariant: it equals an index built afresh from the same nodes, down to the order of
+    the nodes inside a bucket (their order in the snapshot), which decides where a pod
+    goes among equally free nodes (``Capacity.place``)."""
+
     def __init__(self, nodes: Sequence[NodeState], shape: FleetShape | None = None):
-        # Built for every plan, so written for speed: one pass, locals, no per-node calls.
-        self.shape = shape if shape is not None else FleetShape(nodes)
-        self.totals_by_zone = self.shape.totals_by_zone
+        self.seen = tuple(nodes)
+        self.shape = FleetShape.of(self.seen, shape)
+        self.position = {(n.name, n.gpu_type): i for i, n in enumerate(self.seen)}
         self.nodes: dict[tuple[str, str], NodeState] = {}
-        self.free: dict[tuple[str, str], list[str]] = {}  # copied from the node when taken from
         self.zone_of: dict[tuple[str, str], ZoneKey] = {}
         # zone -> free count -> nodes with that many free (dicts as ordered sets)
         self.buckets: dict[ZoneKey, dict[int, dict[tuple[str, str], None]]] = {}
         self.zone_free: dict[ZoneKey, int] = {}
         self.zones_by_type: dict[str, list[ZoneKey]] = {}
-        self.free_by_type: dict[str, int] = defaultdict(int)
-        self.total_by_type: dict[str, int] = defaultdict(int)  # schedulable GPUs
-        indexed, zone_of, buckets, zone_free = (
-            self.nodes,
-            self.zone_of,
-            self.buckets,
-            self.zone_free,
-        )
-        for node in nodes:
-            if not node.schedulable:
-                continue
-            gpu_type = node.gpu_type
-            zone = (node.cluster, node.zone, gpu_type)
-            key = (node.name, gpu_type)
-            free = len(node.free)
-            indexed[key] = node
-            zone_of[key] = zone
-            by_count = buckets.get(zone)
-            if by_count is None:
-                by_count = buckets[zone] = defaultdict(dict)
-                zone_free[zone] = 0
-                self.zones_by_type.setdefault(gpu_type, []).append(zone)
-            by_count[free][key] = None
-            zone_free[zone] += free
-            self.free_by_type[gpu_type] += free
-            self.total_by_type[gpu_type] += node.total
-        for zones in self.zones_by_type.values():
-            zones.sort()
+        self.free_by_type: dict[str, int] = {}
+        self.total_by_type: dict[str, int] = {}  # schedulable GPUs
+        self._zone_nodes: Counter[ZoneKey] = Counter()  # schedulable nodes per zone
+        self._type_nodes: Counter[str] = Counter()
+        for node in self.seen:
+            self._count(node, None)
+
+    @classmethod
+    def follow(cls, last: FreeIndex | None, nodes: Sequence[NodeState]) -> FreeIndex:
+        """The index of ``nodes``: ``last`` brought up to date where only some nodes were
+        replaced (frozen values: a node that changed is another object), else a new one."""
+        if last is None or len(last.seen) != len(nodes):
+            return cls(nodes, last.shape if last is not None else None)
+        seen = last.seen
+        changed = list(compress(range(len(nodes)), map(is_not, seen, nodes)))
+        if not changed:
+            return last
+        if 4 * len(changed) > len(nodes):
+            return cls(nodes, last.shape)
+        if any(
+            (seen[i].name, seen[i].gpu_type) != (nodes[i].name, nodes[i].gpu_type) for i in changed
+        ):
+            return cls(nodes, last.shape)  # the fleet itself changed: positions moved
+        if any(_NODE_SIZE(seen[i]) != _NODE_SIZE(nodes[i]) for i in changed):
+            last.shape = FleetShape(nodes)
+        touched: set[tuple[ZoneKey, int]] = set()
+        for i in changed:
+            last._uncount(seen[i])
+            last._count(nodes[i], touched)
+        # A node that moved to another bucket went to its end: put it back in its place.
+        position = last.position.__getitem__
+        for zone, free in touched:
+            by_count = last.buckets.get(zone)  # gone if a later change emptied the zone
+            if by_count is not None and len(by_count[free]) > 1:
+                by_count[free] = dict.fromkeys(sorted(by_count[free], key=position))
+        last.seen = tuple(nodes)
+        return last
+
+    def _count(self, node: NodeState, touched: set[tuple[ZoneKey, int]] | None) -> None:
+        if not node.schedulable:
+            return
+        gpu_type = node.gpu_type
+        zone = (node.cluster, node.zone, gpu_type)
+        key = (node.name, gpu_type)
+        free = len(node.free)
+        self.nodes[key] = node
+        self.zone_of[key] = zone
+        by_count = self.buckets.get(zone)
+        if by_count is None:
+            by_count = self.buckets[zone] = defaultdict(dict)
+            self.zone_free[zone] = 0
+            bisect.insort(self.zones_by_type.setdefault(gpu_type, []), zone)
+        by_count[free][key] = None
+        if touched is not None:
+            touched.add((zone, free))
+        self.zone_free[zone] += free
+        self._zone_nodes[zone] += 1
+        self._type_nodes[gpu_type] += 1
+        self.free_by_type[gpu_type] = self.free_by_type.get(gpu_type, 0) + free
+        self.total_by_type[gpu_type] = self.total_by_type.get(gpu_type, 0) + node.total
+
+    def _uncount(self, node: NodeState) -> None:
+        if not node.schedulable:
+            return
+        gpu_type = node.gpu_type
+        zone = (node.cluster, node.zone, gpu_type)
+        key = (node.name, gpu_type)
+        free = len(node.free)
+        del self.nodes[key], self.zone_of[key], self.buckets[zone][free][key]
+        self.zone_free[zone] -= free
+        self.free_by_type[gpu_type] -= free
+        self.total_by_type[gpu_type] -= node.total
+        self._zone_nodes[zone] -= 1
+        if not self._zone_nodes[zone]:  # as if never indexed, like a fresh index
+            del self.buckets[zone], self.zone_free[zone], self._zone_nodes[zone]
+            self.zones_by_type[gpu_type].remove(zone)
+            if not self.zones_by_type[gpu_type]:
+                del self.zones_by_type[gpu_type]
+        self._type_nodes[gpu_type] -= 1
+        if not self._type_nodes[gpu_type]:
+            del self.free_by_type[gpu_type], self.total_by_type[gpu_type]
+            del self._type_nodes[gpu_type]
+
+
+class Capacity:
+    """One cycle's free GPUs: what it takes comes off here, never off the ``FreeIndex`` it
+    reads (a zone's buckets are copied before the first take from it)."""
+
+    def __init__(self, nodes: FreeIndex | Sequence[NodeState], shape: FleetShape | None = None):
+        index = nodes if isinstance(nodes, FreeIndex) else FreeIndex(nodes, shape)
+        self.shape = index.shape
+        self.totals_by_zone = self.shape.totals_by_zone
+        # Read only in a cycle: shared with the index.
+        self.nodes = index.nodes
+        self.zone_of = index.zone_of
+        self.zones_by_type = index.zones_by_type
+        # Taken from in a cycle: the cycle's own copies (a zone's buckets once taken from).
+        self.buckets = dict(index.buckets)
+        self._own: set[ZoneKey] = set()
+        self.free: dict[tuple[str, str], list[str]] = {}  # copied from the node when taken from
+        self.zone_free = dict(index.zone_free)
+        self.free_by_type: dict[str, int] = defaultdict(int, index.free_by_type)
+        self.total_by_type: dict[str, int] = defaultdict(int, index.total_by_type)
         # Memo: the largest free block per (type, pod size) with the type's version when
         # it was computed.
         self._version: dict[str, int] = defaultdict(int)
         self._block: dict[tuple[str, int], tuple[int, tuple[int, str] | None]] = {}
+
+    def _taking_from(self, zone: ZoneKey) -> dict[int, dict[tuple[str, str], None]]:
+        """The zone's buckets, this cycle's own copy (made on the first take)."""
+        if zone in self._own:
+            return self.buckets[zone]
+        self._own.add(zone)
+        copied = self.buckets[zone] = defaultdict(
+            dict, {count: dict(nodes) for count, nodes in self.buckets[zone].items()}
+        )
+        return copied
 
     def free_count(self, key: tuple[str, str]) -> int:
         taken = self.free.get(key)
@@ -178,7 +276,7 @@ class Capacity:
     # ------------------------------------------------------------- placing
     def place(self, zone: ZoneKey, per_pod: int, pods: int) -> tuple[Pod, ...]:
         """Take the GPUs of a gang the caller checked fits (``best_zone``)."""
-        buckets = self.buckets[zone]
+        buckets = self._taking_from(zone)
         placed = []
         for _ in range(pods):
             count = min(c for c, nodes in buckets.items() if c >= per_pod and nodes)
@@ -251,8 +349,9 @@ class Capacity:
         before = len(free)
         for gpu in gpus:
             free.remove(gpu)
-        del self.buckets[zone][before][key]
-        self.buckets[zone][len(free)][key] = None
+        buckets = self._taking_from(zone)
+        del buckets[before][key]
+        buckets[len(free)][key] = None
         self.zone_free[zone] -= len(gpus)
         self.free_by_type[key[1]] -= len(gpus)
         self._version[key[1]] += 1
@@ -271,8 +370,9 @@ class Capacity:
         before = len(free)
         taken = tuple(free[:gpus])
         del free[:gpus]
-        del self.buckets[zone][before][key]
-        self.buckets[zone][before - gpus][key] = None
+        buckets = self._taking_from(zone)
+        del buckets[before][key]
+        buckets[before - gpus][key] = None
         self.zone_free[zone] -= gpus
         self.free_by_type[key[1]] -= gpus
         self._version[key[1]] += 1

@@ -138,7 +138,8 @@ class _Planner:
         self.policy = snapshot.policy
         self.mode = snapshot.policy.mode
         self.ranks = snapshot.priorities
-        self.capacity = Capacity(snapshot.nodes, memo.fleet_shape)
+        assert memo.free_index is not None  # memo.update made it
+        self.capacity = Capacity(memo.free_index)
         # The sums over what runs come from the memo; the cycle adds to copies.
         self.user_used: dict[tuple[str, str], int] = defaultdict(int, memo.user_used)
         self.in_flight: dict[int, list[Running]] = memo.in_flight_lists()
