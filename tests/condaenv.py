@@ -26,13 +26,14 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from conda_package_handling import api as cph
-from rattler import Channel, Gateway, RepoDataRecord, install, solve
+from rattler import Channel, Gateway, install, solve
 from rattler.index import index_fs
 from rattler.platform import Subdir
 
@@ -198,33 +199,60 @@ def make_channel(root: Path, packages: Sequence[Package]) -> CondaChannel:
     archives = {}
     for package in packages:
         archives[package.name] = build_package(package, channel / package.subdir, root / "build")
-    asyncio.run(index_fs(channel, write_zst=False, write_shards=False, force=True))
+    _rattler_in_child("index", str(channel))
     return CondaChannel(channel, tuple(packages), archives)
 
 
-def create_env(
-    channel: CondaChannel, prefix: Path, specs: Sequence[str], cache: Path
-) -> list[RepoDataRecord]:
+def create_env(channel: CondaChannel, prefix: Path, specs: Sequence[str], cache: Path) -> None:
     """Solve ``specs`` against the channel alone and install them into ``prefix`` (files are
     hard links into the package cache ``cache``, as conda makes them)."""
+    _rattler_in_child("install", channel.url, str(prefix), str(cache), *specs)
 
-    async def run() -> list[RepoDataRecord]:
-        gateway = Gateway(cache_dir=cache / "repodata")
-        records = await solve(
-            [Channel(channel.url)],
-            list(specs),
-            gateway=gateway,
-            platforms=[Subdir.current(), Subdir("noarch")],
-        )
-        await install(
-            records,
-            prefix,
-            cache_dir=cache / "pkgs",
-            show_progress=False,
-        )
-        return records
 
-    return asyncio.run(run())
+def _rattler_in_child(action: str, *args: str) -> None:
+    """Run one of py-rattler's async calls (``_child``) in a child process that leaves by
+    ``os._exit``. Its runtime threads can crash the interpreter as it finalizes, after the
+    work is done: "PyGILState_Release: thread state ... must be current when releasing",
+    a silent SIGABRT or SIGSEGV in about one run of twenty here. In the test process that
+    would fail the whole run; in a session's setup script, the test that ran it."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        f"import condaenv; condaenv._child(sys.argv[1], sys.argv[2:])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, action, *args], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"rattler {action} {' '.join(args)}: exit {done.returncode}\n{done.stderr[-3000:]}"
+        )
+
+
+def _child(action: str, args: list[str]) -> None:
+    code = 1
+    try:
+        if action == "index":
+            asyncio.run(index_fs(Path(args[0]), write_zst=False, write_shards=False, force=True))
+        else:
+            url, prefix, cache, *specs = args
+            asyncio.run(_solve_and_install(url, Path(prefix), specs, Path(cache)))
+        code = 0
+    except BaseException:  # noqa: BLE001 -- reported to the parent, which raises
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # not through finalization: see _rattler_in_child
+
+
+async def _solve_and_install(url: str, prefix: Path, specs: list[str], cache: Path) -> None:
+    records = await solve(
+        [Channel(url)],
+        specs,
+        gateway=Gateway(cache_dir=cache / "repodata"),
+        platforms=[Subdir.current(), Subdir("noarch")],
+    )
+    await install(records, prefix, cache_dir=cache / "pkgs", show_progress=False)
 
 
 # ----------------------------------------------------------------- virtualenvs
