@@ -13,36 +13,24 @@ import os
 from collections.abc import Mapping
 from operator import itemgetter
 from pathlib import Path
-from typing import NamedTuple, cast
 
 from . import statcache
-from .capture import SourceSpec, _Run, _signature, _signature_row, _Walker
+from .capture import SourceSpec, _Run, _signature, _Walker
 from .index import Index
 from .manifest import Source, SourceKind
 from .repository import Repository
 from .tree import Node, NodeType
 
-
-class StatSignature(NamedTuple):
-    """What a listing's signature and the stat cache read of an ``lstat``: what a restore's
-    worker processes send back of each path (a whole ``os.stat_result`` costs eight times
-    as much to pass between processes)."""
-
-    st_mode: int
-    st_uid: int
-    st_gid: int
-    st_size: int
-    st_mtime_ns: int
-    st_ctime_ns: int
-    st_ino: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> StatSignature:
-        return cls._make(signature_fields(st))
+# What a listing's signature and the stat cache read of an ``lstat``, as a plain tuple
+# (``signature_fields``): what a restore's worker processes send back of each path (a whole
+# ``os.stat_result`` costs eight times as much to pass between processes), in the order a
+# signature row holds them (``capture._signature_row``).
+StatSignature = tuple[int, ...]  # mode, uid, gid, size, mtime_ns, ctime_ns, ino
+_SIZE, _MTIME, _CTIME, _INO = 3, 4, 5, 6
 
 
-def signature_fields(st: os.stat_result) -> tuple[int, ...]:
-    """``StatSignature``'s fields as a plain tuple: the cheapest to send between processes."""
+def signature_fields(st: os.stat_result) -> StatSignature:
+    """An ``lstat``'s ``StatSignature``."""
     return (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
@@ -72,9 +60,9 @@ def prime_cache(
             for rel, node in nodes.items():
                 if node.type is NodeType.FILE:
                     restored = os.path.join(target, rel)
-                    st = cast(os.stat_result, stats.get(restored) or os.lstat(restored))
+                    got = stats.get(restored) or signature_fields(os.lstat(restored))
                     cache.files[rel] = (
-                        statcache.file_signature(st),
+                        (got[_INO], got[_SIZE], got[_MTIME], got[_CTIME]),
                         tuple(node.chunks),
                         tuple(node.sparse),
                     )
@@ -118,27 +106,21 @@ def _restored_cache(
         parent, _, name = rel.rpartition("/")
         children.setdefault(parent, []).append((name, rel, node))
     cache = statcache.StatCache(snapshot=snapshot)
+    files = cache.files
     signatures: dict[str, bytes] = {}
+    directory, regular = NodeType.DIR, NodeType.FILE
     for rel in sorted(children, key=lambda r: -r.count("/") if r else 1):  # deepest first
         rows = []
         for name, child, node in sorted(children[rel], key=itemgetter(0)):
             path = prefix + child
-            st = stats.get(path) or StatSignature.of(os.lstat(path))
+            st = stats.get(path) or signature_fields(os.lstat(path))
             kind = node.type
-            rows.append(
-                _signature_row(
-                    name,
-                    kind,
-                    cast(os.stat_result, st),  # the fields a signature reads
-                    node.target,
-                    node.link,
-                    node.opaque,
-                    signatures.get(child, b"") if kind is NodeType.DIR else b"",
-                )
-            )
-            if kind is NodeType.FILE:
-                cache.files[child] = (
-                    (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
+            # capture._signature_row, from the plain fields (they are in its order).
+            sub = signatures.get(child, b"") if kind is directory else b""
+            rows.append((name, kind._value_, *st, node.target, node.link, node.opaque, sub))
+            if kind is regular:
+                files[child] = (
+                    (st[_INO], st[_SIZE], st[_MTIME], st[_CTIME]),
                     tuple(node.chunks),
                     tuple(node.sparse),
                 )

@@ -378,12 +378,10 @@ def _write_data(
     the ``lstat`` of each file finished by its write to ``stats``."""
     damaged: set[str] = set()
     futures = {pool.submit(_write_pack, pack_id): pack_id for pack_id in plan.writes}
-    make = StatSignature._make
     for future in as_completed(futures):
         pack_id = futures[future]
         written, bad_blobs, finished = future.result()
-        for path, row in finished:
-            stats[path] = make(row)
+        stats.update(finished)
         if bad_blobs is None:
             damaged |= _files_of(plan, pack_id)
         elif bad_blobs:
@@ -394,7 +392,7 @@ def _write_data(
     return damaged
 
 
-_Finished = list[tuple[str, tuple[int, ...]]]  # path, ``signature_fields`` of its lstat
+_Finished = list[tuple[str, StatSignature]]  # path, ``signature_fields`` of its lstat
 
 
 def _write_pack(pack_id: str) -> tuple[int, set[bytes] | None, _Finished]:
@@ -502,13 +500,11 @@ def _apply_metadata(
         pool.submit(_file_metadata, start, min(start + step, count), damaged)
         for start in range(0, count, step)
     ]
-    make = StatSignature._make
     for future in futures:
-        for path, row in future.result():
-            stats[path] = make(row)
+        stats.update(future.result())
     for entry in plan.links:  # their inode's metadata is set with its first path's
         if entry.path not in damaged:
-            stats[entry.path] = StatSignature.of(os.lstat(entry.path))
+            stats[entry.path] = signature_fields(os.lstat(entry.path))
             # Linking moved the inode's ctime after a worker took its first path's lstat.
             root = entry.path[: len(entry.path) - len(entry.rel)]
             first = os.path.join(root, entry.node.link)
@@ -519,11 +515,11 @@ def _apply_metadata(
         _set_metadata(entry.path, entry.node)
         if entry.node.opaque and overlay_roots and entry.path.startswith(overlay_roots):
             os.setxattr(entry.path, "trusted.overlay.opaque", b"y")
-        stats[entry.path] = StatSignature.of(os.lstat(entry.path))
+        stats[entry.path] = signature_fields(os.lstat(entry.path))
     for source, target in placed:  # the sources' own directories, last of all
         if source.root is not None:
             _set_metadata(str(target), source.root)
-        stats[str(target)] = StatSignature.of(os.lstat(target))
+        stats[str(target)] = signature_fields(os.lstat(target))
 
 
 def _file_metadata(start: int, stop: int, damaged: set[str]) -> list[tuple[str, tuple[int, ...]]]:
