@@ -213,19 +213,36 @@ def _plan_source(
     prefix = str(target).rstrip("/") + "/"
     entries, writes, locations = plan.entries, plan.writes, plan.locations
     get = index.blobs.get
+    regular, directory, hardlink = NodeType.FILE, NodeType.DIR, NodeType.HARDLINK
+    # Written for speed: it runs once per path of the snapshot (50,000 for an environment).
     for rel, node in walk_trees(repository, index, source.tree):
         path = prefix + rel
         planned = _Planned(path, rel, node)
         entries.append(planned)
-        if node.type is NodeType.DIR:
-            plan.dirs.append(planned)
-        elif node.type is NodeType.HARDLINK:
-            plan.links.append(planned)
-        if node.type is not NodeType.FILE:
+        kind = node.type
+        if kind is not regular:
+            if kind is directory:
+                plan.dirs.append(planned)
+            elif kind is hardlink:
+                plan.links.append(planned)
             continue
         plan.files += 1
         plan.bytes += node.size
-        whole = node if _written_whole(node) else None
+        chunks = node.chunks
+        if len(chunks) == 1 and not node.sparse:  # most files: written whole, by one write
+            blob_id = chunks[0]
+            location = get(blob_id)
+            if location is None:
+                plan.unlocated.add(path)
+                continue
+            locations[blob_id] = location
+            blobs = writes[location.pack_id][location.segment_offset]
+            targets = blobs.get(blob_id)
+            if targets is None:
+                blobs[blob_id] = [(path, 0, node)]
+            else:
+                targets.append((path, 0, node))
+            continue
         for blob_id, offset in _chunk_offsets(node, get):
             location = get(blob_id)
             if location is None:
@@ -233,7 +250,7 @@ def _plan_source(
                 continue
             locations[blob_id] = location
             targets = writes[location.pack_id][location.segment_offset].setdefault(blob_id, [])
-            targets.append((path, offset, whole))
+            targets.append((path, offset, None))
 
 
 def _written_whole(node: Node) -> bool:
