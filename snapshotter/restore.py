@@ -446,7 +446,9 @@ def _write_pack(pack_id: str) -> tuple[int, set[bytes] | None, _Finished]:
                 bad.add(blob_id)
                 continue
             for path, offset, whole in targets:
-                fd = os.open(path, flags, 0o600)
+                # A file written whole is made with its permissions (``_finish``); a file
+                # of several chunks gets them in the metadata phase.
+                fd = os.open(path, flags, 0o600 if whole is None else whole.mode & 0o777)
                 try:
                     os.pwrite(fd, blob, offset)
                     if whole is not None:
@@ -459,10 +461,11 @@ def _write_pack(pack_id: str) -> tuple[int, set[bytes] | None, _Finished]:
 
 def _finish(fd: int, node: Node) -> tuple[int, ...]:
     """``_set_metadata`` for a file written whole, through its descriptor (no path
-    lookups); its ``signature_fields`` after. The owner is changed only where the new
-    file's differs (a restore by another user, a set-group-id directory above): one
-    system call fewer for nearly every file."""
-    _set_by_descriptor(fd, node)
+    lookups); its ``signature_fields`` after. The file was made with its permission bits
+    (``_write_pack``), and the owner is the restoring user's: mode and owner are changed
+    only where they differ (the umask took a bit, set-id bits, a restore by another user,
+    a set-group-id directory above): for nearly every file, no chmod and no chown."""
+    _set_xattrs_and_mtime(fd, node)
     st = os.fstat(fd)
     if st.st_uid != node.uid or st.st_gid != node.gid:
         # chown clears set-id bits and file capabilities: everything else again after it.
@@ -470,11 +473,18 @@ def _finish(fd: int, node: Node) -> tuple[int, ...]:
             os.fchown(fd, node.uid, node.gid)
         _set_by_descriptor(fd, node)
         st = os.fstat(fd)
+    elif st.st_mode & 0o7777 != node.mode & 0o7777:
+        os.fchmod(fd, node.mode)  # moves the ctime, not the mtime
+        st = os.fstat(fd)
     return signature_fields(st)
 
 
 def _set_by_descriptor(fd: int, node: Node) -> None:
     os.fchmod(fd, node.mode)
+    _set_xattrs_and_mtime(fd, node)
+
+
+def _set_xattrs_and_mtime(fd: int, node: Node) -> None:
     for name, value in node.xattrs.items():
         try:
             os.setxattr(fd, name, value)

@@ -82,6 +82,8 @@ def make_rich_tree(root: Path) -> None:
     _write(root / "shared" / "data.bin", os.urandom(3 << 20), 0o664, (1002, 1003))  # chunked
     _write(root / "shared" / "repeat.bin", b"0123456789abcdef" * (400 << 10), 0o644)
     _write(root / "bin" / "tool", b"#!/bin/sh\necho ok\n", 0o4755, (0, 0))
+    _write(root / "shared" / "team.txt", b"group-writable\n", 0o664)  # beyond a 022 umask
+    _write(root / "shared" / "frozen.txt", b"read-only\n", 0o444)
     _write(root / "empty", b"")
     (root / "empty-dir").mkdir()
     (root / "deep" / "a" / "b" / "c").mkdir(parents=True)
