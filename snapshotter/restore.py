@@ -518,15 +518,22 @@ def _apply_metadata(
     stats: dict[str, StatSignature],
 ) -> None:
     """Owners, modes, extended attributes and mtimes: everything but directories and the
-    files finished by their write in the workers, then directories here, deepest first
-    (writing into a directory moves its mtime). Adds each restored path's ``lstat``
-    afterwards to ``stats``, for the stat cache."""
+    files finished by their write in the workers, and directories here, deepest first
+    (writing into a directory moves its mtime; setting its children's metadata does not).
+    Adds each restored path's ``lstat`` afterwards to ``stats``, for the stat cache.
+
+    Directories are done while the workers do the files, unless a directory is to lose its
+    owner's search permission and this is not root: then a worker could no longer reach
+    the files below it, and directories wait for the files."""
     count = len(plan.entries)
     step = max(1024, -(-count // (4 * processes)))
     futures = [
         pool.submit(_file_metadata, start, min(start + step, count), damaged)
         for start in range(0, count, step)
     ]
+    searchable = os.geteuid() == 0 or all(e.node.mode & stat.S_IXUSR for e in plan.dirs)
+    if searchable:
+        _directory_metadata(plan, placed, stats)
     for future in futures:
         stats.update(future.result())
     for entry in plan.links:  # their inode's metadata is set with its first path's
@@ -537,16 +544,23 @@ def _apply_metadata(
             first = os.path.join(root, entry.node.link)
             if first in stats:
                 stats[first] = stats[entry.path]
+    if not searchable:
+        _directory_metadata(plan, placed, stats)
+    for source, target in placed:  # the sources' own directories, last of all
+        if source.root is not None:
+            _set_metadata(str(target), source.root)
+        stats[str(target)] = signature_fields(os.lstat(target))
+
+
+def _directory_metadata(
+    plan: _Plan, placed: list[tuple[Source, Path]], stats: dict[str, StatSignature]
+) -> None:
     overlay_roots = tuple(str(t) for s, t in placed if s.kind is SourceKind.OVERLAY)
     for entry in reversed(plan.dirs):
         _set_metadata(entry.path, entry.node)
         if entry.node.opaque and overlay_roots and entry.path.startswith(overlay_roots):
             os.setxattr(entry.path, "trusted.overlay.opaque", b"y")
         stats[entry.path] = signature_fields(os.lstat(entry.path))
-    for source, target in placed:  # the sources' own directories, last of all
-        if source.root is not None:
-            _set_metadata(str(target), source.root)
-        stats[str(target)] = signature_fields(os.lstat(target))
 
 
 def _file_metadata(start: int, stop: int, damaged: set[str]) -> list[tuple[str, tuple[int, ...]]]:
