@@ -126,10 +126,7 @@ class FreeIndex:
     def _count(self, node: NodeState, touched: set[tuple[ZoneKey, int]] | None) -> None:
         if not node.schedulable:
             return
-        gpu_type = node.gpu_type
-        zone = (node.cluster, node.zone, gpu_type)
-        key = (node.name, gpu_type)
-        free = len(node.free)
+        gpu_type, zone, key, free = _indexed_as(node)
         self.nodes[key] = node
         self.zone_of[key] = zone
         by_count = self.buckets.get(zone)
@@ -149,10 +146,7 @@ class FreeIndex:
     def _uncount(self, node: NodeState) -> None:
         if not node.schedulable:
             return
-        gpu_type = node.gpu_type
-        zone = (node.cluster, node.zone, gpu_type)
-        key = (node.name, gpu_type)
-        free = len(node.free)
+        gpu_type, zone, key, free = _indexed_as(node)
         del self.nodes[key], self.zone_of[key], self.buckets[zone][free][key]
         self.zone_free[zone] -= free
         self.free_by_type[gpu_type] -= free
@@ -167,6 +161,16 @@ class FreeIndex:
         if not self._type_nodes[gpu_type]:
             del self.free_by_type[gpu_type], self.total_by_type[gpu_type]
             del self._type_nodes[gpu_type]
+
+
+def _indexed_as(node: NodeState) -> tuple[str, ZoneKey, tuple[str, str], int]:
+    """A node's GPU type, zone, key and free-GPU count in the index."""
+    return (
+        node.gpu_type,
+        (node.cluster, node.zone, node.gpu_type),
+        (node.name, node.gpu_type),
+        len(node.free),
+    )
 
 
 class Capacity:
