@@ -26,12 +26,16 @@ from .tree import Node, NodeType
 # ``os.stat_result`` costs eight times as much to pass between processes), in the order a
 # signature row holds them (``capture._signature_row``).
 StatSignature = tuple[int, ...]  # mode, uid, gid, size, mtime_ns, ctime_ns, ino
-_SIZE, _MTIME, _CTIME, _INO = 3, 4, 5, 6
 
 
 def signature_fields(st: os.stat_result) -> StatSignature:
     """An ``lstat``'s ``StatSignature``."""
     return (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def _file_part(st: StatSignature) -> statcache.FileSignature:
+    """What the stat cache keeps of a file's ``StatSignature`` (``statcache.file_signature``)."""
+    return (st[6], st[3], st[4], st[5])  # inode, size, mtime, ctime
 
 
 def prime_cache(
@@ -62,7 +66,7 @@ def prime_cache(
                     restored = os.path.join(target, rel)
                     got = stats.get(restored) or signature_fields(os.lstat(restored))
                     cache.files[rel] = (
-                        (got[_INO], got[_SIZE], got[_MTIME], got[_CTIME]),
+                        _file_part(got),
                         tuple(node.chunks),
                         tuple(node.sparse),
                     )
@@ -120,7 +124,7 @@ def _restored_cache(
             rows.append((name, kind._value_, *st, node.target, node.link, node.opaque, sub))
             if kind is regular:
                 files[child] = (
-                    (st[_INO], st[_SIZE], st[_MTIME], st[_CTIME]),
+                    _file_part(st),
                     tuple(node.chunks),
                     tuple(node.sparse),
                 )

@@ -228,9 +228,12 @@ def _plan_source(
             continue
         plan.files += 1
         plan.bytes += node.size
-        chunks = node.chunks
-        if len(chunks) == 1 and not node.sparse:  # most files: written whole, by one write
-            blob_id = chunks[0]
+        if _written_whole(node):  # most files: one chunk, made by one write
+            whole: Node | None = node
+            pieces: Iterable[tuple[bytes, int]] = ((node.chunks[0], 0),)
+        else:
+            whole, pieces = None, _chunk_offsets(node, get)
+        for blob_id, offset in pieces:
             location = get(blob_id)
             if location is None:
                 plan.unlocated.add(path)
@@ -239,18 +242,9 @@ def _plan_source(
             blobs = writes[location.pack_id][location.segment_offset]
             targets = blobs.get(blob_id)
             if targets is None:
-                blobs[blob_id] = [(path, 0, node)]
+                blobs[blob_id] = [(path, offset, whole)]
             else:
-                targets.append((path, 0, node))
-            continue
-        for blob_id, offset in _chunk_offsets(node, get):
-            location = get(blob_id)
-            if location is None:
-                plan.unlocated.add(path)
-                continue
-            locations[blob_id] = location
-            targets = writes[location.pack_id][location.segment_offset].setdefault(blob_id, [])
-            targets.append((path, offset, None))
+                targets.append((path, offset, whole))
 
 
 def _written_whole(node: Node) -> bool:
@@ -266,15 +260,11 @@ def _chunk_offsets(
     """Each chunk with its offset in the file: back to back, or filling the sparse data
     ranges in order (a chunk never spans two ranges: each range was chunked on its own).
     A chunk the index does not list counts as empty here; the plan marks its file."""
-    chunks = node.chunks
-    if len(chunks) == 1 and not node.sparse:  # most files
-        yield chunks[0], 0
-        return
     ranges = iter(node.sparse) if node.sparse else None
     at, left = 0, -1
     if ranges is not None:
         at, left = next(ranges, (0, 0))
-    for blob_id in chunks:
+    for blob_id in node.chunks:
         location = get(blob_id)
         length = location.length if location is not None else 0
         if ranges is not None:
@@ -459,7 +449,7 @@ def _write_pack(pack_id: str) -> tuple[int, set[bytes] | None, _Finished]:
     return written, bad, finished
 
 
-def _finish(fd: int, node: Node) -> tuple[int, ...]:
+def _finish(fd: int, node: Node) -> StatSignature:
     """``_set_metadata`` for a file written whole, through its descriptor (no path
     lookups); its ``signature_fields`` after. The file was made with its permission bits
     (``_write_pack``), and the owner is the restoring user's: mode and owner are changed
@@ -563,12 +553,12 @@ def _directory_metadata(
         stats[entry.path] = signature_fields(os.lstat(entry.path))
 
 
-def _file_metadata(start: int, stop: int, damaged: set[str]) -> list[tuple[str, tuple[int, ...]]]:
+def _file_metadata(start: int, stop: int, damaged: set[str]) -> _Finished:
     """In a worker: metadata of the entries ``start:stop`` that are not directories, and
     what the stat cache needs of every such path's ``lstat`` afterwards (``StatSignature``
     as a plain tuple: the cheapest to send back)."""
     assert _inherited is not None
-    stats: list[tuple[str, tuple[int, ...]]] = []
+    stats: _Finished = []
     for entry in _inherited[1].entries[start:stop]:
         node, path = entry.node, entry.path
         kind = node.type
