@@ -34,6 +34,7 @@ from ..scheduler.errors import InputError, LeaseLost, SchedulerError, SchemaMism
 from ..scheduler.model import project_tree
 from ..scheduler.snapshot import Policy
 from ..scheduler.store import db
+from ..scheduler.store.collector import collect_all
 from ..scheduler.store.fleet import FleetStore
 from ..snapshotter.errors import SnapshotError
 from . import logs
@@ -208,6 +209,14 @@ class FleetController(DatabaseMixin):
         1.0, help="Seconds between admission cycles when nothing else triggers one."
     ).tag(config=True)
 
+    full_collection_interval = Float(
+        600.0,
+        help="Seconds between full garbage collections of the controller's memory, run "
+        "after an admission cycle. Cycles run with the collector paused and freeze what "
+        "survives them (scheduler/store/collector.py); this returns what became cyclic "
+        "garbage after being frozen. At 16,000 GPUs one takes about 100 ms.",
+    ).tag(config=True)
+
     node_heartbeat_timeout = Float(
         30.0,
         help="A node whose agent has not reported for this many seconds is marked unknown and "
@@ -373,6 +382,7 @@ class FleetController(DatabaseMixin):
             self.exit_with(f"c.FleetController.idle_policies: {e}", code=2)
         self.is_leader = False
         self._kicked = asyncio.Event()
+        self._last_full_collection = time.monotonic()
         self._index_wanted = asyncio.Event()
         self.snapshot_index_at: datetime | None = None
         self._became_leader = asyncio.Event()
@@ -497,6 +507,10 @@ class FleetController(DatabaseMixin):
             self.log.exception("admission cycle failed; retrying next cycle")
             return
         self.metrics.cycle_duration.observe(time.perf_counter() - started)
+        if time.monotonic() - self._last_full_collection >= self.full_collection_interval:
+            freed = collect_all()
+            self._last_full_collection = time.monotonic()
+            self.log.debug("full garbage collection freed %d objects", freed)
         for admitted in result.admitted:
             self.metrics.admissions.labels(admitted.gpu_type).inc()
             self.metrics.wait_time.labels(admitted.project).observe(admitted.waited_seconds)

@@ -164,10 +164,10 @@ class FrozenTails:
                 while queue.head < len(queue.requests):
                     self.p._next_in_queue(queue, blocked_users)
                 continue
-            self._rest(key, rest)
+            index = self._rest(key, rest)
             # ``_rest`` appends rows only: a settled run comes from ``_next_in_queue``.
             rows = cast(list[Waiting], self.p.waiting[mark:])
-            self.tails[key] = Tail(rest, start, context, rows)
+            self.tails[key] = Tail(rest, start, context, rows, index)
 
     def _patched(self, rest: list[Pending], tail: Tail) -> list[Waiting] | None:
         """Last cycle's answers for a queue whose requests, start, usage and victims are
@@ -175,12 +175,13 @@ class FrozenTails:
         the shapes whose verdict changed are rebuilt, the others stand. None when that
         could move a position (a quota refusal, which makes the rest wait behind it,
         appears, goes or changes) or the tail has answers not given by a verdict
-        (requests with victims stopping for them)."""
-        index = self._index(rest, tail)
-        if index is None:
+        (requests with victims stopping for them, or node selectors)."""
+        index = tail.index
+        if None in index:
             return None
         waits: list[Waiting] | None = None
         old_waits = tail.waits
+        make = tuple.__new__  # Waiting's own constructor costs several times more
         for positions in index.values():
             first = old_waits[positions[0]]
             cause, reason = self._outcome(rest[positions[0]])
@@ -191,35 +192,24 @@ class FrozenTails:
             if waits is None:
                 waits = list(old_waits)
             for i in positions:
-                waits[i] = old_waits[i]._replace(cause=cause, reason=reason)
+                waits[i] = make(Waiting, (old_waits[i][0], old_waits[i][1], cause, reason))
         return old_waits if waits is None else waits
 
-    def _index(self, rest: list[Pending], tail: Tail) -> dict[Any, list[int]] | None:
-        """The positions in the tail's answers of each shape decided by its verdict (up to
-        the first quota refusal; those after it wait behind it); None if some answer was
-        not given by a verdict. Kept in the tail: its requests do not change."""
-        index = tail.index
-        if index:
-            return None if None in index else index
-        in_flight = self.p.in_flight
-        for i, request in enumerate(rest):
-            if request.id in in_flight or request.node_selector:
-                index.clear()
-                index[None] = []
-                return None
-            index.setdefault(request.shape, []).append(i)
-            if tail.waits[i].cause is WaitCause.QUOTA:
-                break
-        return index
-
-    def _rest(self, key: tuple[str, str], rest: list[Pending]) -> None:
+    def _rest(self, key: tuple[str, str], rest: list[Pending]) -> dict[Any, list[int]]:
         """Decide a frozen queue's rest (no per-user cap, so no user holds a place) as
         ``_next_in_queue`` would, request by request, with ``_outcome``. The hot
-        loop of a cycle at scale: one dictionary read and one tuple per request."""
+        loop of a cycle at scale: one dictionary read and one tuple per request.
+
+        Returns the index ``_patched`` reads (``memo.Tail``): the positions of each shape
+        up to the first quota refusal, or ``{None: []}`` when a request was decided
+        otherwise than by its shape's verdict."""
         waiting, in_flight, said = self.p.waiting, self.p.in_flight, self.frozen_said
+        append, make = waiting.append, tuple.__new__  # see _patched
+        index: dict[Any, list[int]] = {}
         position = self.p.positions[key]
         for i, request in enumerate(rest):
-            outcome = said.get(request.shape)
+            shape = request.shape
+            outcome = said.get(shape)
             if outcome is None or request.id in in_flight:
                 if request.node_selector or request.id in in_flight:
                     self.p.positions[key] = position
@@ -227,27 +217,30 @@ class FrozenTails:
                     position = self.p.positions[key]
                     assert decided.cause is not None, "nothing starts once frozen"
                     outcome = (decided.cause, decided.reason)
+                    index[None] = []
                 else:
-                    outcome = said[request.shape] = self._outcome(request)
+                    outcome = said[shape] = self._outcome(request)
                     position += 1
-                    waiting.append(Waiting(request.id, position, *outcome))
+                    append(make(Waiting, (request.id, position, *outcome)))
             else:
                 position += 1
-                waiting.append(Waiting(request.id, position, *outcome))
+                append(make(Waiting, (request.id, position, *outcome)))
+            positions = index.get(shape)
+            if positions is None:
+                index[shape] = [i]
+            else:
+                positions.append(i)
             if outcome[0] is WaitCause.QUOTA:
+                behind = (
+                    f"waiting behind an earlier request for {request.gpu_type} in "
+                    f"project {request.project} (workload {request.id}): {outcome[1]}"
+                )
                 for later in rest[i + 1 :]:
                     position += 1
-                    waiting.append(
-                        Waiting(
-                            later.id,
-                            position,
-                            WaitCause.BEHIND,
-                            f"waiting behind an earlier request for {request.gpu_type} in "
-                            f"project {request.project} (workload {request.id}): {outcome[1]}",
-                        )
-                    )
+                    append(make(Waiting, (later.id, position, WaitCause.BEHIND, behind)))
                 break
         self.p.positions[key] = position
+        return index
 
     def _outcome(self, request: Pending) -> tuple[WaitCause, str]:
         """A frozen refusal, by what it depends on: project, type and shape (the class

@@ -59,15 +59,16 @@ Verdict = tuple[tuple[Any, ...], WaitCause, str]
 class Tail:
     """A queue's frozen tail as decided in a cycle: its requests from the first one decided
     after the state froze, their first position, what the state said about them, and the
-    answers. ``index``, filled when first needed (``frozen.py``): the positions in
-    ``waits`` of each request shape decided by its verdict, so that when only some
-    shapes' numbers changed only their answers are rebuilt."""
+    answers. ``index``: the positions in ``waits`` of each request shape decided by its
+    verdict (up to the first quota refusal), so that when only some shapes' numbers
+    changed only their answers are rebuilt; ``{None: []}`` when some answer was not
+    given by a verdict (``frozen.py``)."""
 
     requests: list[Pending]
     start: int
     context: tuple[Any, ...]
     waits: list[Waiting]
-    index: dict[Any, list[int]] = field(default_factory=dict, compare=False)
+    index: dict[Any, list[int]] = field(compare=False)
 
 
 class PlanMemo:

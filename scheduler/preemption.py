@@ -23,11 +23,12 @@ Who may be a victim for a request of project ``p`` and class rank ``r``:
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any
 
 from .placement import Capacity, ZoneKey
@@ -35,7 +36,6 @@ from .quota import QuotaBook
 from .snapshot import Pending, PreemptionCause, Running
 
 Victims = list[tuple[Running, PreemptionCause]]
-_started = attrgetter("started_at", "id")
 
 
 @dataclass
@@ -73,7 +73,12 @@ class Candidates:
         self.min_run_time_s = min_run_time_s
         self.now = float("-inf")
         self.by_project: dict[tuple[str, str], dict[int, Running]] = defaultdict(dict)
+        # Each project's workloads in the order they count against its guarantee (class,
+        # then start time), with their GPUs alongside: who borrows is a suffix of it.
+        self._order: dict[tuple[str, str], list[tuple[int, float, int]]] = defaultdict(list)
+        self._order_gpus: dict[tuple[str, str], list[int]] = defaultdict(list)
         self.borrowing: set[int] = set()
+        self._borrowing_in: dict[tuple[str, str], set[int]] = {}
         self.zones: dict[ZoneKey, _Zone] = {}
         self._member: dict[int, tuple[Running, bool]] = {}  # id -> (it, borrowing when in)
         self._dirty: set[tuple[str, str]] = set()
@@ -86,9 +91,19 @@ class Candidates:
             return
         key = (workload.project, workload.gpu_type)
         self.by_project[key][workload.id] = workload
+        order = self._order[key]
+        place = self._counts_as(workload)
+        i = bisect.bisect_left(order, place)
+        order.insert(i, place)
+        self._order_gpus[key].insert(i, workload.gpus)
         self._where[workload.id] = key
         self._dirty.add(key)
         self._new.add(workload.id)
+
+    def _counts_as(self, workload: Running) -> tuple[int, float, int]:
+        """Where the workload counts against its project's guarantee: higher classes
+        first, then the earliest started."""
+        return (-self.ranks.get(workload.priority, 0), workload.started_at, workload.id)
 
     def swap(self, old: Running, new: Running) -> None:
         """``new`` in ``old``'s place where only its last checkpoint or snapshot moved
@@ -111,29 +126,41 @@ class Candidates:
             return
         del workloads[workload.id]
         del self._where[workload.id]
+        order = self._order[key]
+        i = bisect.bisect_left(order, self._counts_as(workload))
+        del order[i]
+        del self._order_gpus[key][i]
         if not workloads:
             del self.by_project[key]
+            del self._order[key]
+            del self._order_gpus[key]
         self._dirty.add(key)
         self._new.discard(workload.id)
-        self.borrowing.discard(workload.id)
-        self._leave(workload.id)
+        self._leave(workload.id)  # ``borrowing`` follows on ``refresh``
 
     def refresh(self, book: QuotaBook) -> None:
+        borrowing = self.borrowing
         for key in self._dirty:
+            before = self._borrowing_in.pop(key, set())
             workloads = self.by_project.get(key)
             if workloads is None:
+                borrowing -= before
                 continue
-            borrowing = self._borrowers(workloads, book.guarantee(*key))
-            for workload in workloads.values():
-                was = workload.id in self.borrowing
-                now = workload.id in borrowing
-                if now and not was:
-                    self.borrowing.add(workload.id)
-                elif was and not now:
-                    self.borrowing.discard(workload.id)
-                if was != now or workload.id in self._new:
-                    self._review(workload)
+            now = self._borrowers(key, book.guarantee(*key))
+            if now:
+                self._borrowing_in[key] = now
+            for wid in now - before:
+                borrowing.add(wid)
+                self._review(workloads[wid])
+            for wid in before - now:
+                borrowing.discard(wid)
+                if wid in workloads:  # else it was dropped, and left already
+                    self._review(workloads[wid])
         self._dirty.clear()
+        for wid in self._new:
+            tracked = self._tracked(wid)
+            if tracked is not None:
+                self._review(tracked)
         self._new.clear()
         later = self._later
         while later and later[0][0] <= self.now:
@@ -146,19 +173,14 @@ class Candidates:
         key = self._where.get(wid)
         return None if key is None else self.by_project[key].get(wid)
 
-    def _borrowers(self, workloads: dict[int, Running], guaranteed: int) -> set[int]:
-        """Those beyond the guarantee, counting by class (higher first), then start time."""
-        if sum(w.gpus for w in workloads.values()) <= guaranteed:
+    def _borrowers(self, key: tuple[str, str], guaranteed: int) -> set[int]:
+        """Those beyond the guarantee, counting by class (higher first), then start time:
+        the suffix of the project's order from the first whose running total exceeds it."""
+        counted = list(itertools.accumulate(self._order_gpus[key]))
+        if not counted or counted[-1] <= guaranteed:
             return set()
-        ordered = sorted(workloads.values(), key=_started)
-        if len({w.priority for w in ordered}) > 1:
-            ordered.sort(key=lambda r: -self.ranks.get(r.priority, 0))
-        borrowing, counted = set(), 0
-        for workload in ordered:
-            counted += workload.gpus
-            if counted > guaranteed:
-                borrowing.add(workload.id)
-        return borrowing
+        cut = bisect.bisect_right(counted, guaranteed)
+        return {wid for _, _, wid in self._order[key][cut:]}
 
     def _review(self, workload: Running) -> None:
         """Make the workload a member if and only if it is a candidate now."""

@@ -17,7 +17,6 @@ position of a 10,000-long queue every cycle would cost more than the cycle itsel
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -32,6 +31,7 @@ from ..memo import PlanMemo
 from ..plan import plan
 from ..snapshot import Plan, Policy, WaitCause, Waiting
 from .base import StoreBase
+from .collector import collector_paused
 from .mirror import ChangeTracker, Mirror, Shown, promised_json
 from .models import Allocation, Event, Workload, WorkloadState
 
@@ -88,7 +88,11 @@ class SchedulingStore(StoreBase):
         self.plan_memo = PlanMemo()
 
     def scheduling_cycle(self, now: datetime, policy: Policy) -> CycleResult:
-        rebuilt = self.refresh_mirror()
+        with collector_paused():  # see collector.py: no full collection inside a cycle
+            return self._cycle(now, policy)
+
+    def _cycle(self, now: datetime, policy: Policy) -> CycleResult:
+        self.refresh_mirror()
         moment = now.timestamp()
         decided = plan(self.mirror.snapshot(policy), moment, self.plan_memo)
         shown = self._to_show(decided.waiting, moment)
@@ -107,12 +111,6 @@ class SchedulingStore(StoreBase):
             for r in (self.mirror.pending[a.workload_id] for a in decided.admissions)
         )
         self.mirror.apply(decided, moment, shown)
-        if rebuilt:
-            # The mirror and the plan memo hold a few hundred thousand objects that live
-            # until replaced, none in a reference cycle. Left to the collector, each of
-            # its full passes walks them all (85-135 ms at 16,000 GPUs, every few cycles:
-            # the cycle's p99); frozen, it walks only what changed since.
-            gc.freeze()
         changed = (
             *(a.workload_id for a in decided.admissions),
             *(p.victim_id for p in decided.preemptions),

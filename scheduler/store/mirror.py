@@ -62,14 +62,15 @@ _QUIET = {
     Gpu: {"sampled_at", "last_sample", "busy_at"},
     Workload: {"lease_expires_at", "snapshot_pending_since", "snapshot_sources", "spec"},
 }
-_ALL = ("all", 0)
+# A dirty mark that makes the next refresh read the whole database.
+EVERYTHING = ("all", 0)
 
 
 class ChangeTracker:
     """Notes what committed transactions of one session factory changed."""
 
     def __init__(self, factory: sessionmaker[Session]):
-        self.dirty: set[tuple[str, int]] = {_ALL}
+        self.dirty: set[tuple[str, int]] = {EVERYTHING}
         event.listen(factory, "after_flush", self._after_flush)
         event.listen(factory, "after_commit", self._after_commit)
         event.listen(factory, "after_soft_rollback", self._after_rollback)
@@ -79,7 +80,7 @@ class ChangeTracker:
         return dirty
 
     def everything(self) -> None:
-        self.dirty.add(_ALL)
+        self.dirty.add(EVERYTHING)
 
     def _after_flush(self, session: Session, _context: Any) -> None:
         noted = session.info.setdefault("gpufleet_changes", set())
@@ -102,7 +103,9 @@ def _changes(obj: Any, session: Session) -> Iterable[tuple[str, int]]:
     if isinstance(obj, Workload):
         return (("workload", obj.id),)
     if isinstance(obj, Allocation):
-        return (("workload", obj.workload_id), ("node", obj.node_id))
+        # Its node's free GPUs follow from the workloads' allocations: re-reading the
+        # workload rebuilds the nodes it held and holds (``_read_workloads``).
+        return (("workload", obj.workload_id),)
     if isinstance(obj, Node):
         return (("node", obj.id),)
     if isinstance(obj, Gpu):
@@ -110,7 +113,7 @@ def _changes(obj: Any, session: Session) -> Iterable[tuple[str, int]]:
     if isinstance(obj, Project | ProjectQuota | PriorityClass):
         return (("tree", 0),)
     if isinstance(obj, Zone | Cluster):
-        return (_ALL,)
+        return (EVERYTHING,)
     return ()
 
 
@@ -158,7 +161,7 @@ class Mirror:
     # --------------------------------------------------------------- reading
     def refresh(self, session: Session, dirty: set[tuple[str, int]]) -> bool:
         """Re-read what changed; True when that was everything."""
-        if _ALL in dirty:
+        if EVERYTHING in dirty:
             self._clear()
             self._read_tree(session)
             self._read_nodes(session, None)
@@ -202,22 +205,33 @@ class Mirror:
         self.preemptible = {c.name: c.preemptible_by_default for c in classes}
 
     def _read_nodes(self, session: Session, ids: set[int] | None) -> None:
-        query = select(Node).options(
-            selectinload(Node.gpus), selectinload(Node.zone).selectinload(Zone.cluster)
+        """Re-read nodes and their usable GPUs (rows, not ORM objects, as for workloads)."""
+        nodes = (
+            select(Node.id, Node.name, Cluster.name, Zone.name, Node.health, Node.cordoned)
+            .add_columns(Node.labels)
+            .join(Zone, Node.zone_id == Zone.id)
+            .join(Cluster, Zone.cluster_id == Cluster.id)
+        )
+        gpus = select(Gpu.node_id, Gpu.uuid, Gpu.gpu_type).where(
+            Gpu.present.is_(True), Gpu.lost.is_(False)
         )
         if ids is not None:
-            query = query.where(Node.id.in_(ids))
-        for node in session.scalars(query):
-            self.node_ids[node.name] = node.id
-            self.nodes[node.id] = _NodeRecord(
-                name=node.name,
-                cluster=node.zone.cluster.name,
-                zone=node.zone.name,
-                schedulable=node.health == NodeHealth.ok and not node.cordoned,
-                labels={str(k): str(v) for k, v in (node.labels or {}).items()},
-                gpus=[(g.uuid, g.gpu_type) for g in node.gpus if g.present and not g.lost],
+            nodes = nodes.where(Node.id.in_(ids))
+            gpus = gpus.where(Gpu.node_id.in_(ids))
+        usable: dict[int, list[tuple[str, str]]] = defaultdict(list)
+        for node_id, uuid, gpu_type in session.execute(gpus.order_by(Gpu.node_id, Gpu.index)):
+            usable[node_id].append((uuid, gpu_type))
+        for node_id, name, cluster, zone, health, cordoned, labels in session.execute(nodes):
+            self.node_ids[name] = node_id
+            self.nodes[node_id] = _NodeRecord(
+                name=name,
+                cluster=cluster,
+                zone=zone,
+                schedulable=health == NodeHealth.ok and not cordoned,
+                labels={str(k): str(v) for k, v in (labels or {}).items()},
+                gpus=usable.get(node_id, []),
             )
-            self._rebuild(node.id)
+            self._rebuild(node_id)
 
     def _read_workloads(self, session: Session, ids: list[int] | None) -> set[int]:
         """Re-read workloads (rows, not ORM objects: a full read is 10,000s of them);

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpufleet.scheduler.memo import PlanMemo
 from gpufleet.scheduler.model import project_tree
 from gpufleet.scheduler.plan import plan
 from gpufleet.scheduler.snapshot import (
@@ -369,6 +370,31 @@ def test_a_project_within_its_guarantee_reclaims_exactly_what_it_needs() -> None
     assert (
         result.waiting[0].reason == "needs 4 × H100; stopping workload(s) 13, 12 to free 4 GPU(s)"
     )
+
+
+def test_who_borrows_is_counted_by_class_then_start_up_to_exactly_the_guarantee() -> None:
+    """b is guaranteed 4 and runs four 2-GPU workloads: the two earliest are within its
+    guarantee — the second one exactly reaches it — and only the two latest may be
+    reclaimed; once the earliest ends, only the latest borrows. One memo follows both
+    cycles, as the controller's does, and plans as a fresh one."""
+    b = [running(10 + i, "b", {"n1": [2 * i, 2 * i + 1]}, started=i) for i in range(4)]
+    tree = projects(a=8, b=4)
+    memo = PlanMemo()
+    first = snap([node("n1", free=[])], [pending(1, "a", 6)], b, tree)
+    assert plan(first, NOW, memo).preemptions == ()  # 4 borrowed GPUs cannot hold 6
+    second = snap([node("n1", free=[0, 1])], [pending(1, "a", 6)], b[1:], tree)
+    result = plan(second, NOW + 1, memo)
+    assert result.preemptions == ()  # 2 free and 13's 2: still short of 6
+    assert result == plan(second, NOW + 1)
+
+    # A higher class counts first, however late it started.
+    b = [
+        running(10, "b", {"n1": [0, 1]}, started=0),
+        running(11, "b", {"n1": [2, 3]}, started=1),
+        running(12, "b", {"n1": [4, 5, 6, 7]}, priority="critical", started=2),
+    ]
+    result = plan(snap([node("n1", free=[])], [pending(1, "a", 4)], b, tree), NOW)
+    assert sorted(p.victim_id for p in result.preemptions) == [10, 11]
 
 
 def test_reclaim_never_evicts_far_more_than_it_needs() -> None:

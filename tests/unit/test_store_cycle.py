@@ -1,18 +1,21 @@
 """The scheduling cycle against real databases (SQLite and PostgreSQL): borrowing and
-reclaim committed as a user sees them, the mirror following every committed change, and a
-cycle whose rows changed underneath rolling back whole."""
+reclaim committed as a user sees them, the mirror following every committed change (and
+equal to one read afresh after random changes), and a cycle whose rows changed underneath
+rolling back whole."""
 
 from __future__ import annotations
 
+import random
 from datetime import datetime
 
 import pytest
 from sqlalchemy import select, text
 
 from gpufleet.scheduler.errors import CycleConflict
-from gpufleet.scheduler.snapshot import Policy
+from gpufleet.scheduler.snapshot import Policy, SchedulingSnapshot
 from gpufleet.scheduler.store.cycle import CycleResult
 from gpufleet.scheduler.store.fleet import FleetStore
+from gpufleet.scheduler.store.mirror import EVERYTHING, Mirror
 from gpufleet.scheduler.store.models import Event, Node, WorkloadState
 
 from .test_store import allocations, ask, events, store, t, workload
@@ -129,3 +132,61 @@ def test_a_cycle_whose_rows_changed_underneath_rolls_back_whole(store: FleetStor
     # The next cycle reads everything again and decides on what is really there.
     assert cycle(store, t(7)).admitted == ()
     assert allocations(store) == before
+
+
+def _world(snapshot: SchedulingSnapshot) -> tuple[object, ...]:
+    return (
+        sorted(snapshot.nodes, key=lambda n: (n.name, n.gpu_type)),
+        sorted(snapshot.running, key=lambda r: r.id),
+        sorted(snapshot.queue, key=lambda r: r.id),
+        snapshot.projects,
+        snapshot.priorities,
+    )
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_mirror_followed_through_random_changes_equals_one_read_afresh(
+    store: FleetStore, seed: int
+) -> None:
+    """Arrivals, endings, starts, cordons and cycles in a random order: after every cycle
+    the mirror, kept up to date by the changes it was told of, holds what a mirror reading
+    the whole database holds — the nodes' free GPUs above all."""
+    rng = random.Random(seed)
+    users = {"alice": "vision", "bob": "vision", "carol": "nlp"}
+    live: set[int] = set()
+    for step in range(1, 80):
+        now = t(step)
+        action = rng.choice(["ask", "ask", "end", "start", "cordon", "cycle", "cycle"])
+        if action == "ask":
+            user = rng.choice(sorted(users))
+            gpu_type, gpus = rng.choice([("A100", 1), ("A100", 2), ("A100", 4), ("H100", 1)])
+            live.add(
+                ask(
+                    store,
+                    now,
+                    user,
+                    server=f"s{step}",
+                    project=users[user],
+                    gpu_type=gpu_type,
+                    gpus=gpus,
+                )
+            )
+        elif action == "end" and live:
+            ended = rng.choice(sorted(live))
+            store.end(now, ended, "stopped", "")
+            live.discard(ended)
+        elif action == "start":
+            admitted = [
+                w for w in sorted(live) if workload(store, w).state == WorkloadState.admitted
+            ]
+            if admitted:
+                store.mark_running(now, rng.choice(admitted))
+        elif action == "cordon":
+            node = rng.choice(["a1", "a2", "h1"])
+            store.set_cordoned(now, node, rng.random() < 0.5, by="admin")
+        else:
+            cycle(store, now)
+            fresh = Mirror()
+            with store.read() as session:
+                fresh.refresh(session, {EVERYTHING})
+            assert _world(store.mirror.snapshot(NOW_POLICY)) == _world(fresh.snapshot(NOW_POLICY))
