@@ -309,14 +309,17 @@ class VictimIndex:
         bound = self._bounds.get(memo)
         if bound is None:
             bound = capacity.pods_fitting(zone_key, per_pod)
-            for node in zone.idle_on.keys() | zone.borrowed_on.keys():
+            # Within its guarantee a request may evict any borrower; beyond it, only the
+            # preemptible ones of a lower class (nodes without any free nothing for it).
+            evictable = zone.borrowed_on if within else zone.preemptible_on
+            for node in zone.idle_on.keys() | evictable.keys():
+                freeable = zone.idle_on.get(node, 0)
                 if within:
-                    freeable = zone.idle_on.get(node, 0) + zone.borrowed_on.get(node, 0)
+                    freeable += zone.borrowed_on.get(node, 0)
                 else:
-                    lower = zone.preemptible_on.get(node, {})
-                    freeable = zone.idle_on.get(node, 0) + sum(
-                        g for r, g in lower.items() if r < rank
-                    )
+                    lower = zone.preemptible_on.get(node)
+                    if lower:
+                        freeable += sum(g for r, g in lower.items() if r < rank)
                 key = (node, zone_key[2])
                 if freeable and key in capacity.nodes:
                     free = capacity.free_count(key)
