@@ -310,7 +310,7 @@ class VictimIndex:
         if bound is None:
             bound = capacity.pods_fitting(zone_key, per_pod)
             # Within its guarantee a request may evict any borrower; beyond it, only the
-            # preemptible ones of a lower class (nodes without any free nothing for it).
+            # preemptible ones of a lower class: on other nodes it could free nothing.
             evictable = zone.borrowed_on if within else zone.preemptible_on
             for node in zone.idle_on.keys() | evictable.keys():
                 freeable = zone.idle_on.get(node, 0)

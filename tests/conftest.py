@@ -6,6 +6,7 @@ gets its own fresh database (PostgreSQL) or file (SQLite), so tests never share 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,15 @@ from gpufleet.scheduler.store import db
 from .postgres import PostgresServer, PostgresUnavailable, skip_requested
 
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_after_each_test() -> Iterator[None]:
+    """A scheduling cycle freezes what is alive when it ends (``store/collector.py``), in
+    the test process too; the controller returns what later became cyclic garbage with a
+    periodic full collection. Here each test gives it back to the collector instead."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")
