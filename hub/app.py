@@ -214,7 +214,7 @@ class FleetController(DatabaseMixin):
         help="Seconds between full garbage collections of the controller's memory, run "
         "after an admission cycle. Cycles run with the collector paused and freeze what "
         "survives them (scheduler/store/collector.py); this returns what became cyclic "
-        "garbage after being frozen. At 16,000 GPUs one takes about 100 ms.",
+        "garbage after being frozen. At 16,000 GPUs one takes 80-90 ms.",
     ).tag(config=True)
 
     node_heartbeat_timeout = Float(
