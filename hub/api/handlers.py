@@ -138,12 +138,16 @@ class WorkloadActionHandler(APIHandler):
                 running = self.body(schemas.RunningIn)
                 sources = running.snapshot.model_dump() if running.snapshot else None
                 store.mark_running(now, wid, sources)
-                if running.notice:
-                    notice = running.notice
-                    culled = store.last_cull(wid)
-                    if culled is not None:
-                        at, why = culled
-                        notice = f"Culled at {at:%H:%M} UTC: {why}. {notice}"
+                notice = running.notice  # what the spawner restored, if anything
+                culled = store.last_cull(wid)
+                if culled is not None:
+                    # Told even when nothing had to be restored (a session without the
+                    # overlay sandbox keeps its home on the host): its kernels are new.
+                    at, why = culled
+                    notice = f"Culled at {at:%H:%M} UTC: {why}. " + (
+                        notice or "Kernels were restarted."
+                    )
+                if notice:
                     store.post_session_notice(now, wid, "info", notice)
                 self.controller.culler.kick()  # a new session: when is it due?
             else:

@@ -26,6 +26,7 @@ from gpufleet.client import Client
 from gpufleet.recovery.fake_nvml import write_control
 
 from ..s3server import S3Server
+from .conftest import CULLER_CONFIG
 from .harness import REPO, Hub, run_in_kernel, wait_for
 from .test_agent import DECLARED, declared_fake_gpus
 
@@ -296,3 +297,36 @@ def test_an_admin_may_release_the_gpus_of_a_session_whose_final_snapshot_keeps_f
         "the spawner to give up the retries",
     )
     failpoint.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def unsandboxed_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """The culler's hub with its sessions outside the overlay sandbox, as on a machine
+    that allows none: a session's home stays on the host when the culler stops it."""
+    config = CULLER_CONFIG + 'c.LocalGPUSpawner.sandbox = "off"\n'
+    instance = Hub.create(tmp_path_factory.mktemp("unsandboxed"), config)
+    instance.start()
+    try:
+        yield instance
+    finally:
+        instance.kill_everything()
+
+
+def test_a_session_culled_outside_the_sandbox_is_told_so_when_it_comes_back(
+    unsandboxed_hub: Hub,
+) -> None:
+    hub = unsandboxed_hub
+    alice = hub.start_session("alice", project="vision", gpu_type="A100-80GB", gpus=2)
+    assert hub.wait_ended(alice, 90)["outcome"] == "stopped"
+    assert "session-cull" in kinds(hub, alice["id"])
+    hub.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
+    hub.wait_ready("alice", timeout=120)
+    again = hub.workload_of("alice")
+    assert again is not None
+    token = hub.user_token("alice")
+    notices = hub.controller("GET", f"/sessions/{again['id']}/activity", token=token).json()
+    # Nothing had to be restored (its home never left the host), yet it was stopped.
+    (notice,) = notices["notices"]
+    assert notice["message"].startswith("Culled at ") and "idle for" in notice["message"]
+    assert notice["message"].endswith("Kernels were restarted.")
+    hub.stop_all_servers()
