@@ -29,6 +29,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from .placement import Capacity, ZoneKey
@@ -36,6 +37,7 @@ from .quota import QuotaBook
 from .snapshot import Pending, PreemptionCause, Running
 
 Victims = list[tuple[Running, PreemptionCause]]
+_GPUS = itemgetter(3)  # of a ``Candidates._counts_as`` tuple
 
 
 @dataclass
@@ -74,9 +76,8 @@ class Candidates:
         self.now = float("-inf")
         self.by_project: dict[tuple[str, str], dict[int, Running]] = defaultdict(dict)
         # Each project's workloads in the order they count against its guarantee (class,
-        # then start time), with their GPUs alongside: who borrows is a suffix of it.
-        self._order: dict[tuple[str, str], list[tuple[int, float, int]]] = defaultdict(list)
-        self._order_gpus: dict[tuple[str, str], list[int]] = defaultdict(list)
+        # then start time, see ``_counts_as``): who borrows is a suffix of it.
+        self._order: dict[tuple[str, str], list[tuple[int, float, int, int]]] = defaultdict(list)
         self.borrowing: set[int] = set()
         self._borrowing_in: dict[tuple[str, str], set[int]] = {}
         self.zones: dict[ZoneKey, _Zone] = {}
@@ -91,19 +92,20 @@ class Candidates:
             return
         key = (workload.project, workload.gpu_type)
         self.by_project[key][workload.id] = workload
-        order = self._order[key]
-        place = self._counts_as(workload)
-        i = bisect.bisect_left(order, place)
-        order.insert(i, place)
-        self._order_gpus[key].insert(i, workload.gpus)
+        bisect.insort(self._order[key], self._counts_as(workload))
         self._where[workload.id] = key
         self._dirty.add(key)
         self._new.add(workload.id)
 
-    def _counts_as(self, workload: Running) -> tuple[int, float, int]:
-        """Where the workload counts against its project's guarantee: higher classes
-        first, then the earliest started."""
-        return (-self.ranks.get(workload.priority, 0), workload.started_at, workload.id)
+    def _counts_as(self, workload: Running) -> tuple[int, float, int, int]:
+        """Where the workload counts against its project's guarantee (higher classes
+        first, then the earliest started), its id and its GPUs."""
+        return (
+            -self.ranks.get(workload.priority, 0),
+            workload.started_at,
+            workload.id,
+            workload.gpus,
+        )
 
     def swap(self, old: Running, new: Running) -> None:
         """``new`` in ``old``'s place where only its last checkpoint or snapshot moved
@@ -127,13 +129,10 @@ class Candidates:
         del workloads[workload.id]
         del self._where[workload.id]
         order = self._order[key]
-        i = bisect.bisect_left(order, self._counts_as(workload))
-        del order[i]
-        del self._order_gpus[key][i]
+        del order[bisect.bisect_left(order, self._counts_as(workload))]
         if not workloads:
             del self.by_project[key]
             del self._order[key]
-            del self._order_gpus[key]
         self._dirty.add(key)
         self._new.discard(workload.id)
         self._leave(workload.id)  # ``borrowing`` follows on ``refresh``
@@ -176,11 +175,12 @@ class Candidates:
     def _borrowers(self, key: tuple[str, str], guaranteed: int) -> set[int]:
         """Those beyond the guarantee, counting by class (higher first), then start time:
         the suffix of the project's order from the first whose running total exceeds it."""
-        counted = list(itertools.accumulate(self._order_gpus[key]))
+        order = self._order[key]
+        counted = list(itertools.accumulate(map(_GPUS, order)))
         if not counted or counted[-1] <= guaranteed:
             return set()
         cut = bisect.bisect_right(counted, guaranteed)
-        return {wid for _, _, wid in self._order[key][cut:]}
+        return {wid for _, _, wid, _ in order[cut:]}
 
     def _review(self, workload: Running) -> None:
         """Make the workload a member if and only if it is a candidate now."""

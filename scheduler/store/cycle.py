@@ -74,13 +74,12 @@ class SchedulingStore(StoreBase):
         # same without it); dropped with the mirror.
         self.plan_memo = PlanMemo()
 
-    def refresh_mirror(self) -> bool:
-        """Bring the mirror up to date; True when it was read afresh."""
+    def refresh_mirror(self) -> None:
+        """Bring the mirror up to date with what committed since it was last."""
         dirty = self.tracker.take()
-        if not dirty:
-            return False
-        with self.read() as session:
-            return self.mirror.refresh(session, dirty)
+        if dirty:
+            with self.read() as session:
+                self.mirror.refresh(session, dirty)
 
     def forget_mirror(self) -> None:
         """Rebuild from the database next cycle (another controller may have written)."""

@@ -159,8 +159,8 @@ class Mirror:
         self.preemptible: dict[str, bool] = {}
 
     # --------------------------------------------------------------- reading
-    def refresh(self, session: Session, dirty: set[tuple[str, int]]) -> bool:
-        """Re-read what changed; True when that was everything."""
+    def refresh(self, session: Session, dirty: set[tuple[str, int]]) -> None:
+        """Re-read what changed (everything, when ``EVERYTHING`` is among it)."""
         if EVERYTHING in dirty:
             self._clear()
             self._read_tree(session)
@@ -168,7 +168,7 @@ class Mirror:
             self._read_workloads(session, None)
             for node_id in self.nodes:
                 self._rebuild(node_id)
-            return True
+            return
         if ("tree", 0) in dirty:
             self._read_tree(session)
         workloads = [i for kind, i in dirty if kind == "workload"]
@@ -178,7 +178,6 @@ class Mirror:
             self._read_nodes(session, nodes)
         for node_id in touched - nodes:
             self._rebuild(node_id)
-        return False
 
     def _read_tree(self, session: Session) -> None:
         projects = session.scalars(select(Project).options(selectinload(Project.quotas))).all()
@@ -207,8 +206,9 @@ class Mirror:
     def _read_nodes(self, session: Session, ids: set[int] | None) -> None:
         """Re-read nodes and their usable GPUs (rows, not ORM objects, as for workloads)."""
         nodes = (
-            select(Node.id, Node.name, Cluster.name, Zone.name, Node.health, Node.cordoned)
-            .add_columns(Node.labels)
+            select(
+                Node.id, Node.name, Cluster.name, Zone.name, Node.health, Node.cordoned, Node.labels
+            )
             .join(Zone, Node.zone_id == Zone.id)
             .join(Cluster, Zone.cluster_id == Cluster.id)
         )

@@ -28,8 +28,7 @@ def _pair() -> tuple[_Node, weakref.ref[_Node]]:
 def _restore_collector() -> Iterator[None]:
     enabled = gc.isenabled()
     yield
-    gc.unfreeze()
-    if enabled:
+    if enabled:  # what was frozen goes back after each test (``tests/conftest.py``)
         gc.enable()
 
 
