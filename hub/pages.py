@@ -25,7 +25,7 @@ from .api.projects import MAX_WEEKS, finish_with_csv, project_usage, usage_for
 from .usage import WeekUsage, week_start
 
 if TYPE_CHECKING:
-    from .app import FleetController
+    from .context import ControllerContext
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>gpufleet — {{ title }}</title>
@@ -76,10 +76,10 @@ before it is stopped, and restored when you start it again.</p>{% else %}
 
 
 class PageHandler(HubOAuthenticated, web.RequestHandler):
-    controller: FleetController
+    controller: ControllerContext
     identity: Identity | None
 
-    def initialize(self, controller: FleetController) -> None:
+    def initialize(self, controller: ControllerContext) -> None:
         self.controller = controller
         self.hub_auth = controller.hub_auth
 
@@ -273,7 +273,9 @@ class UsagePage(PageHandler):
         )
 
 
-def page_routes(prefix: str, controller: FleetController) -> list[tuple[str, type, dict[str, Any]]]:
+def page_routes(
+    prefix: str, controller: ControllerContext
+) -> list[tuple[str, type, dict[str, Any]]]:
     base = prefix.rstrip("/")
     return [
         (rf"{base}/?", MyWorkloadsPage, {"controller": controller}),

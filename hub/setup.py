@@ -80,8 +80,7 @@ def _secret_file(path: Path) -> str:
 
 
 def _script(name: str) -> str:
-    # The console script, not `python -m`: that would put the working directory first on
-    # sys.path, where a source checkout's gpufleet/ folder hides the installed subpackages.
+    # The console script of the environment the hub runs from, whatever PATH says.
     return str(Path(sys.executable).parent / name)
 
 

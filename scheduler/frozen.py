@@ -29,14 +29,56 @@ Invariants:
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Mapping
+from typing import Any, Protocol, cast
 
-from .memo import Tail, Verdict
-from .quota import UNLIMITED
-from .snapshot import Mode, Pending, WaitCause, Waiting
+from .memo import PlanMemo, Tail, Verdict
+from .placement import Capacity, ZoneKey
+from .quota import UNLIMITED, QuotaBook
+from .snapshot import Mode, Pending, Running, WaitCause, Waiting
+from .waits import SettledRun
 
-if TYPE_CHECKING:
-    from .plan import _Planner, _Queue
+
+class _Queue(Protocol):
+    """One queue of the cycle (``plan._Queue``): its requests in order, and the first not
+    decided yet."""
+
+    requests: list[Pending]
+    head: int
+
+    @property
+    def current(self) -> Pending: ...
+
+
+class _Planner(Protocol):
+    """What this module reads of the cycle's planner (``plan._Planner``) and the decisions
+    it asks of it. A protocol, so that the planner's module imports this one and not the
+    other way round."""
+
+    memo: PlanMemo
+    mode: Mode
+    book: QuotaBook
+    capacity: Capacity
+    capped: set[str]
+    epoch: int
+    searches_left: int
+    reserved: dict[str, tuple[ZoneKey, int]]
+    in_flight: dict[int, list[Running]]
+    settled: dict[tuple[Any, ...], tuple[int, WaitCause, str]]
+    no_room_reasons: dict[tuple[Any, ...], str]
+    quota_said: dict[tuple[str, str, bool], str]
+    waiting: list[Waiting | SettledRun]
+    positions: dict[tuple[str, str], int]
+
+    def _order(self, request: Pending) -> tuple[Any, ...]: ...
+    def _next_in_queue(self, queue: Any, blocked_users: dict[tuple[str, str], int]) -> None: ...
+    def _decide(self, request: Pending) -> Any: ...
+    def _beyond_limits(self, request: Pending) -> str | None: ...
+    def _quota_refusal(self, request: Pending) -> str | None: ...
+    def _never_fits(self, request: Pending) -> str: ...
+    def _no_room_reason(
+        self, request: Pending, block: tuple[int, str] | None, within: bool
+    ) -> str: ...
 
 
 class Frozen:
@@ -109,7 +151,7 @@ class FrozenTails:
     def decide(
         self,
         heap: list[tuple[Any, ...]],
-        queues: dict[tuple[str, str], _Queue],
+        queues: Mapping[tuple[str, str], _Queue],
         blocked_users: dict[tuple[str, str], int],
     ) -> None:
         """Decide the rest of every queue once nothing can change the cycle's state any

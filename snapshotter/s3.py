@@ -57,7 +57,7 @@ from botocore.exceptions import (
 )
 
 from .errors import ObjectMissing, StoreConfigError, StoreFull, StoreRefused, StoreUnreachable
-from .store import ObjectInfo
+from .objects import ObjectInfo
 
 MiB = 1024 * 1024
 MIN_PART_SIZE = 5 * MiB  # S3's smallest part (all but the last)

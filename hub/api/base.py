@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from tornado import web
 
 from ...scheduler import errors as store_errors
-from .. import scopes
 from ..errors import (
     BadRequest,
     Conflict,
@@ -22,35 +20,13 @@ from ..errors import (
     NotLeader,
     Unauthenticated,
 )
+from .identity import Identity
 
 if TYPE_CHECKING:
-    from ..app import FleetController
+    from ..context import ControllerContext
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 MAX_ID = 2**62  # above every id a database row can have
-
-
-@dataclass(frozen=True)
-class Identity:
-    """Who is calling: a hub user or a hub service, with the scopes of its token."""
-
-    kind: str  # "user" or "service"
-    name: str
-    scopes: frozenset[str]
-    by_cookie: bool
-
-    @property
-    def is_admin(self) -> bool:
-        return scopes.ADMIN in self.scopes
-
-    def has(self, scope: str) -> bool:
-        return scope in self.scopes or self.is_admin
-
-    def may_act_for(self, username: str) -> bool:
-        """Its own workloads for a user; anyone's for the spawner and admins."""
-        if self.has(scopes.SPAWN):
-            return True
-        return self.kind == "user" and self.name == username and scopes.USE in self.scopes
 
 
 @contextmanager
@@ -67,10 +43,10 @@ def store_errors_as_http() -> Iterator[None]:
 
 
 class APIHandler(web.RequestHandler):
-    controller: FleetController
+    controller: ControllerContext
     identity: Identity | None = None
 
-    def initialize(self, controller: FleetController) -> None:
+    def initialize(self, controller: ControllerContext) -> None:
         self.controller = controller
 
     def set_default_headers(self) -> None:

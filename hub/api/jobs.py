@@ -18,7 +18,7 @@ from .base import APIHandler, Identity, store_errors_as_http
 from .views import MAX_WAIT_SECONDS, WORKLOAD_DETAILS, listing, page, workload_out
 
 if TYPE_CHECKING:
-    from ..app import FleetController
+    from ..context import ControllerContext
 
 MAX_LOG_READ = 1 << 20
 
@@ -176,7 +176,7 @@ class JobCancelHandler(APIHandler):
             self.send(job_out(workload, _pods_of(session, [wid])[wid]))
 
 
-def cancel_job(controller: FleetController, workload_id: int, by: str) -> None:
+def cancel_job(controller: ControllerContext, workload_id: int, by: str) -> None:
     """Cancel (the API's and the jobs page's): the store decides, the loops are told."""
     cancelled = controller.store.cancel_job(controller.now(), workload_id, by)
     if cancelled.state == WorkloadState.ended:

@@ -29,7 +29,7 @@ from . import schemas
 from .base import APIHandler, Identity, store_errors_as_http
 
 if TYPE_CHECKING:
-    from ..app import FleetController
+    from ..context import ControllerContext
 
 MAX_WEEKS = 104  # how far back a usage query may reach: two years
 
@@ -69,7 +69,7 @@ class ProjectHandler(APIHandler):
 
 
 def project_usage(
-    controller: FleetController, session: Session, identity: Identity
+    controller: ControllerContext, session: Session, identity: Identity
 ) -> list[schemas.ProjectUsageOut]:
     """The tree's nodes the caller may see, with quotas and what each uses and waits for."""
     store = controller.store
@@ -136,7 +136,7 @@ def project_usage(
 
 
 def usage_for(
-    controller: FleetController, session: Session, identity: Identity, weeks: int
+    controller: ControllerContext, session: Session, identity: Identity, weeks: int
 ) -> list[WeekUsage]:
     """GPU-hours per project, user and week over the last ``weeks`` weeks (this one
     included): every project's for admins and the spawner, else those of the caller's

@@ -850,8 +850,7 @@ def test_load_in_process(library: Path, control: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-c", code, str(library), str(control)],
         env=env,
-        # Not the checkout: `python -c` puts the working directory first on sys.path, where
-        # the bare gpufleet/ folder would hide the installed subpackages.
+        # Away from the checkout, as a session's process runs.
         cwd=control.parent,
         capture_output=True,
         text=True,

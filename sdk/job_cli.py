@@ -11,6 +11,8 @@ import sys
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from .output import print_json, tree_order
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -67,7 +69,6 @@ def add_job_commands(commands: Any, connection: argparse.ArgumentParser) -> None
 
 
 def _submit(client: Client, args: argparse.Namespace, console: Console) -> int:
-    from .fleet_cli import print_json
 
     env = {}
     for item in args.env:
@@ -112,7 +113,6 @@ def _submit(client: Client, args: argparse.Namespace, console: Console) -> int:
 
 
 def _jobs(client: Client, args: argparse.Namespace, console: Console) -> int:
-    from .fleet_cli import print_json
 
     states = ["pending", "admitted", "running", "stopping"] if args.running else []
     found = client.jobs(states, args.user)
@@ -153,7 +153,6 @@ def _logs(client: Client, args: argparse.Namespace, console: Console) -> int:
 
 
 def _cancel(client: Client, args: argparse.Namespace, console: Console) -> int:
-    from .fleet_cli import print_json
 
     job = client.cancel(args.job)
     if args.json:
@@ -169,7 +168,6 @@ def _cancel(client: Client, args: argparse.Namespace, console: Console) -> int:
 
 
 def _projects(client: Client, args: argparse.Namespace, console: Console) -> int:
-    from .fleet_cli import print_json, tree_order
 
     projects = client.projects()
     if args.json:

@@ -13,18 +13,16 @@ refused (its message is printed: not allowed, no such node, ...); 4 it did not a
 from __future__ import annotations
 
 import argparse
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .job_cli import JOB_COMMANDS, add_job_commands
+from .output import print_json, tree_order
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
     from rich.console import Console
 
     from .client import Client
-    from .hub.api.schemas import ProjectUsageOut
 
 EXIT_NOT_CONFIGURED = 2
 EXIT_REFUSED = 3
@@ -117,27 +115,6 @@ def _quota(client: Client, args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def tree_order(projects: Sequence[ProjectUsageOut]) -> list[tuple[str, ProjectUsageOut]]:
-    """Each node under its parent, labelled with its name indented by its depth."""
-    parents = {p.name: p.parent for p in projects}
-    paths = {name: _path(name, parents) for name in parents}
-    ordered = []
-    for p in sorted(projects, key=lambda p: paths[p.name]):
-        kind = "" if p.kind == "project" else f" ({p.kind})"
-        ordered.append(("  " * (len(paths[p.name]) - 1) + p.name + kind, p))
-    return ordered
-
-
-def _path(name: str, parents: dict[str, str | None]) -> tuple[str, ...]:
-    """A node's names from the root down: sorting by it lists each node under its parent."""
-    path = [name]
-    up = parents[name]
-    while up is not None and up in parents:
-        path.append(up)
-        up = parents[up]
-    return tuple(reversed(path))
-
-
 def _nodes(client: Client, args: argparse.Namespace, console: Console) -> int:
     nodes = client.nodes()
     if args.json:
@@ -172,11 +149,6 @@ def _cordon(client: Client, args: argparse.Namespace, console: Console) -> int:
         )
     else:
         console.print(f"{node.name} takes new work again ({node.free_gpus} GPUs free).")
-    return 0
-
-
-def print_json(items: Sequence[BaseModel]) -> int:
-    print(json.dumps([item.model_dump(mode="json") for item in items], indent=2))
     return 0
 
 

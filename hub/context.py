@@ -1,0 +1,54 @@
+"""What the API handlers and the pages may use of the controller: a narrow protocol.
+
+The application class (``app.FleetController``) satisfies it; handlers are given it and
+never import the application, so ``app`` imports the handlers and not the other way round,
+and a test can hand a handler a context of its own.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from logging import Logger
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from tornado import web
+
+    from ..culler.loop import IdleCuller
+    from ..scheduler.store.fleet import FleetStore
+    from .api.identity import Identity
+    from .metrics import ControllerMetrics
+    from .notifier import Notifier
+
+
+class ControllerContext(Protocol):
+    """The controller as its handlers see it."""
+
+    store: FleetStore
+    notifier: Notifier
+    metrics: ControllerMetrics
+    culler: IdleCuller
+    log: Logger
+    version: str
+    service_prefix: str
+    is_leader: bool
+    hub_auth: Any  # JupyterHub's HubOAuth, or None when the controller runs without a hub
+    snapshot_index_at: datetime | None
+    gpu_busy_utilization: float
+    job_checkpoint_store: str
+    job_stop_grace_seconds: float
+
+    def now(self) -> datetime: ...
+
+    @property
+    def request_lease(self) -> timedelta: ...
+
+    def kick(self) -> None:
+        """Run an admission cycle soon."""
+
+    def refresh_snapshot_index(self) -> None:
+        """Read the snapshot store into the index soon."""
+
+    async def identify(self, handler: web.RequestHandler) -> Identity | None: ...
+
+    async def refresh_memberships(self, max_age: float) -> None: ...
