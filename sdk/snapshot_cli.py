@@ -1,4 +1,4 @@
-"""``gpufleet snapshot create|list|show|diff|restore|delete|gc|check``.
+"""``gpufleet snapshot create|list|show|diff|restore|delete|gc|check|rebuild-index``.
 
 Talks to a project's snapshot repository directly (the node agent and admins use it; the
 controller's API offers researchers their own snapshots). Where the repository is, and its
@@ -9,8 +9,11 @@ master key, come from options or the environment:
 - S3: ``--s3-endpoint`` / ``GPUFLEET_S3_ENDPOINT`` and the usual ``AWS_ACCESS_KEY_ID``,
   ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``.
 
-Exit codes: 0 done; 1 a part of gpufleet this install lacks; 2 bad input; 3 the snapshot
-store failed (unreachable, full, refused); 4 the repository's data is damaged.
+Exit codes: 0 done; 1 a part of gpufleet this install lacks; 2 bad input (a wrong master
+key included); 3 the snapshot store failed (unreachable, full, refused); 4 the repository's
+data is damaged (a pack, an index file, a manifest, the project's key file). ``list`` and
+``check`` print everything they could read before they exit 4; ``--json`` (before or after
+the action) prints JSON lines on stdout instead of tables.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from .snapshotter.manifest import Manifest
-    from .snapshotter.repository import Repository
+    from .snapshotter.repository import Repository, SnapshotRef
 
 EXIT_MISSING_EXTRA = 1
 EXIT_BAD_INPUT = 2
@@ -39,7 +42,8 @@ EXIT_DAMAGED = 4
 def add_snapshot(commands: Any) -> None:
     snap = commands.add_parser(
         "snapshot",
-        help="snapshots of sessions: create, list, show, diff, restore, delete, gc, check",
+        help="snapshots of sessions: create, list, show, diff, restore, delete, gc, check, "
+        "rebuild-index",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -138,6 +142,18 @@ def add_snapshot(commands: Any) -> None:
     check = sub.add_parser("check", help="verify the repository")
     check.add_argument("--read-data", action="store_true", help="read and verify every pack")
 
+    sub.add_parser(
+        "rebuild-index",
+        help="write a whole index from the index files that open and the packs' own tables",
+    )
+    for action in ("create", "list", "show", "restore", "check", "rebuild-index"):
+        sub.choices[action].add_argument(
+            "--json",
+            action="store_true",
+            default=argparse.SUPPRESS,  # absent: the option before the action stands
+            help="for programs: JSON lines on stdout",
+        )
+
 
 def _default_cache() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
@@ -152,14 +168,17 @@ def snapshot_command(args: argparse.Namespace, console: Console, err: Console) -
         return EXIT_MISSING_EXTRA
     try:
         repository = _open(args)
-        action = getattr(sys.modules[__name__], f"_{args.snapshot_command}")
-        return int(action(repository, args, console))
+        action = getattr(sys.modules[__name__], "_" + args.snapshot_command.replace("-", "_"))
+        return int(action(repository, args, console, err))
     except errors.StoreError as e:
         err.print(f"[red]snapshot store:[/] {e}")
         return EXIT_STORE
     except errors.RepositoryError as e:
-        err.print(f"[red]{e}[/]")
-        return EXIT_DAMAGED if isinstance(e, (errors.DamagedSnapshot, errors.CorruptObject)) else 2
+        err.print(f"[red]{e}[/]", highlight=False)
+        # A wrong master key or an unknown id is the caller's to fix; the rest is damage
+        # (DamagedKey, a damaged file's CorruptObject, a collection stopped by either).
+        usage = isinstance(e, (errors.KeyUnavailable, errors.SnapshotNotFound))
+        return EXIT_BAD_INPUT if usage else EXIT_DAMAGED
     except (errors.CaptureError, errors.RestoreRefused, ValueError) as e:
         err.print(f"[red]{e}[/]")
         return EXIT_BAD_INPUT
@@ -237,7 +256,9 @@ def _json_line(**fields: Any) -> None:
     sys.stdout.flush()
 
 
-def _create(repository: Repository, args: argparse.Namespace, console: Console) -> int:
+def _create(
+    repository: Repository, args: argparse.Namespace, console: Console, err: Console
+) -> int:
     from .scheduler import failpoints
     from .snapshotter import envspec
 
@@ -298,24 +319,71 @@ def _create(repository: Repository, args: argparse.Namespace, console: Console) 
     return 0
 
 
-def _list(repository: Repository, args: argparse.Namespace, console: Console) -> int:
+def _list(repository: Repository, args: argparse.Namespace, console: Console, err: Console) -> int:
+    """Every snapshot that opens; one that does not is a row marked damaged (and a line on
+    stderr naming its manifest), and the exit code says so once the rest are printed."""
     from rich.table import Table
 
-    table = Table("user", "server", "created", "files", "size", "uploaded")
-    table.add_column("id", no_wrap=True)
+    from .snapshotter.errors import CorruptObject, SnapshotNotFound
+
+    listed: list[tuple[SnapshotRef, Manifest | CorruptObject]] = []
     for ref in repository.snapshots(args.user, args.server):
-        m = repository.read_manifest(ref)
-        table.add_row(
-            m.user,
-            m.server or "-",
-            _when(m.created_at),
-            str(m.stats.files),
-            _size(m.stats.bytes),
-            _size(m.stats.uploaded_bytes),
-            m.id,
-        )
-    console.print(table)
-    return 0
+        try:
+            listed.append((ref, repository.read_manifest(ref)))
+        except SnapshotNotFound:
+            continue  # deleted since it was listed
+        except CorruptObject as e:
+            listed.append((ref, e))
+    damaged = [(ref, m) for ref, m in listed if isinstance(m, CorruptObject)]
+    if args.json:
+        _json_line(event="done", snapshots=[_listed_json(ref, m) for ref, m in listed])
+    else:
+        table = Table("user", "server", "created", "files", "size", "uploaded")
+        table.add_column("id", no_wrap=True)
+        for ref, m in listed:
+            if isinstance(m, CorruptObject):
+                table.add_row(ref.user, ref.server or "-", "[red]damaged[/]", "", "", "", ref.id)
+                continue
+            table.add_row(
+                m.user,
+                m.server or "-",
+                _when(m.created_at),
+                str(m.stats.files),
+                _size(m.stats.bytes),
+                _size(m.stats.uploaded_bytes),
+                m.id,
+            )
+        console.print(table)
+    for ref, why in damaged:
+        err.print(f"[red]snapshot {ref.id} is damaged:[/] {why}", highlight=False)
+    return EXIT_DAMAGED if damaged else 0
+
+
+def _listed_json(ref: SnapshotRef, m: Manifest | Exception) -> dict[str, Any]:
+    """A snapshot as ``list --json`` prints it: its manifest's fields, or, for one whose
+    manifest does not open, what its name says and why."""
+    if isinstance(m, Exception):
+        return {
+            "id": ref.id,
+            "user": ref.user,
+            "server": ref.server,
+            "name": ref.name,
+            "damaged": True,
+            "error": str(m),
+        }
+    return {
+        "id": m.id,
+        "user": m.user,
+        "server": m.server,
+        "name": ref.name,
+        "damaged": False,
+        "created_at": m.created_at,
+        "hostname": m.hostname,
+        "parent": m.parent,
+        "tags": list(m.tags),
+        "sources": [{"name": x.name, "path": x.path, "kind": x.kind.value} for x in m.sources],
+        "stats": vars(m.stats),
+    }
 
 
 def _resolve(repository: Repository, args: argparse.Namespace, snapshot_id: str) -> Manifest:
@@ -331,7 +399,7 @@ def _resolve(repository: Repository, args: argparse.Namespace, snapshot_id: str)
     return repository.read_manifest(repository.find(snapshot_id))
 
 
-def _show(repository: Repository, args: argparse.Namespace, console: Console) -> int:
+def _show(repository: Repository, args: argparse.Namespace, console: Console, err: Console) -> int:
     m = _resolve(repository, args, args.id)
     s = m.stats
     if args.json:
@@ -366,7 +434,7 @@ def _show(repository: Repository, args: argparse.Namespace, console: Console) ->
     return 0
 
 
-def _diff(repository: Repository, args: argparse.Namespace, console: Console) -> int:
+def _diff(repository: Repository, args: argparse.Namespace, console: Console, err: Console) -> int:
     from .snapshotter.restore import read_tree
 
     index = repository.load_index()
@@ -390,7 +458,9 @@ def _diff(repository: Repository, args: argparse.Namespace, console: Console) ->
     return 0
 
 
-def _restore(repository: Repository, args: argparse.Namespace, console: Console) -> int:
+def _restore(
+    repository: Repository, args: argparse.Namespace, console: Console, err: Console
+) -> int:
     from .snapshotter.restore import restore_snapshot
 
     manifest = _resolve(repository, args, args.id)
@@ -431,7 +501,9 @@ def _restore(repository: Repository, args: argparse.Namespace, console: Console)
     return 0
 
 
-def _delete(repository: Repository, args: argparse.Namespace, console: Console) -> int:
+def _delete(
+    repository: Repository, args: argparse.Namespace, console: Console, err: Console
+) -> int:
     for snapshot_id in args.ids:
         ref = repository.find(snapshot_id)
         repository.delete_manifest(ref)
@@ -439,7 +511,7 @@ def _delete(repository: Repository, args: argparse.Namespace, console: Console) 
     return 0
 
 
-def _gc(repository: Repository, args: argparse.Namespace, console: Console) -> int:
+def _gc(repository: Repository, args: argparse.Namespace, console: Console, err: Console) -> int:
     from .snapshotter import retention
     from .snapshotter.gc import collect_garbage
 
@@ -469,10 +541,13 @@ def _gc(repository: Repository, args: argparse.Namespace, console: Console) -> i
     return 0
 
 
-def _check(repository: Repository, args: argparse.Namespace, console: Console) -> int:
+def _check(repository: Repository, args: argparse.Namespace, console: Console, err: Console) -> int:
     from .snapshotter.gc import check
 
     report = check(repository, read_data=args.read_data)
+    if args.json:
+        _json_line(event="done", **vars(report))
+        return EXIT_DAMAGED if report.problems else 0
     for problem in report.problems:
         console.print(f"[red]{problem}[/]", highlight=False)
     console.print(
@@ -481,6 +556,30 @@ def _check(repository: Repository, args: argparse.Namespace, console: Console) -
         + (": no problems" if not report.problems else "")
     )
     return EXIT_DAMAGED if report.problems else 0
+
+
+def _rebuild_index(
+    repository: Repository, args: argparse.Namespace, console: Console, err: Console
+) -> int:
+    from .snapshotter.gc import rebuild_index
+
+    report = rebuild_index(repository)
+    if args.json:
+        _json_line(event="done", **vars(report))
+    else:
+        console.print(
+            f"index rebuilt: {report.packs} packs ({report.tables_read} read from their own "
+            f"tables) in {report.written or 'no index file (no packs)'}; replaced "
+            f"{len(report.replaced)} index files, {len(report.damaged_files)} of them damaged",
+            highlight=False,
+        )
+    for pack_id, why in sorted(report.unreadable_packs.items()):
+        err.print(
+            f"[red]pack {pack_id}: its own table does not open ({why}) and no index file "
+            f"lists it: its data cannot be found[/]",
+            highlight=False,
+        )
+    return EXIT_DAMAGED if report.unreadable_packs else 0
 
 
 def _size(n: float) -> str:

@@ -7,7 +7,10 @@ Key hierarchy:
   ``keys/data``, sealed with the master key (AES-256-GCM, the project's name as associated
   data, so a key file copied to another project does not open);
 - from the data key: ``id_key`` (the first 32 bytes) keys BLAKE3 for content ids, and
-  ``seal_key`` (the last 32) is the AES-256-GCM key that seals the project's objects.
+  ``seal_key`` (the last 32) is the AES-256-GCM key that seals the project's objects;
+- ``keys/check`` holds ``key_check(master, project)``, so that a data key that does not
+  open can be told apart: a failed AES-GCM tag alone means a wrong master key *or* a
+  changed file, and the two call for different remedies (a setting; a backup).
 
 Deduplication is convergent inside a project: a blob's id is the keyed BLAKE3 hash of its
 plaintext, so the same content written by any user of the project gets the same id and is
@@ -22,6 +25,7 @@ one kind cannot be passed off as another.
 from __future__ import annotations
 
 import base64
+import hmac
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +34,15 @@ import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from .errors import CorruptObject, KeyUnavailable
+from .errors import CorruptObject, DamagedKey, KeyUnavailable, RepositoryError
 
 MAGIC = b"GFS1"
 NONCE_BYTES = 12
 ID_BYTES = 32
 OVERHEAD = len(MAGIC) + NONCE_BYTES + 16
+DATA_KEY_BYTES = 64
+WRAPPED_KEY_BYTES = OVERHEAD + DATA_KEY_BYTES  # what keys/data holds, always
+KEY_CHECK_BYTES = 32
 
 
 def read_master_key(path: str | os.PathLike[str]) -> bytes:
@@ -93,8 +100,8 @@ class ProjectKeys:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ProjectKeys:
-        if len(data) != 64:
-            raise KeyUnavailable("a project data key is 64 bytes")
+        if len(data) != DATA_KEY_BYTES:
+            raise KeyUnavailable(f"a project data key is {DATA_KEY_BYTES} bytes")
         return cls(data[:32], data[32:])
 
     def to_bytes(self) -> bytes:
@@ -107,11 +114,58 @@ class ProjectKeys:
         return seal(master, b"key:" + project.encode(), self.to_bytes())
 
     @classmethod
-    def unwrap(cls, master: bytes, project: str, sealed: bytes) -> ProjectKeys:
+    def unwrap(
+        cls, master: bytes, project: str, sealed: bytes, name: str = "keys/data"
+    ) -> ProjectKeys:
+        """The data key sealed in ``sealed``. ``DamagedKey`` when the file is not the shape
+        every sealed data key has (its length and header are fixed: damage, whatever the
+        master key); ``KeyUnavailable`` when its tag fails, which by itself cannot say
+        whether the master key or the file is wrong (``diagnose_unwrap`` can, with
+        ``keys/check``)."""
+        if len(sealed) != WRAPPED_KEY_BYTES or sealed[: len(MAGIC)] != MAGIC:
+            raise DamagedKey(
+                name,
+                f"{len(sealed)} bytes, not a sealed data key ({WRAPPED_KEY_BYTES} bytes "
+                f"starting {MAGIC.decode()}): restore it from a backup; without it the "
+                f"project's snapshots cannot be read",
+            )
         try:
-            return cls.from_bytes(unseal(master, b"key:" + project.encode(), sealed, "keys/data"))
+            plain = unseal(master, b"key:" + project.encode(), sealed, name)
         except CorruptObject:
             raise KeyUnavailable(
-                f"the master key does not open project {project}'s data key: is this the "
-                f"master key the repository was created with?"
+                f"the master key does not open project {project}'s data key"
             ) from None
+        return cls.from_bytes(plain)
+
+
+def key_check(master: bytes, project: str) -> bytes:
+    """What ``keys/check`` holds: keyed BLAKE3 of a fixed label and the project's name,
+    under the master key. It shows whether a master key is the repository's without
+    opening anything; it tells nothing a 256-bit random key has to fear."""
+    return blake3.blake3(b"gpufleet key check\0" + project.encode(), key=master).digest()
+
+
+def diagnose_unwrap(
+    master: bytes, project: str, check: bytes | None, name: str = "keys/data"
+) -> RepositoryError:
+    """Why a data key whose file has the right shape did not open, from ``keys/check``
+    (``None``: the repository has none, it predates it): the error to raise."""
+    usage = "--key-file or GPUFLEET_SNAPSHOT_KEY_FILE"
+    if check is not None and len(check) == KEY_CHECK_BYTES:
+        if hmac.compare_digest(check, key_check(master, project)):
+            return DamagedKey(
+                name,
+                "the master key is the repository's (it matches keys/check), yet the data "
+                "key does not open: the file was changed; restore it from a backup — "
+                "without it the project's snapshots cannot be read",
+            )
+        return KeyUnavailable(
+            f"this is not the master key project {project}'s repository was created with "
+            f"(it does not match keys/check): give that one ({usage})"
+        )
+    why = "has no keys/check" if check is None else "has a damaged keys/check"
+    return KeyUnavailable(
+        f"the master key does not open project {project}'s data key, and the repository "
+        f"{why} to tell why: either this is not the master key it was created with "
+        f"({usage}), or {name} is damaged — AES-GCM cannot tell the two apart"
+    )

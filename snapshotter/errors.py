@@ -53,7 +53,8 @@ class RepositoryError(SnapshotError):
 
 
 class KeyUnavailable(RepositoryError):
-    """The project's key cannot be read: missing, or the master key does not open it."""
+    """The project's key cannot be opened with the master key given: a wrong master key (a
+    setting to fix), or, where the repository cannot tell, a damaged key file."""
 
 
 class CorruptObject(RepositoryError):
@@ -62,6 +63,14 @@ class CorruptObject(RepositoryError):
     def __init__(self, name: str, detail: str):
         super().__init__(f"object {name!r} is corrupt: {detail}")
         self.name = name
+        self.detail = detail
+
+
+class DamagedKey(CorruptObject):
+    """The project's data key file (``keys/data``) is damaged or missing while the
+    repository holds data: its snapshots cannot be read until it is restored from a
+    backup. Told apart from a wrong master key by the file's structure and by
+    ``keys/check`` (``crypto.py``)."""
 
 
 class DamagedSnapshot(RepositoryError):

@@ -1,4 +1,5 @@
-"""Garbage collection and checking: mark from the manifests, sweep in two steps.
+"""Garbage collection, checking and repair: mark from the manifests, sweep in two steps;
+``check`` reports what is damaged; ``rebuild_index`` writes a whole index from the packs.
 
 A pack may be deleted only when no manifest needs it — now, or later by a snapshot run that
 is still going. Runs of ``collect_garbage`` work in two steps, so that neither a snapshot
@@ -28,7 +29,8 @@ from dataclasses import dataclass, field
 
 from .errors import CorruptObject, ObjectMissing, RepositoryError, SnapshotNotFound, StoreError
 from .index import Index
-from .pack import Segment, open_segment, pack_name
+from .manifest import Manifest
+from .pack import pack_name, verify_pack
 from .repository import MAX_WRITER_S, Repository, SnapshotRef
 from .restore import read_tree
 from .store import ObjectInfo
@@ -55,7 +57,10 @@ class CheckReport:
     snapshots: int = 0
     blobs: int = 0
     packs_read: int = 0
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # one line each, for people
+    damaged_packs: list[str] = field(default_factory=list)  # pack ids
+    damaged_index_files: list[str] = field(default_factory=list)  # object names
+    damaged_manifests: list[str] = field(default_factory=list)  # snapshot ids
 
 
 def mark(repository: Repository, index: Index, refs: Iterable[SnapshotRef]) -> set[bytes]:
@@ -66,16 +71,20 @@ def mark(repository: Repository, index: Index, refs: Iterable[SnapshotRef]) -> s
             manifest = repository.read_manifest(ref)
         except SnapshotNotFound:
             continue  # deleted since it was listed: what it reached is no longer needed
-        for source in manifest.sources:
-            if source.tree in live:
-                continue
-            live.add(source.tree)
-            for _, node in read_tree(repository, index, source.tree):
-                if node.type is NodeType.DIR:
-                    live.add(node.subtree)
-                elif node.type is NodeType.FILE:
-                    live.update(node.chunks)
+        _reach(repository, index, manifest, live)
     return live
+
+
+def _reach(repository: Repository, index: Index, manifest: Manifest, live: set[bytes]) -> None:
+    for source in manifest.sources:
+        if source.tree in live:
+            continue
+        live.add(source.tree)
+        for _, node in read_tree(repository, index, source.tree):
+            if node.type is NodeType.DIR:
+                live.add(node.subtree)
+            elif node.type is NodeType.FILE:
+                live.update(node.chunks)
 
 
 def collect_garbage(
@@ -167,16 +176,36 @@ def _sweep(
 
 
 def check(repository: Repository, read_data: bool = False) -> CheckReport:
-    """Every manifest's trees readable and every chunk in a pack that exists; with
-    ``read_data``, every pack read and every blob's content id verified."""
+    """Every manifest opens, its trees are readable and every chunk is in a pack that
+    exists; every index file opens. With ``read_data``, every stored pack is read whole
+    and verified (``pack.verify_pack``): its name, its own table, every blob's id."""
     report = CheckReport()
     refs = repository.snapshots()  # before the index and packs: see collect_garbage
     report.snapshots = len(refs)
     index = repository.load_index()
+    for name, why in index.damaged_files.items():
+        report.damaged_index_files.append(name)
+        report.problems.append(
+            f"index file {name} is damaged ({why}); what it listed was read from the packs' "
+            f"own tables: `gpufleet snapshot rebuild-index` writes a whole index"
+        )
+    damaged_packs: dict[str, list[str]] = {
+        pack_id: [f"its own table does not open ({why}) and no index file lists it"]
+        for pack_id, why in index.unreadable_packs.items()
+    }
     stored = {info.name for info in repository.list_packs()}
     for ref in refs:
         try:
-            live = mark(repository, index, [ref])
+            manifest = repository.read_manifest(ref)
+        except SnapshotNotFound:
+            continue  # deleted since it was listed
+        except CorruptObject as e:
+            report.damaged_manifests.append(ref.id)
+            report.problems.append(f"snapshot {ref.id}: its manifest is damaged: {e}")
+            continue
+        live: set[bytes] = set()
+        try:
+            _reach(repository, index, manifest, live)
         except (ObjectMissing, CorruptObject, ValueError) as e:
             report.problems.append(f"snapshot {ref.id}: its trees cannot be read: {e}")
             continue
@@ -188,24 +217,52 @@ def check(repository: Repository, read_data: bool = False) -> CheckReport:
         for pack_id in sorted(gone):
             report.problems.append(f"snapshot {ref.id}: pack {pack_id} is missing")
     if read_data:
-        for pack_id in sorted(stored & set(index.packs)):
-            report.packs_read += 1
+        for pack_id in sorted(stored):
             try:
-                verify_pack(repository, pack_id, index.packs[pack_id])
-            except (ObjectMissing, CorruptObject) as e:
-                report.problems.append(f"pack {pack_id}: {e}")
+                data = repository.read_pack(pack_id)
+            except ObjectMissing:
+                continue  # deleted since it was listed (garbage collection)
+            report.packs_read += 1
+            name = repository.name(pack_name(pack_id))
+            found = verify_pack(repository.keys, pack_id, data, name, index.packs.get(pack_id))
+            if found:
+                damaged_packs[pack_id] = found
+    for pack_id, found in sorted(damaged_packs.items()):
+        report.damaged_packs.append(pack_id)
+        report.problems.append(f"pack {pack_id}: " + "; ".join(found))
     return report
 
 
-def verify_pack(repository: Repository, pack_id: str, segments: Iterable[Segment]) -> None:
-    """Read a pack and check every blob the index places in it against its content id."""
-    data = memoryview(repository.read_pack(pack_id))
-    name = repository.name(pack_name(pack_id))
-    for segment in segments:
-        plain = open_segment(
-            repository.keys, data[segment.offset : segment.offset + segment.length], name
-        )
-        for blob in segment.blobs:
-            piece = plain[blob.offset : blob.offset + blob.length]
-            if repository.keys.content_id(piece) != blob.blob_id:
-                raise CorruptObject(name, f"blob {blob.blob_id.hex()} does not match its id")
+@dataclass
+class RebuildReport:
+    packs: int = 0  # packs the new index lists
+    tables_read: int = 0  # packs whose own table was read: those no whole index file listed
+    written: str | None = None  # the new index file (None: no pack to list)
+    replaced: list[str] = field(default_factory=list)  # index files it replaced, deleted
+    damaged_files: list[str] = field(default_factory=list)  # of those, the damaged ones
+    unreadable_packs: dict[str, str] = field(default_factory=dict)  # pack id -> why
+
+
+def rebuild_index(repository: Repository, workers: int = 8) -> RebuildReport:
+    """One whole index file, from every index file that opens and, for every stored pack
+    none of them lists, the pack's own table; then the index files it replaces (damaged
+    ones included) are deleted. Safe beside snapshot runs and garbage collection: an index
+    file written after the listing is neither read nor deleted, and every pack a listed
+    file names was stored before it, so the new file lists it. A pack whose own table
+    does not open and that no index file lists cannot be indexed: it is reported."""
+    index = repository.load_index(workers, complete=True)
+    stored = {info.name for info in repository.list_packs()}
+    index.drop_packs(set(index.packs) - stored)  # deleted by a collection meanwhile
+    report = RebuildReport(
+        packs=len(index.packs),
+        tables_read=index.tables_read,
+        damaged_files=sorted(index.damaged_files),
+        unreadable_packs=dict(index.unreadable_packs),
+    )
+    if index.packs:
+        report.written, _ = repository.write_index(sorted(index.packs.items()))
+    for name in index.files:
+        if name != report.written:
+            repository.store.delete(name)
+            report.replaced.append(name)
+    return report

@@ -7,6 +7,10 @@ Loading the index is the union of all index files; a blob found in several packs
 writers of the same project racing) is read from the pack whose id sorts first, which
 every reader agrees on. Index files are never edited: garbage collection writes a new
 one without the deleted packs, then deletes the ones it replaced.
+
+An index file that does not open costs no snapshot: the packs carry the same tables, so
+loading reads the tables of the packs no whole index file lists instead, and
+``gc.rebuild_index`` writes a whole index from them for good.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
+from .errors import CorruptObject
 from .pack import BlobEntry, FinishedPack, Segment, decode_table, encode_table
 
 _COUNT = struct.Struct("<I")
@@ -39,9 +44,13 @@ def encode_index(packs: Iterable[tuple[str, Iterable[Segment]]]) -> bytes:
 
 
 def decode_index(data: bytes, name: str) -> Iterator[tuple[str, list[Segment]]]:
+    if len(data) < _COUNT.size:
+        raise CorruptObject(name, "shorter than its pack count")
     (count,) = _COUNT.unpack_from(data, 0)
     at = _COUNT.size
     for _ in range(count):
+        if at + 32 > len(data):
+            raise CorruptObject(name, "its table is truncated")
         pack_id = data[at : at + 32].hex()
         segments, at = decode_table(data, name, at + 32)
         yield pack_id, segments
@@ -53,6 +62,14 @@ class Index:
     def __init__(self) -> None:
         self.blobs: dict[bytes, Location] = {}
         self.packs: dict[str, list[Segment]] = {}
+        # What loading it found (``Repository.load_index``): the index files it was read
+        # from (damaged ones included), those that did not open (name -> why), how many
+        # packs' own tables were read because no whole index file lists them, and those
+        # of them whose table did not open either (pack id -> why): their blobs are lost.
+        self.files: list[str] = []
+        self.damaged_files: dict[str, str] = {}
+        self.tables_read = 0
+        self.unreadable_packs: dict[str, str] = {}
 
     def __contains__(self, blob_id: bytes) -> bool:
         return blob_id in self.blobs

@@ -153,6 +153,54 @@ def read_pack_table(keys: ProjectKeys, data: bytes, name: str) -> list[Segment]:
     return segments
 
 
+def verify_pack(
+    keys: ProjectKeys,
+    pack_id: str,
+    data: bytes,
+    name: str,
+    indexed: Sequence[Segment] | None = None,
+) -> list[str]:
+    """What is wrong with a pack read whole from the store under ``pack_id``; empty when it
+    is whole. Checked: its bytes hash to its name; its own table opens (and, ``indexed``
+    being the index's entry for it, lists what the index lists); every segment opens; every
+    blob matches its id. Where its table does not open, the segments the index lists are
+    checked instead, so the report says whether its data is still readable."""
+    problems = []
+    if blake3.blake3(data).hexdigest() != pack_id:
+        problems.append("its bytes do not hash to its name (changed or truncated)")
+    try:
+        segments = read_pack_table(keys, data, name)
+    except CorruptObject as e:
+        problems.append(f"its own table does not open ({e.detail})")
+        if indexed is None:
+            return problems
+        segments = list(indexed)
+    else:
+        if indexed is not None and list(indexed) != segments:
+            problems.append("the index lists other segments for it than its own table")
+    view = memoryview(data)
+    bad_segments: list[str] = []
+    bad_blobs: list[str] = []
+    for segment in segments:
+        try:
+            plain = open_segment(keys, view[segment.offset : segment.offset + segment.length], name)
+        except CorruptObject as e:
+            bad_segments.append(f"at offset {segment.offset}: {e.detail}")
+            continue
+        for blob in segment.blobs:
+            piece = plain[blob.offset : blob.offset + blob.length]
+            if len(piece) != blob.length or keys.content_id(piece) != blob.blob_id:
+                bad_blobs.append(blob.blob_id.hex())
+    if bad_segments:
+        problems.append(
+            f"{len(bad_segments)} of its {len(segments)} segments do not open (the first "
+            f"{bad_segments[0]})"
+        )
+    if bad_blobs:
+        problems.append(f"{len(bad_blobs)} blobs do not match their ids (the first {bad_blobs[0]})")
+    return problems
+
+
 # -------------------------------------------------------------------- writing
 @dataclass
 class _OpenPack:

@@ -4,6 +4,7 @@ Layout, under ``projects/<project>/`` of the store (the same in S3 and in a dire
 
     config                      plain JSON: format version, chunker sizes
     keys/data                   the project's data key, sealed with the master key
+    keys/check                  crypto.key_check: tells a wrong master key from a damaged key
     packs/<aa>/<pack id>        packs (pack.py); the id is the BLAKE3 hash of the bytes
     index/<index id>            index files (index.py), one per snapshot run
     snapshots/<user>/<server>/<snapshot id>   manifests (manifest.py), written last
@@ -17,6 +18,7 @@ them once they are older than its safety margin. ``docs/snapshots.md`` has the f
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -28,11 +30,18 @@ from urllib.parse import quote
 
 import blake3
 
-from .crypto import ProjectKeys, seal, unseal
-from .errors import CorruptObject, ObjectMissing, SnapshotError, SnapshotNotFound
+from .crypto import ProjectKeys, diagnose_unwrap, key_check, seal, unseal
+from .errors import (
+    CorruptObject,
+    DamagedKey,
+    KeyUnavailable,
+    ObjectMissing,
+    SnapshotError,
+    SnapshotNotFound,
+)
 from .index import Index, decode_index, encode_index
 from .manifest import Manifest, owner_prefix, parse_manifest_name
-from .pack import TREE, FinishedPack, Segment, open_segment, pack_name
+from .pack import TREE, FinishedPack, Segment, open_segment, pack_name, read_pack_table
 from .retry import with_retries
 from .store import ObjectInfo, Store
 
@@ -42,6 +51,7 @@ REPOSITORY_VERSION = 1
 MAX_WRITER_S = 6 * 3600.0
 TREE_CACHE_BYTES = 256 << 20  # packs and opened segments of trees kept by read_blob
 DEFAULT_CHUNKER = {"min": 256 << 10, "avg": 1 << 20, "max": 4 << 20}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,12 +85,21 @@ class Repository:
     def open(cls, store: Store, project: str, master_key: bytes, create: bool = True) -> Repository:
         """Open the project's repository, creating its config and key on first use. Two
         writers creating it at once agree: the key written first wins (conditional write)
-        and the other reads it back."""
+        and the other reads it back. A key that does not open is told apart as a wrong
+        master key (``KeyUnavailable``) or a damaged key file (``DamagedKey``) where the
+        repository can tell (``crypto.diagnose_unwrap``)."""
         prefix = f"projects/{quote(project, safe='')}/"
         key_name, config_name = prefix + "keys/data", prefix + "config"
+        check_name = prefix + "keys/check"
         try:
             sealed = with_retries(lambda: store.get(key_name), f"reading {key_name}")
         except ObjectMissing:
+            if _holds_snapshots(store, prefix):
+                raise DamagedKey(
+                    key_name,
+                    "it is missing, yet the repository holds snapshots: restore it from a "
+                    "backup (a new key would not open them)",
+                ) from None
             if not create:
                 raise SnapshotNotFound(
                     f"project {project} has no snapshot repository yet"
@@ -91,11 +110,34 @@ class Repository:
             if not store.put(key_name, keys.wrap(master_key, project), if_absent=True):
                 sealed = store.get(key_name)  # another writer created it first
             else:
+                store.put(check_name, key_check(master_key, project), if_absent=True)
                 return cls(store, project, keys, config)
-        keys = ProjectKeys.unwrap(master_key, project, sealed)
-        config = json.loads(with_retries(lambda: store.get(config_name), "reading config"))
-        if config.get("version") != REPOSITORY_VERSION:
-            raise CorruptObject(config_name, f"repository version {config.get('version')}")
+        try:
+            keys = ProjectKeys.unwrap(master_key, project, sealed, key_name)
+        except KeyUnavailable:
+            try:
+                check: bytes | None = with_retries(
+                    lambda: store.get(check_name), f"reading {check_name}"
+                )
+            except ObjectMissing:
+                check = None
+            raise diagnose_unwrap(master_key, project, check, key_name) from None
+        if create:  # repositories made before keys/check get theirs from their next writer
+            with_retries(
+                lambda: store.put(check_name, key_check(master_key, project), if_absent=True),
+                f"writing {check_name}",
+            )
+        try:
+            raw = with_retries(lambda: store.get(config_name), f"reading {config_name}")
+        except ObjectMissing:
+            raise CorruptObject(config_name, "missing, yet the repository has a key") from None
+        try:
+            config = json.loads(raw)
+        except ValueError:
+            raise CorruptObject(config_name, "it is not JSON") from None
+        if not isinstance(config, dict) or config.get("version") != REPOSITORY_VERSION:
+            version = config.get("version") if isinstance(config, dict) else None
+            raise CorruptObject(config_name, f"repository version {version}")
         return cls(store, project, keys, config)
 
     def name(self, relative: str) -> str:
@@ -157,31 +199,82 @@ class Repository:
         return blob
 
     # ---------------------------------------------------------------- index
-    def load_index(self, workers: int = 8, attempts: int = 5) -> Index:
+    def load_index(self, workers: int = 8, attempts: int = 5, complete: bool = False) -> Index:
         """The union of every index file. Garbage collection replaces index files (the new
         one is written before the old ones are deleted), so a file listed and gone before
-        it was read means: list again."""
+        it was read means: list again.
+
+        An index file that does not open (changed, truncated) is left out with a warning
+        naming it, and the tables of the packs no whole index file lists are read from the
+        packs themselves instead, so no snapshot is lost with it (``Index.damaged_files``
+        says what was found). ``complete``: read those tables even when every index file
+        opened (``gc.rebuild_index``: an index file deleted leaves its packs unlisted)."""
         for attempt in range(1, attempts + 1):
             try:
-                return self._load_index_once(workers)
+                return self._load_index_once(workers, complete)
             except ObjectMissing:
                 if attempt == attempts:
                     raise
         raise AssertionError("unreachable")
 
-    def _load_index_once(self, workers: int) -> Index:
+    def _load_index_once(self, workers: int, complete: bool) -> Index:
         index = Index()
-        names = [info.name for info in self.store.list(self.name("index/"))]
+        # Index files before packs: every pack a listed index file names is stored before
+        # that file was written, so the pack listing below has it.
+        index.files = [info.name for info in self.store.list(self.name("index/"))]
 
-        def fetch(name: str) -> tuple[str, bytes]:
+        def fetch(name: str) -> tuple[str, list[tuple[str, list[Segment]]] | str]:
             sealed = with_retries(lambda: self.store.get(name), f"reading {name}")
-            return name, unseal(self.keys.seal_key, b"index", sealed, name)
+            try:
+                plain = unseal(self.keys.seal_key, b"index", sealed, name)
+                return name, list(decode_index(plain, name))
+            except CorruptObject as e:
+                return name, e.detail
 
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for name, plain in pool.map(fetch, names):
-                for pack_id, segments in decode_index(plain, name):
+            for name, packs in pool.map(fetch, index.files):
+                if isinstance(packs, str):
+                    index.damaged_files[name] = packs
+                    continue
+                for pack_id, segments in packs:
                     index.add_pack(pack_id, segments)
+            if complete or index.damaged_files:
+                self._add_unlisted_packs(index, pool)
+        for name, why in index.damaged_files.items():
+            log.warning(
+                "index file %s is damaged (%s): read the tables of %d packs no whole index "
+                "file lists from the packs instead (%d did not open); `gpufleet snapshot "
+                "rebuild-index` writes a whole index",
+                name,
+                why,
+                index.tables_read,
+                len(index.unreadable_packs),
+            )
         return index
+
+    def _add_unlisted_packs(self, index: Index, pool: ThreadPoolExecutor) -> None:
+        """Index every stored pack the index lacks from the pack's own table (a pack is
+        read whole: the store has no ranged reads)."""
+        unlisted = [info.name for info in self.list_packs() if info.name not in index.packs]
+
+        def table(pack_id: str) -> tuple[str, list[Segment] | str | None]:
+            try:
+                data = self.read_pack(pack_id)
+            except ObjectMissing:
+                return pack_id, None  # deleted since it was listed: nothing needs it
+            try:
+                return pack_id, read_pack_table(self.keys, data, self.name(pack_name(pack_id)))
+            except CorruptObject as e:
+                return pack_id, e.detail
+
+        for pack_id, found in pool.map(table, unlisted):  # at most `workers` packs in memory
+            if found is None:
+                continue
+            index.tables_read += 1
+            if isinstance(found, str):
+                index.unreadable_packs[pack_id] = found
+            else:
+                index.add_pack(pack_id, found)
 
     def write_index(self, packs: Iterable[tuple[str, Iterable[Segment]]]) -> tuple[str, int]:
         """An index file for ``packs``; its name and size."""
@@ -236,7 +329,12 @@ class Repository:
             sealed = with_retries(lambda: self.store.get(name), f"reading {name}")
         except ObjectMissing:
             raise SnapshotNotFound(f"snapshot {ref.id} was deleted") from None
-        return Manifest.decode(unseal(self.keys.seal_key, b"snapshot", sealed, name))
+        plain = unseal(self.keys.seal_key, b"snapshot", sealed, name)
+        try:
+            return Manifest.decode(plain)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            # It opened, so this project's key sealed it: a format this version cannot read.
+            raise CorruptObject(name, f"it does not parse as a manifest ({e!r})") from None
 
     def has_manifest(self, name: str) -> bool:
         return self.store.stat(self.name(name)) is not None
@@ -288,3 +386,16 @@ class Repository:
         name = self.name("gc/tombstones/" + blake3.blake3(sealed).hexdigest())
         with_retries(lambda: self.store.put(name, sealed), f"writing {name}")
         return name
+
+
+def _holds_snapshots(store: Store, prefix: str) -> bool:
+    """Whether a repository whose key is missing holds data that key sealed: then a new
+    key must not be made. ``config`` is written before the key, so without it there is no
+    repository; with it, a creator may still be on its way to writing the key, and index
+    files or manifests tell the two apart (a creator has written neither yet)."""
+    if store.stat(prefix + "config") is None:
+        return False
+    for part in ("index/", "snapshots/"):
+        if next(iter(store.list(prefix + part)), None) is not None:
+            return True
+    return False
