@@ -48,7 +48,11 @@ c.FleetController.projects = [
     },
 ]
 c.FleetController.profiles = [
-    {"name": "lab", "display_name": "JupyterLab (this Python environment)", "default": True},
+    {
+        "name": "lab",
+        "display_name": "JupyterLab with PyTorch (the sessions' environment)",
+        "default": True,
+    },
 ]
 
 # --- The GPUs. With NVIDIA GPUs the agent reads them through NVML; without, it serves

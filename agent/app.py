@@ -9,20 +9,25 @@ stable made-up UUIDs, so the whole flow runs on a laptop and in CI.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
-from traitlets import Dict, Enum, Float, Integer, List, Unicode, default
+from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
 from .. import __version__
 from ..recovery.nvml import GpuSample, NvmlError
+from ..snapshotter.sandbox import (
+    DEFAULT_SESSION_PREFIX,
+    SandboxMode,
+    default_session_env,
+    probe,
+)
 from .exporter import GpuState, start_exporter
 from .gpus import (
     NodePlace,
@@ -34,8 +39,10 @@ from .gpus import (
     start_fake_nvml,
     try_real_nvml,
 )
-from .jobs import PodKeeper
+from .jobs import PodKeeper, RankSandbox
+from .lifecycle import until_stopped
 from .metrics import Assignment
+from .network_guard import GuardUnavailable, NetworkGuard, table_name
 
 
 def _sample_body(sample: GpuSample) -> dict[str, Any]:
@@ -145,6 +152,77 @@ class NodeAgent(Application):
         "their logs are sent every second.",
     ).tag(config=True)
 
+    session_base_env = Unicode(
+        help="The sessions' base environment, which job ranks run from (read-only, as in "
+        "sessions). Default: $GPUFLEET_SESSION_ENV, else /opt/gpufleet/session-env.",
+    ).tag(config=True)
+
+    @default("session_base_env")
+    def _default_session_base_env(self) -> str:
+        return default_session_env()
+
+    session_prefix = Unicode(
+        DEFAULT_SESSION_PREFIX,
+        help="Where, inside a rank's sandbox, the job's environment lives: its session's, "
+        "pinned at submit, or one made over the base environment (the spawner's "
+        "session_prefix).",
+    ).tag(config=True)
+
+    home_dir_template = Unicode(
+        help="Users' homes on this node, with {username}: the spawner's home_dir_template "
+        "in sandbox mode (set by gpufleet.hub.setup.configure). Job ranks get theirs.",
+    ).tag(config=True)
+
+    @default("home_dir_template")
+    def _default_home_dir_template(self) -> str:
+        data = os.environ.get("GPUFLEET_DATA_DIR", ".gpufleet")
+        return os.path.join(os.path.abspath(data), "homes", "{username}")
+
+    protected_ports = List(
+        Integer(),
+        help="Loopback ports only the platform's account may connect to (docs/containment.md): "
+        "services that do not authenticate each call, such as an S3 server's master, volume "
+        "and filer ports. The agent's metrics port is always among them, and each running "
+        "job's rendezvous port is open only to the platform and the job's user.",
+    ).tag(config=True)
+
+    network_guard = Bool(
+        True,
+        help="Keep the loopback guard (an nftables table of the agent's own; needs nftables "
+        "and root). Off: every local port is reachable from every session and rank.",
+    ).tag(config=True)
+
+    def loopback_guard(self) -> NetworkGuard | None:
+        """The loopback guard, installed (blocking); None when it is off or cannot be had
+        (the log says why: then job ranks do not start)."""
+        if not self.network_guard:
+            self.log.warning("the loopback guard is off: sessions and ranks reach every port")
+            return None
+        ports = [*self.protected_ports, *([self.metrics_port] if self.metrics_port else [])]
+        guard = NetworkGuard(table_name(os.path.abspath(self.data_dir)), os.geteuid(), ports)
+        try:
+            guard.install()
+        except GuardUnavailable as e:
+            self.log.error("job ranks cannot start here: %s", e)
+            raise
+        return guard
+
+    def rank_sandbox(self) -> RankSandbox:
+        """How this node contains job ranks; the machine probed once (blocking)."""
+        jobs = Path(self.data_dir) / "jobs"
+        jobs.mkdir(mode=0o700, parents=True, exist_ok=True)
+        support = probe(jobs)
+        if support.mode is SandboxMode.NONE:
+            self.log.error("job ranks cannot run here: %s", support.reason)
+        fake = Path(self.data_dir) / "fake-nvml"
+        return RankSandbox(
+            support=support,
+            base_env=Path(self.session_base_env),
+            prefix=Path(self.session_prefix),
+            home_dir_template=self.home_dir_template,
+            read_only=(fake,) if fake.is_dir() else (),
+        )
+
     def initialize(self, argv: list[str] | None = None) -> None:
         self.parse_command_line(argv)
         path = os.path.abspath(self.config_file)
@@ -250,7 +328,19 @@ class NodeAgent(Application):
     async def _job_pods(self, client: httpx.AsyncClient) -> None:
         """Report the job pods this agent runs, with their new log lines; run what the
         controller answers (agent/jobs.py)."""
-        keeper = PodKeeper(Path(self.data_dir) / "jobs", self.log, os.environ)
+        sandbox = await asyncio.to_thread(self.rank_sandbox)
+        try:
+            guard = await asyncio.to_thread(self.loopback_guard)
+        except GuardUnavailable as e:
+            guard, sandbox = None, replace(sandbox, unavailable=str(e))
+        keeper = PodKeeper(Path(self.data_dir) / "jobs", self.log, os.environ, sandbox, guard)
+        try:
+            await self._sync_pods(client, keeper)
+        finally:
+            if guard is not None:
+                await asyncio.to_thread(guard.remove)
+
+    async def _sync_pods(self, client: httpx.AsyncClient, keeper: PodKeeper) -> None:
         nodes = [n["name"] for n in self.inventory]
         while True:
             pods, chunks = keeper.report()
@@ -309,8 +399,7 @@ class NodeAgent(Application):
                     await asyncio.sleep(0.5)
 
     def start(self) -> None:
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(self.run())
+        asyncio.run(until_stopped(self.run(), self.log))
 
 
 def main(argv: list[str] | None = None) -> None:

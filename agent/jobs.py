@@ -21,8 +21,10 @@ Invariants:
 - a pod this agent was told to run but does not know although the controller saw it
   start (the agent restarted) is not started again: what is left of it is ended and it
   is reported failed, so the job fails visibly instead of running twice;
-- the ranks inherit nothing of the agent's environment but the basics (PATH, HOME,
-  locale): never the agent's token.
+- the ranks run in their user's containment (``containment.py``): the session sandbox, as
+  the account the controller recorded for the user, never as root; a pod without an
+  account, or on a machine where the sandbox cannot run, is not started (it is reported
+  failed, saying why). They inherit nothing of the agent's environment: never its token.
 
 The local backend runs every pod of a job through this one agent, so the rendezvous is
 this machine's loopback with a port the keeper picks for each job.
@@ -34,17 +36,32 @@ import asyncio
 import codecs
 import logging
 import os
+import pwd
 import re
 import socket
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..recovery import processes
+from ..snapshotter.sandbox import (
+    RootEntry,
+    SandboxDirs,
+    SandboxMode,
+    SandboxSupport,
+    host_root,
+    layer_dirs,
+    owned_prefix,
+    prepare_dirs,
+    write_identity,
+)
+from .containment import OUTER_PATH, RankAccount, rank_command, rank_environment
+from .network_guard import GuardUnavailable, NetworkGuard
 from .runner import RankRunner, RankSpec, RankStatus, RunnerError, StopFailed
 
-INHERITED = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR")
+INHERITED = ("LANG", "LC_ALL", "TZ")
 CHUNK_BYTES = 256 * 1024
 CHUNKS_PER_SYNC = 32  # 8 MiB per pod and sync at most: a chatty rank cannot swell a request
 # torchrun's summary of a failed child: "rank      : 1 (local_rank: 1)"
@@ -85,12 +102,45 @@ class _Pod:
     logs: dict[tuple[int, str], _LogFile] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RankSandbox:
+    """Where and how this node runs ranks (``containment.py``): the sandbox the machine
+    allows, the sessions' base environment and the prefix of a job's own environment
+    inside, users' homes, and what every rank sees read-only (the fake NVML library)."""
+
+    support: SandboxSupport
+    base_env: Path
+    prefix: Path
+    home_dir_template: str
+    read_only: tuple[Path, ...] = ()
+    root: tuple[RootEntry, ...] = field(default_factory=host_root)
+    unavailable: str = ""  # why no rank may start here (the loopback guard cannot be had)
+
+    def home(self, username: str) -> Path:
+        return Path(self.home_dir_template.format(username=username))
+
+
 class PodKeeper:
-    def __init__(self, jobs_dir: Path, log: logging.Logger, base_env: Mapping[str, str]):
+    def __init__(
+        self,
+        jobs_dir: Path,
+        log: logging.Logger,
+        base_env: Mapping[str, str],
+        sandbox: RankSandbox,
+        guard: NetworkGuard | None = None,
+    ):
         self.jobs_dir = Path(jobs_dir)
+        self.jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Resolved: every log path below it then has no link the agent put there, so
+        # open_regular may refuse every link it meets.
+        self.jobs_dir = self.jobs_dir.resolve()
         self.log = log
         self.base_env = {k: v for k, v in base_env.items() if k in INHERITED}
-        self.runner = RankRunner(self.jobs_dir / "launchers", self.base_env)
+        self.sandbox = sandbox
+        self.guard = guard
+        self.runner = RankRunner(
+            self.jobs_dir / "launchers", {**self.base_env, "PATH": OUTER_PATH}, inherit=False
+        )
         self._pods: dict[tuple[int, int], _Pod] = {}
         self._ports: dict[int, int] = {}
         self._unsent: list[dict[str, Any]] = []
@@ -144,7 +194,8 @@ class PodKeeper:
                 if pod["started"]:
                     await self._lost(pod)
                 else:
-                    self._start(pod)
+                    pinned = await asyncio.to_thread(self._pinned_environment, pod)
+                    self._start(pod, pinned)
             elif not pod["run"]:
                 if known is None:
                     await self._absent(pod)
@@ -159,11 +210,25 @@ class PodKeeper:
                 self._forget(known)
 
     # ------------------------------------------------------------- starting
-    def _start(self, desired: Mapping[str, Any]) -> None:
+    def _pinned_environment(self, desired: Mapping[str, Any]) -> Path | str | None:
+        """The copy of its session's environment the controller made when the job was
+        submitted (its overlay upper directory as it was then), with a layer directory for
+        each of the root's; None for a job without one. A copy that is gone is why the pod
+        does not start (a str). Blocking."""
+        pinned = str(desired["spec"].get("environment_pinned") or "")
+        if not pinned or not self.sandbox.support.overlay:
+            return None
+        path = Path(pinned)
+        if not path.is_dir() or path.resolve() != path:
+            return f"its copy of its session's environment {pinned} is not there any more"
+        for layer in layer_dirs(path, self.sandbox.root):
+            layer.mkdir(exist_ok=True)
+        return path
+
+    def _start(self, desired: Mapping[str, Any], pinned: Path | str | None = None) -> None:
         workload_id, pod_index = int(desired["workload_id"]), int(desired["pod_index"])
         spec = desired["spec"]
-        job_dir = self.jobs_dir / str(workload_id)
-        pod_dir = job_dir / f"pod-{pod_index}"
+        pod_dir = self.jobs_dir / str(workload_id) / f"pod-{pod_index}"
         per_pod = int(desired["gpus_per_pod"])
         pod = _Pod(
             workload_id,
@@ -176,61 +241,159 @@ class PodKeeper:
         )
         self._pods[workload_id, pod_index] = pod
         try:
-            pod_dir.mkdir(parents=True, exist_ok=True)
-            script = job_dir / str(spec["script_name"])
-            if not script.exists():
-                script.write_text(str(spec["script"]))
-            checkpoint = str(spec.get("checkpoint_uri", ""))
-            if checkpoint and "://" not in checkpoint:
-                Path(checkpoint).mkdir(parents=True, exist_ok=True)
-            cwd = str(spec.get("cwd") or "")
-            if not cwd or not os.path.isdir(cwd):
-                cwd = str(job_dir)
-            port = self._ports.get(workload_id) or _free_port()
-            self._ports[workload_id] = port
-            argv = (
-                str(spec["python"]),
-                "-m",
-                "torch.distributed.run",
-                f"--nnodes={desired['pods']}",
-                f"--node-rank={pod_index}",
-                f"--nproc-per-node={per_pod}",
-                "--master-addr=127.0.0.1",
-                f"--master-port={port}",
-                f"--log-dir={pod_dir / 'ranks'}",
-                "--redirects=3",
-                str(script),
-                *(str(a) for a in spec.get("args", [])),
-            )
-            env = {
-                **{str(k): str(v) for k, v in dict(spec.get("env", {})).items()},
-                "PYTHONUNBUFFERED": "1",
-                "GPUFLEET_JOB_ID": str(workload_id),
-                "GPUFLEET_JOB_NAME": str(desired["name"]),
-                "GPUFLEET_POD_INDEX": str(pod_index),
-                "GPUFLEET_CHECKPOINT_URI": checkpoint,
-            }
+            if isinstance(pinned, str):
+                raise RunnerError(pinned)
+            argv, outer_env = self._contained(desired, pod, pinned)
             self.runner.start(
                 RankSpec(
                     rank_id=pod.rank_id,
-                    argv=argv,
+                    argv=tuple(argv),
                     gpu_uuids=tuple(desired["gpu_uuids"]),
-                    env=env,
-                    cwd=cwd,
+                    env=outer_env,
+                    cwd="/",
                     marker=processes.part_marker(str(desired["marker"]), pod_index),
                 )
             )
-        except (OSError, RunnerError) as e:
+        except (OSError, RunnerError, ValueError) as e:
             pod.state, pod.reason = "failed", f"could not start: {e}"
             self.log.warning("job %s pod %s %s", workload_id, pod_index, pod.reason)
             return
         self.log.info(
-            "started job %s pod %s (%d rank(s)) on %s",
+            "started job %s pod %s (%d rank(s)) on %s as uid %s",
             workload_id,
             pod_index,
             per_pod,
             desired["node"],
+            (desired.get("account") or {}).get("uid"),
         )
+
+    def _contained(
+        self, desired: Mapping[str, Any], pod: _Pod, pinned: Path | None
+    ) -> tuple[list[str], dict[str, str]]:
+        """The pod's torchrun as its user's contained command, its directories made; and
+        the agent's own environment for it. Raises ``RunnerError`` where it cannot run
+        contained. Blocking (small files and directories only)."""
+        workload_id, pod_index = pod.workload_id, pod.pod_index
+        spec = desired["spec"]
+        sandbox = self.sandbox
+        account_json = desired.get("account")
+        if not account_json or int(account_json.get("uid", 0)) == 0:
+            raise RunnerError("the controller gave no account to run its ranks as")
+        if sandbox.unavailable:
+            raise RunnerError(sandbox.unavailable)
+        if sandbox.support.mode is SandboxMode.NONE:
+            raise RunnerError(
+                f"job ranks run only in the bubblewrap sandbox, and it cannot run on this "
+                f"node ({sandbox.support.reason}); install bubblewrap"
+            )
+        if not (sandbox.base_env / "bin" / "python").exists():
+            raise RunnerError(
+                f"the sessions' base environment {sandbox.base_env} is missing on this node "
+                "(scripts/build-session-env)"
+            )
+        username = str(desired["username"])
+        uid, gid = int(account_json["uid"]), int(account_json["gid"])
+        system = account_json.get("mode") == "system"
+        try:
+            home = Path(pwd.getpwnam(username).pw_dir) if system else sandbox.home(username)
+        except KeyError:
+            raise RunnerError(f"there is no account {username} on this node") from None
+        account = RankAccount(username, uid, gid, home)
+        job_dir = self.jobs_dir / str(workload_id)
+        job_dir.mkdir(mode=0o700, exist_ok=True)
+        # What the ranks write (torchrun's per-rank logs) is theirs; the keeper reads it
+        # back without following their links (_read_new).
+        ranks_dir = pod.directory / "ranks"
+        dirs = SandboxDirs(pod.directory / "sandbox")
+        for path in (pod.directory, dirs.root):
+            path.mkdir(mode=0o700, exist_ok=True)
+        ranks_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chown(ranks_dir, uid, gid)
+        _prepare_layers(dirs, sandbox.root, account, sandbox.prefix)
+        writable_at: list[tuple[Path, Path]] = []
+        if not sandbox.support.overlay:
+            # No layer of its own to hold the job's environment: a directory of the pod's,
+            # at the prefix's place (an empty mount point of root's on the host).
+            sandbox.prefix.mkdir(mode=0o755, parents=True, exist_ok=True)
+            _owned_directory(pod.directory / "env", uid, gid)
+            writable_at.append((pod.directory / "env", sandbox.prefix))
+        script = job_dir / str(spec["script_name"])
+        if not script.exists():
+            script.write_text(str(spec["script"]))
+            script.chmod(0o644)
+        writable = [ranks_dir]
+        checkpoint = str(spec.get("checkpoint_uri", ""))
+        if checkpoint and "://" not in checkpoint:
+            _owned_directory(Path(checkpoint), uid, gid)
+            writable.append(Path(checkpoint))
+        if not account.home.is_dir():
+            _owned_directory(account.home, uid, gid, mode=0o700)
+        cwd = Path(str(spec.get("cwd") or account.home))
+        if not (cwd == account.home or cwd.is_relative_to(account.home)) or not cwd.is_dir():
+            cwd = account.home
+        port = self._ports.get(workload_id)
+        if port is None:
+            port = _free_port()
+            if self.guard is not None:
+                # Its rendezvous store answers anyone who connects: only its user may.
+                try:
+                    self.guard.allow_rendezvous(port, uid)
+                except GuardUnavailable as e:
+                    raise RunnerError(str(e)) from e
+            self._ports[workload_id] = port
+        per_pod = int(desired["gpus_per_pod"])
+        python = str(spec.get("python") or sandbox.prefix / "bin" / "python")
+        argv = (
+            python,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={desired['pods']}",
+            f"--node-rank={pod_index}",
+            f"--nproc-per-node={per_pod}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            f"--log-dir={ranks_dir}",
+            "--redirects=3",
+            str(script),
+            *(str(a) for a in spec.get("args", [])),
+        )
+        marker = processes.part_marker(str(desired["marker"]), pod_index)
+        devices = ",".join(desired["gpu_uuids"])
+        platform = {
+            processes.MARKER_VARIABLE: marker,
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": devices,
+            "NVIDIA_VISIBLE_DEVICES": devices or "none",
+            "PYTHONUNBUFFERED": "1",
+            "GPUFLEET_JOB_ID": str(workload_id),
+            "GPUFLEET_JOB_NAME": str(desired["name"]),
+            "GPUFLEET_POD_INDEX": str(pod_index),
+            "GPUFLEET_CHECKPOINT_URI": checkpoint,
+            **_fake_nvml_env(sandbox.read_only),
+        }
+        chosen = {str(k): str(v) for k, v in dict(spec.get("env", {})).items()}
+        env = rank_environment(account, sandbox.base_env, sandbox.prefix, chosen, platform)
+        read_only = [(path, path) for path in (*sandbox.read_only, script)]
+        # The passwd and group files over the host's: the user has an entry inside (a
+        # system account has its own already).
+        if not system:
+            read_only += write_identity(dirs.root, username, uid, gid, account.home)
+        command = rank_command(
+            sandbox.support,
+            dirs,
+            root=sandbox.root,
+            account=account,
+            base_env=sandbox.base_env,
+            prefix=sandbox.prefix,
+            argv=argv,
+            env=env,
+            cwd=cwd,
+            writable=writable,
+            writable_at=writable_at,
+            read_only=read_only,
+            pinned=pinned,
+        )
+        return command, {"PATH": OUTER_PATH, "LANG": "C.UTF-8"}
 
     async def _lost(self, desired: Mapping[str, Any]) -> None:
         """A pod that started under an earlier agent: end what is left, report it failed."""
@@ -289,7 +452,14 @@ class PodKeeper:
         if pod.rank_id:
             self.runner.forget(pod.rank_id)
         if not any(key[0] == pod.workload_id for key in self._pods):
-            self._ports.pop(pod.workload_id, None)
+            port = self._ports.pop(pod.workload_id, None)
+            if port is not None and self.guard is not None:
+                try:
+                    self.guard.forget_rendezvous(port)
+                except GuardUnavailable as e:
+                    self.log.warning(
+                        "could not close job %s's rendezvous rule: %s", pod.workload_id, e
+                    )
 
     # ------------------------------------------------------------- logs
     def _log_files(self, pod: _Pod) -> list[tuple[int, str, Path]]:
@@ -347,10 +517,10 @@ def _read_new(tail: _LogFile, path: Path) -> dict[str, Any] | None:
     consistent even where the file held bytes that are not UTF-8 (sent as U+FFFD).
     """
     try:
-        with path.open("rb") as f:
+        with open_regular(path) as f:
             f.seek(tail.position)
             raw = f.read(CHUNK_BYTES)
-    except FileNotFoundError:
+    except OSError:  # gone, not yet there, or not a plain file of the rank's own
         return None
     if not raw:
         return None
@@ -365,7 +535,10 @@ def _read_new(tail: _LogFile, path: Path) -> dict[str, Any] | None:
 
 def _last_line(path: Path, everything: bool = False) -> str:
     try:
-        text = path.read_bytes()[-65536:].decode(errors="replace")
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - 65536))
+            text = f.read().decode(errors="replace")
     except OSError:
         return ""
     if everything:
@@ -374,8 +547,59 @@ def _last_line(path: Path, everything: bool = False) -> str:
     return lines[-1] if lines else ""
 
 
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading as it is, never through a symbolic link: the agent runs
+    as root and the ranks, which write these files, could otherwise make it read anything
+    (a secret, another user's file) by replacing a log or one of its directories with a
+    link. Each directory below the root-owned jobs directory is entered with
+    ``O_NOFOLLOW``, and only a plain file is read. Raises ``OSError`` otherwise."""
+    parts = path.parts
+    fd = os.open(parts[0], os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[1:-1]:
+            next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = next_fd
+        file_fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(file_fd).st_mode):
+        os.close(file_fd)
+        raise OSError(f"{path} is not a plain file")
+    return os.fdopen(file_fd, "rb")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def _prepare_layers(
+    dirs: SandboxDirs, root: tuple[RootEntry, ...], account: RankAccount, prefix: Path
+) -> None:
+    """The pod's own overlay layers, scratch and mount-point directories and /tmp
+    (:func:`.sandbox.prepare_dirs`), and the job's environment prefix in its upper layer
+    owned by the user, so the launcher can make its venv there."""
+    prepare_dirs(dirs, True, root)
+    owned_prefix(dirs.upper, prefix, account.uid, account.gid)
+
+
+def _owned_directory(path: Path, uid: int, gid: int, mode: int = 0o755) -> None:
+    """``path`` as a directory of the user's (made with root-owned parents if missing)."""
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    info = path.lstat()
+    if (info.st_uid, info.st_gid) != (uid, gid):
+        os.chown(path, uid, gid, follow_symlinks=False)
+
+
+def _fake_nvml_env(read_only: tuple[Path, ...]) -> dict[str, str]:
+    """Where a rank finds gpufleet's fake NVML library, when this node serves it."""
+    for directory in read_only:
+        if (directory / "libnvidia-ml.so.1").exists():
+            return {
+                "LD_LIBRARY_PATH": str(directory),
+                "GPUFLEET_FAKE_NVML_CONTROL": str(directory / "control"),
+            }
+    return {}

@@ -72,10 +72,17 @@ class _Rank:
 
 
 class RankRunner:
-    def __init__(self, log_dir: Path, base_env: Mapping[str, str] | None = None):
+    def __init__(
+        self, log_dir: Path, base_env: Mapping[str, str] | None = None, inherit: bool = True
+    ):
+        """``inherit``: a rank gets ``base_env``, the marker and its GPUs' variables besides
+        its own ``env``; without, only its ``env`` (a contained rank sets the marker and its
+        GPUs' variables inside its sandbox, and the command that builds the sandbox gets
+        only what its caller chose)."""
         self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.base_env = dict(os.environ if base_env is None else base_env)
+        self.inherit = inherit
         self._ranks: dict[str, _Rank] = {}
 
     def start(self, spec: RankSpec) -> RankStatus:
@@ -84,14 +91,20 @@ class RankRunner:
             raise RankExists(f"rank {spec.rank_id} is already running (pid {current.process.pid})")
         marker = spec.marker or processes.new_marker()
         devices = ",".join(spec.gpu_uuids)
-        env = {
-            **self.base_env,
-            **spec.env,
-            processes.MARKER_VARIABLE: marker,
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            "CUDA_VISIBLE_DEVICES": devices,
-            "NVIDIA_VISIBLE_DEVICES": devices or "none",
-        }
+        if self.inherit:
+            env = {
+                **self.base_env,
+                **spec.env,
+                processes.MARKER_VARIABLE: marker,
+                "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                "CUDA_VISIBLE_DEVICES": devices,
+                "NVIDIA_VISIBLE_DEVICES": devices or "none",
+            }
+        else:
+            # A contained rank: its command sets the marker inside, so only the rank's own
+            # processes carry it, and SIGTERM reaches them (the checkpoint signal) rather
+            # than the sandbox around them, whose end would SIGKILL them at once.
+            env = dict(spec.env)
         stdout = self.log_dir / f"{spec.rank_id}.stdout"
         stderr = self.log_dir / f"{spec.rank_id}.stderr"
         with stdout.open("wb") as out, stderr.open("wb") as err:

@@ -26,6 +26,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ..hub.hubapi import stop_server
+from ..hub.snapshots import index_key, snapshot_store
 from ..scheduler.store.fleet import FleetStore
 from ..scheduler.store.sessions import CulledSession
 from ..scheduler.store.snapshots import SnapshotRecord
@@ -309,8 +310,10 @@ class IdleCuller:
                 project=s.project,
                 username=s.username,
                 server_name=s.server_name,
-                store_uri=self.snapshot_settings.store,
-                manifest_key=str(result.get("name", "")),
+                # As the index's rebuild from the store records it (hub/snapshots.py), so
+                # the rebuild replaces this row rather than listing the snapshot twice.
+                store_uri=self._store_uri(),
+                manifest_key=index_key(s.project, str(result.get("name", ""))),
                 created_at=now,
                 size_bytes=int(stats.get("bytes", 0)),
                 file_count=int(stats.get("files", 0)),
@@ -325,6 +328,15 @@ class IdleCuller:
             f"live snapshot {result.get('id')}: {stats.get('files', 0)} files, "
             f"{int(stats.get('new_bytes', 0)) >> 20} MiB new, in {seconds:.1f} s",
         )
+
+    def _store_uri(self) -> str:
+        """The snapshot store's URI as the store itself names it (``file:///...``)."""
+        assert self.snapshot_settings is not None
+        if getattr(self, "_opened_store_uri", None) is None:
+            self._opened_store_uri = snapshot_store(
+                self.snapshot_settings.store, self.snapshot_settings.s3_endpoint
+            ).uri
+        return self._opened_store_uri
 
     # ------------------------------------------------------------------- hub
     async def _hub_activity(self) -> dict[tuple[str, str], datetime]:

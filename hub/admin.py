@@ -2,8 +2,9 @@
 quotas and live usage, editable; the nodes with their GPUs' health, to cordon or
 uncordon; the queue with each workload's reason; the latest events.
 
-Plain HTML forms posted back here (with the XSRF token), so nothing is built at install
-and nothing but the browser runs. Every change goes through the store as the API's does
+Plain HTML forms posted back here (with the XSRF token), drawn in the hub's page
+(``templates/gpufleet-admin.html``), so nothing is built at install and nothing but the
+browser runs. Every change goes through the store as the API's does
 (``edit_project``, ``set_cordoned``): validated whole, audited in the event log, in
 effect from the next scheduling cycle, which it starts at once. A refused change shows
 the form again with the store's message and nothing written.
@@ -17,94 +18,16 @@ from urllib.parse import quote
 
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
-from tornado import template, web
+from tornado import web
 
-from ..fleet_cli import tree_order
+from ..output import tree_order
 from ..scheduler.errors import InvalidRequest, NotFound
 from ..scheduler.store.models import Event, Gpu, Node, PriorityClass, Workload, WorkloadState
 from ..scheduler.store.projects import UNCHANGED, ProjectEdit, QuotaEdit
 from .api.handlers import node_rows
 from .api.projects import project_usage
 from .api.schemas import NodeOut, ProjectUsageOut
-from .pages import PageHandler
-
-ADMIN_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>gpufleet — admin</title>
-<style>
- body { font-family: system-ui, sans-serif; margin: 2rem; color: #222; }
- table { border-collapse: collapse; margin-bottom: 1.5rem; }
- th, td { border-bottom: 1px solid #ddd; padding: .3rem .6rem; text-align: left; }
- input[type=number] { width: 5rem; } .error { color: #b00020; } .saved { color: #1a7f37; }
- .bar { display: inline-block; width: 8rem; height: .7rem; background: #eee; }
- .bar i { display: block; height: 100%; background: #4c78a8; }
- .bar i.over { background: #f58518; } .lost { color: #b00020; }
- form.project { border: 1px solid #ddd; padding: .6rem; margin-bottom: 1rem; }
-</style></head>
-<body>
-<h1>gpufleet admin</h1>
-<p>Signed in as <b>{{ name }}</b>. <a href="{{ base }}">Sessions and queue</a> ·
-<a href="{{ base }}jobs">Jobs</a> · <a href="{{ base }}usage">GPU usage</a> ·
-<a href="/hub/home">Hub</a></p>
-{% if error %}<p class="error" id="error">{{ error }}</p>{% end %}
-{% if saved %}<p class="saved" id="saved">{{ saved }}</p>{% end %}
-
-<h2 id="projects">Projects and quotas</h2>
-<p>Changes take effect on the next scheduling cycle and are kept in the event log. A value
-changed here is no longer overwritten by the configuration file.</p>
-{% for row in projects %}{% set p = row.project %}
-<form class="project" id="project-{{ p.name }}" method="post"
- action="{{ base }}admin/projects/{{ url_escape(p.name) }}">{% raw xsrf %}
-<b>{{ row.label }}</b> ({{ p.kind }})
- weight <input type="number" step="any" min="0" name="weight"
- value="{{ '%g' % p.fair_share_weight }}">
- default priority <select name="default_priority">{% for c in priorities %}
- <option{% if c == p.default_priority %} selected{% end %}>{{ c }}</option>{% end %}</select>
- per-user GPU cap <input type="number" min="1" name="per_user_gpu_cap"
- value="{{ p.per_user_gpu_cap or '' }}" placeholder="none">
-<table><tr><th>GPU type</th><th>used / guaranteed</th><th>guaranteed</th>
-<th>may borrow</th><th>may lend</th><th>waiting</th></tr>
-{% for q in row.quotas %}<tr data-gpu-type="{{ q.gpu_type }}">
-<td>{{ q.gpu_type }}</td>
-<td><span class="bar" title="{{ q.used }} of {{ q.guaranteed }} guaranteed">
-<i class="{{ 'over' if q.used > q.guaranteed else '' }}"
- style="width: {{ q.percent }}%"></i></span> {{ q.used }} / {{ q.guaranteed }}</td>
-<td><input type="number" min="0" name="{{ q.field }}-guaranteed" value="{{ q.guaranteed_input }}"
- aria-label="{{ p.name }} {{ q.gpu_type }} guaranteed"></td>
-<td><input type="number" min="0" name="{{ q.field }}-borrow" value="{{ q.borrow_input }}"
- placeholder="any"></td>
-<td><input type="number" min="0" name="{{ q.field }}-lend" value="{{ q.lend_input }}"
- placeholder="all"></td>
-<td>{{ q.waiting or "" }}</td></tr>{% end %}
-</table><button type="submit">Save {{ p.name }}</button></form>{% end %}
-
-<h2 id="nodes">Clusters, zones and nodes</h2>
-<table><tr><th>node</th><th>cluster / zone</th><th>GPU type</th><th>free / GPUs</th>
-<th>health</th><th>GPUs</th><th></th></tr>
-{% for n in nodes %}<tr data-node="{{ n.name }}"><td>{{ n.name }}</td>
-<td>{{ n.cluster }} / {{ n.zone }}</td><td>{{ n.gpu_type }}</td>
-<td>{{ n.free_gpus }} / {{ n.gpus }}</td>
-<td>{{ n.health }}{% if n.cordoned %}, cordoned{% end %}</td>
-<td>{% for g in gpus.get(n.name, []) %}<span class="{{ 'lost' if g.lost else '' }}"
- title="{{ g.uuid }}">#{{ g.index }} {{ g.state }}</span> {% end %}</td>
-<td><form method="post"
- action="{{ base }}admin/nodes/{{ url_escape(n.name) }}/{{ n.action }}">
-{% raw xsrf %}<button type="submit">{{ n.action.capitalize() }}</button>
-</form></td></tr>{% end %}</table>
-
-<h2 id="queue">Queue</h2>
-{% if not queue %}<p>Nothing waits.</p>{% else %}
-<table><tr><th>id</th><th>kind</th><th>user</th><th>project</th><th>GPUs</th><th>place</th>
-<th>why it waits</th></tr>
-{% for w in queue %}<tr data-workload="{{ w.id }}"><td>{{ w.id }}</td><td>{{ w.kind.value }}</td>
-<td>{{ w.username }}</td><td>{{ w.project.name }}</td><td>{{ w.gpus }} × {{ w.gpu_type }}</td>
-<td>{{ w.queue_position or "" }}</td><td>{{ w.reason }}</td></tr>{% end %}</table>{% end %}
-
-<h2 id="events">Latest events</h2>
-<table id="event-log"><tr><th>when (UTC)</th><th>what</th><th>message</th></tr>
-{% for e in events %}<tr><td>{{ e.at.strftime("%Y-%m-%d %H:%M:%S") }}</td><td>{{ e.kind }}</td>
-<td>{{ e.message }}</td></tr>{% end %}</table>
-</body></html>
-"""
+from .pages import PageHandler, project_label
 
 
 @dataclass(frozen=True)
@@ -122,7 +45,8 @@ class QuotaRow:
 
 @dataclass(frozen=True)
 class ProjectRow:
-    label: str
+    label: str  # its display name (its kind and name are shown beside it)
+    depth: int  # in the tree: 0 for a root
     project: ProjectUsageOut
     quotas: list[QuotaRow]
 
@@ -168,7 +92,8 @@ def project_rows(projects: list[ProjectUsageOut], gpu_types: list[str]) -> list[
                     lend_input="" if q is None or q.lend_limit is None else str(q.lend_limit),
                 )
             )
-        rows.append(ProjectRow(label, p, quotas))
+        depth = (len(label) - len(label.lstrip())) // 2
+        rows.append(ProjectRow(project_label(p), depth, p, quotas))
     return rows
 
 
@@ -262,22 +187,19 @@ class AdminPage(PageHandler):
             priorities = list(
                 session.scalars(select(PriorityClass.name).order_by(PriorityClass.rank.desc()))
             )
-        self.set_status(status)
-        self.finish(
-            template.Template(ADMIN_PAGE).generate(
-                name=identity.name,
-                error=error,
-                saved=saved,
-                projects=project_rows(projects, gpu_types),
-                priorities=priorities,
-                nodes=[NodeRow(n, "uncordon" if n.cordoned else "cordon") for n in nodes],
-                gpus=gpus,
-                base=self.base,
-                queue=queue,
-                events=events,
-                xsrf=self.xsrf_form_html(),
-                url_escape=lambda s: quote(s, safe=""),
-            )
+        self.render_page(
+            "gpufleet-admin.html",
+            title="gpufleet admin",
+            section="admin",
+            status=status,
+            error=error,
+            saved=saved,
+            projects=project_rows(projects, gpu_types),
+            priorities=priorities,
+            nodes=[NodeRow(n, "uncordon" if n.cordoned else "cordon") for n in nodes],
+            gpus=gpus,
+            queue=queue,
+            events=events,
         )
 
 

@@ -11,15 +11,18 @@ import asyncio
 import contextlib
 import logging
 import os
+import pwd
 import socket
 import sys
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import httpx
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from tornado import web
 from tornado.httpserver import HTTPServer
@@ -27,6 +30,7 @@ from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
 from .. import __version__
+from ..agent.lifecycle import until_stopped
 from ..culler.errors import PolicyError
 from ..culler.loop import IdleCuller
 from ..culler.snapshots import SnapshotSettings
@@ -34,6 +38,7 @@ from ..scheduler.errors import InputError, LeaseLost, SchedulerError, SchemaMism
 from ..scheduler.model import project_tree
 from ..scheduler.snapshot import Policy
 from ..scheduler.store import db
+from ..scheduler.store.accounts import check_range
 from ..scheduler.store.collector import collect_all
 from ..scheduler.store.fleet import FleetStore
 from ..snapshotter.errors import SnapshotError
@@ -46,6 +51,7 @@ from .metrics import ControllerMetrics
 from .notifier import Notifier
 from .pages import page_routes
 from .reconciler import Reconciler
+from .secrets import SecretFileError, check_secret_file, read_secret
 from .victims import VictimStopper
 
 DEFAULT_PRIORITY_CLASSES = [
@@ -105,7 +111,13 @@ class DatabaseMixin(ConfigFileMixin):
 
     db_url = Unicode(
         help="SQLAlchemy URL of the controller's database: SQLite (default, a file in "
-        "data_dir) or PostgreSQL (postgresql+psycopg://user:password@host/db).",
+        "data_dir) or PostgreSQL (postgresql+psycopg://user@host/db). Its password, if "
+        "any, goes in db_password_file, never here: this file is readable by anyone.",
+    ).tag(config=True)
+
+    db_password_file = Unicode(
+        help="A file of mode 0600, owned by the controller's account, holding the "
+        "database password of db_url (checked at start).",
     ).tag(config=True)
 
     @default("db_url")
@@ -115,6 +127,20 @@ class DatabaseMixin(ConfigFileMixin):
     def make_engine(self) -> Any:
         if self.db_url.startswith("sqlite:///"):
             os.makedirs(os.path.dirname(self.db_url[len("sqlite:///") :]) or ".", exist_ok=True)
+        url = make_url(self.db_url)
+        if url.password:
+            self.exit_with(
+                "c.FleetController.db_url holds a password, which the configuration file "
+                "shows to anyone who can read it; put the password in a file of mode 0600 "
+                "and name it in c.FleetController.db_password_file",
+                code=2,
+            )
+        if self.db_password_file:
+            try:
+                password = read_secret(Path(self.db_password_file), "the database password file")
+            except SecretFileError as e:
+                self.exit_with(str(e), code=2)
+            return db.make_engine(url.set(password=password).render_as_string(False))
         return db.make_engine(self.db_url)
 
 
@@ -125,7 +151,7 @@ class UpgradeDB(DatabaseMixin):
     def start(self) -> None:
         # The config file says c.FleetController.db_url; this subcommand reads the same.
         section = self.config.FleetController
-        for name in ("data_dir", "db_url"):
+        for name in ("data_dir", "db_url", "db_password_file"):
             if name in section:
                 setattr(self, name, section[name])
         engine = self.make_engine()
@@ -289,6 +315,25 @@ class FleetController(DatabaseMixin):
         "exit) and SIGKILL when the job is cancelled or preempted.",
     ).tag(config=True)
 
+    user_mode = Enum(
+        ["sandbox", "system"],
+        "sandbox",
+        help="Whom researchers' sessions and job ranks run as (docs/containment.md). "
+        "'sandbox': each hub user gets a uid of sandbox_uids, recorded on first use and "
+        "kept; researchers need no account on the machine. 'system': each runs as the "
+        "machine's account of the same name (it must exist; homes are made mode 0700). "
+        "Either way they run in the session sandbox, never as root.",
+    ).tag(config=True)
+
+    sandbox_uids = List(
+        Integer(),
+        [200_000, 299_999],
+        minlen=2,
+        maxlen=2,
+        help="The first and last uid given to hub users in 'sandbox' mode. No account of "
+        "the machine may have a uid in it (checked at start).",
+    ).tag(config=True)
+
     snapshot_index_min_interval = Float(
         10.0,
         help="Fewest seconds between two reads of the snapshot store into the index; a "
@@ -358,6 +403,7 @@ class FleetController(DatabaseMixin):
         self.store = FleetStore(
             self.engine, holder, lease_ttl=timedelta(seconds=self.db_lease_seconds)
         )
+        self._configure_accounts()
         self.metrics = ControllerMetrics(self.store)
         self.culler = IdleCuller(
             self.store,
@@ -398,6 +444,21 @@ class FleetController(DatabaseMixin):
             # The singleton: the pages' OAuth callback handler finds the same instance.
             self.hub_auth = HubOAuth.instance(api_token=self.hub_api_token, cache_max_age=60)
 
+    def _configure_accounts(self) -> None:
+        first, last = self.sandbox_uids
+        if self.user_mode == "sandbox":
+            problem = check_range(first, last, ((e.pw_name, e.pw_uid) for e in pwd.getpwall()))
+            if problem:
+                self.exit_with(f"c.FleetController.sandbox_uids: {problem}", code=2)
+        self.store.user_mode = self.user_mode
+        self.store.sandbox_uids = (first, last)
+        key = Path(self.snapshot_key_file or os.path.join(self.data_dir, "snapshot-master.key"))
+        if key.exists():
+            try:
+                check_secret_file(key, "the snapshot master key")
+            except SecretFileError as e:
+                self.exit_with(str(e), code=2)
+
     # ----------------------------------------------------------- plumbing
     @staticmethod
     def now() -> datetime:
@@ -433,7 +494,13 @@ class FleetController(DatabaseMixin):
             if time.monotonic() - self._memberships_synced_at < max_age:
                 return
             groups = await self._fetch_hub_groups()
-            self.store.sync_memberships(self.now(), groups)
+            try:
+                self.store.sync_memberships(self.now(), groups)
+            except LeaseLost:
+                # A controller that does not hold the lease (yet: one killed a moment ago
+                # still does) may not write; the leader syncs, and the request goes on
+                # with the memberships recorded (its own write says it is not the leader).
+                return
             self._memberships_synced_at = time.monotonic()
 
     async def _fetch_hub_groups(self) -> dict[str, list[str]]:
@@ -683,8 +750,7 @@ class FleetController(DatabaseMixin):
         if self.subapp is not None:
             self.subapp.start()
             return
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(self.serve())
+        asyncio.run(until_stopped(self.serve(), self.log))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,6 +37,7 @@ class ControllerContext(Protocol):
     gpu_busy_utilization: float
     job_checkpoint_store: str
     job_stop_grace_seconds: float
+    data_dir: str
 
     def now(self) -> datetime: ...
 

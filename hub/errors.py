@@ -50,6 +50,13 @@ class NotFoundError(ControllerError):
     code = "not-found"
 
 
+class UnsupportedMediaType(ControllerError):
+    """A write to the API sent a body that is not JSON (its Content-Type says another)."""
+
+    status = 415
+    code = "unsupported-media-type"
+
+
 class Conflict(ControllerError):
     """The object is in a state where this operation does not apply."""
 

@@ -1,8 +1,9 @@
 """The researcher's job pages: ``jobs`` (their jobs; everyone's for admins) and
-``jobs/<id>`` (its pods, one rank's output, a cancel button). Server-drawn HTML: the page
-of a job that has not ended reloads itself every few seconds, so the output follows
-without any JavaScript. Cancel is a form posted back here with the XSRF token and goes
-through the store as the API's does.
+``jobs/<id>`` (its pods, its GPUs' utilisation and memory over time, one rank's output, a
+cancel button). Server-drawn HTML and SVG: the page of a job that has not ended reloads
+itself every few seconds, so the output and the chart follow without any JavaScript.
+Cancel is a form posted back here with the XSRF token and goes through the store as the
+API's does.
 """
 
 from __future__ import annotations
@@ -10,76 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import select
-from tornado import template, web
+from tornado import web
 
 from ..scheduler.errors import InvalidRequest
 from ..scheduler.store.models import Workload, WorkloadKind
 from .api.job_schemas import JobOut
 from .api.jobs import cancel_job, job_out, load_job
 from .api.views import WORKLOAD_DETAILS
-from .pages import PageHandler
+from .gpu_charts import job_chart
+from .pages import PageHandler, project_names
 
 LOG_TAIL = 64 * 1024
 REFRESH_S = 3
-
-STYLE = """<style>
- body { font-family: system-ui, sans-serif; margin: 2rem; color: #222; }
- table { border-collapse: collapse; margin-bottom: 1.5rem; }
- th, td { border-bottom: 1px solid #ddd; padding: .3rem .6rem; text-align: left; }
- pre { background: #f6f8fa; padding: .8rem; max-height: 32rem; overflow: auto; }
- .failed, .cancelled { color: #b00020; } .succeeded, .running { color: #1a7f37; }
-</style>"""
-
-JOBS_PAGE = (
-    """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>gpufleet — jobs</title>"""
-    + STYLE
-    + """</head><body>
-<h1>Jobs</h1>
-<p><a href="{{ base }}">Sessions and queue</a> · <a href="{{ base }}usage">GPU usage</a> ·
-submit with <code>%%train</code> in a notebook or <code>gpufleet submit</code></p>
-{% if not jobs %}<p id="no-jobs">No jobs yet.</p>{% else %}
-<table id="jobs"><tr><th>id</th><th>name</th><th>user</th><th>project</th><th>GPUs</th>
-<th>state</th><th>what happened last</th></tr>
-{% for j in jobs %}<tr data-job="{{ j.id }}">
-<td><a href="{{ base }}jobs/{{ j.id }}">{{ j.id }}</a></td>
-<td>{{ j.name }}</td><td>{{ j.username }}</td><td>{{ j.project }}</td>
-<td>{{ j.gpus }} × {{ j.gpu_type }}</td>
-<td class="{{ j.outcome or j.state }}">{{ shown_state(j) }}</td>
-<td>{{ j.reason }}</td></tr>{% end %}</table>{% end %}
-</body></html>"""
-)
-
-JOB_PAGE = (
-    """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>gpufleet — job {{ job.id }}</title>
-{% if job.state != "ended" %}<meta http-equiv="refresh" content="{{ refresh }}">{% end %}"""
-    + STYLE
-    + """</head><body>
-<h1>Job {{ job.id }}: {{ job.name }}</h1>
-<p><a href="{{ base }}jobs">All jobs</a></p>
-{% if error %}<p class="failed" id="error">{{ error }}</p>{% end %}
-<p id="state" class="{{ job.outcome or job.state }}"><b>{{ shown_state(job) }}</b>:
-{{ job.reason }}</p>
-<p>{{ job.gpus }} × {{ job.gpu_type }} as {{ job.pods }} pod(s) of {{ job.gpus_per_pod }} in
-project {{ job.project }} ({{ job.priority_class }}) · script {{ job.script_name }}
-{{ " ".join(job.args) }} · checkpoints: <code>{{ job.checkpoint_uri }}</code></p>
-{% if job.state != "ended" %}<form method="post" action="{{ base }}jobs/{{ job.id }}/cancel">
-{% raw xsrf %}<button type="submit" id="cancel">Cancel this job</button></form>{% end %}
-<table id="pods"><tr><th>pod</th><th>ranks</th><th>node</th><th>state</th><th>exit</th>
-<th>reason</th></tr>
-{% for p in job.pod_states %}<tr><td>{{ p.pod }}</td><td>{{ p.ranks[0] }}–{{ p.ranks[-1] }}</td>
-<td>{{ p.node }}</td><td>{{ p.state }}</td><td>{{ "" if p.exit_code is None else p.exit_code }}</td>
-<td>{{ p.reason }}</td></tr>{% end %}</table>
-<form method="get"><label>rank <select name="rank">{% for r, label in ranks %}
-<option value="{{ r }}"{% if r == rank %} selected{% end %}>{{ label }}</option>{% end %}
-</select></label> <label><select name="stream">{% for s in ("stdout", "stderr") %}
-<option{% if s == stream %} selected{% end %}>{{ s }}</option>{% end %}</select></label>
-<button type="submit">Show</button></form>
-<h2>Rank {{ rank }}, {{ stream }}{% if truncated %} (the last {{ tail // 1024 }} KiB){% end %}</h2>
-<pre id="log">{{ log }}</pre>
-</body></html>"""
-)
 
 
 class JobsPage(PageHandler):
@@ -94,10 +37,14 @@ class JobsPage(PageHandler):
                 query.order_by(Workload.id.desc()).limit(500).options(*WORKLOAD_DETAILS)
             ).all()
             jobs = [job_out(w, []) for w in rows]
-        self.finish(
-            template.Template(JOBS_PAGE).generate(
-                jobs=jobs, base=self.base, shown_state=shown_state
-            )
+            names = display_names(session)
+        self.render_page(
+            "gpufleet-jobs.html",
+            title="Jobs",
+            section="jobs",
+            jobs=jobs,
+            shown_state=shown_state,
+            project_names=names,
         )
 
 
@@ -114,25 +61,29 @@ class JobPage(PageHandler):
         store = self.controller.store
         start = max(0, store.log_size(job_id, rank, stream) - LOG_TAIL)
         log = store.read_log(job_id, rank, stream, start, LOG_TAIL).data
-        self.set_status(status)
-        self.finish(
-            template.Template(JOB_PAGE).generate(
-                job=job,
-                shown_state=shown_state,
-                ranks=[
-                    (r, str(r) if r >= 0 else f"launcher of pod {-1 - r}")
-                    for r in range(-job.pods, job.ranks)
-                ],
-                rank=rank,
-                stream=stream,
-                log=log,
-                truncated=start > 0,
-                tail=LOG_TAIL,
-                refresh=REFRESH_S,
-                error=error,
-                base=self.base,
-                xsrf=self.xsrf_form_html(),
-            )
+        gpu_chart = job_chart(store, job_id, self.controller.now())
+        with store.read() as session:
+            names = display_names(session)
+        self.render_page(
+            "gpufleet-job.html",
+            title=f"Job {job.id}: {job.name}",
+            section="jobs",
+            status=status,
+            job=job,
+            shown_state=shown_state,
+            ranks=[
+                (r, str(r) if r >= 0 else f"launcher of pod {-1 - r}")
+                for r in range(-job.pods, job.ranks)
+            ],
+            rank=rank,
+            stream=stream,
+            log=log,
+            truncated=start > 0,
+            tail=LOG_TAIL,
+            refresh=REFRESH_S,
+            error=error,
+            gpu_chart=gpu_chart,
+            project_names=names,
         )
 
     def _job(self, job_id: int) -> JobOut:
@@ -164,11 +115,17 @@ def shown_state(job: JobOut) -> str:
     return f"{job.state} (#{job.queue_position})" if job.queue_position else job.state
 
 
+def display_names(session: Any) -> dict[str, str]:
+    """Project name → its display name, as the spawn page shows it."""
+    return {name: label for name, label in project_names(session).values()}
+
+
 def _page_id(text: str) -> int:
-    value = int(text)  # the route admits digits only
-    if value > 2**62:
-        raise web.HTTPError(404, f"there is no job {text}")
-    return value
+    # The route admits digits only; more than any id can have is no job (and int() of
+    # thousands of digits would raise).
+    if len(text) > 19 or int(text) > 2**62:
+        raise web.HTTPError(404, f"there is no job {text[:30]}")
+    return int(text)
 
 
 def _rank(text: str) -> int:

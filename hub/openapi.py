@@ -102,6 +102,48 @@ OPERATIONS = (
         schemas.WorkloadOut,
     ),
     Operation(
+        "post",
+        "/workloads/{workload_id}/hold",
+        "Keep a stopped session's GPUs: its final snapshot failed and is retried",
+        (scopes.SPAWN,),
+        schemas.HoldIn,
+        schemas.WorkloadOut,
+    ),
+    Operation(
+        "post",
+        "/sessions/{workload_id}/activity",
+        "A session's extension reports its kernels and terminals (the session's own user, "
+        "with any of their tokens, the server's included); answers its notices",
+        (scopes.USE, scopes.SPAWN),
+        schemas.ActivityIn,
+        schemas.SessionStateOut,
+    ),
+    Operation(
+        "get",
+        "/sessions/{workload_id}/activity",
+        "A session's notices and keep-alive, without a report",
+        (scopes.USE, scopes.SPAWN),
+        None,
+        schemas.SessionStateOut,
+    ),
+    Operation(
+        "put",
+        "/sessions/{workload_id}/keep-alive",
+        "Keep a session from being culled until a time (or for some hours) within its "
+        "project's limit; a time in the past clears it",
+        (scopes.USE, scopes.SPAWN),
+        schemas.KeepAliveIn,
+        schemas.SessionStateOut,
+    ),
+    Operation(
+        "post",
+        "/users/{username}/account",
+        "The Unix identity the user's sessions and job ranks run as, made on first use",
+        (scopes.SPAWN, scopes.ADMIN),
+        None,
+        schemas.AccountOut,
+    ),
+    Operation(
         "get",
         "/users/{username}/spawn-options",
         "Projects, profiles and GPU types a user may pick on the spawn page",
@@ -340,6 +382,7 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "required": True,
                 "content": {"application/json": {"schema": _ref(op.body)}},
             }
+            operation["responses"]["415"] = {"description": "the body is not JSON", **error}
         paths.setdefault(op.path, {})[op.method] = operation
     return {
         "openapi": "3.1.0",

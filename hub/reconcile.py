@@ -32,6 +32,16 @@ Invariants:
 - The caller takes ``now`` before observing anything and reads the database last, so a
   workload that changed while the world was observed is younger than ``now`` and left
   for the next pass; it applies a repair only to the workload ``version`` it carries.
+
+``before_start(recorded, processes) -> BeforeStart`` decides the same question for one
+server at once, when its spawner asks for GPUs for it again while the database still
+holds GPUs for its previous start (the controller was down when the server stopped, so
+the release never arrived). There the hub is starting that very server, and it runs one
+instance of a server at a time, so the previous one is not running in the hub: only its
+processes are looked at, and no grace applies (the stop that would have finished first
+has finished). A workload with nothing alive is ended as the reconciler would end it; one
+with live processes, or whose marker is unknown, or whose final snapshot is still being
+retried, refuses the new start and says why.
 """
 
 from __future__ import annotations
@@ -277,3 +287,71 @@ def _processes(pids: Sequence[int]) -> str:
 
 def _seconds(age: timedelta) -> str:
     return f"{int(age.total_seconds())} s"
+
+
+# ------------------------------------------------------------------ a new start
+
+
+@dataclass(frozen=True)
+class BeforeStart:
+    """What a new start of a server does with its previous workloads: end them, and
+    refuse the start (``refused`` is the message) if one may still run."""
+
+    ends: tuple[EndWorkload, ...]
+    refused: str | None = None
+
+
+def before_start(
+    recorded: Iterable[RecordedWorkload], processes: Iterable[MarkedProcess]
+) -> BeforeStart:
+    """The open workloads of the one server being started again, and the live marked
+    processes of this machine, against a new request for that server.
+
+    A pending request (and an admitted one with nothing alive) is left to the new
+    request, which supersedes it; ``refused`` names the first workload that blocks it.
+    """
+    pids_of: dict[str, list[int]] = defaultdict(list)
+    for process in processes:
+        pids_of[process.marker].append(process.pid)
+    ends: list[EndWorkload] = []
+    refusals: list[str] = []
+    for workload in sorted(recorded, key=lambda w: w.id):
+        if workload.kind != "session" or workload.state in ("pending", "ended"):
+            continue
+        pids = tuple(sorted(pids_of.get(workload.marker or "", ())))
+        held = f"{_label(workload)} still holds GPUs as workload {workload.id} ({workload.state})"
+        if pids:
+            refusals.append(
+                f"{held}: {_processes(pids)} of it {'is' if len(pids) == 1 else 'are'} "
+                "still alive on this machine, though the hub no longer runs the server. "
+                "The reconciler ends such processes and then releases the GPUs; start the "
+                "server again once it has (its next passes), or end the processes first"
+            )
+        elif workload.state == "admitted":
+            continue  # nothing of it runs: the new request supersedes it
+        elif workload.snapshot_pending:
+            refusals.append(
+                f"{held}: the final snapshot of its last session is still being retried, "
+                "and its GPUs are kept until it is saved; start the server again once it "
+                f"is, or ask an admin to release workload {workload.id}"
+            )
+        elif workload.marker is None:
+            refusals.append(
+                f"{held} and started before process markers were recorded, so nothing "
+                f"proves it gone; ask an admin to release workload {workload.id}, then "
+                "start the server again"
+            )
+        else:
+            stopping = workload.state == "stopping"
+            ends.append(
+                EndWorkload(
+                    workload.id,
+                    workload.version,
+                    "stopped" if stopping else "lost",
+                    Rule.stop_finished if stopping else Rule.session_lost,
+                    f"a new start of {_label(workload)} found workload {workload.id} still "
+                    f"{workload.state} although the hub no longer runs the server, and no "
+                    f"process of it is alive; its GPUs are released",
+                )
+            )
+    return BeforeStart(tuple(ends), refusals[0] if refusals else None)

@@ -18,6 +18,12 @@ One pass (``Reconciler.run_once``), in this order (``hub/reconcile.py`` says why
    still no open workload; its spawner then ends its processes and releases), processes
    are ended with ``processes.end_all`` (SIGTERM, then SIGKILL).
 
+``settle_before_start`` answers the same question for one server at once, on the path of
+a new request for it (``POST api/v1/sessions``, before the request opens): a server
+stopped while the controller was down can be started again as soon as nothing of it
+runs, not one pass and a grace later (``reconcile.before_start`` says why no grace and no
+look at the hub are needed there).
+
 Which processes belong to which workload: the controller records the marker
 (``workloads.process_marker``), sent by the spawner with its request, rather than reading
 it from the hub's spawner state (``GET /users?include_stopped_servers`` with
@@ -38,19 +44,21 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import httpx
 from sqlalchemy import func, or_, select
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
 from ..recovery import processes
-from ..scheduler.errors import LeaseLost, SchedulerError
+from ..scheduler.errors import InvalidRequest, LeaseLost, SchedulerError
 from ..scheduler.store.fleet import FleetStore
 from ..scheduler.store.models import Event, Workload, WorkloadKind, WorkloadState
 from .hubapi import stop_server
 from .metrics import ControllerMetrics
+from .notifier import Notifier
 from .reconcile import (
     EndProcesses,
     EndWorkload,
@@ -61,10 +69,24 @@ from .reconcile import (
     Repair,
     Rule,
     StopServer,
+    before_start,
     reconcile,
 )
 
 PAGINATION = "application/jupyterhub-pagination+json"
+
+
+class StartContext(Protocol):
+    """What ``settle_before_start`` uses of the controller (``ControllerContext`` has it)."""
+
+    store: FleetStore
+    metrics: ControllerMetrics
+    notifier: Notifier
+    log: logging.Logger
+
+    def now(self) -> datetime: ...
+
+    def kick(self) -> None: ...
 
 
 class Reconciler:
@@ -182,18 +204,8 @@ class Reconciler:
         return None
 
     def _end_workload(self, repair: EndWorkload) -> int | None:
-        ended = self.store.end_reconciled(
-            self.clock(),
-            repair.workload_id,
-            repair.version,
-            repair.outcome,
-            repair.rule.value,
-            repair.reason,
-        )
-        if ended is None:
+        if not end_workload(self.store, self.metrics, self.log, self.clock(), repair):
             return None  # it changed since it was observed: the next pass looks again
-        self._count(repair)
-        self.metrics.ended.labels(ended.kind.value, repair.outcome).inc()
         return repair.workload_id
 
     async def _stop_server(self, client: httpx.AsyncClient, repair: StopServer) -> None:
@@ -248,12 +260,65 @@ class Reconciler:
         self._count(repair)
 
     def _count(self, repair: Repair) -> None:
-        self.metrics.repairs.labels(repair.rule.value).inc()
-        self.log.warning(
-            "reconciler: %s",
-            repair.reason,
-            extra={"rule": repair.rule.value, "workload": getattr(repair, "workload_id", None)},
-        )
+        _count(self.metrics, self.log, repair)
+
+
+def _count(metrics: ControllerMetrics, log: logging.Logger, repair: Repair) -> None:
+    metrics.repairs.labels(repair.rule.value).inc()
+    log.warning(
+        "reconciler: %s",
+        repair.reason,
+        extra={"rule": repair.rule.value, "workload": getattr(repair, "workload_id", None)},
+    )
+
+
+def end_workload(
+    store: FleetStore,
+    metrics: ControllerMetrics,
+    log: logging.Logger,
+    now: datetime,
+    repair: EndWorkload,
+) -> bool:
+    """End the workload at the version the decision saw and record it; whether it ended."""
+    ended = store.end_reconciled(
+        now, repair.workload_id, repair.version, repair.outcome, repair.rule.value, repair.reason
+    )
+    if ended is None:
+        return False
+    _count(metrics, log, repair)
+    metrics.ended.labels(ended.kind.value, repair.outcome).inc()
+    return True
+
+
+async def settle_before_start(controller: StartContext, username: str, server_name: str) -> None:
+    """Before a new request for a server opens: end what its previous workloads still hold
+    if nothing of them runs on this machine; else refuse the start.
+
+    Called on the request's own path (``POST api/v1/sessions``), so a server stopped while
+    the controller was down starts again at once rather than after the reconciler's next
+    pass and its grace. Each end is a ``reconciled`` event, as the reconciler's own. Raises
+    ``InvalidRequest`` saying what still runs and what to do; a pending request is left to
+    the new one, which supersedes it.
+    """
+    store = controller.store
+    recorded = [w for w in server_workloads(store, username, server_name) if w.state != "pending"]
+    if not recorded:
+        return  # the usual case: nothing to look at, no scan of /proc
+    marked = await asyncio.to_thread(processes.marked_processes)
+    decision = before_start(
+        recorded,
+        (MarkedProcess(pid, processes.workload_marker(m)) for pid, m in sorted(marked.items())),
+    )
+    ended = [
+        end.workload_id
+        for end in decision.ends
+        if end_workload(store, controller.metrics, controller.log, controller.now(), end)
+    ]
+    if ended:
+        controller.notifier.changed(ended)
+        controller.kick()  # its GPUs may admit waiting requests
+    if decision.refused is not None:
+        raise InvalidRequest(decision.refused)
 
 
 def recorded_workloads(store: FleetStore, live_markers: Iterable[str]) -> list[RecordedWorkload]:
@@ -271,18 +336,23 @@ def recorded_workloads(store: FleetStore, live_markers: Iterable[str]) -> list[R
             .order_by(Workload.id)
         ).all()
         stopping = [w.id for w in rows if w.state == WorkloadState.stopping]
-        last_event: dict[int, datetime] = {}
-        if stopping:
-            last_event = {
-                workload_id: at
-                for workload_id, at in session.execute(
-                    select(Event.workload_id, func.max(Event.at))
-                    .where(Event.workload_id.in_(stopping))
-                    .group_by(Event.workload_id)
-                )
-                if workload_id is not None
-            }
+        last_event = _last_events(session, stopping)
     return [_recorded(w, last_event.get(w.id)) for w in rows]
+
+
+def _last_events(session: Session, workload_ids: list[int]) -> dict[int, datetime]:
+    """When each workload's latest event happened (a stop is decided with one)."""
+    if not workload_ids:
+        return {}
+    return {
+        workload_id: at
+        for workload_id, at in session.execute(
+            select(Event.workload_id, func.max(Event.at))
+            .where(Event.workload_id.in_(workload_ids))
+            .group_by(Event.workload_id)
+        )
+        if workload_id is not None
+    }
 
 
 def _recorded(w: Workload, last_event: datetime | None) -> RecordedWorkload:
@@ -318,6 +388,24 @@ def last_workloads(store: FleetStore, servers: Iterable[tuple[str, str]]) -> lis
             if last is not None:
                 found.append(_recorded(last, None))
     return found
+
+
+def server_workloads(store: FleetStore, username: str, server_name: str) -> list[RecordedWorkload]:
+    """The open workloads of one server (``username``'s ``server_name``)."""
+    with store.read() as session:
+        rows = session.scalars(
+            select(Workload)
+            .where(
+                Workload.kind == WorkloadKind.session,
+                Workload.username == username,
+                Workload.server_name == server_name,
+                Workload.state != WorkloadState.ended,
+            )
+            .order_by(Workload.id)
+        ).all()
+        stopping = [w.id for w in rows if w.state == WorkloadState.stopping]
+        last_event = _last_events(session, stopping)
+    return [_recorded(w, last_event.get(w.id)) for w in rows]
 
 
 def open_session_exists(store: FleetStore, username: str, server_name: str) -> bool:

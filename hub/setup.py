@@ -16,14 +16,16 @@ deployments (and the test suite) can run side by side on one machine:
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..snapshotter.errors import SnapshotError
 from . import scopes
+from .secrets import SecretFileError, check_secret_file, secret_file
+from .snapshots import master_key
 
 CONTROLLER_SERVICE = "gpufleet"
 AGENT_SERVICE = "gpufleet-agent"
@@ -69,14 +71,21 @@ def deployment(config_file: str) -> Deployment:
     )
 
 
-def _secret_file(path: Path) -> str:
-    """A token kept in a file only its owner can read, made on first use."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-    return path.read_text().strip()
+def _platform_secrets(data_dir: Path) -> str:
+    """Make and check the platform's secret files (hub/secrets.py); the spawner's token.
+    A secret others may read stops the hub here, with the command that fixes it."""
+    try:
+        token = secret_file(data_dir / "spawner-token", "the spawner's token")
+        key = data_dir / "snapshot-master.key"
+        master_key(key, create=True)
+        check_secret_file(key, "the snapshot master key")
+        cookie = data_dir / "jupyterhub_cookie_secret"
+        if cookie.exists():
+            check_secret_file(cookie, "JupyterHub's cookie secret")
+    except (SecretFileError, SnapshotError) as e:
+        print(f"gpufleet: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return token
 
 
 def _script(name: str) -> str:
@@ -87,7 +96,11 @@ def _script(name: str) -> str:
 def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> Deployment:
     """Set up the hub, the spawner and the gpufleet services; returns where things live."""
     d = deployment(config_file)
-    d.data_dir.mkdir(parents=True, exist_ok=True)
+    # Databases, secrets, homes and sandboxes: the platform's alone (sessions see their
+    # own home and nothing else of it, through their sandbox's binds).
+    d.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(d.data_dir, 0o700)
+    spawner_token = _platform_secrets(d.data_dir)
     env = {
         # The controller and agent read the file the hub was started with: the one that
         # called configure(), unless $GPUFLEET_CONFIG names an outer file that loads it.
@@ -121,8 +134,9 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
     # --- the spawner
     c.JupyterHub.spawner_class = "gpufleet.spawner.local.LocalGPUSpawner"
     c.LocalGPUSpawner.controller_api_url = d.controller_api_url
-    c.LocalGPUSpawner.controller_token = _secret_file(d.data_dir / "spawner-token")
+    c.LocalGPUSpawner.controller_token = spawner_token
     c.LocalGPUSpawner.home_dir_template = str(d.data_dir / "homes" / "{username}")
+    c.NodeAgent.home_dir_template = c.LocalGPUSpawner.home_dir_template
     c.LocalGPUSpawner.fake_nvml_dir = str(d.data_dir / "agent" / "fake-nvml")
     c.LocalGPUSpawner.sandbox_dir = str(d.data_dir / "sessions")
     # The same store, key and stat caches as the controller's defaults (docs/culler.md).

@@ -36,7 +36,7 @@ from .memo import PlanMemo, Tail, Verdict
 from .placement import Capacity, ZoneKey
 from .quota import UNLIMITED, QuotaBook
 from .snapshot import Mode, Pending, Running, WaitCause, Waiting
-from .waits import SettledRun
+from .waits import SettledRun, behind_refusal
 
 
 class _Queue(Protocol):
@@ -273,10 +273,7 @@ class FrozenTails:
             else:
                 positions.append(i)
             if outcome[0] is WaitCause.QUOTA:
-                behind = (
-                    f"waiting behind an earlier request for {request.gpu_type} in "
-                    f"project {request.project} (workload {request.id}): {outcome[1]}"
-                )
+                behind = behind_refusal(request, outcome[1])
                 for later in rest[i + 1 :]:
                     position += 1
                     append(make(Waiting, (later.id, position, WaitCause.BEHIND, behind)))

@@ -76,7 +76,7 @@ from .snapshot import (
     WaitCause,
     Waiting,
 )
-from .waits import SettledRun, Waits
+from .waits import SettledRun, Waits, behind_refusal
 
 
 def _gpus_by_node(workloads: Iterable[Running]) -> dict[tuple[str, str], list[str]]:
@@ -113,6 +113,10 @@ def plan(snapshot: SchedulingSnapshot, now: float, memo: PlanMemo | None = None)
 
 def _n(gpus: int, gpu_type: str) -> str:
     return f"{gpus} × {gpu_type}"
+
+
+def _gpus(count: int) -> str:
+    return "1 GPU" if count == 1 else f"{count} GPUs"
 
 
 @dataclass
@@ -307,20 +311,14 @@ class _Planner:
             self._wait(
                 request,
                 WaitCause.BEHIND,
-                f"waiting behind your earlier request in project {request.project} "
-                f"(workload {head})",
+                f"Waiting for your earlier request in project {request.project} to start "
+                f"first (workload {head})",
             )
         else:
             outcome = self._decide(request)
             if outcome.cause is WaitCause.QUOTA:
                 for later in queue.requests[queue.head + 1 :]:
-                    self._wait(
-                        later,
-                        WaitCause.BEHIND,
-                        f"waiting behind an earlier request for {request.gpu_type} in "
-                        f"project {request.project} (workload {request.id}): "
-                        f"{outcome.reason}",
-                    )
+                    self._wait(later, WaitCause.BEHIND, behind_refusal(request, outcome.reason))
                 queue.head = len(queue.requests)
                 return
             if outcome.cause is WaitCause.USER_CAP:
@@ -518,19 +516,24 @@ class _Planner:
     def _beyond_limits_afresh(self, p: str, t: str, gpus: int) -> str | None:
         if self.mode is Mode.STATIC and gpus > self.book.guarantee(p, t):
             return (
-                f"needs {_n(gpus, t)}; project {p} is guaranteed {self.book.guarantee(p, t)} "
-                f"and borrowing is off (static quotas): ask for fewer"
+                f"More than project {p} may ever hold; ask for fewer GPUs: needs {_n(gpus, t)}, "
+                f"project {p} is guaranteed {self.book.guarantee(p, t)} and borrowing is off "
+                "(static quotas)"
             )
         name, ceiling = self.book.ceiling(p, t)
         if gpus > ceiling:
             whose = f"project {p}" if name == p else f"{self.book.projects[name].kind} {name}"
             return (
-                f"needs {_n(gpus, t)}; {whose} may never hold more than {int(ceiling)} × {t} "
-                f"(guarantee plus borrow limit): ask for fewer, or for a higher limit"
+                f"More than {whose} may ever hold; ask for fewer GPUs, or for a higher limit: "
+                f"needs {_n(gpus, t)}, {whose} may never hold more than {int(ceiling)} × {t} "
+                "(guarantee plus borrow limit)"
             )
         cap = self.book.projects[p].per_user_cap
         if cap is not None and gpus > cap:
-            return f"needs {_n(gpus, t)}; the per-user cap in project {p} is {cap} GPUs"
+            return (
+                f"More than one user may hold in project {p}; ask for fewer GPUs: needs "
+                f"{_n(gpus, t)}, the per-user cap in project {p} is {cap} GPUs"
+            )
         return None
 
     def _user_cap_refusal(self, request: Pending) -> str | None:
@@ -539,8 +542,9 @@ class _Planner:
         if cap is None or used + request.gpus <= cap:
             return None
         return (
-            f"needs {_n(request.gpus, request.gpu_type)}; {request.user} uses {used} of the "
-            f"{cap}-GPU per-user cap in project {request.project}"
+            f"Waiting until {request.user} holds fewer GPUs in project {request.project}: "
+            f"needs {_n(request.gpus, request.gpu_type)}, {request.user} uses {used} of the "
+            f"{cap}-GPU per-user cap"
         )
 
     def _quota_refusal(self, request: Pending) -> str | None:
@@ -549,20 +553,23 @@ class _Planner:
         used, guaranteed = self.book.usage(p, t), self.book.guarantee(p, t)
         if self.mode is Mode.STATIC and not within:
             return (
-                f"needs {_n(request.gpus, t)}; project {p} uses {used}/{guaranteed} "
-                f"guaranteed {t} and borrowing is off (static quotas)"
+                f"Waiting for project {p}'s GPUs to free up: needs {_n(request.gpus, t)}, "
+                f"project {p} uses {used}/{guaranteed} guaranteed {t} and borrowing is off "
+                "(static quotas)"
             )
         over = self.book.over_cap(p, t, request.gpus)
         if over is None:
             return None
         if over == p:
             return (
-                f"needs {_n(request.gpus, t)}; project {p} uses {used}/{guaranteed} "
-                f"guaranteed {t} and may borrow {int(self.book.may_borrow(p, t))} more"
+                f"Waiting for project {p}'s GPUs to free up: needs {_n(request.gpus, t)}, "
+                f"project {p} uses {used}/{guaranteed} guaranteed {t} and may borrow "
+                f"{int(self.book.may_borrow(p, t))} more"
             )
         node = self.book.projects[over]
         return (
-            f"needs {_n(request.gpus, t)}; {node.kind} {over} caps its projects at "
+            f"Waiting for the GPUs of {node.kind} {over} to free up: needs "
+            f"{_n(request.gpus, t)}, {node.kind} {over} caps its projects at "
             f"{int(self.book.cap(over, t))} × {t} and they use {self.book.usage(over, t)}"
         )
 
@@ -608,11 +615,11 @@ class _Planner:
         if t not in self.capacity.zones_by_type and not any(
             zt == t for (_, _, zt) in self.capacity.totals_by_zone
         ):
-            return f"needs {_n(request.gpus, t)}; no node of the fleet has {t}"
+            return f"Cannot start, the fleet has no {t}: needs {_n(request.gpus, t)}"
         shape = f"{pods} pods × {k}" if pods > 1 else f"{k} on one node"
         return (
-            f"needs {_n(request.gpus, t)} ({shape}) in one zone; no zone of the fleet holds "
-            f"that many even when empty: ask for fewer GPUs, or for smaller pods"
+            "Cannot start, no zone of the fleet holds that many even when empty; ask for "
+            f"fewer GPUs, or for smaller pods: needs {_n(request.gpus, t)} ({shape}) in one zone"
         )
 
     def _no_room(self, request: Pending) -> _Outcome:
@@ -635,18 +642,25 @@ class _Planner:
                 return self._wait(
                     request,
                     WaitCause.RESERVED,
-                    f"{reason}; first in line for {t}: {zone} is held for it as GPUs free up",
+                    f"{reason}; you are next for {t}, {zone} is kept for you as GPUs free up",
                 )
         return self._wait(request, WaitCause.CAPACITY, reason)
 
     def _no_room_reason(self, request: Pending, block: tuple[int, str] | None, within: bool) -> str:
         t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
-        where = f"{_n(request.gpus, t)} in one zone" if pods > 1 else f"{_n(k, t)} on one node"
-        if block is None:
-            free = f"no schedulable node has {t} right now (cordoned, unhealthy or silent)"
+        if pods > 1:
+            where = f"{_gpus(request.gpus)} in one zone ({pods} pods × {k})"
         else:
-            free = f"largest free block is {block[0]} in {block[1]}"
-        return f"needs {where}; {free}{self._quota_said(request.project, t, within)}"
+            where = f"{_gpus(k)} on one node"
+        if block is None:
+            free = f"every node with {t} is cordoned, unhealthy or silent right now"
+        elif block[0] == 0:
+            free = f"every {t} is in use" if pods == 1 else f"no node has {k} × {t} free"
+        elif pods > 1:
+            free = f"the most its pods can get in one zone is {_n(block[0], t)}, in {block[1]}"
+        else:
+            free = f"the most free on one node is {_n(block[0], t)}, in {block[1]}"
+        return f"Waiting for {where}: {free}{self._quota_said(request.project, t, within)}"
 
     def _quota_said(self, p: str, t: str, within: bool) -> str:
         if self.mode is Mode.FIFO:
@@ -669,8 +683,8 @@ class _Planner:
         gpus = sum(v.gpus for v in victims)
         ids = ", ".join(str(v.id) for v in victims)
         return (
-            f"needs {_n(request.gpus, request.gpu_type)}; waiting for {gpus} GPU(s) being "
-            f"freed by preempted workload(s) {ids}"
+            f"Other work is stopping to make room: needs {_n(request.gpus, request.gpu_type)}, "
+            f"waiting for {gpus} GPU(s) being freed by preempted workload(s) {ids}"
         )
 
     # ------------------------------------------------------------ preemption
@@ -720,7 +734,8 @@ class _Planner:
         return self._wait(
             request,
             WaitCause.PREEMPTING,
-            f"needs {_n(request.gpus, t)}; stopping workload(s) {ids} to free {gpus} GPU(s)",
+            f"Other work is stopping to make room: needs {_n(request.gpus, t)}, stopping "
+            f"workload(s) {ids} to free {gpus} GPU(s)",
         )
 
     def _victim_reason(self, victim: Running, request: Pending, cause: PreemptionCause) -> str:

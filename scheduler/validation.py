@@ -50,17 +50,70 @@ class ValidRequest:
     profile: str | None
 
 
+# The most digits a count may have: 2**53 (every JSON number a client can hold exactly)
+# has 16. Python refuses to read or print an int of 4,301 digits or more, so a longer one
+# must be refused before int() or an f-string sees it.
+MAX_COUNT = 2**53
+MAX_COUNT_DIGITS = 16
+COUNT_TEXT = re.compile(r"-?[0-9]+")
+
+# Characters no name may hold: NUL (PostgreSQL refuses it in text; C strings end at it),
+# the other C0/C1 controls, and the bidirectional controls that make a name display other
+# than it reads (U+202A-U+202E embeddings and overrides, U+2066-U+2069 isolates, the
+# marks U+200E, U+200F and U+061C) — "Trojan Source", CVE-2021-42574.
+BIDI_CONTROLS = frozenset(
+    "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c"
+)
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """``value`` for a message: repr'd, and cut short so a megabyte of input is not
+    echoed back (nor a 4,301-digit int converted)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"a whole number of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def name_problem(text: str) -> str | None:
+    """What makes ``text`` unfit to be a name (user, project, GPU type, node...), or None."""
+    for char in text:
+        if char == "\0":
+            return "holds a NUL character (U+0000)"
+        if char in BIDI_CONTROLS:
+            return (
+                f"holds the bidirectional control U+{ord(char):04X}, which makes text "
+                "display other than it reads"
+            )
+        if ord(char) < 0x20 or 0x7F <= ord(char) < 0xA0:
+            return f"holds the control character U+{ord(char):04X}"
+    return None
+
+
+def check_names(**names: str | None) -> None:
+    """Refuse the first of ``names`` (field name → value) that is unfit to be a name."""
+    for field_name, text in names.items():
+        problem = None if text is None else name_problem(text)
+        if problem is not None:
+            raise InvalidRequest(f"{field_name} {problem}; names are plain text on one line")
+
+
 def parse_gpu_count(value: object) -> int:
-    if isinstance(value, bool):
-        raise InvalidRequest("the GPU count must be a whole number such as 1 or 2")
+    whole_number = "the GPU count must be a whole number such as 1 or 2"
+    if isinstance(value, bool):  # True is an int to Python, but nobody means 1 by it
+        raise InvalidRequest(whole_number)
     if isinstance(value, int):
         count = value
-    elif isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
-        count = int(value.strip())
+    elif isinstance(value, str) and COUNT_TEXT.fullmatch(text := value.strip()):
+        if len(text.lstrip("-")) > MAX_COUNT_DIGITS:  # zeros too: int() counts them
+            raise InvalidRequest(f"{whole_number} up to {MAX_COUNT}, not {shown(value)}")
+        count = int(text)
     else:
-        raise InvalidRequest(f"the GPU count must be a whole number such as 1 or 2, not {value!r}")
+        raise InvalidRequest(f"{whole_number}, not {shown(value)}")
     if count < 1:
-        raise InvalidRequest(f"ask for at least 1 GPU (got {count})")
+        raise InvalidRequest(f"ask for at least 1 GPU (got {shown(count)})")
+    if count > MAX_COUNT:
+        raise InvalidRequest(f"{whole_number} up to {MAX_COUNT}, not {shown(count)}")
     return count
 
 
@@ -85,6 +138,13 @@ def _largest_node(gpu_type: str, catalogue: Catalogue) -> int:
 
 
 def validate_session_request(request: SessionRequest, catalogue: Catalogue) -> ValidRequest:
+    check_names(
+        username=request.username,
+        server_name=request.server_name,
+        project=request.project,
+        gpu_type=request.gpu_type,
+        profile=request.profile,
+    )
     gpus = parse_gpu_count(request.gpus)
     _check_membership(request.username, request.project, catalogue)
     profile_name = request.profile
@@ -142,6 +202,12 @@ class ValidJob:
 
 def validate_job_request(request: JobRequest, catalogue: Catalogue) -> ValidJob:
     """A training job: ``gpus`` in pods of ``gpus_per_pod``, all in one zone."""
+    check_names(
+        project=request.project,
+        gpu_type=request.gpu_type,
+        priority=request.priority_class,
+        name=request.name,
+    )
     gpus = parse_gpu_count(request.gpus)
     _check_membership(request.username, request.project, catalogue)
     if request.name and not JOB_NAME.fullmatch(request.name):

@@ -20,6 +20,16 @@ from typing import Any, overload
 from .snapshot import Pending, WaitCause, Waiting
 
 
+def behind_refusal(earlier: Pending, reason: str) -> str:
+    """Why a request waits behind an earlier one of its queue that its quota refused:
+    plain words that say so, then the earlier one's reason (``plan.py`` and ``frozen.py``
+    both write it)."""
+    return (
+        f"Waiting behind an earlier {earlier.gpu_type} request of project {earlier.project} "
+        f"(workload {earlier.id}), {reason[:1].lower()}{reason[1:]}"
+    )
+
+
 class SettledRun:
     """Consecutive requests of one queue (no per-user cap), each answered by the refusal
     its shape got earlier in the cycle. Positions count on from ``after``."""

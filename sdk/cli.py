@@ -1,18 +1,21 @@
-"""The ``gpufleet`` command: the queue and the nodes, cordon and uncordon
-(``fleet_cli.py``, through the SDK ``gpufleet.client``), the what-if simulator
-(``gpufleet simulate``, docs/simulator.md) and snapshots (``gpufleet snapshot``,
-``snapshot_cli.py``, docs/snapshots.md). There are no training-job commands yet (submit,
-jobs, logs).
+"""The ``gpufleet`` command: the queue, quotas, the nodes, cordon and uncordon, and
+training jobs (submit, jobs, logs, cancel, projects) through the SDK ``gpufleet.client``
+(``fleet_cli.py``, ``job_cli.py``), the what-if simulator (``gpufleet simulate``,
+docs/simulator.md) and snapshots (``gpufleet snapshot``, ``snapshot_cli.py``,
+docs/snapshots.md).
 
 Exit codes: 0 done; 1 a part of gpufleet this install lacks; 2 bad input (arguments,
-trace, fleet or projects file), with a message that names the file and what to fix. The
-API commands and the snapshot commands say theirs in their modules.
+trace, fleet or projects file), with a message that names the file and what to fix; 130
+interrupted (Ctrl-C); 141 the output's reader went away (``gpufleet logs 7 | head``). The
+API commands and the snapshot commands say theirs in their modules. No expected error
+prints a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,7 +32,25 @@ EXIT_MISSING_EXTRA = 1
 EXIT_BAD_INPUT = 2
 
 
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # as if killed by SIGPIPE, what shells expect of `cmd | head`
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("gpufleet: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Whoever read the output stopped reading: nothing more to say, and nothing must be
+        # written to the closed pipe when Python flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="gpufleet",
         description="gpufleet: share GPUs through JupyterHub. Server side: "

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequenc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -65,7 +66,13 @@ class GpufleetError(Exception):
 
 
 class NotConfigured(GpufleetError):
-    """Nothing says where the controller is, or no token was found."""
+    """Nothing says where the controller is (``missing == "url"``), the URL given is not
+    one (``missing == "url"``, ``source`` names what gave it: ``api_url``, ``hub_url`` or
+    the environment variable), or no token was found (``missing == "token"``)."""
+
+    def __init__(self, message: str, *, missing: str = "", source: str = "", value: str = ""):
+        super().__init__(message)
+        self.missing, self.source, self.value = missing, source, value
 
 
 class Unreachable(GpufleetError):
@@ -96,26 +103,49 @@ class Connection:
     ) -> Connection:
         """Where the controller is and the token to show it (see the module's doc)."""
         hub = environ.get("GPUFLEET_HUB_URL", "")
-        url = (
-            api_url
-            or (hub_url.rstrip("/") + API_PATH if hub_url else "")
-            or environ.get("GPUFLEET_API_URL")
-            or environ.get("GPUFLEET_CONTROLLER_API_URL")
-            or (hub.rstrip("/") + API_PATH if hub else "")
-        )
-        if not url:
+        api_env = environ.get("GPUFLEET_API_URL", "")
+        session_env = environ.get("GPUFLEET_CONTROLLER_API_URL", "")
+        # (what gave it, what it said, the API URL it means), in the order of the module doc
+        candidates: list[tuple[str, str, str]] = [
+            ("api_url", api_url or "", api_url or ""),
+            ("hub_url", hub_url or "", hub_url.rstrip("/") + API_PATH if hub_url else ""),
+            ("$GPUFLEET_API_URL", api_env, api_env),
+            ("$GPUFLEET_CONTROLLER_API_URL", session_env, session_env),
+            ("$GPUFLEET_HUB_URL", hub, hub.rstrip("/") + API_PATH),
+        ]
+        found = next((c for c in candidates if c[1]), None)
+        if found is None:
             raise NotConfigured(
                 "where is the gpufleet controller? Pass hub_url (the hub's public URL, e.g. "
                 "https://hub.example.org) or set $GPUFLEET_HUB_URL; inside a gpufleet session "
-                "it is found by itself"
+                "it is found by itself",
+                missing="url",
+            )
+        source, given, url = found
+        if not _is_http_url(url):
+            raise NotConfigured(
+                f"{source} {given!r} is not a URL: write it with http:// or https:// "
+                "(e.g. https://hub.example.org)",
+                missing="url",
+                source=source,
+                value=given,
             )
         secret = token or environ.get("GPUFLEET_TOKEN") or environ.get("JUPYTERHUB_API_TOKEN")
         if not secret:
             raise NotConfigured(
                 "no token: create one on the hub's Token page (/hub/token) and pass it as "
-                "token= or set $GPUFLEET_TOKEN"
+                "token= or set $GPUFLEET_TOKEN",
+                missing="token",
             )
         return cls(url.rstrip("/"), secret)
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed [ of an IPv6 address
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 # ------------------------------------------------------------------ operations
@@ -219,6 +249,10 @@ def job_submission(
             script = path.read_text()
         except OSError as e:
             raise GpufleetError(f"cannot read the entry script {path}: {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            raise GpufleetError(f"the entry script {path} is not text (UTF-8)") from e
+        if not script.strip():
+            raise GpufleetError(f"the entry script {path} is empty")
         script_name = path.name if path.suffix == ".py" else f"{path.name}.py"
     inherited = {k: environ[k] for k in JOB_ENVIRONMENT if k in environ}
     body: dict[str, Any] = {
@@ -229,7 +263,9 @@ def job_submission(
         "script": script,
         "script_name": script_name,
         "args": [str(a) for a in args],
-        "python": python or sys.executable,
+        # Inside a session, its own interpreter (the job runs in the session's environment);
+        # elsewhere this Python means nothing to the ranks, which get their environment's.
+        "python": python or (sys.executable if environ.get("GPUFLEET_WORKLOAD_ID") else ""),
         "cwd": cwd if cwd is not None else os.getcwd(),
         "env": {**inherited, **(env or {})},
         "checkpoint_uri": checkpoint_uri,
@@ -238,6 +274,9 @@ def job_submission(
         body["gpus_per_pod"] = gpus_per_pod
     if priority is not None:
         body["priority"] = priority
+    session = environ.get("GPUFLEET_WORKLOAD_ID", "")
+    if session.isdigit():
+        body["session"] = int(session)  # its ranks run in this session's environment
     return body
 
 
@@ -302,6 +341,13 @@ def _answer(response: httpx.Response) -> Any:
     except ValueError:
         body = None
     if response.is_success:
+        if body is None:
+            raise ApiError(
+                response.status_code,
+                "not-the-controller",
+                f"{response.request.url} answered something other than JSON: is this the "
+                "gpufleet controller's API?",
+            )
         return body
     error = body if isinstance(body, dict) else {}
     raise ApiError(

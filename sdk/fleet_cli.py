@@ -5,9 +5,12 @@ controller is and the token come from ``--hub-url``/``--api-url`` and ``--token`
 from the environment as ``Connection.discover`` says (inside a gpufleet session, nothing
 is needed).
 
-Exit codes: 0 done; 2 nothing says where the controller is, or no token; 3 the controller
-refused (its message is printed: not allowed, no such node, ...); 4 it did not answer;
-5 a job waited for ended without succeeding.
+Errors are handled here, in one place, and printed as one line naming the command's own
+flags, never as a traceback. Exit codes: 0 done; 2 bad input (an argument, the entry
+script of ``submit``), nothing says where the controller is, a URL that is not one, or no
+token; 3 the controller refused (its message is printed: not allowed, no such node, ...);
+4 it did not answer; 5 a job waited for ended without succeeding; 130 interrupted (Ctrl-C;
+a job submitted keeps going).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from .output import print_json, tree_order
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from .client import Client
+    from .client import ApiError, Client, NotConfigured
 
+EXIT_BAD_INPUT = 2
 EXIT_NOT_CONFIGURED = 2
 EXIT_REFUSED = 3
 EXIT_UNREACHABLE = 4
@@ -54,20 +58,89 @@ def add_fleet_commands(commands: Any) -> None:
 
 
 def fleet_command(args: argparse.Namespace, console: Console, err: Console) -> int:
-    from .client import ApiError, Client, NotConfigured, Unreachable
+    from rich.markup import escape
+
+    from .client import ApiError, Client, GpufleetError, NotConfigured, Unreachable
+
+    def fail(message: str, code: int) -> int:
+        err.print(
+            f"[red]gpufleet {args.command}:[/] {escape(message)}", highlight=False, soft_wrap=True
+        )
+        return code
 
     try:
         with Client(args.api_url, args.token, hub_url=args.hub_url) as client:
             return _COMMANDS[args.command](client, args, console)
     except NotConfigured as e:
-        err.print(f"[red]{e}[/]")
-        return EXIT_NOT_CONFIGURED
+        return fail(not_configured(e), EXIT_NOT_CONFIGURED)
     except Unreachable as e:
-        err.print(f"[red]{e}[/]")
-        return EXIT_UNREACHABLE
+        return fail(str(e), EXIT_UNREACHABLE)
     except ApiError as e:
-        err.print(f"[red]the controller refused ({e.status} {e.code}):[/] {e.message}")
-        return EXIT_REFUSED
+        return fail(refusal(e, args.command), EXIT_REFUSED)
+    except GpufleetError as e:  # bad input found here: a missing script, a bad --env
+        return fail(str(e), EXIT_BAD_INPUT)
+
+
+# The CLI's words for the SDK's arguments and for the fields of the API's bodies.
+FLAGS = {"api_url": "--api-url", "hub_url": "--hub-url", "token": "--token"}
+SUBMIT_FIELDS = {
+    "project": "--project",
+    "gpu_type": "--gpu-type",
+    "gpus": "--gpus",
+    "gpus_per_pod": "--gpus-per-pod",
+    "priority": "--priority",
+    "name": "--name",
+    "env": "--env",
+    "checkpoint_uri": "--checkpoint-uri",
+    "python": "--python",
+    "script": "SCRIPT",
+    "script_name": "SCRIPT's file name",
+    "args": "the script's arguments",
+}
+
+
+def not_configured(e: NotConfigured) -> str:
+    """The SDK's ``NotConfigured`` in the command's words (its flags, not ``hub_url=``)."""
+    if e.missing == "token":
+        return (
+            "no token: create one on the hub's Token page (/hub/token on the hub) and give "
+            "it with --token, or set $GPUFLEET_TOKEN"
+        )
+    if e.source:
+        return (
+            f"{FLAGS.get(e.source, e.source)} {e.value!r} is not a URL: give the hub's "
+            "address with http:// or https://, e.g. --hub-url https://hub.example.org"
+        )
+    return (
+        "where is the gpufleet controller? Give --hub-url (the hub's public URL, e.g. "
+        "https://hub.example.org) or set $GPUFLEET_HUB_URL; inside a gpufleet session it is "
+        "found by itself"
+    )
+
+
+def refusal(e: ApiError, command: str) -> str:
+    """The controller's refusal, its field names turned into the command's flags."""
+    said = f"the controller refused ({e.status} {e.code}): {e.message}"
+    problems = e.details if isinstance(e.details, list) else []
+    fields = SUBMIT_FIELDS if command == "submit" else {}
+    if fields and problems and all(isinstance(p, dict) and "field" in p for p in problems):
+        said = f"the controller refused ({e.status} {e.code}): " + "; ".join(
+            f"{_flag(str(p['field']), fields)}: {p.get('problem', '')}" for p in problems
+        )
+    if e.status == 401:
+        said += (
+            " (the token was not accepted: create one on the hub's Token page and give it "
+            "with --token, or set $GPUFLEET_TOKEN)"
+        )
+    return said
+
+
+def _flag(field: str, fields: dict[str, str]) -> str:
+    head, _, rest = field.partition(".")
+    flag = fields.get(head)
+    if flag is None:
+        return field or "the request"
+    return f"{flag} ({rest})" if rest else flag
 
 
 def _queue(client: Client, args: argparse.Namespace, console: Console) -> int:

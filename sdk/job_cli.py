@@ -1,7 +1,8 @@
 """``gpufleet submit``, ``jobs``, ``logs``, ``cancel`` and, for admins, ``projects``: training
 jobs and the project tree through the SDK, in the style of ``fleet_cli`` (which runs
 them, with its connection options, ``--json`` and exit codes). ``submit --wait`` and
-``logs -f`` add one: 5, the job ended without succeeding.
+``logs -f`` add one: 5, the job ended without succeeding; interrupted (Ctrl-C) they
+exit 130 and the job goes on.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from .hub.api.schemas import QuotaUsageOut
 
 EXIT_JOB_FAILED = 5
+EXIT_INTERRUPTED = 130
 
 
 def add_job_commands(commands: Any, connection: argparse.ArgumentParser) -> None:
@@ -69,13 +71,13 @@ def add_job_commands(commands: Any, connection: argparse.ArgumentParser) -> None
 
 
 def _submit(client: Client, args: argparse.Namespace, console: Console) -> int:
+    from .client import GpufleetError
 
     env = {}
     for item in args.env:
         name, sep, value = item.partition("=")
         if not sep or not name:
-            console.print(f"[red]--env {item!r}: write NAME=VALUE[/]")
-            return 2
+            raise GpufleetError(f"--env {item!r}: write NAME=VALUE")
         env[name] = value
     job = client.submit(
         file=args.script,
@@ -104,7 +106,15 @@ def _submit(client: Client, args: argparse.Namespace, console: Console) -> int:
         )
     if not args.wait:
         return 0
-    ended = client.wait(job)
+    try:
+        ended = client.wait(job)
+    except KeyboardInterrupt:
+        console.print(
+            f"stopped waiting; job {job.id} goes on. Follow it: gpufleet logs {job.id} -f; "
+            f"stop it: gpufleet cancel {job.id}",
+            highlight=False,
+        )
+        return EXIT_INTERRUPTED
     if args.json:
         print_json([ended])
     else:

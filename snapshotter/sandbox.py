@@ -70,6 +70,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -77,18 +78,88 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-__all__ = ["SandboxMode", "SandboxSupport", "candidate_modes", "probe", "sandbox_argv"]
+__all__ = [
+    "DEFAULT_ROOT",
+    "DEFAULT_SESSION_PREFIX",
+    "RootEntry",
+    "SandboxDirs",
+    "SandboxMode",
+    "SandboxSupport",
+    "candidate_modes",
+    "default_session_env",
+    "host_root",
+    "identity_files",
+    "layer_dirs",
+    "owned_prefix",
+    "prepare_dirs",
+    "probe",
+    "remove_tree",
+    "sandbox_argv",
+    "write_identity",
+]
 
 log = logging.getLogger(__name__)
 
 _OVERLAY_OPTIONS = "redirect_dir=off,metacopy=off,index=off"
-# $1 upper, $2 work, $3 merged, then the bwrap command line. Paths are passed as arguments,
-# never pasted into the script, so no quoting can go wrong.
+# Groups of four arguments (lower, upper, work, merged), one per overlay, then "--", then
+# the bwrap command line. Paths are passed as arguments, never pasted into the script, so
+# no quoting can go wrong.
 _MOUNT_SCRIPT = (
     "mount --make-rprivate / && "
-    'mount -t overlay overlay -o "lowerdir=/,upperdir=$1,workdir=$2,{options}" "$3" && '
-    'shift 3 && exec "$@"'
+    'while [ "$1" != -- ]; do '
+    'mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3,{options}" "$4" '
+    "|| exit 1; shift 4; done; "
+    'shift && exec "$@"'
 )
+# What of the host's root a sandbox shows (anything else of it is not there at all): the
+# system's programs, libraries and configuration, and /opt, where the sessions' base
+# environment lives. The hub's data directory, its secrets, its checkout, /root, /home and
+# /var are absent; a session's own home and environment are bound in on their own.
+DEFAULT_ROOT = ("usr", "etc", "opt", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# Where sessions and ranks run from, and where, inside their sandbox, their own environment
+# lives (the spawner's and the agent's defaults must agree).
+DEFAULT_SESSION_PREFIX = "/opt/gpufleet/env"
+
+
+def default_session_env() -> str:
+    """The sessions' base environment: $GPUFLEET_SESSION_ENV, else /opt/gpufleet/session-env
+    (scripts/build-session-env makes it)."""
+    return os.environ.get("GPUFLEET_SESSION_ENV") or "/opt/gpufleet/session-env"
+
+
+@dataclass(frozen=True)
+class RootEntry:
+    """One top-level entry of the host's root that a sandbox shows: a directory (an overlay
+    layer, or read-only without an overlay) or, where the host has a symlink (``/lib ->
+    usr/lib`` on a merged-/usr system), the same symlink."""
+
+    name: str
+    link: str | None = None
+
+    @property
+    def path(self) -> str:
+        return "/" + self.name
+
+
+def host_root(names: Sequence[str] = DEFAULT_ROOT, root: Path = Path("/")) -> tuple[RootEntry, ...]:
+    """The entries of ``names`` the host has, as directories or symlinks. Blocking."""
+    found = []
+    for name in names:
+        path = root / name
+        if path.is_symlink():
+            found.append(RootEntry(name, os.readlink(path)))
+        elif path.is_dir():
+            found.append(RootEntry(name))
+    return tuple(found)
+
+
+def layer_dirs(directory: Path, root: Sequence[RootEntry]) -> list[Path]:
+    """Where each directory entry of ``root`` has its part of an overlay's upper, work or
+    merged directory ``directory``: ``directory/usr``, ``directory/etc``, ... So an upper
+    directory holds ``usr/...``, ``etc/...`` as an overlay on the whole root would."""
+    return [directory / entry.name for entry in root if entry.link is None]
+
+
 _PROBE_TIMEOUT_S = 30
 
 
@@ -179,19 +250,32 @@ def sandbox_argv(
     binds: Sequence[tuple[Path, Path]],
     env_prefix: Path | None,
     argv: Sequence[str],
+    root: Sequence[RootEntry],
     tmp: Path | None = None,
     devices: Sequence[Path] | None = None,
     user: tuple[int, int] | None = None,
+    read_only: Sequence[tuple[Path, Path]] = (),
+    share_pids: bool = False,
+    lowers: Sequence[Path] = (),
+    chdir: Path | None = None,
 ) -> list[str]:
     """The command line that runs ``argv`` in a session sandbox of ``support.mode``.
 
-    ``upper``, ``work`` (empty, on the same file system as ``upper``) and ``merged`` (an empty
-    directory, the mount point) must exist; they are used by the overlay modes only. ``home``,
-    ``env_prefix`` and each ``(source, destination)`` of ``binds`` are bound read-write.
-    ``tmp``, when given, is bound at ``/tmp``; otherwise ``/tmp`` is a fresh tmpfs. ``devices``
+    The sandbox's ``/`` is empty but for ``root`` (:func:`host_root`): each directory of it
+    an overlay layer (its parts of ``upper``, ``work`` and ``merged``, :func:`layer_dirs`,
+    must exist, ``work``'s empty, on the file system of ``upper``; ``merged``'s are mount
+    points), or read-only without an overlay. ``home``, ``env_prefix`` and each ``(source,
+    destination)`` of ``binds`` are bound read-write, then each of ``read_only`` read-only
+    (over what is already there: the sessions' base environment, a passwd file). ``tmp``,
+    when given, is bound at ``/tmp``; otherwise ``/tmp`` is a fresh tmpfs. ``devices``
     replaces the GPU device nodes :func:`probe` found. ``user`` = ``(uid, gid)`` runs the
-    command as that user (root only). In mode ``none`` the result is ``argv`` itself (behind
-    ``setpriv`` when ``user`` is given).
+    command as that user (root only). ``share_pids`` keeps the caller's pid namespace (the
+    sandbox's processes are then not alone: only for a caller that needs to find them by
+    pid, never for a researcher's processes). ``lowers``: read-only layers stacked above the
+    host's directories in the overlay modes, topmost first (``<lower>/usr`` over ``/usr``;
+    each must exist): a job's copy of its session's upper directory. ``chdir``: where the
+    command starts (inside the sandbox). In mode ``none`` the result is ``argv``
+    itself (behind ``setpriv`` when ``user`` is given).
 
     Pure: reads nothing, creates nothing. Raises ``ValueError`` for an empty ``argv``, for
     paths the overlay mount options cannot carry, or for ``user`` where bwrap is not root.
@@ -212,31 +296,50 @@ def sandbox_argv(
     if bwrap is None:
         raise ValueError(f"sandbox mode {mode.value} needs bwrap, and the support names none")
     prefix: list[str] = []
-    root_args: list[str]
+    root_args: list[str] = [bwrap]
+    layers = [entry for entry in root if entry.link is None]
     if mode in _OVERLAY_MODES:
         paths = [
             _check_overlay_path("upper directory", upper),
             _check_overlay_path("work directory", work),
             _check_overlay_path("merged directory", merged),
         ]
+        stacked = [_check_overlay_path("lower layer", lower) for lower in lowers]
         if mode is SandboxMode.OVERLAY_BWRAP:
-            root_args = [bwrap, "--overlay-src", "/", "--overlay", paths[0], paths[1], "/"]
-        elif mode is SandboxMode.OVERLAY_MOUNT:
-            script = _MOUNT_SCRIPT.format(options=_OVERLAY_OPTIONS)
-            prefix = [support.unshare or "unshare", "-m", "--", "/bin/sh", "-c", script, "sh"]
-            prefix += paths
-            root_args = [bwrap, "--bind", paths[2], "/"]
-        else:  # OVERLAY_USERNS: userxattr implies no redirects and no metacopy
-            script = _MOUNT_SCRIPT.format(options="userxattr").removeprefix(
-                "mount --make-rprivate / && "
-            )
-            prefix = [support.unshare or "unshare", "-U", "-r", "-m", "--", "/bin/sh", "-c"]
-            prefix += [script, "sh", *paths]
-            root_args = [bwrap, "--unshare-user", "--uid", str(support.uid)]
-            root_args += ["--gid", str(support.gid), "--bind", paths[2], "/"]
-        root_args += ["--ro-bind", "/sys", "/sys"]
-    else:  # READONLY: bwrap binds recursively, so /sys and the other mounts come along
-        root_args = [bwrap, "--ro-bind", "/", "/"]
+            for entry in layers:
+                for lower in stacked:
+                    root_args += ["--overlay-src", f"{lower}/{entry.name}"]
+                root_args += ["--overlay-src", entry.path, "--overlay"]
+                root_args += [f"{paths[0]}/{entry.name}", f"{paths[1]}/{entry.name}", entry.path]
+        else:
+            groups = [
+                [
+                    ":".join([*(f"{lower}/{entry.name}" for lower in stacked), entry.path]),
+                    *(f"{path}/{entry.name}" for path in paths),
+                ]
+                for entry in layers
+            ]
+            if mode is SandboxMode.OVERLAY_MOUNT:
+                script = _MOUNT_SCRIPT.format(options=_OVERLAY_OPTIONS)
+                prefix = [support.unshare or "unshare", "-m", "--", "/bin/sh", "-c", script]
+            else:  # OVERLAY_USERNS: userxattr implies no redirects and no metacopy
+                script = _MOUNT_SCRIPT.format(options="userxattr").removeprefix(
+                    "mount --make-rprivate / && "
+                )
+                prefix = [support.unshare or "unshare", "-U", "-r", "-m", "--", "/bin/sh", "-c"]
+                prefix.append(script)
+                root_args += ["--unshare-user", "--uid", str(support.uid)]
+                root_args += ["--gid", str(support.gid)]
+            prefix += ["sh", *(arg for group in groups for arg in group), "--"]
+            for entry in layers:
+                root_args += ["--bind", f"{paths[2]}/{entry.name}", entry.path]
+    else:  # READONLY
+        for entry in layers:
+            root_args += ["--ro-bind", entry.path, entry.path]
+    for entry in root:
+        if entry.link is not None:
+            root_args += ["--symlink", entry.link, entry.path]
+    root_args += ["--ro-bind", "/sys", "/sys"]
 
     args = [*prefix, *root_args, "--proc", "/proc", "--dev", "/dev"]
     args += ["--perms", "1777", "--tmpfs", "/dev/shm"]
@@ -249,14 +352,164 @@ def sandbox_argv(
     if env_prefix is not None:
         mounts.append((env_prefix, env_prefix))
     mounts += binds
-    for parent in _parents([destination for _, destination in mounts]):
+    for parent in _parents([destination for _, destination in [*mounts, *read_only]]):
         args += ["--perms", "0755", "--dir", parent]
     for source, destination in mounts:
         args += ["--bind", str(source), str(destination)]
-    args += ["--unshare-pid", "--die-with-parent", "--new-session"]
+    for source, destination in read_only:
+        args += ["--ro-bind", str(source), str(destination)]
+    if not share_pids:
+        args.append("--unshare-pid")
+    if chdir is not None:
+        args += ["--chdir", str(chdir)]
+    args += ["--die-with-parent", "--new-session"]
     if user is not None and support.is_root:
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     return [*args, "--", *_as_user(argv, user)]
+
+
+def identity_files(
+    name: str, uid: int, gid: int, home: Path, etc: Path = Path("/etc")
+) -> dict[str, str]:
+    """The host's passwd and group files with an entry for ``name`` (``uid``/``gid``, a
+    group of its own) in place of any of that name or number: what a sandbox binds over
+    ``/etc/passwd`` and ``/etc/group`` for a user the host has no account for, so that
+    programs that look the user up (``whoami``, ``~``, pip's cache) find them. Blocking."""
+    entries = {
+        "passwd": f"{name}:x:{uid}:{gid}:gpufleet user {name}:{home}:/bin/bash",
+        "group": f"{name}:x:{gid}:",
+    }
+    files = {}
+    for file, entry in entries.items():
+        number = str(uid if file == "passwd" else gid)
+        kept = [
+            line
+            for line in (etc / file).read_text().splitlines()
+            if line.split(":", 1)[0] != name and line.split(":")[2:3] != [number]
+        ]
+        files[file] = "\n".join([*kept, entry]) + "\n"
+    return files
+
+
+# ------------------------------------------------------------ directories (I/O, blocking)
+@dataclass(frozen=True)
+class SandboxDirs:
+    """One sandbox's directories on the host: ``upper`` (its container state: what it
+    changed in the root's directories; kept across starts), ``work`` and ``merged`` (the
+    overlay's scratch and mount points: renewed at each start), ``tmp`` (its /tmp:
+    emptied at each start)."""
+
+    root: Path
+
+    @property
+    def upper(self) -> Path:
+        return self.root / "upper"
+
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def merged(self) -> Path:
+        return self.root / "merged"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+
+def prepare_dirs(dirs: SandboxDirs, overlay: bool, root: Sequence[RootEntry]) -> None:
+    """Make a sandbox's directories for a start: keep ``upper``, renew the others (only
+    ``tmp`` without ``overlay``), each with a layer per directory of ``root``.
+
+    A layer of ``upper`` (``upper/usr``) covers the host's directory of that name, so it
+    gets that directory's mode and owner (a layer only root may enter would shut the
+    sandbox's user out of it). Raises ``OSError`` (a mount point that is not empty: is an
+    earlier start still running?)."""
+    dirs.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    remove_tree(dirs.tmp)
+    dirs.tmp.mkdir(mode=0o700)
+    os.chmod(dirs.tmp, 0o1777)
+    if not overlay:
+        return
+    dirs.upper.mkdir(mode=0o755, exist_ok=True)
+    for layer in layer_dirs(dirs.upper, root):
+        if not layer.is_dir():
+            _mkdir_as(layer, Path("/") / layer.name)
+    remove_tree(dirs.work)
+    dirs.work.mkdir(mode=0o700)
+    for layer in layer_dirs(dirs.work, root):
+        layer.mkdir(mode=0o700)
+    if dirs.merged.exists():
+        try:
+            # never rmtree: they must be empty, unmounted directories
+            for mount_point in dirs.merged.iterdir():
+                mount_point.rmdir()
+            dirs.merged.rmdir()
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"{dirs.merged} should hold only empty mount points and does not "
+                f"({e.strerror}); is something of an earlier start still running?",
+            ) from e
+    dirs.merged.mkdir(mode=0o700)
+    for layer in layer_dirs(dirs.merged, root):
+        layer.mkdir(mode=0o700)
+
+
+def owned_prefix(upper: Path, prefix: Path, uid: int, gid: int) -> Path:
+    """``prefix``'s place in ``upper``, a directory of the user's, its parents made as the
+    host's directories they cover are (mode and owner): where a sandbox's own environment
+    is written, inside its container state."""
+    current = upper
+    for part in prefix.relative_to("/").parts[:-1]:
+        current = current / part
+        if not current.is_dir():
+            _mkdir_as(current, Path("/") / current.relative_to(upper))
+    target = upper / prefix.relative_to("/")
+    target.mkdir(mode=0o755, exist_ok=True)
+    if os.geteuid() == 0 and (target.lstat().st_uid, target.lstat().st_gid) != (uid, gid):
+        os.chown(target, uid, gid, follow_symlinks=False)
+    return target
+
+
+def _mkdir_as(path: Path, like: Path) -> None:
+    """Make the directory ``path`` with the mode and owner of the host's ``like`` (0755 and
+    the caller's where the host has none)."""
+    path.mkdir(mode=0o755)
+    try:
+        info = like.stat()
+    except FileNotFoundError:
+        return
+    if os.geteuid() == 0:
+        os.chown(path, info.st_uid, info.st_gid)
+    os.chmod(path, stat.S_IMODE(info.st_mode))
+
+
+def write_identity(
+    directory: Path, name: str, uid: int, gid: int, home: Path
+) -> list[tuple[Path, Path]]:
+    """:func:`identity_files` written into ``directory`` (mode 0644), as ``(file,
+    /etc/...)`` pairs to bind read-only into the sandbox."""
+    pairs = []
+    for file, text in identity_files(name, uid, gid, home).items():
+        target = directory / file
+        target.write_text(text)
+        target.chmod(0o644)
+        pairs.append((target, Path("/etc") / file))
+    return pairs
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a tree that may hold an overlay's work directories (left with mode 000)."""
+    if not path.exists():
+        return
+    for dirpath, dirnames, _ in os.walk(path):
+        for name in dirnames:
+            child = os.path.join(dirpath, name)
+            if not os.path.islink(child):
+                os.chmod(child, 0o700)
+    shutil.rmtree(path)
 
 
 # ------------------------------------------------------------------------- probing (I/O)
@@ -336,9 +589,7 @@ def _probe(base: Path) -> SandboxSupport:
     )
     bwrap = shutil.which("bwrap")
     if bwrap is None:
-        return replace(
-            facts, reason="bwrap (bubblewrap) is not installed: sessions run unsandboxed"
-        )
+        return replace(facts, reason="bwrap (bubblewrap) is not installed")
     facts = replace(
         facts, bwrap=bwrap, bwrap_version=_bwrap_version(bwrap), unshare=shutil.which("unshare")
     )
@@ -364,19 +615,21 @@ def _probe(base: Path) -> SandboxSupport:
             failures.append(f"{mode.value}: {failure}")
     finally:
         _remove_tree(trial_root)
-    return replace(
-        facts, reason="bwrap cannot run here, sessions run unsandboxed; " + "; ".join(failures)
-    )
+    return replace(facts, reason="bwrap cannot run here; " + "; ".join(failures))
 
 
 def _try(support: SandboxSupport, where: Path) -> str | None:
     """Run one trial sandbox; None when it behaved, else what went wrong."""
     dirs = {name: where / name for name in ("upper", "work", "merged", "home")}
+    root = host_root()
     for path in dirs.values():
         path.mkdir(parents=True)
+        if path.name != "home":
+            for layer in layer_dirs(path, root):
+                layer.mkdir()
     marker = f".gpufleet-sandbox-probe-{os.getpid()}-{secrets.token_hex(4)}"
     if support.overlay:
-        script = f'echo probe > /{marker} && echo ok > "$0/ok"'
+        script = f'echo probe > /etc/{marker} && echo ok > "$0/ok"'
     else:
         script = 'echo ok > "$0/ok"'
     argv = sandbox_argv(
@@ -387,6 +640,7 @@ def _try(support: SandboxSupport, where: Path) -> str | None:
         home=dirs["home"],
         binds=(),
         env_prefix=None,
+        root=root,
         argv=["/bin/sh", "-c", script, str(dirs["home"])],
     )
     try:
@@ -400,17 +654,17 @@ def _try(support: SandboxSupport, where: Path) -> str | None:
         )
     except (OSError, subprocess.SubprocessError) as e:
         return f"{type(e).__name__}: {e}"
-    host_marker = Path("/") / marker
+    host_marker = Path("/etc") / marker
     if host_marker.exists():  # the sandbox wrote to the host: never use this mode
         host_marker.unlink()
-        return "a write to / reached the host"
+        return "a write to /etc reached the host"
     if done.returncode != 0:
         detail = " ".join(done.stderr.split())[-300:] or f"exit status {done.returncode}"
         return detail
     if not (dirs["home"] / "ok").exists():
         return "the home directory was not writable in the sandbox"
-    if support.overlay and not (dirs["upper"] / marker).exists():
-        return "a write to / did not land in the upper directory"
+    if support.overlay and not (dirs["upper"] / "etc" / marker).exists():
+        return "a write to /etc did not land in the upper directory"
     return None
 
 

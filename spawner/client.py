@@ -21,7 +21,28 @@ class RequestRejected(ControllerError):
 
 
 class ControllerUnavailable(ControllerError):
-    """The controller could not be reached or failed (network error or 5xx)."""
+    """The controller could not be reached or failed (network error or 5xx).
+
+    ``status`` is the HTTP status of a failed answer, None when none came. A 500 is the
+    controller's own failure (its log has the traceback), which the same request will
+    most likely meet again; a 502/503/504 is a restart or a standby controller.
+    """
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def error_message(response: httpx.Response) -> str:
+    """The controller's own words from an error answer ``{code, message, details}``, else
+    the start of whatever else answered (a proxy's page)."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return str(body["message"])
+    return response.text[:300]
 
 
 @dataclass(frozen=True)
@@ -88,20 +109,23 @@ class ControllerClient:
                 f"the gpufleet controller at {self.api_url} did not answer: {e}"
             ) from e
         if 400 <= response.status_code < 500:
-            try:
-                message = response.json()["message"]
-            except (ValueError, KeyError):
-                message = response.text
-            raise RequestRejected(message, response.status_code)
+            # Final: the same request would be refused again, so it is not retried.
+            raise RequestRejected(error_message(response), response.status_code)
         if response.status_code >= 500:
             raise ControllerUnavailable(
-                f"the gpufleet controller failed ({response.status_code}): {response.text[:300]}"
+                f"the gpufleet controller failed ({response.status_code}): "
+                f"{error_message(response)}",
+                response.status_code,
             )
         body: dict[str, Any] = response.json()
         return body
 
     async def spawn_options(self, username: str) -> dict[str, Any]:
         return await self._call("GET", f"/users/{username}/spawn-options")
+
+    async def account(self, username: str) -> dict[str, Any]:
+        """Whom the user's processes run as: uid, gid, mode and (system mode) home."""
+        return await self._call("POST", f"/users/{username}/account")
 
     async def open_session(
         self, body: dict[str, Any], *, dry_run: bool = False

@@ -23,15 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pwd
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
-from jupyterhub.spawner import set_user_setuid
 from tornado import web
-from traitlets import Enum, Float, Unicode, default
+from traitlets import Float, Unicode, default
 
 from ..culler.snapshots import SnapshotFailed, Sources
 from ..recovery import processes
@@ -44,9 +43,12 @@ from .client import (
 )
 from .form import options_from_form, render_form
 from .resume import SnapshottingMixin
-from .sandboxing import SandboxedProcessSpawner
+from .sandboxing import Containment, SandboxedProcessSpawner
 
 LONG_POLL_SECONDS = 20
+MAX_RETRY_SECONDS = 5.0  # the longest pause between tries while the controller is away
+INTERNAL_ERROR_TRIES = 3
+T = TypeVar("T")
 _background: set[asyncio.Task[None]] = set()  # retries that outlive a stop() call
 
 
@@ -130,15 +132,6 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
         "the session's GPUs.",
     ).tag(config=True)
 
-    user_mode = Enum(
-        ["auto", "system", "single"],
-        "auto",
-        help="How servers run. 'system': as the system user of the same name (the hub runs "
-        "as root). 'single': as the hub's own user, each with a home under "
-        "home_dir_template (a laptop, CI). 'auto': system when the hub runs as root and the "
-        "system user exists, else single.",
-    ).tag(config=True)
-
     @default("start_timeout")
     def _default_start_timeout(self) -> int:
         return int(self.queue_timeout + 300)
@@ -199,49 +192,44 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
             )
         return client
 
-    def _system_user(self) -> bool:
-        if self.user_mode == "system":
-            return True
-        if self.user_mode == "single" or os.geteuid() != 0:
-            return False
-        import pwd
-
+    async def containment(self) -> Containment:
+        """The user's account from the controller (made on their first start), retried
+        while the controller restarts."""
         try:
-            pwd.getpwnam(self.user.name)
-        except KeyError:
-            return False
-        return True
+            account = await self._until_answered(
+                lambda: self.controller.account(self.user.name), self.queue_timeout
+            )
+        except RequestRejected as e:
+            raise InvalidGPURequest(str(e)) from e
+        self.account_home = str(account.get("home") or "")
+        return Containment(
+            username=self.user.name,
+            uid=int(account["uid"]),
+            gid=int(account["gid"]),
+            mode=str(account["mode"]),
+            base_env=Path(self.session_base_env),
+            prefix=Path(self.session_prefix),
+        )
 
-    def sandbox_user(self) -> tuple[int, int] | None:
-        if not self._system_user():
-            return None
-        entry = pwd.getpwnam(self.user.name)
-        return entry.pw_uid, entry.pw_gid
-
-    def sandbox_needs(self) -> list[str]:
-        # Bound even on the root file system: the agent replaces the control file by a
-        # rename, which an overlay's lower layer does not show to a session that has read it.
+    def sandbox_read_only(self) -> list[str]:
+        # Read-only: a session must not forge its GPUs' readings or XIDs. A bind of the
+        # directory, not of its files: the agent replaces the control file by a rename.
         return [self.fake_nvml_dir] if self.fake_nvml_dir else []
 
-    def make_preexec_fn(self, name: str) -> Any:
-        if self._system_user():
-            return set_user_setuid(name)
-        return super().make_preexec_fn(name)
+    account_home: str = ""  # the system account's home, in system mode
 
     def user_env(self, env: dict[str, str]) -> dict[str, str]:
-        if self._system_user():
-            from jupyterhub.spawner import LocalProcessSpawner
-
-            return LocalProcessSpawner.user_env(self, env)
-        return super().user_env(env)
+        env = super().user_env(env)
+        if self.account_home:
+            env["HOME"] = self.account_home
+        env["USER"] = env["LOGNAME"] = self.user.name
+        return env
 
     def get_args(self) -> list[str]:
         args: list[str] = super().get_args()
         # Reports kernel and terminal activity to the culler, relays its notices
         # (culler/session_extension.py, docs/session-extension.md).
         args.append("--ServerApp.jpserver_extensions=gpufleet.culler.session_extension=True")
-        if os.geteuid() == 0 and not self._system_user():
-            args.append("--allow-root")  # single-user mode under a root hub (CI)
         return args
 
     def get_env(self) -> dict[str, str]:
@@ -290,6 +278,11 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
         if user_options.get("project") and user_options.get("gpu_type"):
             return user_options
         options = await self.controller.spawn_options(self.user.name)
+        if not options["projects"]:
+            raise InvalidGPURequest(
+                "you are in no gpufleet project yet: ask a gpufleet admin (the group "
+                "gpufleet-admins) to add you to one"
+            )
         filled = dict(user_options)
         if not filled.get("project") and options["projects"]:
             filled["project"] = options["projects"][0]["name"]
@@ -390,7 +383,20 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
             renewer.cancel()
 
     async def _open_request(self) -> WorkloadStatus:
-        """Queue the request; while the controller restarts, keep trying (and say so)."""
+        """Queue the request; while the controller restarts, keep trying (and say so).
+
+        A workload still in the saved state is the previous start's, whose release never
+        reached the controller (it was down when the server stopped). The new request
+        settles it: the controller ends it at once if nothing of it runs (and refuses
+        the start, saying what runs, if something does).
+        """
+        if self.workload_id is not None:
+            self.log.info(
+                "%s: workload %s of the previous start was never released; the new "
+                "request asks the controller to end it",
+                self._log_name,
+                self.workload_id,
+            )
 
         async def open_session() -> WorkloadStatus:
             body = self._request_body(await self._fill_defaults(self.user_options or {}))
@@ -403,30 +409,47 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
         except RequestRejected as e:
             raise InvalidGPURequest(str(e)) from e
 
-    async def _until_answered(
-        self, call: Callable[[], Awaitable[WorkloadStatus]], seconds: float
-    ) -> WorkloadStatus:
-        """``call()``, retried while the controller is unreachable (a restart takes ~30 s)."""
+    async def _until_answered(self, call: Callable[[], Awaitable[T]], seconds: float) -> T:
+        """``call()``, retried while the controller is unreachable (a restart takes ~30 s),
+        backing off to ``MAX_RETRY_SECONDS``; the spawn page hears of it once per distinct
+        error. A controller that answers with an internal error is not retried past
+        ``INTERNAL_ERROR_TRIES``: the same request would fail the same way."""
         deadline = time.monotonic() + seconds
+        pause, internal, said = 1.0, 0, ""
         while True:
             try:
                 return await call()
             except ControllerUnavailable as e:
+                internal = internal + 1 if e.status == 500 else 0
+                if internal >= INTERNAL_ERROR_TRIES:
+                    raise web.HTTPError(500, str(e)) from e
                 if time.monotonic() > deadline:
                     raise web.HTTPError(503, str(e)) from e
-                self._report(f"gpufleet controller unreachable, retrying: {e}", 5)
-                await asyncio.sleep(1)
+                if str(e) != said:
+                    said = str(e)
+                    self._report(f"gpufleet controller unreachable, retrying: {e}", 5)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, MAX_RETRY_SECONDS)
 
     async def _abandon(self, started: bool, error: BaseException) -> None:
         if started:
             await super().stop(now=True)
         if isinstance(error, asyncio.CancelledError):
-            await self._release("withdrawn", "")
+            # The hub cancelled the spawn (a DELETE while it waits): it gives the spawn
+            # one second to end, then stops the server, and answers 500 if the spawn is
+            # still pending. So the withdrawal is not waited for (a controller that hangs
+            # takes the client's whole timeout to fail).
+            await self._release("withdrawn", "", wait=False)
         else:
             await self._release("failed", f"the spawn failed: {error}")
 
-    async def _release(self, outcome: str, message: str) -> None:
-        """Release the GPUs once nothing of the session runs; else keep them allocated."""
+    async def _release(self, outcome: str, message: str, *, wait: bool = True) -> None:
+        """Release the GPUs once nothing of the session runs; else keep them allocated.
+
+        ``wait=False`` (a withdrawn spawn): once nothing of it runs the workload is
+        forgotten and the release is sent in the background; if the controller does not
+        take it, the request's lease lapses by itself.
+        """
         workload_id = self.workload_id
         if workload_id is None:
             return
@@ -437,16 +460,44 @@ class LocalGPUSpawner(SnapshottingMixin, SandboxedProcessSpawner):
                 workload_id,
             )
             return
-        try:
-            await self.controller.release(workload_id, outcome, message)
-        except RequestRejected as e:
-            self.log.warning("releasing workload %s: %s", workload_id, e)
-        except ControllerUnavailable as e:
-            # The workload stays in the spawner's state; the next stop() retries.
-            self.log.error("could not release workload %s: %s", workload_id, e)
+
+        async def send() -> bool:
+            try:
+                await self.controller.release(workload_id, outcome, message)
+            except RequestRejected as e:
+                self.log.warning("releasing workload %s: %s", workload_id, e)
+            except ControllerUnavailable as e:
+                if wait:
+                    # Nothing of it runs. It stays in the saved state; the server's next
+                    # start has the controller end it at once (or else the reconciler).
+                    self.log.error("could not release workload %s: %s", workload_id, e)
+                else:
+                    self.log.warning(
+                        "could not withdraw the GPU request %s of %s (%s); nothing of it "
+                        "runs, and the request's lease lapses by itself (one that had "
+                        "reported running is ended by the server's next start or by the "
+                        "reconciler)",
+                        workload_id,
+                        self.user.name,
+                        e,
+                    )
+                return False
+            return True
+
+        if not wait:
+            self._forget_workload()
+            self._progress_log().clear()
+
+            async def in_background() -> None:
+                await send()
+
+            task = asyncio.create_task(in_background())
+            _background.add(task)
+            task.add_done_callback(_background.discard)
             return
-        self._forget_workload()
-        self._progress_log().clear()
+        if await send():
+            self._forget_workload()
+            self._progress_log().clear()
 
     def _forget_workload(self) -> None:
         self.workload_id = None

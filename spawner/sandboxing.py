@@ -7,14 +7,16 @@ process work, off the event loop.
 Where a server's sandbox lives on the host, made for each start by :func:`prepare`::
 
     <sandbox_dir>/<user>/<server, or "default">/
-        upper/   the session's container state: what it changed outside its home (apt, pip
-                 into system paths, /etc). Kept across restarts of the same server; the
-                 snapshotter reads it with overlay.read_upper, a restore refills it.
-        work/    the overlay's scratch directory: recreated empty at each start.
-        merged/  the overlay's mount point: recreated empty at each start. The mount exists
+        upper/   the session's container state: what it changed in the root's directories
+                 (usr/, etc/, opt/: its own virtualenv at opt/gpufleet/env above all). Kept
+                 across restarts of the same server; the snapshotter reads it with
+                 overlay.read_upper, a restore refills it.
+        work/    the overlays' scratch directories: recreated empty at each start.
+        merged/  the overlays' mount points: recreated empty at each start. The mounts exist
                  only in the session's own mount namespace, never on the host.
         tmp/     the session's /tmp: recreated empty at each start (as a reboot clears it);
                  not part of the session's state.
+        passwd, group   the host's, with the user's entry (sandbox mode), bound read-only.
 
 User and server names are escaped (:func:`path_component`) so that every name gets a directory
 of its own that the overlay's mount options can carry.
@@ -40,12 +42,10 @@ import asyncio
 import logging
 import os
 import shlex
-import shutil
 import signal
 import stat
-import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from subprocess import Popen
 from typing import Any, ClassVar
@@ -55,7 +55,20 @@ from jupyterhub.utils import random_port
 from tornado import web
 from traitlets import Enum, List, Unicode, default
 
-from ..snapshotter.sandbox import SandboxMode, SandboxSupport, probe, sandbox_argv
+from ..snapshotter.sandbox import (
+    DEFAULT_SESSION_PREFIX,
+    RootEntry,
+    SandboxDirs,
+    SandboxMode,
+    SandboxSupport,
+    default_session_env,
+    host_root,
+    owned_prefix,
+    prepare_dirs,
+    probe,
+    sandbox_argv,
+    write_identity,
+)
 
 UPPER_VARIABLE = "GPUFLEET_SANDBOX_UPPER"
 MODE_VARIABLE = "GPUFLEET_SANDBOX_MODE"
@@ -63,6 +76,8 @@ UNNAMED_SERVER = "default"
 
 _OVERLAY_MODE_NAMES = frozenset(m.value for m in SandboxMode if SandboxSupport(m, "").overlay)
 _BWRAP_MODE_NAMES = frozenset(m.value for m in SandboxMode if m is not SandboxMode.NONE)
+# What a session finds on PATH after its own and the base environment's programs.
+_SYSTEM_PATH = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/local/sbin", "/usr/sbin", "/sbin")
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-.@+")
 
 
@@ -70,27 +85,40 @@ class SandboxUnavailable(Exception):
     """The configured sandbox cannot be had here; the message says why and what to change."""
 
 
+# One server's sandbox directories (see the module docstring).
+SessionDirs = SandboxDirs
+
+
 @dataclass(frozen=True)
-class SessionDirs:
-    """One server's sandbox directories (see the module docstring)."""
+class Containment:
+    """Whom a server runs as, and from what (docs/containment.md).
 
-    root: Path
+    ``uid``/``gid``: the user's account (never 0). ``mode``: "sandbox" (a uid of the
+    controller's range, given a passwd entry inside the sandbox) or "system" (the machine's
+    account of that name). ``base_env``: the sessions' base environment (read-only inside).
+    ``prefix``: where the session's own virtualenv lives inside the sandbox."""
 
-    @property
-    def upper(self) -> Path:
-        return self.root / "upper"
-
-    @property
-    def work(self) -> Path:
-        return self.root / "work"
-
-    @property
-    def merged(self) -> Path:
-        return self.root / "merged"
+    username: str
+    uid: int
+    gid: int
+    mode: str
+    base_env: Path
+    prefix: Path
 
     @property
-    def tmp(self) -> Path:
-        return self.root / "tmp"
+    def base_python(self) -> Path:
+        return self.base_env / "bin" / "python"
+
+
+def passwd_files(
+    dirs: SessionDirs, containment: Containment, home: Path
+) -> list[tuple[Path, Path]]:
+    """In sandbox mode, the host's passwd and group files with the user's entries
+    (:func:`.sandbox.write_identity`), beside the server's sandbox, as ``(file,
+    /etc/...)`` pairs to bind read-only. Blocking."""
+    if containment.mode != "sandbox":
+        return []
+    return write_identity(dirs.root, containment.username, containment.uid, containment.gid, home)
 
 
 def path_component(name: str) -> str:
@@ -113,21 +141,29 @@ def session_dirs(sandbox_dir: Path, user: str, server: str) -> SessionDirs:
     return SessionDirs(sandbox_dir / path_component(user) / name)
 
 
-def choose(setting: str, support: SandboxSupport) -> SandboxSupport | None:
-    """The sandbox a server gets for the spawner's ``sandbox`` setting; None: run it as is.
+def choose(setting: str, support: SandboxSupport) -> SandboxSupport:
+    """The sandbox a server gets for the spawner's ``sandbox`` setting. Pure.
 
-    Pure. Raises :class:`SandboxUnavailable` when ``setting`` is "overlay" and ``support`` has
-    no overlay mode.
+    There is no unsandboxed setting: a researcher's code runs in a sandbox or not at all.
+    Raises :class:`SandboxUnavailable` with what to install or configure when this machine
+    cannot give the setting's sandbox.
     """
-    if setting == "off":
-        return None
+    if support.mode is SandboxMode.NONE:
+        raise SandboxUnavailable(
+            f"sessions run only in the bubblewrap sandbox, and it cannot run here "
+            f"({support.reason}); install bubblewrap (apt-get install bubblewrap) and allow "
+            "namespaces, or run the hub as root"
+        )
     if setting == "overlay" and not support.overlay:
         raise SandboxUnavailable(
             "this machine cannot give sessions an overlay root "
-            f"({support.mode.value}: {support.reason}); install bubblewrap, run the hub as "
-            "root, or set the spawner's sandbox to 'auto' to accept a lesser sandbox"
+            f"({support.mode.value}: {support.reason}); run the hub as root or install "
+            "bubblewrap 0.9 or newer, or set the spawner's sandbox to 'auto' to accept a "
+            "read-only root"
         )
-    return None if support.mode is SandboxMode.NONE else support
+    if setting == "readonly":
+        return replace(support, mode=SandboxMode.READONLY)
+    return support
 
 
 def probe_at(sandbox_dir: Path) -> SandboxSupport:
@@ -146,31 +182,45 @@ def sandboxed_command(
     argv: Sequence[str],
     *,
     home: Path,
-    user: tuple[int, int] | None,
+    containment: Containment,
     extra_binds: Iterable[str],
+    read_only: Iterable[str],
     notebook_dir: str,
-    search_path: str,
 ) -> list[str]:
     """Prepare a server's directories for a start and return the command line that runs
-    ``argv`` in its sandbox, as ``user`` (None: as the caller) with ``home``. Blocking.
+    ``argv`` in its sandbox as the user of ``containment``, with ``home``, from the
+    session's own virtualenv (:mod:`.session_venv`). Blocking.
 
     Raises :class:`SandboxUnavailable` with what went wrong.
     """
-    if user is not None and not home.is_dir():
-        raise SandboxUnavailable(f"the home directory {home} does not exist")
+    if not containment.base_python.exists():
+        raise SandboxUnavailable(
+            f"the sessions' base environment {containment.base_env} is missing; build it "
+            "with scripts/build-session-env (scripts/install does), or set "
+            "c.LocalGPUSpawner.session_base_env"
+        )
+    root = host_root()
     try:
-        if user is None:
-            home.mkdir(mode=0o755, parents=True, exist_ok=True)
-        prepare(dirs, support.overlay)
+        prepare_home(home, containment)
+        prepare(dirs, support.overlay, root)
+        prefix_source = prepare_prefix(dirs, support.overlay, containment)
+        identity = passwd_files(dirs, containment, home)
     except OSError as e:
         raise SandboxUnavailable(f"preparing {dirs.root}: {e}") from e
-    binds = session_binds(
-        home,
-        extra=extra_binds,
-        notebook_dir=notebook_dir,
-        command=argv[0],
-        search_path=search_path,
-    )
+    binds = [
+        (path, path) for path in session_binds(home, extra=extra_binds, notebook_dir=notebook_dir)
+    ]
+    if prefix_source is not None:
+        binds.append((prefix_source, containment.prefix))
+    shown_read_only = [containment.base_env, *(Path(p) for p in read_only if os.path.exists(p))]
+    launcher = [
+        str(containment.base_python),
+        "-m",
+        "gpufleet.spawner.session_venv",
+        str(containment.prefix),
+        "--",
+        *argv,
+    ]
     try:
         wrapped = sandbox_argv(
             support,
@@ -178,24 +228,64 @@ def sandboxed_command(
             work=dirs.work,
             merged=dirs.merged,
             home=home,
-            binds=[(path, path) for path in binds],
+            binds=binds,
             env_prefix=None,
-            argv=argv,
+            argv=launcher,
+            root=root,
             tmp=dirs.tmp,
-            user=user,
+            user=(containment.uid, containment.gid),
+            read_only=[*((p, p) for p in shown_read_only), *identity],
         )
     except ValueError as e:
         raise SandboxUnavailable(str(e)) from e
     return keep_alive(wrapped)
 
 
-# --------------------------------------------------------------------------- directories
-def prepare(dirs: SessionDirs, overlay: bool) -> None:
-    """Make the server's directories for a start: keep ``upper``, renew the others (only
-    ``tmp`` without ``overlay``).
+def prepare_home(home: Path, containment: Containment) -> None:
+    """The user's home: made (sandbox mode) or required (system mode), owned by the user,
+    mode 0700 (no other researcher may read it). Blocking."""
+    if containment.mode == "system":
+        if not home.is_dir():
+            raise SandboxUnavailable(
+                f"the home directory {home} of {containment.username} does not exist"
+            )
+    else:
+        home.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        home.mkdir(mode=0o700, exist_ok=True)
+    info = home.lstat()
+    if (info.st_uid, info.st_gid) != (containment.uid, containment.gid) and os.geteuid() == 0:
+        if containment.mode == "system" and info.st_uid != containment.uid:
+            raise SandboxUnavailable(
+                f"the home directory {home} belongs to uid {info.st_uid}, not to "
+                f"{containment.username} ({containment.uid})"
+            )
+        os.chown(home, containment.uid, containment.gid)
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(home, stat.S_IMODE(info.st_mode) & 0o700)
 
-    ``upper`` becomes the ``/`` of the sandbox, so it gets the host root's mode and owner
-    (a directory only root may enter would shut a session's user out of everything).
+
+def prepare_prefix(dirs: SessionDirs, overlay: bool, containment: Containment) -> Path | None:
+    """Where the session's own virtualenv can be written, owned by the user: with an overlay,
+    the prefix's place in the upper directory (so it is part of the session's container
+    state: snapshotted, restored, pinned for its jobs), its parents as on the host; else a
+    directory beside the sandbox, returned to be bound at the prefix. Blocking."""
+    if overlay:
+        owned_prefix(dirs.upper, containment.prefix, containment.uid, containment.gid)
+        return None
+    # Its mount point, under a directory the sandbox shows read-only: an empty directory
+    # of root's on the host, the same for every session.
+    containment.prefix.mkdir(mode=0o755, parents=True, exist_ok=True)
+    target = dirs.root / "env"
+    target.mkdir(mode=0o755, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chown(target, containment.uid, containment.gid)
+    return target
+
+
+# --------------------------------------------------------------------------- directories
+def prepare(dirs: SessionDirs, overlay: bool, root: Sequence[RootEntry]) -> None:
+    """Make the server's directories for a start (:func:`.sandbox.prepare_dirs`).
+
     Raises :class:`SandboxUnavailable` while a process of an earlier start still runs over
     ``upper`` (a second mount of a live upper directory is undefined behaviour).
     """
@@ -205,72 +295,13 @@ def prepare(dirs: SessionDirs, overlay: bool) -> None:
             f"processes {running} of an earlier start of this server still run over "
             f"{dirs.upper}; end them (or stop the server again) before starting it"
         )
-    dirs.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _remove_tree(dirs.tmp)
-    dirs.tmp.mkdir(mode=0o700)
-    os.chmod(dirs.tmp, 0o1777)
-    if not overlay:
-        return
-    root = os.stat("/")
-    if not dirs.upper.is_dir():
-        dirs.upper.mkdir(mode=0o700)
-        if os.geteuid() == 0:
-            os.chown(dirs.upper, root.st_uid, root.st_gid)
-        os.chmod(dirs.upper, stat.S_IMODE(root.st_mode))
-    _remove_tree(dirs.work)
-    dirs.work.mkdir(mode=0o700)
-    if dirs.merged.exists():
-        try:
-            dirs.merged.rmdir()  # never rmtree: it must be an empty, unmounted directory
-        except OSError as e:
-            raise SandboxUnavailable(
-                f"{dirs.merged} should be an empty mount point and is not ({e.strerror}); "
-                "is something of an earlier session of this server still running?"
-            ) from e
-    dirs.merged.mkdir(mode=0o700)
+    prepare_dirs(dirs, overlay, root)
 
 
-def _remove_tree(path: Path) -> None:
-    """Remove a tree that may hold the overlay's work directories (left with mode 000)."""
-    if not path.exists():
-        return
-    for dirpath, dirnames, _ in os.walk(path):
-        for name in dirnames:
-            child = os.path.join(dirpath, name)
-            if not os.path.islink(child):
-                os.chmod(child, 0o700)
-    shutil.rmtree(path)
-
-
-# The sandbox gives these their own content: a host path under them is hidden unless bound.
-_REPLACED_IN_SANDBOX = (Path("/tmp"), Path("/dev"), Path("/proc"))
-
-
-def hidden_in_sandbox(paths: Iterable[Path]) -> list[Path]:
-    """Those of ``paths`` the sandbox would not show as they are, each once, outermost first
-    (a path under another one listed is left out): what lives on another file system than
-    ``/`` (the overlay root shows only the host's root file system), and what lives under a
-    directory the sandbox replaces (its private ``/tmp``: a checkout or virtualenv there,
-    as in CI)."""
-    root_dev = os.stat("/").st_dev
-    found: list[Path] = []
-    for path in sorted({Path(os.path.realpath(p)) for p in paths}, key=lambda p: len(p.parts)):
-        try:
-            elsewhere = os.stat(path).st_dev != root_dev
-        except OSError:
-            continue
-        replaced = any(path.is_relative_to(r) for r in _REPLACED_IN_SANDBOX)
-        if (elsewhere or replaced) and not any(path.is_relative_to(o) for o in found):
-            found.append(path)
-    return found
-
-
-def session_binds(
-    home: Path, *, extra: Iterable[str], notebook_dir: str, command: str, search_path: str
-) -> list[Path]:
-    """Host paths a server needs that the overlay root would not show as they are, each once:
-    ``extra`` (those that exist), a notebook directory outside the home (``~`` is the home),
-    and whatever the server runs from that the sandbox would hide (``hidden_in_sandbox``)."""
+def session_binds(home: Path, *, extra: Iterable[str], notebook_dir: str) -> list[Path]:
+    """Host paths bound read-write besides the home, each once: ``extra`` (those that
+    exist) and a notebook directory outside the home (``~`` is the home). Nothing of the
+    hub's own environment: the server runs from the sessions' base environment."""
     binds = [Path(p) for p in extra if os.path.exists(p)]
     if notebook_dir:
         if notebook_dir.startswith("~"):
@@ -278,22 +309,7 @@ def session_binds(
         notebook = Path(notebook_dir)
         if notebook.is_absolute() and not notebook.is_relative_to(home) and notebook.is_dir():
             binds.append(notebook)
-    binds += hidden_in_sandbox(runtime_paths(command, search_path))
     return list(dict.fromkeys(binds))
-
-
-def runtime_paths(command: str, search_path: str) -> list[Path]:
-    """What the server's command runs from: the command's environment (its ``bin``'s parent),
-    this Python's prefixes and import path (an editable install's source checkout among them),
-    and the resolver configuration (``/etc/resolv.conf`` often points into ``/run``)."""
-    paths = [Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix)]
-    paths += [Path(p) for p in sys.path if p and os.path.isdir(p)]
-    paths.append(Path(__file__).resolve().parents[1])  # this package, or its checkout
-    found = shutil.which(command, path=search_path) if os.sep not in command else command
-    if found:
-        paths.append(Path(os.path.realpath(found)).parent.parent)
-    paths.append(Path("/etc/resolv.conf"))
-    return paths
 
 
 # --------------------------------------------------------------------------- processes
@@ -362,26 +378,29 @@ class SandboxFailed(web.HTTPError):
 
 
 class SandboxedProcessSpawner(SimpleLocalProcessSpawner):
-    """JupyterHub's local process spawner, with each server run in its session sandbox.
+    """JupyterHub's local process spawner, with each server run in its session sandbox as
+    its user's account (docs/containment.md).
 
     ``start`` is LocalProcessSpawner's with the command wrapped (:func:`sandboxed_command`);
     the sandbox's mode and the server's upper directory are kept in the spawner's state
     (``gpufleet_sandbox_mode``, ``gpufleet_sandbox_upper``: the upper is kept after the
     server stops, it is the server's container state) and given to the server as
-    ``GPUFLEET_SANDBOX_MODE`` and ``GPUFLEET_SANDBOX_UPPER``. Subclasses that run servers as
-    other users say which through :meth:`sandbox_user`.
+    ``GPUFLEET_SANDBOX_MODE`` and ``GPUFLEET_SANDBOX_UPPER``. Subclasses say whom the server
+    runs as through :meth:`containment`.
     """
 
     sandbox = Enum(
-        ["auto", "overlay", "off"],
+        ["auto", "overlay", "readonly"],
         "auto",
-        help="Run each server in a bubblewrap sandbox whose / is an overlay on the host's "
-        "root file system, so what a session changes outside its home (apt, pip into system "
-        "paths, /etc) lands in its own upper directory under sandbox_dir, which the "
-        "snapshotter reads, and never on the host. 'auto': the best mode this machine allows "
-        "(an overlay mode, else the host's root read-only, else no sandbox; the log says "
-        "which and why). 'overlay': an overlay mode or no spawn (the spawn fails with the "
-        "reason). 'off': run servers as plain processes.",
+        help="Every server runs in a bubblewrap sandbox, as its user's account: its / holds "
+        "only the host's /usr, /etc, /opt and /bin, /sbin, /lib* (never the hub's data, "
+        "secrets or software, /root, /home or /var), its home and its own environment, and "
+        "its processes see no one else's. 'auto': those directories as overlays where the "
+        "machine allows (what the session changes in them lands in its own upper directory "
+        "under sandbox_dir, which the snapshotter reads, and never on the host), else "
+        "read-only; the log says which and why. 'overlay': overlays or no spawn. 'readonly': "
+        "read-only, no upper directory. Where bubblewrap cannot run, no server starts and the "
+        "spawn says what to install.",
     ).tag(config=True)
 
     sandbox_dir = Unicode(
@@ -401,21 +420,38 @@ class SandboxedProcessSpawner(SimpleLocalProcessSpawner):
     sandbox_binds = List(
         Unicode(),
         help="Host paths bound read-write at the same place in every sandbox, e.g. shared "
-        "data sets on their own file system: the overlay root shows only the host's root "
-        "file system. The home, the notebook directory, the fake NVML library and the "
-        "Python environment the server runs from are bound without being listed here.",
+        "data sets. Nothing else of the host is there but the directories 'sandbox' names, "
+        "the home and the notebook directory.",
     ).tag(config=True)
 
-    sandbox_mode: str = ""  # "off", "none", or a SandboxMode value, as of the last start
+    session_base_env = Unicode(
+        help="The sessions' base environment (scripts/build-session-env): the Python, "
+        "JupyterLab and packages every session and job rank runs from, shown read-only. "
+        "Default: $GPUFLEET_SESSION_ENV, else /opt/gpufleet/session-env.",
+    ).tag(config=True)
+
+    @default("session_base_env")
+    def _default_session_base_env(self) -> str:
+        return default_session_env()
+
+    session_prefix = Unicode(
+        DEFAULT_SESSION_PREFIX,
+        help="Where, inside the sandbox, each session gets a virtualenv of its own over the "
+        "base environment, made at its first start: kernels and pip install there, it is "
+        "part of the session's container state (snapshotted, restored) and affects no one "
+        "else. It must lie under one of the sandbox's root directories (/opt by default).",
+    ).tag(config=True)
+
+    sandbox_mode: str = ""  # a SandboxMode value, as of the last start
     sandbox_upper: str = ""  # the server's overlay upper directory; kept after it stops
     _sandbox_logged: ClassVar[set[str]] = set()
 
-    def sandbox_user(self) -> tuple[int, int] | None:
-        """``(uid, gid)`` the server runs as in the sandbox; None: the hub's own user."""
-        return None
+    async def containment(self) -> Containment:
+        """Whom the server runs as, and from what; subclasses ask the controller."""
+        raise NotImplementedError
 
-    def sandbox_needs(self) -> list[str]:
-        """Host directories every server of this spawner needs bound into its sandbox."""
+    def sandbox_read_only(self) -> list[str]:
+        """Host paths every server of this spawner sees read-only (the fake NVML library)."""
         return []
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -433,16 +469,21 @@ class SandboxedProcessSpawner(SimpleLocalProcessSpawner):
 
     def get_env(self) -> dict[str, str]:
         env: dict[str, str] = super().get_env()
+        # Nothing of the hub's own environment's paths: the server runs from the base.
+        for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "CONDA_ROOT", "CONDA_DEFAULT_ENV"):
+            env.pop(name, None)
+        base_bin = os.path.join(self.session_base_env, "bin")
+        env["PATH"] = os.pathsep.join(
+            [os.path.join(self.session_prefix, "bin"), base_bin, *_SYSTEM_PATH]
+        )
         if self.sandbox_mode:
             env[MODE_VARIABLE] = self.sandbox_mode
         if self.sandbox_upper and self.sandbox_mode in _OVERLAY_MODE_NAMES:
             env[UPPER_VARIABLE] = self.sandbox_upper
         return env
 
-    async def _sandbox_support(self) -> SandboxSupport | None:
-        """The sandbox this start gets (None: a plain process), as ``sandbox`` allows."""
-        if self.sandbox == "off":
-            return None
+    async def _sandbox_support(self) -> SandboxSupport:
+        """The sandbox this start gets, as ``sandbox`` allows."""
         try:
             support = await asyncio.to_thread(probe_at, Path(self.sandbox_dir))
         except SandboxUnavailable as e:
@@ -454,15 +495,12 @@ class SandboxedProcessSpawner(SimpleLocalProcessSpawner):
         try:
             return choose(self.sandbox, support)
         except SandboxUnavailable as e:
-            raise SandboxFailed(f"c.{type(self).__name__}.sandbox is 'overlay', but {e}") from e
+            raise SandboxFailed(f"c.{type(self).__name__}.sandbox is {self.sandbox!r}: {e}") from e
 
     async def start(self) -> tuple[str, int]:
         """LocalProcessSpawner.start, with the server's command run in its sandbox."""
         support = await self._sandbox_support()
-        if support is None:
-            self.sandbox_mode = "off" if self.sandbox == "off" else SandboxMode.NONE.value
-            address: tuple[str, int] = await super().start()
-            return address
+        containment = await self.containment()
         dirs = session_dirs(Path(self.sandbox_dir), self.user.name, self.name)
         self.sandbox_mode = support.mode.value
         if support.overlay:
@@ -473,7 +511,6 @@ class SandboxedProcessSpawner(SimpleLocalProcessSpawner):
         cmd = [*self.cmd, *self.get_args()]
         if self.shell_cmd:
             cmd = [*self.shell_cmd, shlex.join(cmd)]
-        user = self.sandbox_user()  # then the outer processes stay root: they mount
         try:
             argv = await asyncio.to_thread(
                 sandboxed_command,
@@ -481,19 +518,24 @@ class SandboxedProcessSpawner(SimpleLocalProcessSpawner):
                 dirs,
                 cmd,
                 home=Path(env["HOME"]),
-                user=user,
-                extra_binds=[*self.sandbox_binds, *self.sandbox_needs()],
+                containment=containment,
+                extra_binds=self.sandbox_binds,
+                read_only=self.sandbox_read_only(),
                 notebook_dir=self.format_string(self.notebook_dir) if self.notebook_dir else "",
-                search_path=env.get("PATH", ""),
             )
         except SandboxUnavailable as e:
             raise SandboxFailed(str(e)) from e
-        self.log.info("Spawning %s in a %s sandbox (%s)", shlex.join(cmd), support.mode, dirs.root)
+        self.log.info(
+            "Spawning %s in a %s sandbox as uid %d (%s)",
+            shlex.join(cmd),
+            support.mode,
+            containment.uid,
+            dirs.root,
+        )
         popen_kwargs: dict[str, Any] = {
-            # Without a user, the preexec only makes and enters the home (no setuid).
-            "preexec_fn": None if user else self.make_preexec_fn(self.user.name),
+            # The outer processes stay root (they mount); setpriv switches to the user.
             "start_new_session": True,
-            "cwd": env["HOME"],
+            "cwd": env["HOME"],  # the sandbox starts where it was started: in the home
             **self.popen_kwargs,
             "env": env,
         }

@@ -2,8 +2,9 @@
 
 ``PostgresServer.start()`` runs ``initdb`` and ``postgres`` in a fresh temporary directory,
 listening only on 127.0.0.1 on a free port (and on a Unix socket inside that directory), with
-trust authentication for the ``postgres`` role. ``initdb`` refuses to run as root, so as root
-both run as the ``postgres`` system user. Each test gets its own database
+password authentication (SCRAM) for the ``postgres`` role and a random password: a session on
+the same loopback that finds the port gets nothing without it. ``initdb`` refuses to run as
+root, so as root both run as the ``postgres`` system user. Each test gets its own database
 (``create_database``), so tests never see each other's rows.
 """
 
@@ -72,6 +73,7 @@ class PostgresServer:
     workdir: Path
     port: int
     process: subprocess.Popen[bytes]
+    password: str
 
     @property
     def log_path(self) -> Path:
@@ -85,13 +87,20 @@ class PostgresServer:
         try:
             run_as = _run_as_kwargs(workdir)
             data = workdir / "data"
+            password = uuid.uuid4().hex
+            password_file = workdir / "password"
+            password_file.write_text(password + "\n")
+            if run_as:
+                os.chown(password_file, run_as["user"], run_as["group"])
+            password_file.chmod(0o600)
             initdb = subprocess.run(
                 [
                     str(bindir / "initdb"),
                     "-D",
                     str(data),
                     "-A",
-                    "trust",
+                    "scram-sha-256",
+                    f"--pwfile={password_file}",
                     "-U",
                     SUPERUSER,
                     "-E",
@@ -115,7 +124,9 @@ class PostgresServer:
             last_error = ""
             for _ in range(attempts):  # the free port may be taken before postgres binds it
                 port = free_port()
-                server = cls(bindir, workdir, port, cls._spawn(bindir, workdir, port, run_as))
+                server = cls(
+                    bindir, workdir, port, cls._spawn(bindir, workdir, port, run_as), password
+                )
                 try:
                     server._wait_ready()
                     return server
@@ -198,11 +209,14 @@ class PostgresServer:
 
     # ------------------------------------------------------------- databases
     def dsn(self, dbname: str) -> str:
-        return f"host=127.0.0.1 port={self.port} user={SUPERUSER} dbname={dbname}"
+        return (
+            f"host=127.0.0.1 port={self.port} user={SUPERUSER} dbname={dbname} "
+            f"password={self.password}"
+        )
 
     def url(self, dbname: str) -> str:
-        """A SQLAlchemy URL for ``dbname`` on this server."""
-        return f"postgresql+psycopg://{SUPERUSER}@127.0.0.1:{self.port}/{dbname}"
+        """A SQLAlchemy URL for ``dbname`` on this server (with its password)."""
+        return f"postgresql+psycopg://{SUPERUSER}:{self.password}@127.0.0.1:{self.port}/{dbname}"
 
     def create_database(self, prefix: str = "t") -> str:
         """Create a fresh, empty database; returns its name."""

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 from tornado import web
 
 from ...scheduler import errors as store_errors
+from ...scheduler.validation import name_problem, shown
 from ..errors import (
     BadRequest,
     Conflict,
@@ -19,6 +20,7 @@ from ..errors import (
     NotFoundError,
     NotLeader,
     Unauthenticated,
+    UnsupportedMediaType,
 )
 from .identity import Identity
 
@@ -27,6 +29,30 @@ if TYPE_CHECKING:
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 MAX_ID = 2**62  # above every id a database row can have
+MAX_ID_DIGITS = len(str(MAX_ID))  # 19: checked before int(), which refuses 4,301 digits
+WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def media_type_problem(content_type: str | None) -> str | None:
+    """Why a write's body with this Content-Type is not read, or None for JSON.
+
+    A body without a Content-Type is read as JSON (a bare ``curl --data-binary`` or a
+    script's POST), but one that declares another type is refused rather than guessed at:
+    a form's ``application/x-www-form-urlencoded`` body is no JSON document. JSON is UTF-8
+    (RFC 8259), so a charset, if named, must be that.
+    """
+    if content_type is None:
+        return None
+    media_type, *parameters = (part.strip().lower() for part in content_type.split(";"))
+    if media_type != "application/json":
+        return (
+            f"send the body as JSON with 'Content-Type: application/json', not {shown(media_type)}"
+        )
+    for parameter in parameters:
+        key, _, value = parameter.partition("=")
+        if key.strip() == "charset" and value.strip().strip('"') not in ("utf-8", "utf8"):
+            return f"send JSON as UTF-8 ('charset=utf-8'), not {shown(value.strip())}"
+    return None
 
 
 @contextmanager
@@ -65,6 +91,25 @@ class APIHandler(web.RequestHandler):
             and self.request.method not in ("GET", "HEAD", "OPTIONS")
         ):
             raise Forbidden("changes through the API need a token in the Authorization header")
+        if self.request.method in WRITES and self.request.body:
+            problem = media_type_problem(self.request.headers.get("Content-Type"))
+            if problem is not None:
+                raise UnsupportedMediaType(problem)
+        self._refuse_unfit_text()
+
+    def _refuse_unfit_text(self) -> None:
+        """A name in the path (a user, node or project) or a query parameter with NUL or a
+        bidirectional control can name nothing; PostgreSQL would refuse the NUL anyway."""
+        for segment in self.path_args:
+            problem = name_problem(segment)
+            if problem is not None:
+                raise BadRequest(f"the path's {shown(segment)} {problem}; no name does")
+        for name, values in self.request.query_arguments.items():
+            for raw in values:
+                text = raw.decode("utf-8", "replace")
+                problem = name_problem(text)
+                if problem is not None:
+                    raise BadRequest(f"query parameter {shown(name)} {problem}")
 
     def require(self, *any_of: str) -> Identity:
         """The caller's identity, if it holds one of the scopes ``any_of`` (or admin)."""
@@ -100,21 +145,27 @@ class APIHandler(web.RequestHandler):
 
     @staticmethod
     def path_id(text: str) -> int:
-        """A workload's or job's id from the URL (the route admits digits only); one too
-        large to be any row's is a 404, not an overflow in the database."""
+        """A workload's or job's id from the URL. The route admits ``\\d+``, which also
+        matches other scripts' digits and any length; an id no row can have (not ASCII
+        digits, above 2^62, or too long for int() to read) is a 400, not an overflow in
+        the database or Python's 4,300-digit limit. A possible id without a row is a 404."""
+        if not (text.isascii() and text.isdigit() and len(text) <= MAX_ID_DIGITS):
+            raise BadRequest(f"{shown(text)} is not a valid id: ids are whole numbers up to 2^62")
         value = int(text)
         if value > MAX_ID:
-            raise NotFoundError(f"there is no workload or job {text}")
+            raise BadRequest(f"{text} is not a valid id: ids are whole numbers up to 2^62")
         return value
 
     def int_argument(self, name: str, default: int, low: int, high: int) -> int:
         raw = self.get_query_argument(name, None)
         if raw is None:
             return default
-        try:
+        try:  # a ValueError too for 4,301 digits or more (Python's limit on int())
             value = int(raw)
         except ValueError as e:
-            raise BadRequest(f"query parameter {name} must be a whole number, not {raw!r}") from e
+            raise BadRequest(
+                f"query parameter {name} must be a whole number, not {shown(raw)}"
+            ) from e
         if not low <= value <= high:
             raise BadRequest(f"query parameter {name} must be between {low} and {high}")
         return value

@@ -21,7 +21,9 @@ from ...scheduler.store.models import (
 from ...scheduler.validation import SessionRequest
 from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
+from ..reconciler import settle_before_start
 from . import schemas
+from .accounts import account_routes
 from .base import APIHandler, store_errors_as_http
 from .jobs import job_routes
 from .projects import project_routes
@@ -67,6 +69,9 @@ class SessionsHandler(APIHandler):
             self.send({"valid": True})
             return
         with store_errors_as_http():
+            # A server stopped while the controller was down may still hold GPUs here:
+            # settled at once when nothing of it runs (docs/reconciler.md).
+            await settle_before_start(self.controller, request.username, request.server_name)
             workload = self.controller.store.open_session_request(
                 self.controller.now(), request, self.controller.request_lease
             )
@@ -414,6 +419,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/events", EventsHandler),
         (rf"{api}/snapshots", SnapshotsHandler),
         *session_routes(api),
+        *account_routes(api),
         *job_routes(api),
         *project_routes(api),
         (rf"{prefix.rstrip('/')}/metrics", MetricsHandler),

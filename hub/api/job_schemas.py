@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from .schemas import MAX_INT, Strict, WorkloadOut
+from .schemas import MAX_INT, Count, Name, Strict, WorkloadOut
 
 MAX_PODS = 100_000
 
@@ -15,23 +15,24 @@ MAX_PODS = 100_000
 class JobSubmitIn(Strict):
     """A training job: ``gpus`` in pods of ``gpus_per_pod``, every pod in one zone."""
 
-    project: str = Field(min_length=1, max_length=64)
-    gpu_type: str = Field(min_length=1, max_length=64)
-    gpus: int | str = Field(description="GPUs in all; validated with a readable message")
-    gpus_per_pod: int | str | None = Field(
+    project: Name = Field(min_length=1, max_length=64)
+    gpu_type: Name = Field(min_length=1, max_length=64)
+    gpus: Count = Field(description="GPUs in all; validated with a readable message")
+    gpus_per_pod: Count | None = Field(
         default=None, description="GPUs of each pod (one node); default: a whole node's worth"
     )
-    priority: str | None = Field(default=None, max_length=32, description="a priority class")
-    name: str = Field(default="", max_length=100, description="default: job-<id>")
+    priority: Name | None = Field(default=None, max_length=32, description="a priority class")
+    name: Name = Field(default="", max_length=100, description="default: job-<id>")
     script: str = Field(min_length=1, max_length=1 << 20, description="the entry script's text")
     script_name: str = Field(
         default="train.py", min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_.-]+\.py$"
     )
     args: list[str] = Field(default_factory=list, max_length=256)
     python: str = Field(
-        min_length=1,
+        default="",
         max_length=4096,
-        description="the interpreter the ranks run with (the session's own, sys.executable)",
+        description="the interpreter the ranks run with, as the submitting session sees it "
+        "(its own, sys.executable); default: the job's environment's python",
     )
     cwd: str = Field(default="", max_length=4096, description="where the ranks start")
     env: dict[str, str] = Field(
@@ -42,6 +43,13 @@ class JobSubmitIn(Strict):
         max_length=2000,
         description="where checkpoints go (GPUFLEET_CHECKPOINT_URI); default: the "
         "controller's job_checkpoint_store for this user and job name",
+    )
+    session: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**62,
+        description="the submitter's running session (its workload id): the ranks run in "
+        "its environment as it is at submit; default: the user's default environment",
     )
 
 
@@ -100,7 +108,7 @@ class LogChunkIn(Strict):
 
 
 class AgentSyncIn(Strict):
-    nodes: list[str] = Field(max_length=10_000)
+    nodes: list[Name] = Field(max_length=10_000)
     pods: list[AgentPodIn] = Field(default_factory=list, max_length=10_000)
     logs: list[LogChunkIn] = Field(default_factory=list, max_length=10_000)
     known: list[
@@ -127,6 +135,9 @@ class DesiredPodOut(BaseModel):
     username: str
     name: str
     spec: dict[str, object]
+    account: dict[str, object] | None = Field(
+        default=None, description="uid, gid and mode: whom the pod's ranks run as"
+    )
 
 
 class AgentSyncOut(BaseModel):

@@ -3,6 +3,11 @@ agent's pod sync (report what runs, learn what should)."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import uuid
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
@@ -11,6 +16,7 @@ from sqlalchemy.orm import Session
 from ...scheduler.store.jobs import DesiredPod, JobSpec, LogChunk, PodReport
 from ...scheduler.store.models import JobPod, Workload, WorkloadKind, WorkloadState
 from ...scheduler.validation import JobRequest
+from ...snapshotter.sandbox import remove_tree
 from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
 from . import job_schemas as js
@@ -137,10 +143,23 @@ class JobsHandler(APIHandler):
             env=body.env,
             checkpoint_uri=body.checkpoint_uri or controller.job_checkpoint_store,
             grace_s=controller.job_stop_grace_seconds,
+            session=body.session,
         )
         await controller.refresh_memberships(max_age=5.0)
-        with store_errors_as_http():
-            workload = controller.store.open_job(controller.now(), request, spec)
+        pinned = ""
+        if body.session is not None:
+            with store_errors_as_http():
+                upper = controller.store.session_environment(identity.name, body.session)
+            if upper:
+                pinned = await pin_environment(controller.data_dir, upper)
+                spec = replace(spec, pinned=pinned)
+        try:
+            with store_errors_as_http():
+                workload = controller.store.open_job(controller.now(), request, spec)
+        except BaseException:
+            if pinned:
+                await asyncio.to_thread(remove_tree, Path(pinned))
+            raise
         controller.kick()
         with controller.store.read() as session:
             self.send(job_out(load_job(session, identity, workload.id), []), status=201)
@@ -174,6 +193,32 @@ class JobCancelHandler(APIHandler):
         with self.controller.store.read() as session:
             workload = load_job(session, identity, wid)
             self.send(job_out(workload, _pods_of(session, [wid])[wid]))
+
+
+async def pin_environment(data_dir: str, upper: str) -> str:
+    """A copy of a session's environment (its overlay upper directory) for a job submitted
+    from it, made now, in a thread: the job's ranks get it as it is at submit, whatever the
+    session does afterwards (a cull empties its upper directory). ``cp -a`` keeps owners,
+    modes, links and the overlay's whiteouts. The copy's path."""
+    return await asyncio.to_thread(_copy_environment, data_dir, upper)
+
+
+def _copy_environment(data_dir: str, upper: str) -> str:
+    target = Path(data_dir).absolute() / "pinned-environments" / uuid.uuid4().hex
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["cp", "-a", "--reflink=auto", f"{upper}/.", str(target)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        remove_tree(target)
+        raise BadRequest(
+            f"the session's environment could not be copied for the job: "
+            f"{done.stderr.strip()[-300:]}"
+        )
+    return str(target)
 
 
 def cancel_job(controller: ControllerContext, workload_id: int, by: str) -> None:
@@ -278,6 +323,7 @@ def _desired_out(pod: DesiredPod) -> js.DesiredPodOut:
         username=pod.username,
         name=pod.name,
         spec=pod.spec,
+        account=pod.account,
     )
 
 

@@ -2,29 +2,78 @@
 
 from __future__ import annotations
 
-from datetime import date, datetime
+import json
+from datetime import UTC, date, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+from ...scheduler.validation import name_problem
 
 # The largest whole number any body may carry: what SQLite's and PostgreSQL's 64-bit
 # integers and JavaScript's numbers all hold exactly. A larger one is refused with a 400.
 MAX_INT = 2**53
 
 
+def _plain_name(text: str) -> str:
+    problem = name_problem(text)
+    if problem is not None:
+        raise PydanticCustomError("name", f"{problem}; names are plain text on one line")
+    return text
+
+
+def _count_as_sent(value: object) -> object:
+    """A count is a JSON number or text; ``true`` is refused here, where pydantic (and
+    Python: True == 1) would take it for 1."""
+    if isinstance(value, int | str) and not isinstance(value, bool):
+        return value
+    if isinstance(value, list | dict):
+        sent = "a list" if isinstance(value, list) else "an object"
+    else:
+        sent = json.dumps(value)  # true, false, null, 2.0
+    raise PydanticCustomError(
+        "count", "must be a whole number such as 1 or 2, not {sent}", {"sent": sent}
+    )
+
+
+def _as_utc(at: datetime) -> datetime:
+    """A time as sent, in UTC; one without a zone is taken as UTC (what JupyterHub sends).
+    Year 1 at +01:00 is before any UTC time Python holds: refused here, not an
+    OverflowError where the store converts it."""
+    if at.tzinfo is None:
+        return at.replace(tzinfo=UTC)
+    try:
+        return at.astimezone(UTC)
+    except OverflowError:
+        raise PydanticCustomError("time", "is outside the years 1-9999 in UTC") from None
+
+
+# A user, server, project, GPU type, profile, priority class, node or GPU name: no NUL,
+# control or bidirectional-control character (scheduler/validation.py says why).
+Name = Annotated[str, AfterValidator(_plain_name)]
+# A GPU count as sent: a JSON number, or the text a form field held ("2"), which
+# scheduler/validation.py reads with a message saying what to type. JSON true is not 1.
+Count = Annotated[int | str, BeforeValidator(_count_as_sent)]
+# A time a client reports (kernel activity, a keep-alive's end), as an aware UTC datetime.
+Instant = Annotated[datetime, AfterValidator(_as_utc)]
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON number where the schema says integer (true is not 1, "5" is not 5),
+    # and no field the schema does not name.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SessionRequestIn(Strict):
     """A spawner asks for GPUs for one user's server."""
 
-    username: str = Field(min_length=1, max_length=255)
-    server_name: str = Field(default="", max_length=255)
-    project: str = Field(min_length=1, max_length=64)
-    gpu_type: str = Field(min_length=1, max_length=64)
-    gpus: int | str = Field(description="GPUs on one node; validated with a readable message")
-    profile: str | None = Field(default=None, max_length=64)
+    username: Name = Field(min_length=1, max_length=255)
+    server_name: Name = Field(default="", max_length=255)
+    project: Name = Field(min_length=1, max_length=64)
+    gpu_type: Name = Field(min_length=1, max_length=64)
+    gpus: Count = Field(description="GPUs on one node; validated with a readable message")
+    profile: Name | None = Field(default=None, max_length=64)
     process_marker: str | None = Field(
         default=None,
         min_length=8,
@@ -52,29 +101,51 @@ class RunningIn(Strict):
 
 
 class KernelIn(BaseModel):
+    model_config = ConfigDict(strict=True)  # extra fields: the kernel model as Jupyter has it
     id: str = Field(max_length=128)
     name: str = Field(default="", max_length=255)
     execution_state: str = Field(default="", max_length=32)
-    last_activity: datetime | None = None
+    last_activity: Instant | None = None
     connections: int = Field(default=0, ge=0, le=MAX_INT)
 
 
 class TerminalIn(BaseModel):
+    model_config = ConfigDict(strict=True)
     name: str = Field(max_length=255)
-    last_activity: datetime | None = None
+    last_activity: Instant | None = None
 
 
 class ActivityIn(BaseModel):
     """What a session's extension saw: its kernels and terminals."""
 
+    model_config = ConfigDict(strict=True)
+
     kernels: list[KernelIn] = Field(default_factory=list, max_length=1000)
     terminals: list[TerminalIn] = Field(default_factory=list, max_length=1000)
-    sent_at: datetime | None = None
+    sent_at: Instant | None = None
 
 
 class KeepAliveIn(Strict):
-    until: datetime | None = None
+    until: Instant | None = None
     hours: float | None = Field(default=None, ge=0, le=24 * 14)
+
+
+class NoticeOut(BaseModel):
+    """A notice the session shows its user (an idle warning, what was restored)."""
+
+    id: str
+    level: str = Field(description="info or warning")
+    message: str
+    deadline: datetime | None = Field(description="when the session will be stopped, if it is")
+
+
+class SessionStateOut(BaseModel):
+    """What a session's extension is told after a report or a keep-alive."""
+
+    notices: list[NoticeOut]
+    keep_alive_until: datetime | None = Field(description="no cull before this; None: none")
+    keep_alive_max_s: float = Field(description="how far ahead a keep-alive may reach")
+    notice_poll_s: float = Field(description="how often to ask for notices")
 
 
 class HoldIn(Strict):
@@ -145,22 +216,22 @@ class SnapshotList(BaseModel):
 
 
 class GpuSpecIn(Strict):
-    uuid: str = Field(min_length=1, max_length=96)
+    uuid: Name = Field(min_length=1, max_length=96)
     index: int = Field(ge=0, le=MAX_INT)
-    pci_bus_id: str = ""
+    pci_bus_id: Name = ""
     memory_bytes: int = Field(default=0, ge=0, le=MAX_INT)
-    gpu_type: str | None = None
+    gpu_type: Name | None = None
 
 
 class NodeSpecIn(Strict):
-    name: str = Field(min_length=1, max_length=255)
-    cluster: str = Field(default="local", min_length=1, max_length=64)
-    zone: str = Field(min_length=1, max_length=64)
-    gpu_type: str = Field(min_length=1, max_length=64)
+    name: Name = Field(min_length=1, max_length=255)
+    cluster: Name = Field(default="local", min_length=1, max_length=64)
+    zone: Name = Field(min_length=1, max_length=64)
+    gpu_type: Name = Field(min_length=1, max_length=64)
     gpus: list[GpuSpecIn]
     cpus: float = Field(default=0.0, ge=0, le=MAX_INT)
     memory_bytes: int = Field(default=0, ge=0, le=MAX_INT)
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[Name, str] = Field(default_factory=dict)
 
 
 class RegisterIn(Strict):
@@ -168,7 +239,7 @@ class RegisterIn(Strict):
 
 
 class HeartbeatIn(Strict):
-    nodes: list[str]
+    nodes: list[Name]
 
 
 class AssignmentOut(BaseModel):
@@ -188,7 +259,7 @@ class HeartbeatOut(BaseModel):
 class GpuSampleIn(Strict):
     """One GPU's sample; a reading the GPU does not support is absent, not zero."""
 
-    uuid: str = Field(min_length=1, max_length=96)
+    uuid: Name = Field(min_length=1, max_length=96)
     index: int = Field(ge=0, le=MAX_INT)
     at: float
     lost: bool = False
@@ -222,7 +293,7 @@ class SamplesIn(Strict):
 
 
 class XidIn(Strict):
-    uuid: str = Field(min_length=1, max_length=96)
+    uuid: Name = Field(min_length=1, max_length=96)
     xid: int = Field(ge=0, le=2**31)
 
 
@@ -291,9 +362,9 @@ class ProjectEditIn(Strict):
     """An admin's change to one node of the project tree; what is left out stays."""
 
     weight: float | None = Field(default=None, gt=0, le=1e6)
-    default_priority: str | None = Field(default=None, min_length=1, max_length=32)
+    default_priority: Name | None = Field(default=None, min_length=1, max_length=32)
     per_user_gpu_cap: int | None = Field(default=None, ge=1, le=MAX_INT, description="null: no cap")
-    quotas: dict[str, QuotaEditIn] = Field(
+    quotas: dict[Name, QuotaEditIn] = Field(
         default_factory=dict, max_length=64, description="per GPU type, the whole quota"
     )
 
@@ -312,6 +383,16 @@ class WeekUsageOut(BaseModel):
 class UsageList(BaseModel):
     weeks: int
     items: list[WeekUsageOut]
+
+
+class AccountOut(BaseModel):
+    """Whom a user's sessions and job ranks run as (docs/containment.md)."""
+
+    username: str
+    uid: int
+    gid: int
+    mode: Literal["sandbox", "system"]
+    home: str | None = Field(description="the system account's home; null in sandbox mode")
 
 
 class SpawnOptionsOut(BaseModel):

@@ -10,7 +10,7 @@ admins may call these; anyone else is told there is no such session.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 from ...scheduler.store.sessions import ActivityReport, SessionState
 from .. import scopes
@@ -48,8 +48,9 @@ class SessionActivityHandler(_SessionHandler):
     async def post(self, workload_id: str) -> None:
         username = self.caller()
         body = self.body(schemas.ActivityIn)
-        kernel_times = [_utc(k.last_activity) for k in body.kernels if k.last_activity]
-        terminal_times = [_utc(t.last_activity) for t in body.terminals if t.last_activity]
+        # Aware UTC already: the schema's Instant reads a time without a zone as UTC.
+        kernel_times = [k.last_activity for k in body.kernels if k.last_activity]
+        terminal_times = [t.last_activity for t in body.terminals if t.last_activity]
         report = ActivityReport(
             kernels=len(body.kernels),
             kernels_busy=any(k.execution_state == "busy" for k in body.kernels),
@@ -78,18 +79,13 @@ class KeepAliveHandler(_SessionHandler):
         with store_errors_as_http():
             state = self.controller.store.session_state(wid, username)
             policy = self.controller.culler.policy_for(state.project, state.profile)
-            until = _utc(body.until) if body.until else now + timedelta(hours=body.hours or 0)
+            until = body.until or now + timedelta(hours=body.hours or 0)
             self.controller.store.set_keep_alive(
                 now, wid, username, until, timedelta(seconds=policy.keep_alive_max_s)
             )
             state = self.controller.store.session_state(wid, username)
         self.controller.culler.kick()
         self.answer(state)
-
-
-def _utc(at: datetime) -> datetime:
-    """A time as sent; one without a zone is taken as UTC (what JupyterHub sends)."""
-    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 def session_routes(api: str) -> list[tuple[str, type]]:

@@ -141,6 +141,8 @@ def build(out_dir: Path) -> Path:
             raise FakeNvmlBuildError(
                 f"compiling {SOURCE} failed (exit {result.returncode}):\n{result.stderr}"
             )
+        # Sessions and job ranks load it as their own users (read-only, never writable).
+        os.chmod(tmp_name, 0o755)
         os.replace(tmp_name, target)
     finally:
         if os.path.exists(tmp_name):

@@ -126,6 +126,7 @@ def _event(
     workload: Workload | None = None,
     node: str | None = None,
     data: dict[str, Any] | None = None,
+    username: str | None = None,
 ) -> None:
     session.add(
         Event(
@@ -136,7 +137,7 @@ def _event(
             cause=cause,
             workload_id=workload.id if workload is not None else None,
             project=workload.project.name if workload is not None else None,
-            username=workload.username if workload is not None else None,
+            username=workload.username if workload is not None else username,
             node=node,
             data=data or {},
         )

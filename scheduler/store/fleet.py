@@ -19,6 +19,7 @@ from sqlalchemy.orm import selectinload
 from ..errors import InputError, InvalidRequest
 from ..model import project_tree
 from ..validation import SessionRequest, validate_session_request
+from .accounts import AccountStore
 from .base import _event, _get_workload, _preemptible
 from .catalogue import CatalogueStore
 from .cycle import SchedulingStore
@@ -53,6 +54,7 @@ class FleetStore(
     JobStore,
     ProjectAdminStore,
     CatalogueStore,
+    AccountStore,
 ):
     # ------------------------------------------------------------- bootstrap
     def apply_config(

@@ -1,18 +1,25 @@
-"""What node agents report: nodes, GPUs, heartbeats, samples and XID events."""
+"""What node agents report: nodes, GPUs, heartbeats, samples and XID events.
+
+Each sample also becomes a row of each GPU's history (``gpu_history``: utilisation and
+memory over time, what the pages chart), thinned with age by :func:`history_to_drop` in
+the same transaction that writes it. The rule (docs/monitoring.md): every sample of the
+last hour, one a minute for the day, one per 10 minutes for the week, nothing older, and
+never more than ``HISTORY_MAX_POINTS`` rows of one GPU.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from ..errors import NotFound
 from .base import StoreBase, _event
-from .models import Cluster, Gpu, Node, NodeHealth, Zone
+from .models import Cluster, Gpu, GpuHistoryPoint, Node, NodeHealth, Zone
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,89 @@ class NodeSpec:
     cpus: float = 0.0
     memory_bytes: int = 0
     labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HistoryTier:
+    """Points younger than ``younger_than`` are kept one per ``every`` (aligned to the
+    epoch: 09:00, 09:01, ...); ``every=None`` keeps every sample."""
+
+    younger_than: timedelta
+    every: timedelta | None
+
+
+# From the youngest: what ``gpu_history`` keeps of each GPU. Older than the last: nothing.
+HISTORY_TIERS = (
+    HistoryTier(timedelta(hours=1), None),
+    HistoryTier(timedelta(days=1), timedelta(minutes=1)),
+    HistoryTier(timedelta(days=7), timedelta(minutes=10)),
+)
+# The hard bound per GPU, whatever the agent's sample interval: the oldest rows go first.
+# At the default interval (5 s) the tiers keep at most 720 + 1,380 + 864 = 2,964 rows.
+HISTORY_MAX_POINTS = 5000
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def history_to_drop(
+    times: Sequence[datetime], now: datetime, tiers: Sequence[HistoryTier] = HISTORY_TIERS
+) -> list[int]:
+    """The positions in ``times`` (one GPU's points, oldest first) that the tiers no
+    longer keep at ``now``.
+
+    A point is kept unless it is older than the last tier, or an earlier kept point lies
+    in the same ``every``-long bucket of its tier. Buckets are aligned to the epoch and each
+    tier's ``every`` divides the next one's, so the point kept for a minute is also the one
+    kept for its 10 minutes: applying the rule again, later or to any run of points that
+    starts on a bucket boundary, drops only what has aged since.
+    """
+    drop: list[int] = []
+    kept_in: set[tuple[timedelta, int]] = set()
+    for position, at in enumerate(times):
+        age = now - at
+        tier = next((t for t in tiers if age < t.younger_than), None)
+        if tier is None:
+            drop.append(position)
+            continue
+        if tier.every is None:
+            continue
+        bucket = (tier.every, (at - _EPOCH) // tier.every)
+        if bucket in kept_in:
+            drop.append(position)
+        else:
+            kept_in.add(bucket)
+    return drop
+
+
+def _history_windows(
+    previous: datetime | None, now: datetime, tiers: Sequence[HistoryTier]
+) -> list[tuple[datetime, datetime]]:
+    """The spans of one GPU's history whose points crossed a tier's age since the
+    previous thinning (at or after the minute of ``previous``), each starting on a
+    boundary of the coarsest bucket so that the rule sees every earlier point of a bucket."""
+    coarsest = max((t.every for t in tiers if t.every is not None), default=timedelta(minutes=1))
+    since = _EPOCH if previous is None else previous - (previous - _EPOCH) % timedelta(minutes=1)
+    windows: list[tuple[datetime, datetime]] = []
+    for tier in sorted(tiers[:-1], key=lambda t: t.younger_than, reverse=True):
+        start = max(since - tier.younger_than, _EPOCH)
+        start, end = start - (start - _EPOCH) % coarsest, now - tier.younger_than
+        if windows and start <= windows[-1][1]:  # overlapping (a long silence): one span
+            start = windows.pop()[0]
+        windows.append((start, end))
+    return windows
+
+
+def _minute(moment: datetime) -> int:
+    return (moment - _EPOCH) // timedelta(minutes=1)
+
+
+@dataclass(frozen=True)
+class GpuPoint:
+    """One point of a GPU's history; a reading the GPU did not report is None."""
+
+    at: datetime
+    utilization_pct: int | None
+    memory_used_bytes: int | None
+    memory_total_bytes: int | None
 
 
 class InventoryStore(StoreBase):
@@ -192,7 +282,8 @@ class InventoryStore(StoreBase):
     ) -> list[str]:
         """Keep each GPU's latest sample, and the time of the latest one that showed it
         working (utilisation at or over ``busy_utilization_pct``); a GPU that NVML reports
-        lost (or back) is an event.
+        lost (or back) is an event. The sample's utilisation and memory join the GPU's
+        history, which is thinned here once a minute (the first sample of each minute).
 
         Returns the UUIDs this controller does not know (the agent should register again).
         """
@@ -204,12 +295,42 @@ class InventoryStore(StoreBase):
                 lost = bool(sample.get("lost", False))
                 if lost != gpu.lost:
                     _gpu_event(session, now, gpu, agent, lost)
+                if not lost:
+                    _add_history(session, now, gpu, sample)
                 gpu.lost = lost
                 gpu.sampled_at = now
                 gpu.last_sample = dict(sample)
                 if sample.get("utilization_gpu_pct", 0) >= busy_utilization_pct:
                     gpu.busy_at = now
             return sorted(by_uuid.keys() - {g.uuid for g in gpus})
+
+    def gpu_history(
+        self, uuids: Iterable[str], since: datetime, until: datetime
+    ) -> dict[str, list[GpuPoint]]:
+        """Each named GPU's points within ``[since, until]``, oldest first (a GPU with
+        none maps to an empty list)."""
+        found: dict[str, list[GpuPoint]] = {uuid: [] for uuid in uuids}
+        if not found:
+            return found
+        with self.read() as session:
+            rows = session.execute(
+                select(
+                    GpuHistoryPoint.gpu_uuid,
+                    GpuHistoryPoint.at,
+                    GpuHistoryPoint.utilization_pct,
+                    GpuHistoryPoint.memory_used_bytes,
+                    GpuHistoryPoint.memory_total_bytes,
+                )
+                .where(
+                    GpuHistoryPoint.gpu_uuid.in_(found),
+                    GpuHistoryPoint.at >= since,
+                    GpuHistoryPoint.at <= until,
+                )
+                .order_by(GpuHistoryPoint.gpu_uuid, GpuHistoryPoint.at, GpuHistoryPoint.id)
+            )
+            for uuid, at, utilization, used, total in rows:
+                found[uuid].append(GpuPoint(at, utilization, used, total))
+        return found
 
     def record_xid(self, now: datetime, agent: str, uuid: str, xid: int) -> bool:
         """An XID error as NVML delivered it; False if the GPU is unknown."""
@@ -228,6 +349,56 @@ class InventoryStore(StoreBase):
                 data={"uuid": uuid, "xid": xid, "index": gpu.index},
             )
             return True
+
+
+def _add_history(session: Session, now: datetime, gpu: Gpu, sample: Mapping[str, Any]) -> None:
+    """Append the sample to the GPU's history; thin it on the first sample of a minute.
+
+    Called before ``gpu.sampled_at`` moves on: that is the previous sample's time, so the
+    pass reads only the points that crossed a tier's age since the previous pass (a dozen
+    at the default interval), not the GPU's whole history.
+    """
+    reading = {
+        "utilization_pct": sample.get("utilization_gpu_pct"),
+        "memory_used_bytes": sample.get("memory_used_bytes"),
+        "memory_total_bytes": sample.get("memory_total_bytes"),
+    }
+    if all(value is None for value in reading.values()):
+        return
+    session.add(GpuHistoryPoint(gpu_uuid=gpu.uuid, at=now, **reading))
+    previous = gpu.sampled_at
+    if previous is not None and _minute(previous) == _minute(now):
+        return
+    _thin_history(session, now, gpu.uuid, previous)
+
+
+def _thin_history(session: Session, now: datetime, uuid: str, previous: datetime | None) -> None:
+    of_gpu = GpuHistoryPoint.gpu_uuid == uuid
+    session.execute(
+        delete(GpuHistoryPoint).where(
+            of_gpu, GpuHistoryPoint.at <= now - HISTORY_TIERS[-1].younger_than
+        )
+    )
+    for start, end in _history_windows(previous, now, HISTORY_TIERS):
+        rows = session.execute(
+            select(GpuHistoryPoint.id, GpuHistoryPoint.at)
+            .where(of_gpu, GpuHistoryPoint.at >= start, GpuHistoryPoint.at < end)
+            .order_by(GpuHistoryPoint.at, GpuHistoryPoint.id)
+        ).all()
+        drop = [rows[i].id for i in history_to_drop([r.at for r in rows], now)]
+        if drop:
+            session.execute(delete(GpuHistoryPoint).where(GpuHistoryPoint.id.in_(drop)))
+    count = session.scalar(select(func.count()).select_from(GpuHistoryPoint).where(of_gpu)) or 0
+    if count > HISTORY_MAX_POINTS:
+        oldest = (
+            select(GpuHistoryPoint.id)
+            .where(of_gpu)
+            .order_by(GpuHistoryPoint.at, GpuHistoryPoint.id)
+            .limit(count - HISTORY_MAX_POINTS)
+        )
+        session.execute(
+            delete(GpuHistoryPoint).where(GpuHistoryPoint.id.in_(oldest.scalar_subquery()))
+        )
 
 
 def _gpu_event(session: Session, now: datetime, gpu: Gpu, agent: str, lost: bool) -> None:

@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from ..errors import InvalidRequest
 from ..validation import JobRequest, validate_job_request
+from .accounts import AccountStore
 from .base import _event, _get_workload, _preemptible
 from .catalogue import CatalogueStore
 from .models import (
@@ -39,6 +40,7 @@ from .models import (
     JobPod,
     Node,
     Project,
+    UserAccount,
     Workload,
     WorkloadKind,
     WorkloadState,
@@ -68,6 +70,8 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     checkpoint_uri: str = ""
     grace_s: float = 30.0
+    session: int | None = None  # the submitting session, whose environment the ranks get
+    pinned: str = ""  # the copy of that session's environment made at submit
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -121,6 +125,7 @@ class DesiredPod:
     username: str
     name: str
     spec: dict[str, Any]
+    account: dict[str, Any] | None = None  # uid, gid, mode: whom its ranks run as
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,7 @@ class LogSlice:
     next_offset: int
 
 
-class JobStore(CatalogueStore):
+class JobStore(CatalogueStore, AccountStore):
     def open_job(self, now: datetime, request: JobRequest, spec: JobSpec) -> Workload:
         """Validate and queue a job; nothing is recorded for a request that cannot run."""
         if len(spec.script.encode()) > MAX_SCRIPT_BYTES:
@@ -144,7 +149,7 @@ class JobStore(CatalogueStore):
                 f"the entry script has {len(spec.script.encode())} bytes; the limit is "
                 f"{MAX_SCRIPT_BYTES} (put the code in a module the script imports)"
             )
-        if not spec.python.startswith("/"):
+        if spec.python and not spec.python.startswith("/"):
             raise InvalidRequest(
                 f"python must be an absolute path to the interpreter, not {spec.python!r}"
             )
@@ -172,12 +177,18 @@ class JobStore(CatalogueStore):
             )
             session.add(workload)
             session.flush()
+            # Its ranks run as the user's account: made now, so that a job that cannot be
+            # given one is refused here rather than failing on its node.
+            self._ensure_account(session, now, request.username)
+            environment = _session_environment(session, request.username, spec.session)
+            if spec.pinned:
+                environment["environment_pinned"] = spec.pinned
             if not workload.name:
                 workload.name = f"job-{workload.id}"
             checkpoint = spec.checkpoint_uri.format(
                 user=request.username, job=workload.name, id=workload.id
             )
-            workload.spec = {**spec.as_json(), "checkpoint_uri": checkpoint}
+            workload.spec = {**spec.as_json(), "checkpoint_uri": checkpoint, **environment}
             _event(
                 session,
                 now,
@@ -188,6 +199,14 @@ class JobStore(CatalogueStore):
                 workload=workload,
             )
             return workload
+
+    def session_environment(self, username: str, session_id: int) -> str:
+        """The overlay upper directory of ``username``'s running session ``session_id``
+        (its environment), "" when it has none; ``InvalidRequest`` when there is no such
+        running session."""
+        with self.read() as session:
+            found = _session_environment(session, username, session_id)
+        return str(found.get("environment_upper", ""))
 
     def cancel_job(self, now: datetime, workload_id: int, by: str) -> Workload:
         """Cancel: a waiting job ends at once; a placed one stops (its GPUs wait for that)."""
@@ -439,6 +458,11 @@ def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
         (p.workload_id, p.pod_index): p
         for p in session.scalars(select(JobPod).where(JobPod.workload_id.in_(workloads)))
     }
+    users = {w.username for w in workloads.values()}
+    accounts = {
+        a.username: a
+        for a in session.scalars(select(UserAccount).where(UserAccount.username.in_(users)))
+    }
     desired = []
     for (workload_id, pod_index), node in sorted(where.items()):
         workload = workloads[workload_id]
@@ -459,9 +483,38 @@ def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
                 username=workload.username,
                 name=workload.name,
                 spec=dict(workload.spec or {}),
+                account=_account_json(accounts.get(workload.username)),
             )
         )
     return desired
+
+
+def _session_environment(session: Session, username: str, session_id: int | None) -> dict[str, Any]:
+    """Where the submitting session's environment is (its overlay upper directory), which
+    its job's ranks get as a read-only layer; {} for a job from outside a session or a
+    session without one (docs/containment.md)."""
+    if session_id is None:
+        return {}
+    workload = session.get(Workload, session_id)
+    if workload is None or workload.kind != WorkloadKind.session or workload.username != username:
+        raise InvalidRequest(f"there is no session {session_id} of {username} to run the job in")
+    if workload.state not in (WorkloadState.running, WorkloadState.admitted):
+        raise InvalidRequest(
+            f"session {session_id} has ended; submit from a running session, or without "
+            "one to use your default environment"
+        )
+    overlays = list((workload.snapshot_sources or {}).get("overlays", []))
+    if not overlays:
+        return {"session": session_id}
+    return {"session": session_id, "environment_upper": str(overlays[0]).partition(":")[0]}
+
+
+def _account_json(row: UserAccount | None) -> dict[str, Any] | None:
+    """Whom a pod's ranks run as; None for a job from before accounts (the agent refuses to
+    start it rather than run it as root)."""
+    if row is None:
+        return None
+    return {"uid": row.uid, "gid": row.gid, "mode": row.mode}
 
 
 def _pod_ending(row: JobPod) -> str:

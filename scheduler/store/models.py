@@ -445,6 +445,38 @@ class SessionActivity(Base):
     notice: Mapped[dict[str, Any] | None] = mapped_column(default=None)
 
 
+class UserAccount(Base):
+    """The Unix identity a hub user's sessions and job ranks run as on every node
+    (docs/containment.md). Given once and never changed: a uid handed to one user is
+    never handed to another (files the first left behind stay theirs)."""
+
+    __tablename__ = "user_accounts"
+
+    username: Mapped[str] = mapped_column(String(255), primary_key=True)
+    uid: Mapped[int] = mapped_column(Integer, unique=True)
+    gid: Mapped[int] = mapped_column(Integer)
+    # "sandbox": a uid of the controller's range; "system": the node's account of that name.
+    mode: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime]
+
+
+class GpuHistoryPoint(Base):
+    """One GPU's utilisation and memory at one moment, as a node agent sampled it: the
+    history the pages chart. Thinned with age and bounded per GPU
+    (``inventory.HISTORY_TIERS``, docs/monitoring.md); never read by the scheduler."""
+
+    __tablename__ = "gpu_history"
+    # Also the index every read and every thinning pass uses.
+    __table_args__ = (Index("ix_gpu_history_gpu_uuid_at", "gpu_uuid", "at"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    gpu_uuid: Mapped[str] = mapped_column(String(96))
+    at: Mapped[datetime]
+    utilization_pct: Mapped[int | None] = mapped_column(Integer, default=None)
+    memory_used_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    memory_total_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+
+
 class Event(Base):
     """Append-only log: what happened, why, and what caused it."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+
+from gpufleet.agent.network_guard import table_name
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -174,13 +177,23 @@ class Hub:
         self.proc = None
 
     def kill_everything(self) -> None:
-        """Last resort at the end of the session: nothing of this hub may outlive the tests."""
+        """Last resort at the end of the session: nothing of this hub may outlive the tests
+        (its services, its sessions, whose homes and sandboxes are in its data directory,
+        its job ranks), nor its agent's loopback guard."""
         self.stop()
-        for pid in pids_with_env("GPUFLEET_DATA_DIR", str(self.data_dir)):
+        for pid in pids_mentioning(str(self.data_dir)):
             try:
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
+                group = os.getpgid(pid)
+                if group != os.getpgid(0):  # never the test run's own
+                    os.killpg(group, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 continue
+        nft = shutil.which("nft") or shutil.which("nft", path="/usr/sbin:/sbin")
+        if nft:
+            table = table_name(str(self.data_dir / "agent"))
+            subprocess.run(
+                [nft, "delete", "table", "inet", table], capture_output=True, check=False
+            )
 
     # ------------------------------------------------------------- HTTP
     def hub_api(
@@ -304,6 +317,20 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return ""
+
+
+def pids_mentioning(text: str) -> list[int]:
+    """Processes with ``text`` anywhere in their environment (a path of theirs)."""
+    wanted = text.encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if wanted in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+    return found
 
 
 def pids_with_env(name: str, value: str) -> list[int]:

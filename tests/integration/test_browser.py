@@ -223,3 +223,19 @@ def test_form_note_about_the_queue_renders_as_one_block(
     expect(note).to_contain_text("Your projects", timeout=SETTLED_MS)
     expect(note.locator("li[data-project]")).to_have_count(1, timeout=SETTLED_MS)
     expect(note).to_contain_text("your session waits in a queue", timeout=SETTLED_MS)
+
+
+def test_a_user_in_no_project_is_told_whom_to_ask_and_offered_no_start_button(
+    fleet: Hub, context: BrowserContext
+) -> None:
+    # The demo's admin is a gpufleet admin in no project; any new name is in none either.
+    for username in ("admin", "dora"):
+        page = ui.login(context, username)
+        page.goto("/hub/spawn")
+        warning = page.locator("#gpufleet-no-project")
+        expect(warning).to_be_visible()
+        expect(warning).to_contain_text("You are in no gpufleet project yet")
+        expect(warning).to_contain_text("gpufleet-admins")
+        expect(page.locator("#spawn_form").get_by_role("button", name="Start")).to_be_hidden()
+        page.goto("/hub/logout")
+    assert fleet.workload_of("admin") is None and fleet.workload_of("dora") is None

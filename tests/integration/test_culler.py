@@ -34,18 +34,23 @@ pytestmark = pytest.mark.integration
 
 # Run in the session (its kernel starts it as a process: rattler needs its own event loop).
 # A file in the home; a wheel pip-installs into the session's own Python, outside the home;
-# a real conda environment (tests/condaenv.py: a local channel, solved and installed by
-# rattler) under /opt, listed in ~/.conda/environments.txt as conda does.
+# a real conda environment (tests/condaenv.py, whose source the script carries: the session
+# cannot see the checkout; a local channel, solved and installed by rattler, which the
+# tests' sessions' base environment has) in the session's own environment prefix under
+# /opt, listed in ~/.conda/environments.txt as conda does.
+CONDA_TEST_ROOT = "/opt/gpufleet/env/conda-test"
 SETUP_SCRIPT = f"""
-import pathlib, subprocess, sys
-sys.path.insert(0, {str(REPO / "tests")!r})
+import pathlib, subprocess, sys, tempfile
+helpers = pathlib.Path(tempfile.mkdtemp())
+(helpers / "condaenv.py").write_text({(REPO / "tests" / "condaenv.py").read_text()!r})
+sys.path.insert(0, str(helpers))
 from condaenv import build_wheel, create_env, demo_packages, make_channel
 home = pathlib.Path.home()
 (home / "notes.txt").write_text("results of run 7")
 wheel = build_wheel(home / "wheels")
 subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
                 "--disable-pip-version-check", "--no-cache-dir", str(wheel)], check=True)
-work = pathlib.Path("/opt/gpufleet-test")
+work = pathlib.Path({CONDA_TEST_ROOT!r})
 channel = make_channel(work / "channel", demo_packages())
 env = work / "envs" / "demo"
 create_env(channel, env, ["gpufleet-hello"], work / "pkgs")
@@ -60,12 +65,12 @@ tail = "exit %d: %s %s" % (done.returncode, done.stdout[-1500:], done.stderr[-15
 print("written" if done.returncode == 0 else tail)  # the exit code too: a kill has no stderr
 """
 
-READ_STATE = """
+READ_STATE = f"""
 import pathlib, subprocess
 import gpufleet_tiny
 print((pathlib.Path.home() / "notes.txt").read_text(), end="|")
 print(gpufleet_tiny.__version__, end="|")
-hello = subprocess.run(["/opt/gpufleet-test/envs/demo/bin/hello"], capture_output=True, text=True)
+hello = subprocess.run(["{CONDA_TEST_ROOT}/envs/demo/bin/hello"], capture_output=True, text=True)
 print(hello.stdout.strip(), hello.returncode)
 """
 
@@ -301,9 +306,9 @@ def test_an_admin_may_release_the_gpus_of_a_session_whose_final_snapshot_keeps_f
 
 @pytest.fixture(scope="module")
 def unsandboxed_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    """The culler's hub with its sessions outside the overlay sandbox, as on a machine
-    that allows none: a session's home stays on the host when the culler stops it."""
-    config = CULLER_CONFIG + 'c.LocalGPUSpawner.sandbox = "off"\n'
+    """The culler's hub with its sessions in the read-only sandbox, as on a machine that
+    allows no overlay: a session's home stays on the host when the culler stops it."""
+    config = CULLER_CONFIG + 'c.LocalGPUSpawner.sandbox = "readonly"\n'
     instance = Hub.create(tmp_path_factory.mktemp("unsandboxed"), config)
     instance.start()
     try:
@@ -312,7 +317,7 @@ def unsandboxed_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
         instance.kill_everything()
 
 
-def test_a_session_culled_outside_the_sandbox_is_told_so_when_it_comes_back(
+def test_a_session_culled_without_an_overlay_is_told_so_when_it_comes_back(
     unsandboxed_hub: Hub,
 ) -> None:
     hub = unsandboxed_hub

@@ -6,7 +6,6 @@ GPUs go back."""
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from gpufleet.client import ApiError, Client
 
-from .harness import Hub, wait_for
+from .harness import Hub, pids_with_env, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -130,11 +129,20 @@ def test_cancel_signals_every_rank_and_releases_the_gpus_only_once_they_are_gone
     assert cancelled.state in ("stopping", "ended")
     job = alice.wait(job_id, timeout=60)
     assert job.outcome == "cancelled" and job.reason.startswith("cancelled by alice")
-    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    # (The pids the ranks print are their sandbox's; on the host they are found by the job.)
+    assert len(pids) == 2
+    assert not [p for p in pids_with_env("GPUFLEET_JOB_ID", str(job_id)) if _alive(p)]
     for rank in (0, 1):
         assert f"rank {rank} saving a checkpoint" in "".join(alice.logs(job_id, rank=rank))
     # The GPUs are free again: a 4-GPU session fits on either node.
     fleet.start_session("alice", project="vision", gpu_type="A100-80GB", gpus=4)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_logs_follow_a_running_job_until_it_ends(fleet: Hub, alice: Client) -> None:
@@ -312,3 +320,38 @@ def test_a_borrowing_job_is_preempted_for_a_guarantee_and_checkpoints_first(
     assert {a["uuid"] for a in bob["allocations"]}.isdisjoint(
         {a.uuid for a in survivor.allocations}
     )
+
+
+def test_a_jobs_page_charts_each_of_its_gpus_from_the_agents_samples(
+    fleet: Hub, alice: Client
+) -> None:
+    import xml.etree.ElementTree as ET
+
+    import httpx
+
+    job_id = submit(alice, "import time\nprint('sleeping', flush=True)\ntime.sleep(8)\n")
+    uuids = wait_for(lambda: {a.uuid for a in alice.job(job_id).allocations}, 60, "the job placed")
+    assert len(uuids) == 2
+    page = f"{fleet.url}/services/gpufleet/jobs/{job_id}"
+    headers = {"Authorization": f"token {fleet.user_token('alice')}"}
+    svg = "{http://www.w3.org/2000/svg}"
+
+    def lines_with_points() -> dict[str, int] | None:
+        html = httpx.get(page, headers=headers, timeout=30).raise_for_status().text
+        start, end = html.find('<svg class="gpu-chart"'), html.find("</svg>")
+        if start < 0:
+            return None
+        chart = ET.fromstring(html[start : end + len("</svg>")])
+        drawn = {
+            line.get("data-gpu", ""): len(line.get("points", "").split())
+            for line in chart.iter(f"{svg}polyline")
+            if line.get("class") == "series utilization"
+        }
+        # Samples arrive every 0.5 s here: wait until each GPU's line has a few.
+        return drawn if len(drawn) == 2 and min(drawn.values()) >= 3 else None
+
+    drawn = wait_for(lines_with_points, 60, "the job page charting both GPUs", interval=0.5)
+    assert set(drawn) == uuids
+    html = httpx.get(page, headers=headers, timeout=30).text
+    assert html.count('class="legend"') == 2 and " UTC</text>" in html
+    assert alice.wait(job_id, timeout=60).outcome == "succeeded"

@@ -2,8 +2,9 @@
 
 Each test mounts its own overlay (lower, upper, work and merged directories in ``tmp_path``)
 and unmounts it afterwards even when the test fails. The sandbox tests run real commands through
-``sandbox_argv``: the host's root is the lower layer there, so they only delete what they
-created themselves, and check that the host is unchanged. Root is needed (mounts).
+``sandbox_argv``: the host's /usr, /etc, /opt (and the rest of ``DEFAULT_ROOT``) are the lower
+layers there, so they only delete what they created themselves, and check that the host is
+unchanged. Root is needed (mounts).
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ import pytest
 from gpufleet.snapshotter.baseline import diff_baseline, take_baseline
 from gpufleet.snapshotter.errors import CaptureError
 from gpufleet.snapshotter.overlay import Change, ChangeKind, read_upper
-from gpufleet.snapshotter.sandbox import SandboxMode, SandboxSupport, probe, sandbox_argv
+from gpufleet.snapshotter.sandbox import (
+    SandboxMode,
+    SandboxSupport,
+    host_root,
+    layer_dirs,
+    probe,
+    sandbox_argv,
+)
 
 PRESENT, DELETED, OPAQUE = ChangeKind.PRESENT, ChangeKind.DELETED, ChangeKind.OPAQUE
 
@@ -294,21 +302,36 @@ class SessionDirs:
     home: Path
 
 
-@pytest.fixture
-def session(tmp_path: Path) -> SessionDirs:
-    dirs = SessionDirs(*(tmp_path / "session" / n for n in ("upper", "work", "merged", "home")))
+ROOT = host_root()
+LAYERS = {entry.name for entry in ROOT if entry.link is None}
+
+
+def _make_session_dirs(base: Path) -> SessionDirs:
+    dirs = SessionDirs(*(base / n for n in ("upper", "work", "merged", "home")))
     for path in (dirs.upper, dirs.work, dirs.merged, dirs.home):
         path.mkdir(parents=True)
+        if path != dirs.home:
+            for layer in layer_dirs(path, ROOT):
+                layer.mkdir()
     return dirs
+
+
+def _changed(upper: Path) -> list[Change]:
+    """What the sandbox changed in ``upper``: its changes without the bare layer directories
+    (``usr``, ``etc``, ...) that hold them."""
+    return [c for c in read_upper(upper) if not (c.path in LAYERS and c.kind is PRESENT)]
+
+
+@pytest.fixture
+def session(tmp_path: Path) -> SessionDirs:
+    return _make_session_dirs(tmp_path / "session")
 
 
 @pytest.fixture
 def host_victim() -> Iterator[Path]:
-    """A file on the host's root file system, made for the test and removed afterwards."""
-    base = Path("/var/tmp")
-    if base.stat().st_dev != Path("/").stat().st_dev:
-        pytest.skip("/var/tmp is not on the root file system, so not in the sandbox's overlay")
-    where = base / f"gpufleet-sandbox-test-{secrets.token_hex(6)}"
+    """A file in one of the host's directories the sandbox overlays (/opt), made for the test
+    and removed afterwards."""
+    where = Path("/opt") / f"gpufleet-sandbox-test-{secrets.token_hex(6)}"
     where.mkdir()
     victim = where / "victim.txt"
     victim.write_text("still here\n")
@@ -344,6 +367,7 @@ def test_sandbox_changes_land_in_the_upper_only(
         home=session.home,
         binds=(),
         env_prefix=None,
+        root=ROOT,
         argv=["/bin/sh", "-c", script, str(session.home)],
     )
     done = _run(argv)
@@ -355,12 +379,9 @@ def test_sandbox_changes_land_in_the_upper_only(
     assert (session.home / "h.txt").read_text() == "home\n"  # the home is the host's, writable
 
     victim_rel = host_victim.relative_to("/")
-    changes = _ancestors_made_for_binds(list(read_upper(session.upper)), session.home)
+    changes = _ancestors_made_for_binds(_changed(session.upper), session.home)
     assert changes == [
-        Change("etc", PRESENT),
         Change(f"etc/{marker.name}", PRESENT),
-        Change("var", PRESENT),
-        Change("var/tmp", PRESENT),
         Change(str(victim_rel.parent), PRESENT),
         Change(str(victim_rel), DELETED),
     ]
@@ -372,9 +393,7 @@ def test_sandbox_runs_as_another_user(support: SandboxSupport) -> None:
     base = Path(tempfile.mkdtemp(prefix="gpufleet-sandbox-user-"))
     try:
         base.chmod(0o755)
-        session = SessionDirs(*(base / n for n in ("upper", "work", "merged", "home")))
-        for path in (session.upper, session.work, session.merged, session.home):
-            path.mkdir()
+        session = _make_session_dirs(base)
         os.chown(session.home, 65534, 65534)
         script = 'id -u > "$0/uid" && if touch /etc/not-allowed; then exit 3; fi'
         argv = sandbox_argv(
@@ -385,6 +404,7 @@ def test_sandbox_runs_as_another_user(support: SandboxSupport) -> None:
             home=session.home,
             binds=(),
             env_prefix=None,
+            root=ROOT,
             argv=["/bin/sh", "-c", script, str(session.home)],
             user=(65534, 65534),
         )
@@ -392,7 +412,7 @@ def test_sandbox_runs_as_another_user(support: SandboxSupport) -> None:
         assert done.returncode == 0, done.stderr
         assert (session.home / "uid").read_text() == "65534\n"
         assert "Permission denied" in done.stderr  # an ordinary user's rights on /etc
-        assert list(read_upper(session.upper)) == []
+        assert _changed(session.upper) == []
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -408,6 +428,7 @@ def test_killing_the_sandbox_kills_its_whole_tree(
         home=session.home,
         binds=(),
         env_prefix=None,
+        root=ROOT,
         argv=["/bin/sh", "-c", "sleep 1000 & echo $!; wait"],
     )
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
@@ -469,6 +490,7 @@ def test_readonly_fallback_keeps_the_home_writable(
         home=session.home,
         binds=(),
         env_prefix=prefix,
+        root=ROOT,
         argv=["/bin/sh", "-c", script, str(session.home), str(prefix)],
     )
     done = _run(argv)
@@ -477,7 +499,7 @@ def test_readonly_fallback_keeps_the_home_writable(
     assert not marker.exists()
     assert (session.home / "h.txt").read_text() == "home\n"
     assert (prefix / "e.txt").read_text() == "env\n"
-    assert list(read_upper(session.upper)) == []  # no overlay: nothing to snapshot there
+    assert _changed(session.upper) == []  # no overlay: nothing to snapshot there
 
     plain = sandbox_argv(
         replace(support, mode=SandboxMode.NONE),
@@ -487,6 +509,7 @@ def test_readonly_fallback_keeps_the_home_writable(
         home=session.home,
         binds=(),
         env_prefix=prefix,
+        root=ROOT,
         argv=["/bin/sh", "-c", 'echo plain > "$0/p.txt"', str(session.home)],
     )
     assert plain[0] == "/bin/sh"

@@ -129,3 +129,63 @@ def test_usage_page_charts_gpu_hours_per_week_for_the_projects_members(
         timeout=30,
     )
     assert bad.status_code == 400 and "weeks" in bad.json()["message"]
+
+
+TIME = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2} UTC$")
+
+
+def test_the_pages_wear_the_hubs_navigation_and_styles_and_name_projects_as_the_spawn_page(
+    fleet: Hub, chromium: Browser
+) -> None:
+    fleet.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=1)
+    fleet.wait_ready("bob")
+    context = new_context(chromium, fleet.url)
+    try:
+        page = login(context, "bob")
+        stylesheets: list[str] = []
+        page.on(
+            "response",
+            lambda r: stylesheets.append(r.url) if r.ok and r.url.endswith(".css") else None,
+        )
+        for path, title in (
+            ("/services/gpufleet/", "gpufleet"),
+            ("/services/gpufleet/usage", "GPU usage"),
+        ):
+            page.goto(path)
+            expect(page.locator("h1")).to_have_text(title)
+            # The hub's own navigation bar (its logo, Home, Token, the user, Logout) ...
+            expect(page.locator("#jupyterhub-logo")).to_be_visible()
+            expect(page.locator("#login_widget")).to_contain_text("bob")
+            expect(page.locator("#gpufleet-nav")).to_be_visible()
+        # ... and its stylesheet, from the hub's static files.
+        assert any("/hub/static/css/style.min.css" in url for url in stylesheets), stylesheets
+        page.goto("/services/gpufleet/")
+        # Display names, as on the spawn page; the name (what --project takes) beside it.
+        expect(page.locator("#quotas tr[data-project='vision'] td").first).to_have_text(
+            "Computer vision vision"
+        )
+        row = page.locator("#workloads tr[data-workload]")
+        expect(row).to_contain_text("Computer vision")
+        since = row.locator("time").first.text_content() or ""
+        assert TIME.match(since), since
+    finally:
+        context.close()
+
+
+def test_the_admin_panel_says_each_kind_once_and_every_time_one_way(
+    fleet: Hub, chromium: Browser
+) -> None:
+    context = new_context(chromium, fleet.url)
+    try:
+        page = login(context, "admin")
+        page.goto("/services/gpufleet/admin")
+        expect(page.locator("h1")).to_have_text("gpufleet admin")
+        research = page.locator("#project-research")
+        expect(research.locator(".project-kind")).to_have_text("organisation")
+        assert "organisation) (organisation" not in (research.text_content() or "")
+        assert "(organisation)" not in (research.text_content() or "")
+        expect(page.locator("#project-vision .project-label")).to_have_text("Computer vision")
+        times = page.locator("#event-log time").all_text_contents()
+        assert times and all(TIME.match(t) for t in times), times[:3]
+    finally:
+        context.close()

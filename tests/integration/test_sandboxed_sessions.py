@@ -1,9 +1,9 @@
 """Sessions in the overlay sandbox, through a real hub: changes land in the server's upper only,
 and come back from its snapshot after a stop.
 
-The hub's spawner runs with ``sandbox = "overlay"``. The sandbox's lower layer is the host's
-real root file system, so the session deletes only a file this test made on the host for it
-(and removes afterwards); everything else it writes has a random name.
+The hub's spawner runs with ``sandbox = "overlay"``. The sandbox's lower layers are the host's
+real /usr, /etc and /opt; the session runs as its own unprivileged uid, so what it can change
+outside its home is its own environment, whose files have random names here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import secrets
-import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,22 +47,6 @@ def sandboxed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
 
 
-@pytest.fixture
-def host_victim() -> Iterator[Path]:
-    """A file on the host's root file system for the session to delete, removed afterwards."""
-    base = Path("/var/tmp")  # not /tmp: the sandbox has a /tmp of its own
-    if base.stat().st_dev != Path("/").stat().st_dev:
-        pytest.skip("/var/tmp is not on the root file system, so not in the sandbox's overlay")
-    where = base / f"gpufleet-test-{secrets.token_hex(6)}"
-    where.mkdir()
-    victim = where / "victim.txt"
-    victim.write_text("still here\n")
-    try:
-        yield victim
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
-
-
 def upper_of(hub: Hub) -> Path:
     return hub.data_dir / "sessions" / USER / "default" / "upper"
 
@@ -93,12 +76,8 @@ def live(pids: list[int]) -> list[int]:
     return alive
 
 
-def test_session_changes_land_in_its_upper_and_come_back_on_restart(
-    sandboxed: Hub, host_victim: Path
-) -> None:
+def test_session_changes_land_in_its_upper_and_come_back_on_restart(sandboxed: Hub) -> None:
     tag = secrets.token_hex(6)
-    etc_file = Path(f"/etc/gpufleet-sandbox-test-{tag}")
-    lib_file = Path(f"/usr/local/lib/gpufleet-x-{tag}/file")
     upper = upper_of(sandboxed)
 
     assert sandboxed.spawn(USER, project="vision", gpu_type="A100-80GB", gpus=2).status_code in (
@@ -108,42 +87,49 @@ def test_session_changes_land_in_its_upper_and_come_back_on_restart(
     sandboxed.wait_ready(USER, timeout=60)
     workload = sandboxed.workload_of(USER)
     assert workload is not None and workload["state"] == "running"
+    # What a researcher may change outside their home is their session's own environment:
+    # a module installed into it, a file of its prefix. The host's /etc stays theirs to read.
     inside = in_session(
         sandboxed,
         f"""
-import json, os, pathlib
-pathlib.Path({str(etc_file)!r}).write_text("sandboxed\\n")
-lib = pathlib.Path({str(lib_file)!r})
-lib.parent.mkdir()
-lib.write_text("x\\n")
-os.remove({str(host_victim)!r})
+import json, os, pathlib, site, sys
+module = pathlib.Path(site.getsitepackages()[0], "gpufleet_probe_{tag}.py")
+module.write_text("VALUE = 42\\n")
+pathlib.Path(sys.prefix, "note-{tag}.txt").write_text("prefix\\n")
+try:
+    pathlib.Path("/etc/gpufleet-sandbox-test-{tag}").write_text("no")
+    etc = "written"
+except PermissionError:
+    etc = "refused"
 pathlib.Path(os.environ["HOME"], "home-{tag}.txt").write_text("home\\n")
 print(json.dumps({{
     "home": os.environ["HOME"],
+    "prefix": sys.prefix,
+    "module": str(module),
+    "etc": etc,
+    "uid": os.getuid(),
     "gpus": os.environ["CUDA_VISIBLE_DEVICES"],
     "marker": os.environ["GPUFLEET_SESSION_MARKER"],
     "mode": os.environ["GPUFLEET_SANDBOX_MODE"],
     "upper": os.environ["GPUFLEET_SANDBOX_UPPER"],
-    "victim_gone": not os.path.exists({str(host_victim)!r}),
 }}))
 """,
     )
     assert inside["gpus"].split(",") == [a["uuid"] for a in workload["allocations"]]
     assert inside["mode"].startswith("overlay-")
     assert inside["upper"] == str(upper)
+    assert inside["uid"] != 0 and inside["etc"] == "refused"
+    assert inside["prefix"] == "/opt/gpufleet/env"
     assert stored_state(sandboxed)["gpufleet_sandbox_upper"] == str(upper)
-    assert inside["victim_gone"]
 
     # The host is unchanged, but for the home.
-    assert not etc_file.exists()
-    assert not lib_file.parent.exists()
-    assert host_victim.read_text() == "still here\n"
+    assert not Path(inside["module"]).exists()
+    assert not Path(inside["prefix"], f"note-{tag}.txt").exists()
     assert (Path(inside["home"]) / f"home-{tag}.txt").read_text() == "home\n"
 
     written = {
-        Change(str(etc_file.relative_to("/")), ChangeKind.PRESENT),
-        Change(str(lib_file.relative_to("/")), ChangeKind.PRESENT),
-        Change(str(host_victim.relative_to("/")), ChangeKind.DELETED),
+        Change(str(Path(inside["module"]).relative_to("/")), ChangeKind.PRESENT),
+        Change(f"opt/gpufleet/env/note-{tag}.txt", ChangeKind.PRESENT),
     }
     changes = set(read_upper(upper))
     assert written <= changes
@@ -160,25 +146,22 @@ print(json.dumps({{
     assert list(upper.iterdir()) == []
     assert stored_state(sandboxed)["gpufleet_sandbox_upper"] == str(upper)
 
-    # The same server started again finds its changes: the snapshot restores its upper,
-    # deletions (whiteouts) included.
+    # The same server started again finds its environment as it left it.
     sandboxed.wait_gone(USER)
     sandboxed.spawn(USER, project="vision", gpu_type="A100-80GB", gpus=1)
     sandboxed.wait_ready(USER, timeout=60)
     again = in_session(
         sandboxed,
         f"""
-import json, os, pathlib
+import json, os, pathlib, sys
+import gpufleet_probe_{tag}
 print(json.dumps({{
-    "etc": pathlib.Path({str(etc_file)!r}).read_text(),
-    "lib": pathlib.Path({str(lib_file)!r}).read_text(),
-    "victim_gone": not os.path.exists({str(host_victim)!r}),
+    "value": gpufleet_probe_{tag}.VALUE,
+    "note": pathlib.Path(sys.prefix, "note-{tag}.txt").read_text(),
     "tmp": sorted(os.listdir("/tmp")),
 }}))
 """,
     )
-    assert again["etc"] == "sandboxed\n" and again["lib"] == "x\n"
-    assert again["victim_gone"]
-    assert not etc_file.exists()
+    assert again["value"] == 42 and again["note"] == "prefix\n"
     sandboxed.stop_server(USER)
     sandboxed.wait_gone(USER)

@@ -87,7 +87,8 @@ def test_second_user_queues_while_quota_is_full_and_starts_when_it_frees(fleet: 
     )
     assert waiting["state"] == "pending"
     assert waiting["reason"] == (
-        "needs 2 × A100-80GB; project vision uses 4/4 guaranteed A100-80GB and may borrow 0 more"
+        "Waiting for project vision's GPUs to free up: needs 2 × A100-80GB, project vision "
+        "uses 4/4 guaranteed A100-80GB and may borrow 0 more"
     )
     model = fleet.server_model("bob")
     assert model is not None and model["pending"] == "spawn"

@@ -29,9 +29,12 @@ from gpufleet.snapshotter.overlay import (
     read_upper,
 )
 from gpufleet.snapshotter.sandbox import (
+    RootEntry,
     SandboxMode,
     SandboxSupport,
     candidate_modes,
+    host_root,
+    layer_dirs,
     sandbox_argv,
 )
 
@@ -368,6 +371,8 @@ COMMON: dict[str, Any] = dict(
     binds=[(Path("/data/shared"), Path("/data"))],
     env_prefix=Path("/envs/ann"),
     argv=["jupyter", "lab"],
+    # Two directories of the host's root and one symlink: nothing else of it is there.
+    root=(RootEntry("usr"), RootEntry("etc"), RootEntry("bin", "usr/bin")),
 )
 TAIL = [
     "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm",
@@ -390,11 +395,17 @@ def build(support: SandboxSupport, **overrides: Any) -> list[str]:
 def test_argv_overlay_mount() -> None:
     assert build(ROOT_08) == [
         "/usr/bin/unshare", "-m", "--", "/bin/sh", "-c",
-        "mount --make-rprivate / && mount -t overlay overlay -o "
-        '"lowerdir=/,upperdir=$1,workdir=$2,redirect_dir=off,metacopy=off,index=off" "$3" && '
-        'shift 3 && exec "$@"',
-        "sh", "/srv/s/upper", "/srv/s/work", "/srv/s/merged",
-        "/usr/bin/bwrap", "--bind", "/srv/s/merged", "/", "--ro-bind", "/sys", "/sys",
+        "mount --make-rprivate / && "
+        'while [ "$1" != -- ]; do mount -t overlay overlay -o '
+        '"lowerdir=$1,upperdir=$2,workdir=$3,redirect_dir=off,metacopy=off,index=off" "$4" '
+        '|| exit 1; shift 4; done; shift && exec "$@"',
+        "sh",
+        "/usr", "/srv/s/upper/usr", "/srv/s/work/usr", "/srv/s/merged/usr",
+        "/etc", "/srv/s/upper/etc", "/srv/s/work/etc", "/srv/s/merged/etc",
+        "--",
+        "/usr/bin/bwrap", "--bind", "/srv/s/merged/usr", "/usr",
+        "--bind", "/srv/s/merged/etc", "/etc", "--symlink", "usr/bin", "/bin",
+        "--ro-bind", "/sys", "/sys",
         *TAIL, "--", "jupyter", "lab",
     ]  # fmt: skip
 
@@ -405,14 +416,19 @@ def test_argv_overlay_bwrap_and_readonly_and_none() -> None:
         gid=1000, gpu_devices=("/dev/nvidia0", "/dev/nvidiactl"),
     )  # fmt: skip
     assert build(native) == [
-        "/bin/bwrap", "--overlay-src", "/", "--overlay", "/srv/s/upper", "/srv/s/work", "/",
-        "--ro-bind", "/sys", "/sys", *TAIL, "--", "jupyter", "lab",
+        "/bin/bwrap",
+        "--overlay-src", "/usr", "--overlay", "/srv/s/upper/usr", "/srv/s/work/usr", "/usr",
+        "--overlay-src", "/etc", "--overlay", "/srv/s/upper/etc", "/srv/s/work/etc", "/etc",
+        "--symlink", "usr/bin", "/bin", "--ro-bind", "/sys", "/sys",
+        *TAIL, "--", "jupyter", "lab",
     ]  # fmt: skip
     readonly = SandboxSupport(
         SandboxMode.READONLY, "", bwrap="/bin/bwrap", gpu_devices=ROOT_08.gpu_devices
     )
     assert build(readonly) == [
-        "/bin/bwrap", "--ro-bind", "/", "/", *TAIL, "--", "jupyter", "lab",
+        "/bin/bwrap", "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc",
+        "--symlink", "usr/bin", "/bin", "--ro-bind", "/sys", "/sys",
+        *TAIL, "--", "jupyter", "lab",
     ]  # fmt: skip
     assert build(SandboxSupport(SandboxMode.NONE, "")) == ["jupyter", "lab"]
 
@@ -446,7 +462,7 @@ def test_argv_userns_maps_the_caller_back() -> None:
     bwrap_at = argv.index("/bin/bwrap")
     assert argv[bwrap_at : bwrap_at + 9] == [
         "/bin/bwrap", "--unshare-user", "--uid", "1000", "--gid", "1000",
-        "--bind", "/srv/s/merged", "/",
+        "--bind", "/srv/s/merged/usr", "/usr",
     ]  # fmt: skip
 
 
@@ -494,3 +510,39 @@ def test_candidate_modes(
     )
     assert [m.value for m in candidate_modes(facts, self_contained)] == expected
     assert candidate_modes(SandboxSupport(SandboxMode.NONE, ""), True) == [SandboxMode.NONE]
+
+
+def test_argv_read_only_binds_come_last_and_pids_are_private() -> None:
+    argv = build(ROOT_08, read_only=[(Path("/opt/base"), Path("/opt/base"))])
+    tail = argv[argv.index("--bind", argv.index("--proc")) :]
+    assert tail[: tail.index("--unshare-pid")][-3:] == ["--ro-bind", "/opt/base", "/opt/base"]
+    assert "--unshare-pid" in argv
+    assert "--unshare-pid" not in build(ROOT_08, share_pids=True)
+
+
+def test_host_root_shows_symlinks_as_symlinks_and_skips_what_is_missing(tmp_path: Path) -> None:
+    (tmp_path / "usr" / "lib").mkdir(parents=True)
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "lib").symlink_to("usr/lib")
+    (tmp_path / "secret").mkdir()
+    assert host_root(("usr", "etc", "lib", "lib32"), root=tmp_path) == (
+        RootEntry("usr"),
+        RootEntry("etc"),
+        RootEntry("lib", "usr/lib"),
+    )
+    assert [p.name for p in layer_dirs(tmp_path / "upper", host_root(root=tmp_path))] == [
+        "usr",
+        "etc",
+    ]
+
+
+def test_argv_stacks_lower_layers_above_the_hosts_directories() -> None:
+    argv = build(ROOT_08, lowers=[Path("/jobs/7/env")])
+    assert argv[argv.index("sh") + 1 : argv.index("sh") + 5] == [
+        "/jobs/7/env/usr:/usr", "/srv/s/upper/usr", "/srv/s/work/usr", "/srv/s/merged/usr",
+    ]  # fmt: skip
+    native = SandboxSupport(
+        SandboxMode.OVERLAY_BWRAP, "", bwrap="/bin/bwrap", bwrap_version=(0, 9, 0)
+    )
+    argv = build(native, lowers=[Path("/jobs/7/env")])
+    assert argv[1:5] == ["--overlay-src", "/jobs/7/env/usr", "--overlay-src", "/usr"]

@@ -165,9 +165,9 @@ def test_no_partial_gang_and_the_reason_names_the_largest_block() -> None:
                 1,
                 1,
                 WaitCause.RESERVED,
-                "needs 16 × H100 in one zone; largest free block is 8 in z1; within project "
-                "vision's guarantee (0/32 used); first in line for H100: z1 is held for it as "
-                "GPUs free up",
+                "Waiting for 16 GPUs in one zone (2 pods × 8): the most its pods can get in one "
+                "zone is 8 × H100, in z1; within project vision's guarantee (0/32 used); you "
+                "are next for H100, z1 is kept for you as GPUs free up",
             ),
         )
     )
@@ -182,7 +182,7 @@ def test_cordoned_unhealthy_and_other_type_nodes_receive_nothing() -> None:
     result = plan(snap(nodes, [pending(1, "vision", 2)], tree=projects(vision=8)), NOW)
     assert result.admissions == ()
     assert result.waiting[0].reason.startswith(
-        "needs 2 × H100 on one node; largest free block is 1 in z1"
+        "Waiting for 2 GPUs on one node: the most free on one node is 1 × H100, in z1"
     )
 
 
@@ -200,12 +200,12 @@ def test_a_request_no_zone_could_ever_hold_is_told_so() -> None:
             1,
             1,
             WaitCause.NEVER_FITS,
-            "needs 16 × H100 (2 pods × 8) in one zone; no zone of the fleet holds that many "
-            "even when empty: ask for fewer GPUs, or for smaller pods",
+            "Cannot start, no zone of the fleet holds that many even when empty; ask for fewer "
+            "GPUs, or for smaller pods: needs 16 × H100 (2 pods × 8) in one zone",
         ),
     )
     unknown = plan(snap([node("n1")], [pending(2, "v", 1, gpu_type="B200")]), NOW)
-    assert unknown.waiting[0].reason == "needs 1 × B200; no node of the fleet has B200"
+    assert unknown.waiting[0].reason == "Cannot start, the fleet has no B200: needs 1 × B200"
 
 
 def test_the_first_blocked_request_holds_a_zone_and_smaller_ones_fill_the_rest() -> None:
@@ -233,14 +233,16 @@ def test_a_project_at_its_borrow_limit_waits_with_the_numbers() -> None:
             1,
             1,
             WaitCause.QUOTA,
-            "needs 2 × H100; project vision uses 4/4 guaranteed H100 and may borrow 0 more",
+            "Waiting for project vision's GPUs to free up: needs 2 × H100, project vision uses "
+            "4/4 guaranteed H100 and may borrow 0 more",
         ),
         Waiting(
             2,
             2,
             WaitCause.BEHIND,
-            "waiting behind an earlier request for H100 in project vision (workload 1): "
-            "needs 2 × H100; project vision uses 4/4 guaranteed H100 and may borrow 0 more",
+            "Waiting behind an earlier H100 request of project vision (workload 1), waiting "
+            "for project vision's GPUs to free up: needs 2 × H100, project vision uses 4/4 "
+            "guaranteed H100 and may borrow 0 more",
         ),
     )
 
@@ -257,7 +259,8 @@ def test_an_inner_node_caps_its_subtree() -> None:
         snap([node("n1")], [pending(1, "a", 4)], [running(9, "b", {"n1": [0, 1, 2]})], tree), NOW
     )
     assert result.waiting[0].reason == (
-        "needs 4 × H100; organisation org caps its projects at 6 × H100 and they use 3"
+        "Waiting for the GPUs of organisation org to free up: needs 4 × H100, organisation "
+        "org caps its projects at 6 × H100 and they use 3"
     )
 
 
@@ -277,7 +280,8 @@ def test_the_per_user_cap_holds_only_that_users_later_requests() -> None:
             2,
             1,
             WaitCause.USER_CAP,
-            "needs 1 × H100; ann uses 2 of the 2-GPU per-user cap in project v",
+            "Waiting until ann holds fewer GPUs in project v: needs 1 × H100, ann uses 2 of "
+            "the 2-GPU per-user cap",
         ),
     )
 
@@ -367,8 +371,9 @@ def test_a_project_within_its_guarantee_reclaims_exactly_what_it_needs() -> None
         Preemption(12, 1, PreemptionCause.GUARANTEE, result.preemptions[0].reason),
     )
     assert result.waiting[0].cause is WaitCause.PREEMPTING
-    assert (
-        result.waiting[0].reason == "needs 4 × H100; stopping workload(s) 13, 12 to free 4 GPU(s)"
+    assert result.waiting[0].reason == (
+        "Other work is stopping to make room: needs 4 × H100, stopping workload(s) 13, 12 to "
+        "free 4 GPU(s)"
     )
 
 
@@ -515,7 +520,8 @@ def test_while_its_victims_stop_a_request_asks_for_no_more() -> None:
             1,
             1,
             WaitCause.PREEMPTING,
-            "needs 8 × H100; waiting for 8 GPU(s) being freed by preempted workload(s) 9",
+            "Other work is stopping to make room: needs 8 × H100, waiting for 8 GPU(s) being "
+            "freed by preempted workload(s) 9",
         ),
     )
 
@@ -529,7 +535,23 @@ def test_a_request_beyond_what_its_project_may_ever_hold_does_not_block_its_queu
             1,
             1,
             WaitCause.NEVER_FITS,
-            "needs 8 × H100; project v may never hold more than 4 × H100 (guarantee plus "
-            "borrow limit): ask for fewer, or for a higher limit",
+            "More than project v may ever hold; ask for fewer GPUs, or for a higher limit: "
+            "needs 8 × H100, project v may never hold more than 4 × H100 (guarantee plus "
+            "borrow limit)",
         ),
+    )
+
+
+def test_a_reason_leads_with_plain_words_and_puts_the_numbers_after() -> None:
+    full = [node("n1", free=[])]
+    busy = [running(9, "vision", {"n1": range(8)})]
+    tree = projects(vision=16)
+    one = plan(snap(full, [pending(1, "vision", 2)], busy, tree), NOW)
+    assert one.waiting[0].reason == (
+        "Waiting for 2 GPUs on one node: every H100 is in use; within project vision's "
+        "guarantee (8/16 used); you are next for H100, z1 is kept for you as GPUs free up"
+    )
+    gang = plan(snap(full, [pending(1, "vision", 4, pods=2)], busy, tree), NOW)
+    assert gang.waiting[0].reason.startswith(
+        "Waiting for 8 GPUs in one zone (2 pods × 4): no node has 4 × H100 free; "
     )

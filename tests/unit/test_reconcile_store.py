@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import Engine, select
 
+from gpufleet.hub.metrics import ControllerMetrics
+from gpufleet.hub.notifier import Notifier
 from gpufleet.hub.reconcile import RecordedWorkload
-from gpufleet.hub.reconciler import last_workloads, open_session_exists, recorded_workloads
+from gpufleet.hub.reconciler import (
+    last_workloads,
+    open_session_exists,
+    recorded_workloads,
+    settle_before_start,
+)
+from gpufleet.recovery import processes
 from gpufleet.scheduler.errors import InvalidRequest, LeaseLost, NotFound
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
@@ -179,3 +194,100 @@ def test_the_reconciler_reads_open_workloads_and_ended_ones_whose_marker_is_aliv
     assert not open_session_exists(store, "bob", "other")
     store.end(t(9), old, "withdrawn", "cancelled")
     assert not open_session_exists(store, "bob", "")
+
+
+# ------------------------------------------------------------------ a new start
+
+
+@dataclass
+class Controller:
+    """What ``settle_before_start`` uses of the controller."""
+
+    store: FleetStore
+    metrics: ControllerMetrics
+    notifier: Notifier = field(default_factory=Notifier)
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("test-settle"))
+    clock: datetime = T0
+    kicks: int = 0
+
+    def now(self) -> datetime:
+        return self.clock
+
+    def kick(self) -> None:
+        self.kicks += 1
+
+
+@contextmanager
+def marked_sleep(marker: str) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(["sleep", "600"], env={**os.environ, processes.MARKER_VARIABLE: marker})
+    try:
+        wait_until(lambda: proc.pid in processes.marked_pids(marker))
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+async def test_a_new_start_ends_the_previous_workload_at_once_when_nothing_of_it_runs(
+    store: FleetStore,
+) -> None:
+    marker = processes.new_marker()
+    alice = ask(store, t(1), "alice", marker=marker)
+    run_on_gpu(store, alice, "GPU-0", t(2))
+    controller = Controller(store, ControllerMetrics(store), clock=t(3))  # no grace
+
+    with marked_sleep(marker) as alive:
+        with pytest.raises(InvalidRequest) as refused:
+            await settle_before_start(controller, "alice", "")
+        assert str(refused.value).startswith(
+            f"server (default) of alice still holds GPUs as workload {alice} (running): "
+            f"process {alive.pid} of it is still alive on this machine"
+        )
+        with store.read() as session:
+            assert session.get_one(Workload, alice).state == WorkloadState.running
+
+    await settle_before_start(controller, "alice", "")
+    with store.read() as session:
+        workload = session.get_one(Workload, alice)
+        assert (workload.state, workload.outcome) == (WorkloadState.ended, "lost")
+        assert [a.closed_at for a in workload.allocations] == [t(3)]
+        events = session.execute(
+            select(Event.kind, Event.reason, Event.message).where(
+                Event.workload_id == alice, Event.kind == "reconciled"
+            )
+        ).all()
+    assert [tuple(e) for e in events] == [
+        (
+            "reconciled",
+            "session-lost",
+            f"a new start of server (default) of alice found workload {alice} still running "
+            "although the hub no longer runs the server, and no process of it is alive; its "
+            "GPUs are released",
+        )
+    ]
+    assert controller.kicks == 1
+    # Then the new request opens as any other.
+    assert ask(store, t(4), "alice", marker=processes.new_marker()) > alice
+
+
+async def test_a_new_start_leaves_other_servers_and_waiting_requests_alone(
+    store: FleetStore,
+) -> None:
+    alice = ask(store, t(1), "alice", marker="m-alice-0001")
+    run_on_gpu(store, alice, "GPU-0", t(2))
+    bob = ask(store, t(3), "bob", marker="m-bob-00000001")  # pending
+    controller = Controller(store, ControllerMetrics(store), clock=t(4))
+
+    await settle_before_start(controller, "bob", "")
+    await settle_before_start(controller, "alice", "other")
+    with store.read() as session:
+        assert session.get_one(Workload, alice).state == WorkloadState.running
+        assert session.get_one(Workload, bob).state == WorkloadState.pending
+    assert controller.kicks == 0

@@ -288,11 +288,12 @@ def test_a_cycle_admits_within_the_quota_and_queues_beyond_it_with_the_reason(
     assert waiting.state == WorkloadState.pending
     assert waiting.queue_position == 1
     assert waiting.reason == (
-        "needs 1 × A100; project vision uses 2/2 guaranteed A100 and may borrow 0 more"
+        "Waiting for project vision's GPUs to free up: needs 1 × A100, project vision uses "
+        "2/2 guaranteed A100 and may borrow 0 more"
     )
     assert events(store, "waiting") == [
-        f"workload {alice_again} waits: needs 1 × A100; project vision uses 2/2 "
-        "guaranteed A100 and may borrow 0 more"
+        f"workload {alice_again} waits: Waiting for project vision's GPUs to free up: needs "
+        "1 × A100, project vision uses 2/2 guaranteed A100 and may borrow 0 more"
     ]
     # Nothing changed: the next cycle decides nothing and records nothing.
     quiet = cycle(store, t(5))
@@ -465,8 +466,8 @@ def test_silent_nodes_become_unknown_and_receive_no_work_until_they_report(
     cycle(store, t(34))
     assert allocations(store) == [(alice, "GPU-a1-0", None)]  # best fit would pick a2
     assert workload(store, carol).reason == (
-        "needs 1 × H100 on one node; no schedulable node has H100 right now "
-        "(cordoned, unhealthy or silent); within project nlp's guarantee (0/2 used)"
+        "Waiting for 1 GPU on one node: every node with H100 is cordoned, unhealthy or silent "
+        "right now; within project nlp's guarantee (0/2 used)"
     )
 
     store.heartbeat(t(40), "agent-1", ["h1"])
@@ -572,8 +573,9 @@ def test_apply_config_updates_quotas_in_place(store: FleetStore) -> None:
         "admitted on a2 (zone-a); 1 borrowed beyond project vision's guarantee"
     )
     assert workload(store, bob).reason == (
-        "needs 2 × H100; project vision may never hold more than 1 × H100 (guarantee plus "
-        "borrow limit): ask for fewer, or for a higher limit"
+        "More than project vision may ever hold; ask for fewer GPUs, or for a higher limit: "
+        "needs 2 × H100, project vision may never hold more than 1 × H100 (guarantee plus "
+        "borrow limit)"
     )
 
 

@@ -55,7 +55,8 @@ def test_a_borrower_is_reclaimed_for_a_guarantee_and_ends_as_preempted(store: Fl
     waiting = workload(store, alice)
     assert (waiting.state, waiting.reason) == (
         WorkloadState.pending,
-        f"needs 2 × A100; stopping workload(s) {extra} to free 2 GPU(s)",
+        "Other work is stopping to make room: needs 2 × A100, stopping workload(s) "
+        f"{extra} to free 2 GPU(s)",
     )
     assert events(store, "preempting") == [
         f"workload {extra} is being stopped to make room for workload {alice}: it ran on GPUs "
@@ -67,7 +68,8 @@ def test_a_borrower_is_reclaimed_for_a_guarantee_and_ends_as_preempted(store: Fl
     again = store.scheduling_cycle(t(7), NOW_POLICY)
     assert again.stops == () and again.admitted == ()
     assert workload(store, alice).reason == (
-        f"needs 2 × A100; waiting for 2 GPU(s) being freed by preempted workload(s) {extra}"
+        "Other work is stopping to make room: needs 2 × A100, waiting for 2 GPU(s) being "
+        f"freed by preempted workload(s) {extra}"
     )
 
     # The backend observed it gone: it ends as preempted, whatever it called the stop.

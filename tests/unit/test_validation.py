@@ -10,6 +10,7 @@ from gpufleet.scheduler.validation import (
     ProfileRule,
     SessionRequest,
     ValidRequest,
+    name_problem,
     parse_gpu_count,
     validate_session_request,
 )
@@ -74,6 +75,72 @@ def test_a_malformed_number_gets_the_whole_number_message(value: str) -> None:
 @pytest.mark.parametrize(("value", "count"), [(1, 1), ("2", 2), (" 3 ", 3), (8, 8)])
 def test_a_gpu_count_as_typed_in_a_form_becomes_an_int(value: object, count: int) -> None:
     assert parse_gpu_count(value) == count
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("1" * 4301, "the GPU count must be a whole number such as 1 or 2 up to 9007199254740992"),
+        ("0" * 4300 + "1", "the GPU count must be a whole number such as 1 or 2 up to"),
+        ("-" + "1" * 4301, "the GPU count must be a whole number such as 1 or 2 up to"),
+        (10**5000, "not a whole number of about 5000 digits"),
+        (-(10**5000), "ask for at least 1 GPU (got a whole number of about 5000 digits)"),
+        (2**53 + 1, "up to 9007199254740992, not 9007199254740993"),
+        ("x" * 10_000, "not '" + "x" * 38 + "…"),
+    ],
+    # Named, not shown: pytest would print the values, and cannot print an int this big.
+    ids=["digits", "zeros", "negative", "int", "negative-int", "2**53+1", "text"],
+)
+def test_a_count_past_what_python_converts_is_refused_without_echoing_it(
+    value: object, message: str
+) -> None:
+    # int() and str() refuse 4,301 digits or more: a ValueError, not an InvalidRequest.
+    with pytest.raises(InvalidRequest) as caught:
+        parse_gpu_count(value)
+    assert message in str(caught.value)
+    assert len(str(caught.value)) < 200
+
+
+@pytest.mark.parametrize(("value", "count"), [("0001", 1), ("9" * 16, 10**16 - 1)])
+def test_a_count_of_up_to_16_digits_is_read(value: str, count: int) -> None:
+    if count > 2**53:
+        with pytest.raises(InvalidRequest, match="up to 9007199254740992"):
+            parse_gpu_count(value)
+    else:
+        assert parse_gpu_count(value) == count
+
+
+# ---------------------------------------------------------------------- names
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("a\0b", "holds a NUL character (U+0000)"),
+        ("a\nb", "holds the control character U+000A"),
+        ("a\x85b", "holds the control character U+0085"),
+        *[
+            (f"vision{c}", f"holds the bidirectional control U+{ord(c):04X}")
+            for c in "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c"
+        ],
+    ],
+)
+def test_a_name_with_nul_a_control_or_a_bidi_control_is_unfit(text: str, problem: str) -> None:
+    found = name_problem(text)
+    assert found is not None and found.startswith(problem)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "alice", "Zoë", "研究", "a b", "user@example.org", "A100-80GB"]
+)
+def test_plain_names_in_any_script_are_fit(text: str) -> None:
+    assert name_problem(text) is None
+
+
+@pytest.mark.parametrize(
+    "field_name", ["username", "server_name", "project", "gpu_type", "profile"]
+)
+def test_a_request_with_an_unfit_name_says_which_field(field_name: str) -> None:
+    message = rejection(request(**{field_name: "vision\u202e"}))
+    assert message.startswith(f"{field_name} holds the bidirectional control U+202E")
 
 
 # ---------------------------------------------------------------- membership
