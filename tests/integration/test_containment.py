@@ -13,7 +13,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import socket
+import subprocess
 import sys
 import textwrap
 import uuid
@@ -393,7 +395,7 @@ def test_pip_installs_into_the_sessions_own_environment_and_nobody_elses(
             "",
             textwrap.dedent(
                 f"""
-                import json, shutil, subprocess, sys
+                import json, os, pwd, shutil, subprocess, sys
                 done = subprocess.run(
                     [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
                      {str(wheel)!r}], capture_output=True, text=True)
@@ -402,6 +404,7 @@ def test_pip_installs_into_the_sessions_own_environment_and_nobody_elses(
                     "pip": done.returncode, "err": done.stderr[-500:], "where": {name}.__file__,
                     "value": {name}.VALUE, "python": shutil.which("python"),
                     "gpufleet": shutil.which("gpufleet"), "pip_cmd": shutil.which("pip"),
+                    "name": pwd.getpwuid(os.getuid()).pw_name,
                 }}))
                 """
             ),
@@ -409,6 +412,7 @@ def test_pip_installs_into_the_sessions_own_environment_and_nobody_elses(
         )
     )
     assert installed["pip"] == 0, installed["err"]
+    assert installed["name"] == "alice"  # the sandbox's passwd has an entry for its uid
     assert installed["value"] == 42
     assert installed["where"].startswith("/opt/gpufleet/env/lib/")
     # A terminal of the session finds the session's Python, pip and the gpufleet command.
@@ -460,3 +464,45 @@ def test_a_job_from_a_session_runs_in_that_sessions_environment_as_it_was_at_sub
     )
     assert answer.startswith("succeeded"), answer
     assert "value 42 /opt/gpufleet/env" in answer
+
+
+PRELOAD = r"""
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void mark(void) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/preload-%d-%d", MARKS, (int)getpid(), (int)getuid());
+    FILE *f = fopen(path, "w");
+    if (f) fclose(f);
+}
+"""
+
+
+def test_what_a_submission_preloads_runs_only_as_its_user(
+    contained: Hub, targets: dict[str, Any], tmp_path: Path
+) -> None:
+    home = contained.data_dir / "homes" / "alice"
+    marks = home / f"marks-{uuid.uuid4().hex[:8]}"
+    marks.mkdir()
+    uid = marks.parent.stat().st_uid
+    os.chown(marks, uid, uid)
+    source = tmp_path / "preload.c"
+    source.write_text(f'#define MARKS "{marks}"\n' + PRELOAD)
+    library = home / f"preload-{uuid.uuid4().hex[:8]}.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    library.chmod(0o755)
+    with Client(contained.controller_api, contained.user_token("alice")) as alice:
+        job = alice.submit(
+            "print('ran')\n",
+            gpus=1,
+            gpu_type="A100-80GB",
+            project="vision",
+            name="preloaded",
+            env={"LD_PRELOAD": str(library)},
+        )
+        ended = alice.wait(job.id, timeout=180)
+    assert ended.outcome == "succeeded", ended.reason
+    made = [p.name for p in marks.iterdir()]
+    # The rank's processes loaded it (as alice); nothing of the platform did (as root).
+    assert made, "the preloaded library never ran"
+    assert {name.rsplit("-", 1)[1] for name in made} == {str(uid)}, made
