@@ -207,6 +207,17 @@ class NodeAgent(Application):
             raise
         return guard
 
+    checkpoint_root = Unicode(
+        help="Where users' local checkpoints may go besides their homes: <root>/<user>, "
+        "made by the agent and owned by the user, shown read-write to their ranks. It must "
+        "hold the controller's job_checkpoint_store. Default: $GPUFLEET_DATA_DIR/checkpoints.",
+    ).tag(config=True)
+
+    @default("checkpoint_root")
+    def _default_checkpoint_root(self) -> str:
+        data = os.environ.get("GPUFLEET_DATA_DIR", ".gpufleet")
+        return os.path.join(os.path.abspath(data), "checkpoints")
+
     def rank_sandbox(self) -> RankSandbox:
         """How this node contains job ranks; the machine probed once (blocking)."""
         jobs = Path(self.data_dir) / "jobs"
@@ -216,6 +227,7 @@ class NodeAgent(Application):
             self.log.error("job ranks cannot run here: %s", support.reason)
         fake = Path(self.data_dir) / "fake-nvml"
         return RankSandbox(
+            checkpoint_root=Path(self.checkpoint_root).absolute(),
             support=support,
             base_env=Path(self.session_base_env),
             prefix=Path(self.session_prefix),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import logging
 import os
 import pwd
@@ -115,6 +116,7 @@ class RankSandbox:
     read_only: tuple[Path, ...] = ()
     root: tuple[RootEntry, ...] = field(default_factory=host_root)
     unavailable: str = ""  # why no rank may start here (the loopback guard cannot be had)
+    checkpoint_root: Path = Path(".gpufleet/checkpoints")  # users' checkpoints (c.NodeAgent)
 
     def home(self, username: str) -> Path:
         return Path(self.home_dir_template.format(username=username))
@@ -324,8 +326,9 @@ class PodKeeper:
         writable = [ranks_dir]
         checkpoint = str(spec.get("checkpoint_uri", ""))
         if checkpoint and "://" not in checkpoint:
-            _owned_directory(Path(checkpoint), uid, gid)
-            writable.append(Path(checkpoint))
+            place = checkpoint_place(Path(checkpoint), account, sandbox.checkpoint_root)
+            if place != account.home:
+                writable.append(place)
         if not account.home.is_dir():
             _owned_directory(account.home, uid, gid, mode=0o700)
         cwd = Path(str(spec.get("cwd") or account.home))
@@ -584,6 +587,31 @@ def _prepare_layers(
     owned by the user, so the launcher can make its venv there."""
     prepare_dirs(dirs, True, root)
     owned_prefix(dirs.upper, prefix, account.uid, account.gid)
+
+
+def checkpoint_place(checkpoint: Path, account: RankAccount, root: Path) -> Path:
+    """Which directory of the user's holds a job's local checkpoint location, to bind into
+    its sandbox: the user's home, or their directory under the platform's ``root``
+    (``<root>/<user>``, made here, owned by them). Anything else is refused: the agent runs
+    as root, and a location a submission chose must never make it create, own or show a
+    directory elsewhere. Below that directory, the rank makes what it needs itself, as its
+    user (so no link the user put there is followed by root). Raises ``RunnerError``."""
+    if not checkpoint.is_absolute() or ".." in checkpoint.parts:
+        raise RunnerError(f"checkpoint location {checkpoint} must be an absolute path")
+    if checkpoint == account.home or checkpoint.is_relative_to(account.home):
+        return account.home
+    mine = root / account.username
+    if not checkpoint.is_relative_to(mine):
+        raise RunnerError(f"checkpoint location {checkpoint} must be in your home or under {mine}")
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        mine.mkdir(mode=0o700)
+    info = mine.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise RunnerError(f"{mine} is not a directory")
+    if (info.st_uid, info.st_gid) != (account.uid, account.gid):
+        os.chown(mine, account.uid, account.gid, follow_symlinks=False)
+    return mine
 
 
 def _owned_directory(path: Path, uid: int, gid: int, mode: int = 0o755) -> None:

@@ -95,6 +95,9 @@ def main(args: list[str]) -> None:
     os.environ["PATH"] = os.pathsep.join(
         dict.fromkeys([str(prefix / "bin"), str(base_bin), *search])
     )
+    checkpoint = os.environ.get("GPUFLEET_CHECKPOINT_URI", "")
+    if checkpoint.startswith("/"):  # a job's local checkpoints: made by its user, here
+        os.makedirs(checkpoint, exist_ok=True)
     argv = command(python, base_bin, args[2:])
     try:
         os.execvp(argv[0], argv)

@@ -506,3 +506,22 @@ def test_what_a_submission_preloads_runs_only_as_its_user(
     # The rank's processes loaded it (as alice); nothing of the platform did (as root).
     assert made, "the preloaded library never ran"
     assert {name.rsplit("-", 1)[1] for name in made} == {str(uid)}, made
+
+
+def test_a_checkpoint_location_elsewhere_is_refused_and_nothing_is_made_there(
+    contained: Hub, targets: dict[str, Any]
+) -> None:
+    elsewhere = Path("/etc") / f"gpufleet-evil-{uuid.uuid4().hex[:8]}"
+    with Client(contained.controller_api, contained.user_token("alice")) as alice:
+        job = alice.submit(
+            "print('ran')\n",
+            gpus=1,
+            gpu_type="A100-80GB",
+            project="vision",
+            name="evil-checkpoints",
+            checkpoint_uri=str(elsewhere / "ckpt"),
+        )
+        ended = alice.wait(job.id, timeout=180)
+    assert ended.outcome == "failed"
+    assert "must be in your home or under" in ended.reason
+    assert not elsewhere.exists()
