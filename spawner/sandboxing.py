@@ -447,8 +447,12 @@ class SandboxedProcessSpawner(SimpleLocalProcessSpawner):
     _sandbox_logged: ClassVar[set[str]] = set()
 
     async def containment(self) -> Containment:
-        """Whom the server runs as, and from what; subclasses ask the controller."""
-        raise NotImplementedError
+        """Whom the server runs as, and from what: an abstract hook, which LocalGPUSpawner
+        answers from the controller's account record. A sandboxed spawner without one has no
+        account to run servers as, so it refuses to start them."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must say whom servers run as (containment())"
+        )
 
     def sandbox_read_only(self) -> list[str]:
         """Host paths every server of this spawner sees read-only (the fake NVML library)."""
