@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
 from .memo import PlanMemo, Tail, Verdict
-from .placement import Capacity, ZoneKey
+from .placement import Capacity
 from .quota import UNLIMITED, QuotaBook
 from .snapshot import Mode, Pending, Running, WaitCause, Waiting
 from .waits import SettledRun, behind_refusal
@@ -62,7 +62,7 @@ class _Planner(Protocol):
     capped: set[str]
     epoch: int
     searches_left: int
-    reserved: dict[str, tuple[ZoneKey, int]]
+    reserved: dict[str, Any]  # GPU type -> plan.Hold
     in_flight: dict[int, list[Running]]
     settled: dict[tuple[Any, ...], tuple[int, WaitCause, str]]
     no_room_reasons: dict[tuple[Any, ...], str]
@@ -128,6 +128,8 @@ class Frozen:
                 if any(key[1] == gpu_type for *_, key in heap):
                     return False
                 continue  # nothing of the type is left to decide
+            # The held zone's free GPUs are left out: backfill enters it only before the
+            # cycle freezes (counting them kept the cycle from freezing at all at scale).
             smallest = min(pod_sizes)
             for zone in zones:
                 if zone != held[0] and capacity.most_free(zone) >= smallest:
@@ -243,13 +245,23 @@ class FrozenTails:
         loop of a cycle at scale: one dictionary read and one tuple per request.
 
         Returns the index ``_patched`` reads (``memo.Tail``): the positions of each shape
-        up to the first quota refusal, or ``{None: []}`` when a request was decided
-        otherwise than by its shape's verdict."""
+        decided by its verdict (not those waiting behind a quota refusal), or
+        ``{None: []}`` when a request was decided otherwise than by its shape's verdict."""
         waiting, in_flight, said = self.p.waiting, self.p.in_flight, self.frozen_said
         append, make = waiting.append, tuple.__new__  # see _patched
         index: dict[Any, list[int]] = {}
         position = self.p.positions[key]
+        # After a quota refusal: the row the later requests get, and the guarantee left
+        # (a borrower's refusal does not hold back those within it; ``_behind_quota_refusal``).
+        behind: tuple[WaitCause, str] | None = None
+        room = 0
         for i, request in enumerate(rest):
+            if behind is not None:
+                if request.gpus > room:
+                    position += 1
+                    append(make(Waiting, (request.id, position, *behind)))
+                    continue
+                behind = None
             shape = request.shape
             outcome = said.get(shape)
             if outcome is None or request.id in in_flight:
@@ -273,11 +285,11 @@ class FrozenTails:
             else:
                 positions.append(i)
             if outcome[0] is WaitCause.QUOTA:
-                behind = behind_refusal(request, outcome[1])
-                for later in rest[i + 1 :]:
-                    position += 1
-                    append(make(Waiting, (later.id, position, WaitCause.BEHIND, behind)))
-                break
+                behind = (WaitCause.BEHIND, behind_refusal(request, outcome[1]))
+                book = self.p.book
+                room = book.guarantee(*key) - book.usage(*key)
+                if request.gpus <= room:
+                    room = -1  # it was within the guarantee: everything waits behind it
         self.p.positions[key] = position
         return index
 

@@ -311,6 +311,8 @@ def _only_progress(old: Running, new: Running) -> bool:
         and old.cluster == new.cluster
         and old.zone == new.zone
         and old.kind == new.kind
+        and old.preemptions == new.preemptions
+        and old.checkpoint_interval_s == new.checkpoint_interval_s
     )
 
 

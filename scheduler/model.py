@@ -139,4 +139,108 @@ def project_tree(specs: Sequence[Mapping[str, Any]]) -> ProjectTree:
             hub_group=str(spec.get("hub_group") or name),
             allowed_priorities=tuple(str(p) for p in spec.get("allowed_priorities") or ()),
         )
-    return ProjectTree(projects)
+    tree = ProjectTree(projects)
+    over = guarantees_over_limits(tree)
+    if over:
+        raise InputError(over[0].message)
+    return tree
+
+
+@dataclass(frozen=True)
+class OverLimit:
+    """An inner node whose children's guarantees for a GPU type sum to more than the node
+    may hold as declared: its own ``guaranteed`` plus its ``borrow_limit``."""
+
+    name: str
+    kind: str
+    gpu_type: str
+    children: tuple[tuple[str, int], ...]  # (child, its subtree's guarantee), those above 0
+    child_kinds: frozenset[str]
+    guaranteed: int  # as the node declares it
+    borrow_limit: int
+
+    @property
+    def total(self) -> int:
+        return sum(g for _, g in self.children)
+
+    @property
+    def limit(self) -> int:
+        return self.guaranteed + self.borrow_limit
+
+    @property
+    def excess(self) -> int:
+        return self.total - self.limit
+
+    @property
+    def message(self) -> str:
+        whose = " and ".join(f"{k}s'" for k in KINDS if k in self.child_kinds)
+        parts = ", ".join(f"{c} {g}" for c, g in self.children)
+        return (
+            f"{self.kind} {self.name}: its {whose} guarantees for {self.gpu_type} sum to "
+            f"{self.total} ({parts}), more than the {self.limit} × {self.gpu_type} the "
+            f"{self.kind} may hold (guaranteed {self.guaranteed} + borrow_limit "
+            f"{self.borrow_limit}); lower a guarantee or raise the {self.kind}'s limit"
+        )
+
+
+def guarantees_over_limits(tree: ProjectTree) -> list[OverLimit]:
+    """Every inner node and GPU type where the children's guarantees sum to more than the
+    node may hold as declared, ``guaranteed + borrow_limit`` of the node itself (not the
+    larger guarantee that ``quota.QuotaLimits`` derives from the children).
+
+    A child's guarantee is its subtree's: the larger of what it declares and its own
+    children's sum, so each level (organisation → team → project) is checked against
+    the one above. A node without a borrow limit for a type has no cap for it; one that
+    declares no guarantee (0) is guaranteed its children's sum, its cap that sum plus its
+    borrow limit, which they cannot exceed. In the tree's order, then by GPU type.
+    """
+    children: dict[str, list[str]] = {name: [] for name in tree.projects}
+    for p in tree.projects.values():
+        if p.parent is not None:
+            children[p.parent].append(p.name)
+    subtree: dict[str, dict[str, int]] = {}
+    for name in _bottom_up(tree, children):
+        own = {t: q.guaranteed for t, q in tree.projects[name].quotas.items()}
+        if children[name]:
+            total: dict[str, int] = {}
+            for child in children[name]:
+                for t, g in subtree[child].items():
+                    total[t] = total.get(t, 0) + g
+            for t, g in own.items():
+                total[t] = max(total.get(t, 0), g)
+            own = total
+        subtree[name] = own
+    found = []
+    for project in tree.projects.values():
+        if not children[project.name]:
+            continue
+        for gpu_type, quota in sorted(project.quotas.items()):
+            if quota.borrow_limit is None or quota.guaranteed == 0:
+                continue  # no declared guarantee: it is the children's sum, the cap above it
+            over = OverLimit(
+                project.name,
+                project.kind,
+                gpu_type,
+                tuple(
+                    (c, subtree[c][gpu_type])
+                    for c in children[project.name]
+                    if subtree[c].get(gpu_type, 0) > 0
+                ),
+                frozenset(tree.projects[c].kind for c in children[project.name]),
+                quota.guaranteed,
+                quota.borrow_limit,
+            )
+            if over.excess > 0:
+                found.append(over)
+    return found
+
+
+def _bottom_up(tree: ProjectTree, children: Mapping[str, Sequence[str]]) -> list[str]:
+    """Every node after all of its children, whatever order the tree lists them in."""
+    order: list[str] = []
+    stack = [p.name for p in tree.projects.values() if p.parent not in tree.projects]
+    while stack:
+        name = stack.pop()
+        order.append(name)
+        stack.extend(children[name])
+    return order[::-1]

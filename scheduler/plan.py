@@ -29,12 +29,15 @@ Who may be a victim:
   project's workloads are counted by class, then start time — for a request within its
   own guarantee; for a borrowing request, only a preemptible borrower of a lower class;
 - a preemptible workload of a lower class in the request's own project.
-A workload that started less than ``min_run_time_s`` ago is spared (idle ones aside).
-Victims are tried in order: idle sessions, then lowest class, highest share, least lost
-work (GPU-seconds since the last checkpoint or snapshot). Victims the gang turns out not to
-need are dropped again, so a reclaim for N GPUs evicts no more than it needs. The request
-then waits for its victims to be gone (they are ``stopping_for`` it in later snapshots) and
-asks for no more while they stop.
+A workload is spared for ``min_run_time_s`` after its start (idle ones aside), longer
+after earlier preemptions (``preemption.protected_until``). The victims are the feasible
+set with the fewest evicted GPUs, then the least lost work (``eviction.py``), in the zone
+where that is cheapest. The request then waits for its victims to be gone (they are
+``stopping_for`` it in later snapshots) and asks for no more while they stop. Free GPUs
+that other subtrees keep back by lend limits never count, for a placement or a search.
+
+Held zones. Backfill — work the holder could evict once it can start — may use a held
+zone's free GPUs, and so may a request within its guarantee when the holder borrows.
 
 Frozen tail. After the first hundred or so decisions of a busy cycle nothing can change any
 more: the preemption searches are spent, a zone is held for each type, and no free block
@@ -129,6 +132,16 @@ class _Queue:
         return self.requests[self.head]
 
 
+class Hold(NamedTuple):
+    """A zone held for the first request of a GPU type that found no room."""
+
+    zone: ZoneKey
+    holder: int
+    within: bool  # the holder asked within its project's guarantee
+    rank: int  # its class's rank
+    project: str
+
+
 class _Outcome(NamedTuple):
     cause: WaitCause | None = None  # None: admitted
     reason: str = ""
@@ -153,8 +166,10 @@ class _Planner:
             self.capacity.total_by_type,
             memo.quota_limits,
         )
-        self.reserved: dict[str, tuple[ZoneKey, int]] = {}  # GPU type -> (zone, holder)
-        self.failed_shapes: dict[tuple[str, int], int] = {}  # (type, per pod) -> fewest pods
+        self.reserved: dict[str, Hold] = {}  # GPU type -> the zone held, and for whom
+        # (type, per pod, may use the held zone) -> the fewest pods that failed to fit
+        self.failed_shapes: dict[tuple[str, int, bool], int] = {}
+        self.subtrees: dict[str, frozenset[str]] = {}
         self.failed_searches: set[tuple[Any, ...]] = set()
         self.searches_left = self.policy.max_preemption_searches
         self.chosen: set[int] = set()
@@ -246,7 +261,8 @@ class _Planner:
             self._kept(request, request.promised)
         else:
             k, pods = request.gpus_per_pod, request.pods
-            if self.capacity.pods_fitting(zone, k) >= pods:
+            usable = self.capacity.free_by_type[t] - self.book.withheld_from(request.project, t)
+            if self.capacity.pods_fitting(zone, k) >= pods and usable >= request.gpus:
                 self._admit(request, zone, self.capacity.place(zone, k, pods))
                 return True
             if not victims or not self._keep_for(request, zone, _gpus_by_node(victims)):
@@ -317,14 +333,30 @@ class _Planner:
         else:
             outcome = self._decide(request)
             if outcome.cause is WaitCause.QUOTA:
-                for later in queue.requests[queue.head + 1 :]:
-                    self._wait(later, WaitCause.BEHIND, behind_refusal(request, outcome.reason))
-                queue.head = len(queue.requests)
+                self._behind_quota_refusal(queue, outcome.reason)
                 return
             if outcome.cause is WaitCause.USER_CAP:
                 blocked_users[(request.project, request.user)] = request.id
         queue.head += 1
         self._settle_repeats(queue, blocked_users)
+
+    def _behind_quota_refusal(self, queue: _Queue, reason: str) -> None:
+        """The queue's current request was refused by a quota: the later ones wait behind
+        it, so that small requests of its project do not starve it — except those that fit
+        within the project's guarantee while it did not (a borrower must not hold back its
+        project's guaranteed GPUs): the queue goes on at the first of those."""
+        request = queue.current
+        p, t = request.project, request.gpu_type
+        room = self.book.guarantee(p, t) - self.book.usage(p, t)
+        within = room >= request.gpus
+        later = queue.head + 1
+        requests = queue.requests
+        while later < len(requests):
+            if not within and requests[later].gpus <= room:
+                break
+            self._wait(requests[later], WaitCause.BEHIND, behind_refusal(request, reason))
+            later += 1
+        queue.head = later
 
     def _settle_repeats(self, queue: _Queue, blocked_users: dict[tuple[str, str], int]) -> None:
         """Settle the later requests of this queue that would only repeat an earlier
@@ -480,12 +512,8 @@ class _Planner:
             if refusal is not None:
                 if not self.capacity.ever_fits(t, k, pods):  # nor may it hold its queue
                     return self._wait(request, WaitCause.NEVER_FITS, self._never_fits(request))
-                # Over its own project's cap, a request may still make room inside the
-                # project: its lower classes give back what it needs.
-                over = self.book.over_cap(request.project, t, request.gpus)
-                if self.mode is Mode.GPUFLEET and over == request.project:
-                    excess = self.book.usage(over, t) + request.gpus - self.book.cap(over, t)
-                    outcome = self._make_room(request, must_free=int(excess), own_project=True)
+                if self.mode is Mode.GPUFLEET:
+                    outcome = self._make_room_under_caps(request)
                     if outcome is not None:
                         return outcome
                 return self._wait(request, WaitCause.QUOTA, refusal)
@@ -505,6 +533,37 @@ class _Planner:
             if outcome is not None:
                 return outcome
         return self._no_room(request)
+
+    def _make_room_under_caps(self, request: Pending) -> _Outcome | None:
+        """A request refused by a cap on its path may still make room under that cap.
+        Over its own project's cap: its project's lower classes give back what it needs.
+        Within its project's guarantee but over an enclosing node's cap (its siblings
+        borrowed the rest): the borrowers under that node give back what it needs, for a
+        guarantee holds whatever fills the parent's cap."""
+        p, t, gpus = request.project, request.gpu_type, request.gpus
+        over = self.book.over_cap(p, t, gpus)
+        if over == p:
+            excess = self.book.usage(p, t) + gpus - self.book.cap(p, t)
+            return self._make_room(
+                request, quotas=((frozenset([p]), int(excess)),), own_project=True
+            )
+        if over is None or not self.book.within_guarantee(p, t, gpus):
+            return None
+        quotas = tuple(
+            (self._subtree(name), int(self.book.usage(name, t) + gpus - self.book.cap(name, t)))
+            for name in self.book.path(p)[1:]
+            if self.book.usage(name, t) + gpus > self.book.cap(name, t)
+        )
+        return self._make_room(request, quotas=quotas)
+
+    def _subtree(self, name: str) -> frozenset[str]:
+        """The projects under a node of the tree (itself included)."""
+        found = self.subtrees.get(name)
+        if found is None:
+            found = self.subtrees[name] = frozenset(
+                project for project in self.book.projects if name in self.book.path(project)
+            )
+        return found
 
     def _beyond_limits(self, request: Pending) -> str | None:
         """Why the request exceeds what its project or user may ever hold, if it does."""
@@ -581,16 +640,42 @@ class _Planner:
         if request.node_selector:
             return self.capacity.place_selected(t, k, pods, request.node_selector)
         holder = self.reserved.get(t)
-        holds = holder is not None and holder[1] == request.id
-        if not holds and self.failed_shapes.get((t, k), pods + 1) <= pods:
+        holds = holder is not None and holder.holder == request.id
+        enters = holds or holder is None or self._may_enter(request, holder)
+        failed = (t, k, enters)
+        if not holds and self.failed_shapes.get(failed, pods + 1) <= pods:
             return None
-        excluded = frozenset([holder[0]]) if holder is not None and not holds else frozenset()
+        excluded = frozenset() if enters else frozenset([holder.zone])  # type: ignore[union-attr]
         zone = self.capacity.best_zone(t, k, pods, excluded)
         if zone is None:
             if not holds:
-                self.failed_shapes[(t, k)] = min(pods, self.failed_shapes.get((t, k), pods))
+                self.failed_shapes[failed] = min(pods, self.failed_shapes.get(failed, pods))
             return None
         return zone, self.capacity.place(zone, k, pods)
+
+    # ---------------------------------------------------------- held zones
+    def _outranks(self, request: Pending, hold: Hold) -> bool:
+        """A request within its guarantee goes before a holder that borrows: it may use
+        the held zone, for its free GPUs and its victims, rather than evict elsewhere."""
+        return not hold.within and self.book.within_guarantee(
+            request.project, request.gpu_type, request.gpus
+        )
+
+    def _may_enter(self, request: Pending, hold: Hold) -> bool:
+        """Whether the request may take free GPUs of a zone held for another: if it
+        outranks the holder, or as backfill — work the holder may evict once it can
+        start (of another project, beyond that project's guarantee, and the holder within
+        its own or the request preemptible and of a lower class; of the holder's
+        project, preemptible and of a lower class). So a held zone does not idle, and
+        nothing that enters it can keep the holder out."""
+        if self._outranks(request, hold):
+            return True
+        rank = self.ranks.get(request.priority, 0)
+        lower = self.snapshot.preemptible.get(request.priority, False) and rank < hold.rank
+        if request.project == hold.project:
+            return lower
+        borrows = not self.book.within_guarantee(request.project, request.gpu_type, request.gpus)
+        return borrows and (hold.within or lower)
 
     def _admit(self, request: Pending, zone: ZoneKey, pods: tuple[Pod, ...]) -> None:
         p, t = request.project, request.gpu_type
@@ -634,17 +719,41 @@ class _Planner:
             reason = self.no_room_reasons[said] = self._no_room_reason(request, block, within)
         holder = self.reserved.get(t)
         if holder is None and block is not None and not request.node_selector:
-            closest = self.capacity.closest_zone(t, k)
+            closest = self._zone_to_hold(request, within)
             if closest is not None:
-                self.reserved[t] = (closest[0], request.id)
+                rank = self.ranks.get(request.priority, 0)
+                self.reserved[t] = Hold(closest, request.id, within, rank, request.project)
                 self.epoch += 1
-                zone = closest[0][1]
+                zone = closest[1]
                 return self._wait(
                     request,
                     WaitCause.RESERVED,
                     f"{reason}; you are next for {t}, {zone} is kept for you as GPUs free up",
                 )
         return self._wait(request, WaitCause.CAPACITY, reason)
+
+    def _zone_to_hold(self, request: Pending, within: bool) -> ZoneKey | None:
+        """The zone closest to holding the request: the most of its pods fit there once
+        the work it may evict there is gone, so that backfill coming and going (once it
+        has run the minimum run time) does not move the hold; without preemption, the
+        most of its pods fit now."""
+        t, k = request.gpu_type, request.gpus_per_pod
+        if self.mode is not Mode.GPUFLEET:
+            closest = self.capacity.closest_zone(t, k)
+            return None if closest is None else closest[0]
+        if self.victims is None:
+            self.victims = VictimIndex(self.memo.candidates, self.book, self.ranks, self.now)
+        rank = self.ranks.get(request.priority, 0)
+        best: tuple[int, ZoneKey] | None = None
+        for zone in self.capacity.zones_by_type.get(t, ()):
+            members = self.victims.zones.get(zone)
+            if members is None:
+                fitting = self.capacity.pods_fitting(zone, k)
+            else:
+                fitting = self.victims.pods_at_most(zone, members, self.capacity, k, within, rank)
+            if best is None or fitting > best[0]:
+                best = (fitting, zone)
+        return None if best is None else best[1]
 
     def _no_room_reason(self, request: Pending, block: tuple[int, str] | None, within: bool) -> str:
         t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
@@ -689,28 +798,49 @@ class _Planner:
 
     # ------------------------------------------------------------ preemption
     def _make_room(
-        self, request: Pending, must_free: int = 0, own_project: bool = False
+        self,
+        request: Pending,
+        quotas: tuple[tuple[frozenset[str] | None, int], ...] = (),
+        own_project: bool = False,
     ) -> _Outcome | None:
         t, p = request.gpu_type, request.project
         rank = self.ranks.get(request.priority, 0)
         within = self.book.within_guarantee(p, t, request.gpus)
         if self.searches_left <= 0 or request.node_selector:
             return None
-        memo = (p, t, request.gpus_per_pod, request.pods, rank, within, must_free, own_project)
+        # Lend limits hold here too: free GPUs other subtrees keep back do not count, so
+        # the victims must free what they would have had to give.
+        usable = self.capacity.free_by_type[t] - self.book.withheld_from(p, t)
+        if usable < request.gpus:
+            quotas = (*quotas, (None, request.gpus - usable))
+        holder = self.reserved.get(t)
+        excluded = None
+        if holder is not None and holder[1] != request.id and not self._outranks(request, holder):
+            excluded = holder[0]
+        memo = (
+            p,
+            t,
+            request.gpus_per_pod,
+            request.pods,
+            rank,
+            within,
+            quotas,
+            own_project,
+            excluded,
+        )
         if memo in self.failed_searches:
             return None
         self.searches_left -= 1
         if self.victims is None:
             self.victims = VictimIndex(self.memo.candidates, self.book, self.ranks, self.now)
-        holder = self.reserved.get(t)
         found = self.victims.find(
             request,
             rank,
             within,
             self.capacity,
-            must_free=must_free,
+            quotas=quotas,
             own_project=own_project,
-            excluded=holder[0] if holder is not None and holder[1] != request.id else None,
+            excluded=excluded,
             chosen=self.chosen,
         )
         if found is None:

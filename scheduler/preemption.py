@@ -27,11 +27,12 @@ import bisect
 import heapq
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
+from .eviction import Need, cheapest_victims
 from .placement import Capacity, ZoneKey
 from .quota import QuotaBook
 from .snapshot import Pending, PreemptionCause, Running
@@ -186,15 +187,14 @@ class Candidates:
         """Make the workload a member if and only if it is a candidate now."""
         borrowing = workload.id in self.borrowing
         may = workload.idle_reclaimable or workload.preemptible or borrowing
-        old_enough = (
-            workload.idle_reclaimable or workload.started_at + self.min_run_time_s <= self.now
-        )
+        until = protected_until(workload, self.min_run_time_s)
+        old_enough = workload.idle_reclaimable or until <= self.now
         member = self._member.get(workload.id)
         if member is not None and (member[0] is not workload or member[1] != borrowing):
             self._leave(workload.id)
             member = None
         if may and not old_enough:
-            heapq.heappush(self._later, (workload.started_at + self.min_run_time_s, workload.id))
+            heapq.heappush(self._later, (until, workload.id))
         if member is None and may and old_enough:
             self._enter(workload, borrowing)
         elif member is not None and not (may and old_enough):
@@ -245,6 +245,26 @@ class Candidates:
         _bump(zone.gpus_by_project, project, gpus)
 
 
+# Protection doubles with each earlier preemption, up to this many times.
+MAX_DOUBLINGS = 10
+
+
+def protected_until(workload: Running, min_run_time_s: float) -> float:
+    """Until when the workload may not be a victim (idle sessions aside): the minimum
+    run time after its start; after an earlier preemption, until it has run its next
+    checkpoint interval (at least the minimum run time), and for a workload without one
+    (a session) twice the minimum run time — doubled again for each further preemption.
+    So a workload preempted over and over keeps more of its work each time, and one
+    that checkpoints always reaches its next checkpoint before it can be stopped again."""
+    n = min(workload.preemptions, MAX_DOUBLINGS)
+    if n <= 0:
+        return workload.started_at + min_run_time_s
+    interval = workload.checkpoint_interval_s
+    if interval:
+        return workload.started_at + max(min_run_time_s, interval) * 2 ** (n - 1)
+    return workload.started_at + min_run_time_s * 2**n
+
+
 def _bump(sums: dict[Any, int], key: Any, value: int) -> None:
     total = sums.get(key, 0) + value
     if total:
@@ -254,8 +274,7 @@ def _bump(sums: dict[Any, int], key: Any, value: int) -> None:
 
 
 class VictimIndex:
-    """The cycle's view of the candidates: brought up to date on the cycle's first search,
-    each zone put in victim order when a search first looks at it."""
+    """The cycle's view of the candidates, brought up to date on the cycle's first search."""
 
     def __init__(
         self,
@@ -269,31 +288,9 @@ class VictimIndex:
         self.now = now
         self.borrowing = candidates.borrowing
         self.zones = candidates.zones
-        # Fair shares as they stand at the cycle's first search: the highest share first.
-        projects = {p for zone in self.zones.values() for p in zone.gpus_by_project}
-        self.reclaim_first = {p: tuple(-s for s in book.share_key(p)) for p in projects}
-        self._ordered: dict[ZoneKey, list[Running]] = {}
         self._bounds: dict[tuple[Any, ...], int] = {}
 
-    def ordered(self, zone_key: ZoneKey) -> list[Running]:
-        """The zone's candidates in victim order: idle sessions first, then the lowest
-        class, the highest share, the least lost work."""
-        ordered = self._ordered.get(zone_key)
-        if ordered is None:
-            ranks, now, first = self.ranks, self.now, self.reclaim_first
-            ordered = self._ordered[zone_key] = sorted(
-                self.zones[zone_key].members.values(),
-                key=lambda w: (
-                    not w.idle_reclaimable,
-                    ranks.get(w.priority, 0),
-                    first[w.project],
-                    w.gpus * (now - max(w.started_at, w.last_progress_at or 0)),
-                    w.id,
-                ),
-            )
-        return ordered
-
-    def _pods_at_most(
+    def pods_at_most(
         self,
         zone_key: ZoneKey,
         zone: _Zone,
@@ -352,89 +349,80 @@ class VictimIndex:
         within: bool,
         capacity: Capacity,
         *,
-        must_free: int = 0,
+        quotas: tuple[tuple[frozenset[str] | None, int], ...] = (),
         own_project: bool = False,
         excluded: ZoneKey | None = None,
         chosen: set[int],
     ) -> Victims | None:
-        """The cheapest zone's fewest victims: fewest non-idle victims, then fewest GPUs."""
-        k, pods = request.gpus_per_pod, request.pods
-        best: tuple[tuple[Any, ...], Victims] | None = None
+        """The victims with the fewest evicted GPUs (ties: the least lost work) with which
+        the gang fits in one zone and every ``quotas`` entry is freed, or None.
+
+        Zones are looked at from the one needing the fewest GPUs freed; the search stops
+        once a set costs no more than the next zone could need at least."""
+        k, pods, t = request.gpus_per_pod, request.pods, request.gpu_type
+        own_needed = max((gpus for projects, gpus in quotas if projects is not None), default=0)
+        least = max((gpus for _, gpus in quotas), default=0)
+        zones: list[tuple[int, ZoneKey, _Zone]] = []
         for zone_key, zone in self.zones.items():
-            if zone_key[2] != request.gpu_type or zone_key == excluded:
-                continue
-            if zone_key not in capacity.buckets:
+            if zone_key[2] != t or zone_key == excluded or zone_key not in capacity.buckets:
                 continue
             own = zone.gpus_by_project.get(request.project, 0)
             ceiling = zone.idle_gpus + own + (0 if own_project else zone.borrowed_gpus)
-            if capacity.zone_free[zone_key] + ceiling < request.gpus or own < must_free:
+            if capacity.zone_free[zone_key] + ceiling < request.gpus:
                 continue  # even evicting every candidate here would not make room
+            if own_project and own < own_needed:
+                continue
             if request.project not in zone.preemptible_projects and (
-                self._pods_at_most(zone_key, zone, capacity, k, within, rank) < pods
+                self.pods_at_most(zone_key, zone, capacity, k, within, rank) < pods
             ):
                 continue  # no node mix of candidates here could hold the gang
-            candidates = (
-                (victim, cause)
-                for victim in self.ordered(zone_key)
-                if victim.id not in chosen
-                and (not own_project or victim.project == request.project)
-                and (cause := self.cause(victim, request, rank, within)) is not None
+            if pods == 1:
+                short = k - capacity.most_free(zone_key)
+            else:
+                short = request.gpus - capacity.zone_free[zone_key]
+            zones.append((max(1, short, least), zone_key, zone))
+        zones.sort(key=lambda z: (z[0], z[1]))
+        best: tuple[tuple[Any, ...], Victims] | None = None
+        need = Need(k, pods, quotas)
+        free = _FreeCounts(capacity)
+        for at_least, zone_key, zone in zones:
+            if best is not None and best[0][0] <= at_least:
+                break
+            causes: dict[int, PreemptionCause] = {}
+            eligible = []
+            for victim in zone.members.values():
+                if victim.id in chosen or (own_project and victim.project != request.project):
+                    continue
+                cause = self.cause(victim, request, rank, within)
+                if cause is not None:
+                    causes[victim.id] = cause
+                    eligible.append(victim)
+            found = cheapest_victims(
+                eligible, free, t, need, capacity.pods_fitting(zone_key, k), self.now, at_least
             )
-            victims = fewest_victims(capacity, zone_key, candidates, k, pods, must_free)
-            if victims is None:
+            if found is None:
                 continue
-            cost = (
-                sum(1 for _, c in victims if c is not PreemptionCause.IDLE),
-                sum(v.gpus for v, _ in victims),
-                zone_key,
-            )
-            if best is None or cost < best[0]:
-                best = (cost, victims)
+            cost, victims = found
+            key = (cost[0], cost[1], zone_key)
+            if best is None or key < best[0]:
+                best = (key, [(v, causes[v.id]) for v in victims])
         return None if best is None else best[1]
 
 
-def fewest_victims(
-    capacity: Capacity,
-    zone: ZoneKey,
-    candidates: Iterable[tuple[Running, PreemptionCause]],
-    per_pod: int,
-    pods: int,
-    must_free: int,
-) -> Victims | None:
-    """Victims in order until the gang fits (and, for a request over its project's cap,
-    until ``must_free`` of the project's GPUs come back), then without every one of them
-    the gang turns out not to need, latest first."""
-    free: dict[tuple[str, str], int] = {}
-    fitting = capacity.pods_fitting(zone, per_pod)
-    chosen: Victims = []
+class _FreeCounts(Mapping[tuple[str, str], int]):
+    """The cycle's free GPUs per schedulable node, read from its capacity as needed."""
 
-    def release(victim: Running, sign: int) -> int:
-        change = 0
-        for pod in victim.pods:
-            key = (pod.node, zone[2])
-            if key not in capacity.nodes:
-                continue  # on an unschedulable node: freeing it gives nothing usable
-            before = free.get(key, capacity.free_count(key))
-            after = before + sign * len(pod.gpus)
-            free[key] = after
-            change += after // per_pod - before // per_pod
-        return change
+    def __init__(self, capacity: Capacity):
+        self.capacity = capacity
 
-    freed = 0
-    for victim, cause in candidates:
-        fitting += release(victim, +1)
-        freed += victim.gpus
-        chosen.append((victim, cause))
-        if fitting >= pods and freed >= must_free:
-            break
-    else:
-        return None
-    for item in reversed(chosen[:-1]):
-        lost = release(item[0], -1)
-        if fitting + lost >= pods and freed - item[0].gpus >= must_free:
-            fitting += lost
-            freed -= item[0].gpus
-            chosen.remove(item)
-        else:
-            release(item[0], +1)
-    return chosen
+    def __getitem__(self, key: tuple[str, str]) -> int:
+        return self.capacity.free_count(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.capacity.nodes
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self.capacity.nodes)
+
+    def __len__(self) -> int:
+        return len(self.capacity.nodes)

@@ -49,8 +49,11 @@ class QuotaLimits:
         self.guaranteed_of = {
             (name, t): g for name, per_type in self.guaranteed.items() for t, g in per_type.items()
         }
+        # A node that declares a guarantee is capped at what it declares plus its borrow
+        # limit (children may not be guaranteed more: ``model.guarantees_over_limits``);
+        # one that declares none at its children's sum plus its borrow limit.
         self.caps = {
-            (name, t): self.guaranteed_of.get((name, t), 0) + q.borrow_limit
+            (name, t): (q.guaranteed or self.guaranteed_of.get((name, t), 0)) + q.borrow_limit
             for name, p in self.projects.items()
             for t, q in p.quotas.items()
             if q.borrow_limit is not None

@@ -35,7 +35,15 @@ Modelling choices (``docs/simulator.md`` explains them):
   is added as a top-level project without quotas whose default priority is opportunistic;
 - priority ranks are ``PRIORITY_RANKS`` (the projects file carries none today); only
   opportunistic work may be preempted by a higher class of its own project;
-- the trace has no users: each job is its own user, so a per-user cap bounds a job.
+- the trace has no users: each job is its own user, so a per-user cap bounds a job;
+- a job the configuration could never admit, even on an empty fleet (``_shape``: a GPU
+  type the fleet lacks, a gang no zone holds, more than its project or a user may ever
+  hold under the policy), is never queued: it is in ``never_fits`` and never waits.
+
+Measurements (``simulator_measures``): while some job waits, the replay integrates, over
+the GPU types waiting jobs ask for, the GPUs held, the fleet's GPUs and the ceiling the
+quota tree permits (``QuotaCeiling``, recomputed only at timestamps where something
+changed); each preemption decision is measured as its plan is applied.
 """
 
 from __future__ import annotations
@@ -54,6 +62,14 @@ from .inputs import TraceJob
 from .memo import PlanMemo
 from .model import FleetNode, Project, ProjectTree
 from .plan import plan
+from .quota import QuotaLimits
+from .simulator_measures import (
+    PreemptionDecision,
+    QuotaCeiling,
+    beyond_limits,
+    free_for,
+    gang_fits,
+)
 from .simulator_report import (
     ClockTotals,
     JobRecord,
@@ -71,7 +87,6 @@ from .snapshot import (
     Policy,
     Running,
     SchedulingSnapshot,
-    WaitCause,
 )
 from .tracked import ChangeStream
 
@@ -138,12 +153,15 @@ class _Job:
     __slots__ = (
         "attempt",
         "end",
+        "evicted_beyond_need_gpus",
+        "evicted_gpus",
         "gpu_type",
         "gpus_per_pod",
         "lost_gpu_s",
         "pending",
         "pods",
         "preemptions",
+        "preemptor_of",
         "priority",
         "project",
         "remaining",
@@ -167,6 +185,9 @@ class _Job:
         self.attempt = 0  # bumped whenever a run ends, so stale events are recognised
         self.runs: list[Run] = []
         self.preemptions = 0
+        self.preemptor_of = 0  # preemption decisions made for it
+        self.evicted_gpus = 0  # GPUs those decisions evicted
+        self.evicted_beyond_need_gpus = 0
         self.lost_gpu_s = 0.0
         self.end: float | None = None
         self.stop_began: float | None = None
@@ -222,9 +243,14 @@ def _job_error(job: TraceJob, message: str) -> TraceJobError:
     return TraceJobError(job.job_id, message)
 
 
-def _shape(wid: int, job: TraceJob, fleet: _Fleet, tree: ProjectTree) -> _Job | NeverFits:
-    """The queue entry a trace job becomes, or why it can never fit. Raises InputError for
-    a line that cannot be used as written (the error names the job)."""
+def _shape(
+    wid: int, job: TraceJob, fleet: _Fleet, limits: QuotaLimits, mode: Mode
+) -> _Job | NeverFits:
+    """The queue entry a trace job becomes, or why it can never fit, even on an empty
+    fleet: a GPU type the fleet lacks, a gang no zone holds, more than its project or a
+    user may ever hold under ``mode``. Raises InputError for a line that cannot be used as
+    written (the error names the job)."""
+    tree = limits.tree
     project = tree.projects[job.group]
     priority = job.priority or project.default_priority
     if priority not in PRIORITY_RANKS:
@@ -261,6 +287,9 @@ def _shape(wid: int, job: TraceJob, fleet: _Fleet, tree: ProjectTree) -> _Job | 
             f"needs {pods} pod(s) of {per_pod} {gpu_type} GPUs in one zone; "
             f"the largest zone holds {room}",
         )
+    beyond = beyond_limits(limits, mode, project.name, gpu_type, job.num_gpus)
+    if beyond is not None:
+        return NeverFits(job.job_id, beyond)
     return _Job(wid, job, project.name, priority, gpu_type, pods)
 
 
@@ -303,6 +332,8 @@ def _checkpointed(r: Running, at: float) -> Running:
         idle_reclaimable=r.idle_reclaimable,
         stopping=r.stopping,
         stopping_for=r.stopping_for,
+        preemptions=r.preemptions,
+        checkpoint_interval_s=r.checkpoint_interval_s,
     )
 
 
@@ -339,8 +370,18 @@ class _Replay:
         }
         self.capacity = sum(n.gpus for n in nodes)
         self.free_by_type: dict[str, int] = defaultdict(int)
+        self.zone_nodes: dict[tuple[str, str, str], list[str]] = defaultdict(list)
         for n in nodes:
             self.free_by_type[n.gpu_type] += n.gpus
+            self.zone_nodes[(n.gpu_type, n.cluster, n.zone)].append(n.name)
+        self.gpus_by_type = dict(self.free_by_type)
+        self.held_by_type: dict[str, int] = defaultdict(int)
+        self.ceiling = QuotaCeiling(tree, policy.mode, self.gpus_by_type)
+        # While some job waits, per moment, over the GPU types the waiting jobs ask for:
+        # GPUs held, the fleet's GPUs, and the ceiling. Stale once anything changed.
+        self.while_waiting = (0, 0, 0.0)
+        self.measures_stale = False
+        self.decisions: list[PreemptionDecision] = []
         # Every change to these is recorded and handed to the core with the next snapshot.
         self.stream = ChangeStream()
         self.running = self.stream.running
@@ -355,7 +396,6 @@ class _Replay:
         self.changed: set[str] = set()
         self.last_plan = Plan()
         self.reasons_stale = False  # a cycle was skipped since last_plan
-        self.never_fits: list[NeverFits] = []
         self.admissions = 0
         self.plan_calls = 0
         for job in sorted(jobs, key=lambda j: (j.trace.submit_s, j.wid)):
@@ -370,13 +410,17 @@ class _Replay:
         start = clock = self.events[0][0] if self.events else 0.0
         held_s = held_waiting_s = waiting_s = 0.0
         events = self.events
+        waiting_capacity_s = ceiling_s = 0.0
         while events:
             now = events[0][0]
             elapsed = now - clock
             if elapsed > 0:
                 held_s += self.held * elapsed
                 if self.queue:
-                    held_waiting_s += self.held * elapsed
+                    held, capacity, ceiling = self.while_waiting
+                    held_waiting_s += held * elapsed
+                    waiting_capacity_s += capacity * elapsed
+                    ceiling_s += ceiling * elapsed
                     waiting_s += elapsed
                 clock = now
             replan = False
@@ -409,6 +453,8 @@ class _Replay:
                 if not steps or steps[-1][1] != held:
                     steps.append((now, held))
             self.changed.clear()
+            if self.measures_stale:
+                self._measure_while_waiting()
         if self.queue and self.reasons_stale:
             # Only for the waiting reasons of what never started: nothing can start now.
             self.last_plan = self.planner(self._snapshot(), clock)
@@ -419,9 +465,22 @@ class _Replay:
             end_s=clock,
             held_gpu_s=held_s,
             held_while_waiting_gpu_s=held_waiting_s,
+            capacity_while_waiting_gpu_s=waiting_capacity_s,
+            ceiling_while_waiting_gpu_s=ceiling_s,
             waiting_s=waiting_s,
             admissions=self.admissions,
             plan_calls=self.plan_calls,
+        )
+
+    def _measure_while_waiting(self) -> None:
+        """Only the GPU types some queued request asks for count: GPUs of a type nobody
+        waits for are not idle while work waits, however many are free."""
+        self.measures_stale = False
+        types = [t for t, sizes in self.queued_sizes.items() if sizes]
+        self.while_waiting = (
+            sum(self.held_by_type[t] for t in types),
+            sum(self.gpus_by_type[t] for t in types),
+            sum(self.ceiling.permitted(t) for t in types),
         )
 
     def _could_admit(self) -> bool:
@@ -449,6 +508,10 @@ class _Replay:
     def _enqueue(self, job: _Job) -> None:
         self.queue[job.wid] = job.pending
         self.queued_sizes[job.gpu_type][job.trace.num_gpus] += 1
+        self.ceiling.add(
+            job.project, job.gpu_type, self.ceiling.counted(job.project, job.trace.num_gpus)
+        )
+        self.measures_stale = True
 
     # ------------------------------------------------------------ the decisions
     def _apply(self, plan: Plan, now: float) -> None:
@@ -461,12 +524,16 @@ class _Replay:
             sizes[job.trace.num_gpus] -= 1
             if not sizes[job.trace.num_gpus]:
                 del sizes[job.trace.num_gpus]
+            self.ceiling.add(
+                job.project, job.gpu_type, -self.ceiling.counted(job.project, job.trace.num_gpus)
+            )
             self._start(job, admission.cluster, admission.zone, admission.pods, now)
         for kept in plan.kept:  # a preemptor's placement, until it is admitted
             waiting = self.queue.get(kept.workload_id)
             if waiting is None:
                 raise PlanConflict(f"kept workload {kept.workload_id} is not in the queue")
             self.queue[kept.workload_id] = replace(waiting, promised=kept.pods)
+        victims_for: dict[int, list[Running]] = defaultdict(list)
         for preemption in plan.preemptions:
             victim = self.running.get(preemption.victim_id)
             if victim is None:
@@ -477,6 +544,7 @@ class _Replay:
             self.running[victim.id] = replace(
                 victim, stopping=True, stopping_for=preemption.for_workload_id
             )
+            victims_for[preemption.for_workload_id].append(victim)
             job.stop_began = now
             delay = (
                 self.options.session_snapshot_s
@@ -484,6 +552,43 @@ class _Replay:
                 else self.options.job_checkpoint_grace_s
             )
             self._push(now + delay, STOPPED, job.wid, job.attempt)
+        for preemptor, victims in victims_for.items():
+            self._measure_preemption(self.jobs[preemptor], victims, plan, now)
+
+    def _measure_preemption(
+        self, job: _Job, victims: list[Running], plan: Plan, now: float
+    ) -> None:
+        """One decision's figures (``PreemptionDecision``), on the fleet as the plan left
+        it. A gang's victims share one zone; the first victim's is the one measured."""
+        others_kept = [pod for k in plan.kept if k.workload_id != job.wid for pod in k.pods]
+        free_in: dict[tuple[str, str], dict[str, int]] = {}
+        for (gpu_type, cluster, zone), names in self.zone_nodes.items():
+            if gpu_type == job.gpu_type:
+                nodes = (self.nodes[n] for n in names)
+                free_in[(cluster, zone)] = free_for(nodes, others_kept)
+        cluster, zone = victims[0].cluster, victims[0].zone
+        free = sum(free_in.get((cluster, zone), {}).values())
+        evicted = sum(v.gpus for v in victims)
+        need = max(0, job.trace.num_gpus - free)
+        decision = PreemptionDecision(
+            at_s=now,
+            job_id=job.trace.job_id,
+            victims=tuple(self.jobs[v.id].trace.job_id for v in victims),
+            cluster=cluster,
+            zone=zone,
+            gpus=job.trace.num_gpus,
+            free_gpus=free,
+            need_gpus=need,
+            evicted_gpus=evicted,
+            fitted=any(
+                gang_fits(per_node.values(), job.gpus_per_pod, job.pods)
+                for per_node in free_in.values()
+            ),
+        )
+        self.decisions.append(decision)
+        job.preemptor_of += 1
+        job.evicted_gpus += evicted
+        job.evicted_beyond_need_gpus += decision.beyond_need_gpus
 
     def _start(self, job: _Job, cluster: str, zone: str, pods: tuple[Pod, ...], now: float) -> None:
         for pod in pods:
@@ -516,8 +621,12 @@ class _Replay:
             started_at=now,
             # A job resumes from its checkpoint; a session has no snapshot until it stops.
             last_progress_at=now if job.trace.kind == "job" else None,
+            preemptions=job.preemptions,
+            checkpoint_interval_s=self.options.checkpoint_interval_s
+            if job.trace.kind == "job"
+            else None,
         )
-        self._hold(job.project, gpus)
+        self._hold(job.project, job.gpu_type, gpus)
         self.admissions += 1
         self._push(now + job.remaining, FINISH, job.wid, job.attempt)
         if self.policy.mode is Mode.GPUFLEET:
@@ -529,10 +638,13 @@ class _Replay:
             if self.policy.min_run_time_s > 0:
                 self._push(now + self.policy.min_run_time_s, WAKE, job.wid, job.attempt)
 
-    def _hold(self, project: str, gpus: int) -> None:
+    def _hold(self, project: str, gpu_type: str, gpus: int) -> None:
         self.held += gpus
         self.held_by_project[project] += gpus
+        self.held_by_type[gpu_type] += gpus
+        self.ceiling.add(project, gpu_type, gpus)
         self.changed.add(project)
+        self.measures_stale = True
 
     # --------------------------------------------------------------- the events
     def _release(self, job: _Job, now: float, preempted: bool) -> Running:
@@ -545,7 +657,7 @@ class _Replay:
                 node, tuple(g for g in self.all_gpus[pod.node] if g in free)
             )
             self.free_by_type[node.gpu_type] += len(pod.gpus)
-        self._hold(job.project, -running.gpus)
+        self._hold(job.project, job.gpu_type, -running.gpus)
         job.runs.append(
             Run(
                 start_s=running.started_at,
@@ -595,10 +707,8 @@ class _Replay:
         for job in self.jobs.values():
             reason = None
             if job.wid in self.queue:
+                # Never-fitting jobs were never queued (``_shape``): this one could start.
                 why = waiting.get(job.wid)
-                if why is not None and why.cause is WaitCause.NEVER_FITS and not job.runs:
-                    self.never_fits.append(NeverFits(job.trace.job_id, why.reason))
-                    continue
                 reason = f"{why.cause}: {why.reason}" if why is not None else "not planned"
             last = job.runs[-1] if job.runs else None
             records.append(
@@ -619,6 +729,9 @@ class _Replay:
                     lost_gpu_s=job.lost_gpu_s,
                     runs=tuple(job.runs),
                     waiting_reason=reason,
+                    preemptor_of=job.preemptor_of,
+                    evicted_gpus=job.evicted_gpus,
+                    evicted_beyond_need_gpus=job.evicted_beyond_need_gpus,
                 )
             )
         return records
@@ -663,10 +776,11 @@ def simulate(
         ) from None
     tree = _with_trace_groups(projects, jobs)
     fleet = _Fleet(nodes)
+    limits = QuotaLimits(tree)
     shaped: list[_Job] = []
     never_fits: list[NeverFits] = []
     for wid, job in enumerate(jobs, start=1):
-        outcome = _shape(wid, job, fleet, tree)
+        outcome = _shape(wid, job, fleet, limits, mode)
         if isinstance(outcome, NeverFits):
             never_fits.append(outcome)
         else:
@@ -686,13 +800,14 @@ def simulate(
     with _rare_full_collections():
         totals = replay.run()
     records = replay.records()
-    never_fits.extend(replay.never_fits)
+    decisions = tuple(replay.decisions)
     return SimulationResult(
         policy=mode,
         records=tuple(records),
         never_fits=tuple(never_fits),
         allocation={p: tuple(s) for p, s in sorted(replay.allocation.items())},
-        summary=summarise(records, never_fits, replay.capacity, totals),
+        summary=summarise(records, never_fits, replay.capacity, totals, decisions),
         capacity=fleet.gpus_by_type,
         options=asdict(options),
+        preemption_decisions=decisions,
     )

@@ -14,12 +14,15 @@ Invariants of a ``SimulationResult``:
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .model import FleetNode, ProjectTree
+from .simulator_measures import PreemptionDecision
 from .snapshot import Mode
 
 
@@ -56,6 +59,11 @@ class JobRecord:
     runs: tuple[Run, ...] = ()
     # For a job still waiting when the trace ran out: the core's last word on why.
     waiting_reason: str | None = None
+    # As a preemptor: the decisions made for it, the GPUs they evicted, and how many of
+    # those were beyond what it needed (``PreemptionDecision``).
+    preemptor_of: int = 0
+    evicted_gpus: int = 0
+    evicted_beyond_need_gpus: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,13 +92,24 @@ class Summary:
     gpus: int  # the fleet's GPUs, every type
     makespan_s: float  # first submission to the last event
     gpu_utilisation: float | None  # GPU-seconds held / GPU-seconds of the fleet, makespan
-    # GPU-hours held over GPU-hours of the fleet, counted only while a job was waiting:
-    # 1.0 means no GPU idled while work queued.
+    # GPU-hours held over GPU-hours of the fleet, counted only while a job was waiting and
+    # only for the GPU types waiting jobs ask for: 1.0 means no GPU idled while work queued.
     allocation_while_waiting: float | None
+    # The most the quota tree permits of the same (``QuotaCeiling``), same denominator: a
+    # shortfall of the achieved figure below it is the scheduler's, the rest the quotas'.
+    allocation_ceiling_while_waiting: float | None
     waiting_s: float  # how long (virtual clock) some job was waiting
     mean_jct_s: float | None  # end - submit, over the finished jobs
     preemptions: int
     lost_gpu_hours: float
+    # Per preemption decision (``PreemptionDecision``): GPUs evicted beyond need, summed;
+    # decisions; decisions that evicted more than twice the need; decisions taken while
+    # the preemptor's gang already fitted some zone's free GPUs.
+    evicted_beyond_need_gpus: int
+    preemptors: int
+    preemptors_over_twice_need: int
+    preempted_while_fitting: int
+    max_preemptions_per_job: int
     admissions: int
     plan_calls: int
     waits: Waits
@@ -108,6 +127,7 @@ class SimulationResult:
     summary: Summary
     capacity: Mapping[str, int] = field(default_factory=dict)  # GPU type -> GPUs
     options: Mapping[str, float] = field(default_factory=dict)
+    preemption_decisions: tuple[PreemptionDecision, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,7 +137,9 @@ class ClockTotals:
     start_s: float = 0.0
     end_s: float = 0.0
     held_gpu_s: float = 0.0
-    held_while_waiting_gpu_s: float = 0.0
+    held_while_waiting_gpu_s: float = 0.0  # of the types some waiting job asks for
+    capacity_while_waiting_gpu_s: float = 0.0  # the fleet's GPUs of those types
+    ceiling_while_waiting_gpu_s: float = 0.0  # what the quota tree permits of those types
     waiting_s: float = 0.0
     admissions: int = 0
     plan_calls: int = 0
@@ -150,6 +172,7 @@ def summarise(
     never_fits: Sequence[NeverFits],
     gpus: int,
     totals: ClockTotals,
+    decisions: Sequence[PreemptionDecision] = (),
 ) -> Summary:
     started = [r for r in records if r.start_s is not None]
     finished = [r for r in records if r.end_s is not None]
@@ -165,7 +188,7 @@ def summarise(
         jct_by_project[r.project].append(r.end_s - r.submit_s)
     makespan = totals.end_s - totals.start_s
     fleet_gpu_s = gpus * makespan
-    waiting_fleet_gpu_s = gpus * totals.waiting_s
+    waiting_fleet_gpu_s = totals.capacity_while_waiting_gpu_s
     return Summary(
         jobs=len(records) + len(never_fits),
         started=len(started),
@@ -178,10 +201,18 @@ def summarise(
         allocation_while_waiting=totals.held_while_waiting_gpu_s / waiting_fleet_gpu_s
         if waiting_fleet_gpu_s > 0
         else None,
+        allocation_ceiling_while_waiting=totals.ceiling_while_waiting_gpu_s / waiting_fleet_gpu_s
+        if waiting_fleet_gpu_s > 0
+        else None,
         waiting_s=totals.waiting_s,
         mean_jct_s=_mean([r.end_s - r.submit_s for r in finished if r.end_s is not None]),
         preemptions=sum(r.preemptions for r in records),
         lost_gpu_hours=sum(r.lost_gpu_s for r in records) / 3600,
+        evicted_beyond_need_gpus=sum(d.beyond_need_gpus for d in decisions),
+        preemptors=len(decisions),
+        preemptors_over_twice_need=sum(1 for d in decisions if d.evicted_gpus > 2 * d.need_gpus),
+        preempted_while_fitting=sum(1 for d in decisions if d.fitted),
+        max_preemptions_per_job=max((r.preemptions for r in records), default=0),
         admissions=totals.admissions,
         plan_calls=totals.plan_calls,
         waits=waits_of(w for ws in waits_by_project.values() for w in ws),
@@ -226,6 +257,24 @@ def record_json(r: JobRecord) -> dict[str, Any]:
         "lost_gpu_s": r.lost_gpu_s,
         "runs": [_run_json(run) for run in r.runs],
         "waiting_reason": r.waiting_reason,
+        "preemptor_of": r.preemptor_of,
+        "evicted_gpus": r.evicted_gpus,
+        "evicted_beyond_need_gpus": r.evicted_beyond_need_gpus,
+    }
+
+
+def decision_json(d: PreemptionDecision) -> dict[str, Any]:
+    return {
+        "at_s": d.at_s,
+        "job_id": d.job_id,
+        "victims": list(d.victims),
+        "cluster": d.cluster,
+        "zone": d.zone,
+        "gpus": d.gpus,
+        "free_gpus": d.free_gpus,
+        "need_gpus": d.need_gpus,
+        "evicted_gpus": d.evicted_gpus,
+        "fitted": d.fitted,
     }
 
 
@@ -240,10 +289,16 @@ def summary_json(s: Summary) -> dict[str, Any]:
         "makespan_s": s.makespan_s,
         "gpu_utilisation": s.gpu_utilisation,
         "allocation_while_waiting": s.allocation_while_waiting,
+        "allocation_ceiling_while_waiting": s.allocation_ceiling_while_waiting,
         "waiting_s": s.waiting_s,
         "mean_jct_s": s.mean_jct_s,
         "preemptions": s.preemptions,
         "lost_gpu_hours": s.lost_gpu_hours,
+        "evicted_beyond_need_gpus": s.evicted_beyond_need_gpus,
+        "preemptors": s.preemptors,
+        "preemptors_over_twice_need": s.preemptors_over_twice_need,
+        "preempted_while_fitting": s.preempted_while_fitting,
+        "max_preemptions_per_job": s.max_preemptions_per_job,
         "admissions": s.admissions,
         "plan_calls": s.plan_calls,
         "wait": _waits_json(s.waits),
@@ -255,7 +310,8 @@ def summary_json(s: Summary) -> dict[str, Any]:
 
 def result_json(result: SimulationResult) -> dict[str, Any]:
     """The result as JSON-ready data: ``jobs`` (one record per job that could fit),
-    ``never_fits``, ``allocation`` (project -> [[time, GPUs], ...] steps) and ``summary``."""
+    ``never_fits``, ``allocation`` (project -> [[time, GPUs], ...] steps), ``summary`` and
+    ``preemption_decisions`` (one per preemptor and plan, in time order)."""
     return {
         "policy": str(result.policy),
         "options": dict(result.options),
@@ -264,4 +320,125 @@ def result_json(result: SimulationResult) -> dict[str, Any]:
         "never_fits": [{"job_id": n.job_id, "reason": n.reason} for n in result.never_fits],
         "allocation": {p: [[t, g] for t, g in steps] for p, steps in result.allocation.items()},
         "jobs": [record_json(r) for r in result.records],
+        "preemption_decisions": [decision_json(d) for d in result.preemption_decisions],
     }
+
+
+# ------------------------------------------------------------ within guarantee
+@dataclass(frozen=True)
+class GuaranteedWait:
+    """The wait of a started job that asked within its project's guarantee: its project
+    held (``allocation``, every type) plus the job no more than the project's own
+    guarantee of the job's type at submission.
+
+    ``blocked``: at submission no zone of its type could have held the gang even had every
+    borrower been evicted, because other projects' within-guarantee work filled every zone
+    (an approximation, below). ``blocked_s``: how long that lasted from submission (up to
+    the start); ``wait_s - blocked_s`` is the wait the scheduler owes once room could be
+    made."""
+
+    job_id: str
+    project: str
+    gpus: int
+    wait_s: float
+    blocked: bool
+    blocked_s: float
+
+
+def _zone_holdings(
+    records: Sequence[JobRecord], gpu_type: str
+) -> tuple[list[float], list[dict[tuple[str, str], dict[str, int]]]]:
+    """GPUs of the type each project held in each zone, as steps: after all changes at
+    ``times[i]``, ``states[i]``[(cluster, zone)][project] (runs hold until their end)."""
+    changes: dict[float, list[tuple[tuple[str, str], str, int]]] = defaultdict(list)
+    for r in records:
+        if r.gpu_type != gpu_type:
+            continue
+        for run in r.runs:
+            zone = (run.cluster, run.zone)
+            changes[run.start_s].append((zone, r.project, len(run.gpus)))
+            changes[run.end_s].append((zone, r.project, -len(run.gpus)))
+    held: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    times, states = [], []
+    for at in sorted(changes):
+        for zone, project, gpus in changes[at]:
+            held[zone][project] += gpus
+        times.append(at)
+        states.append({z: {p: g for p, g in by.items() if g} for z, by in held.items()})
+    return times, states
+
+
+def _room_beside_guarantees(
+    state: Mapping[tuple[str, str], Mapping[str, int]],
+    zone_sizes: Mapping[tuple[str, str], int],
+    guarantee: Mapping[str, int],
+    project: str,
+) -> int:
+    """The most GPUs one zone could give ``project`` if every borrower were evicted: a
+    zone's size less the within-guarantee work of the other projects in it. A project's
+    within-guarantee GPUs are min(held, guarantee) over all zones, spread over its zones
+    in proportion to what it holds in each (the approximation: which of its GPUs are the
+    borrowed ones is not recorded)."""
+    total: dict[str, int] = defaultdict(int)
+    for by in state.values():
+        for p, gpus in by.items():
+            total[p] += gpus
+    room = 0
+    for zone, size in zone_sizes.items():
+        others = sum(
+            gpus * min(1.0, guarantee.get(p, 0) / total[p])
+            for p, gpus in state.get(zone, {}).items()
+            if p != project
+        )
+        room = max(room, size - math.ceil(others - 1e-9))
+    return room
+
+
+def within_guarantee_waits(
+    result: SimulationResult, tree: ProjectTree, nodes: Sequence[FleetNode]
+) -> list[GuaranteedWait]:
+    """``GuaranteedWait`` for every started job that asked within its project's
+    guarantee, in record order. ``blocked`` is approximate (``_room_beside_guarantees``):
+    whole pods and lend limits are not counted; a job is blocked while no zone's room
+    beside other projects' within-guarantee work reaches its GPUs."""
+    zone_sizes: dict[str, dict[tuple[str, str], int]] = defaultdict(lambda: defaultdict(int))
+    for n in nodes:
+        zone_sizes[n.gpu_type][(n.cluster, n.zone)] += n.gpus
+    holdings = {t: _zone_holdings(result.records, t) for t in zone_sizes}
+    step_times = {p: [t for t, _ in steps] for p, steps in result.allocation.items()}
+    out = []
+    for r in result.records:
+        if r.start_s is None or r.project not in tree.projects:
+            continue
+        quota = tree.projects[r.project].quotas.get(r.gpu_type)
+        series = result.allocation.get(r.project, ())
+        i = bisect.bisect_right(step_times.get(r.project, []), r.submit_s) - 1
+        held = series[i][1] if i >= 0 else 0
+        if r.start_s == r.submit_s:  # the step at its submission counts its own start
+            held -= r.num_gpus
+        if quota is None or held + r.num_gpus > quota.guaranteed:
+            continue
+        guarantee = {
+            p.name: p.quotas[r.gpu_type].guaranteed for p in tree if r.gpu_type in p.quotas
+        }
+        times, states = holdings[r.gpu_type]
+        blocked_until = r.submit_s
+        k = bisect.bisect_right(times, r.submit_s) - 1
+        while blocked_until < r.start_s:
+            state = states[k] if k >= 0 else {}
+            room = _room_beside_guarantees(state, zone_sizes[r.gpu_type], guarantee, r.project)
+            if room >= r.num_gpus:
+                break
+            k += 1
+            blocked_until = min(times[k], r.start_s) if k < len(times) else r.start_s
+        out.append(
+            GuaranteedWait(
+                job_id=r.job_id,
+                project=r.project,
+                gpus=r.num_gpus,
+                wait_s=r.start_s - r.submit_s,
+                blocked=blocked_until > r.submit_s,
+                blocked_s=blocked_until - r.submit_s,
+            )
+        )
+    return out

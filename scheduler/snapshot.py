@@ -64,6 +64,11 @@ class Running:
     stopping: bool = False
     # The waiting workload a preemption stops it for; its GPUs are promised to that one.
     stopping_for: int | None = None
+    # How often this workload was preempted before this run, and how often it checkpoints
+    # (None: unknown, or a session): after a preemption a workload is protected for
+    # longer (``protected_until``), so that nobody loses all of their work over and over.
+    preemptions: int = 0
+    checkpoint_interval_s: float | None = None
 
     @cached_property
     def gpus(self) -> int:

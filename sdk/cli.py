@@ -189,16 +189,20 @@ def print_summary(result: SimulationResult, console: Console) -> None:
     totals.add_column("value", justify="right")
     for label, value in (
         ("jobs (started / finished)", f"{s.jobs} ({s.started} / {s.finished})"),
-        ("never fit the fleet", str(s.never_fits)),
+        ("never fit (the fleet or the quotas)", str(s.never_fits)),
         ("never started", str(s.never_started)),
         ("GPUs", str(s.gpus)),
         ("makespan", _duration(s.makespan_s)),
         ("GPU utilisation", _share(s.gpu_utilisation)),
         ("GPUs allocated while work waited", _share(s.allocation_while_waiting)),
+        ("  most the quotas permit (ceiling)", _share(s.allocation_ceiling_while_waiting)),
         ("time with work waiting", _duration(s.waiting_s)),
         ("wait p50 / p95 / p99", _waits(s.waits)),
         ("mean JCT", _duration(s.mean_jct_s)),
-        ("preemptions", str(s.preemptions)),
+        ("preemptions (most of one job)", f"{s.preemptions} ({s.max_preemptions_per_job})"),
+        ("preemptors (over twice their need)", f"{s.preemptors} ({s.preemptors_over_twice_need})"),
+        ("GPUs evicted beyond need", str(s.evicted_beyond_need_gpus)),
+        ("preemptions while the gang fitted", str(s.preempted_while_fitting)),
         ("lost GPU-hours", f"{s.lost_gpu_hours:.1f}"),
     ):
         totals.add_row(label, value)

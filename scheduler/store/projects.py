@@ -3,7 +3,10 @@ priority and per-user cap, each with an audit event.
 
 A change is validated whole before anything is written (``InvalidRequest`` says what to
 fix), committed in one fenced transaction, and marks what it changed as edited so the
-config file no longer overwrites it (``FleetStore.apply_config``). The scheduler reads the
+config file no longer overwrites it (``FleetStore.apply_config``). A quota change is also
+checked against the whole tree as it would be after it (``model.guarantees_over_limits``):
+it is refused when it takes some node's children's guarantees above what that node may
+hold, or further above it than they already were. The scheduler reads the
 tree again on its next cycle: a quota change takes effect there.
 """
 
@@ -14,9 +17,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from ..errors import InvalidRequest, NotFound
+from ..model import OverLimit, ProjectTree, Quota, guarantees_over_limits
+from ..model import Project as TreeProject
 from .base import StoreBase, _event
 from .models import Gpu, PriorityClass, Project, ProjectQuota
 
@@ -47,6 +52,7 @@ class ProjectAdminStore(StoreBase):
             if project is None:
                 raise NotFound(f"there is no project {name!r}")
             _check(session, edit)
+            before = _over_limits(session) if edit.quotas else {}
             changes: list[str] = []
 
             def note(what: str, old: object, new: object) -> bool:
@@ -90,6 +96,13 @@ class ProjectAdminStore(StoreBase):
                 quota.lend_limit = wanted.lend_limit
                 if quota_edited:
                     quota.edited_by, quota.edited_at = by, now
+            if edit.quotas:
+                session.flush()
+                for key, over in _over_limits(session).items():
+                    # One the tree had before (the config and earlier edits together) may
+                    # stay while this edit does not make it worse: it can be mended in steps.
+                    if key not in before or over.excess > before[key].excess:
+                        raise InvalidRequest(over.message)
             for change in changes:
                 _event(session, now, "project-edited", f"{change} (by {by})", cause=by)
             return changes
@@ -128,6 +141,27 @@ def _check(session: Session, edit: ProjectEdit) -> None:
                 f"{gpu_type}: a project lends only from its guarantee; the lend limit "
                 f"({q.lend_limit}) cannot exceed the guarantee ({q.guaranteed})"
             )
+
+
+def _over_limits(session: Session) -> dict[tuple[str, str], OverLimit]:
+    """The tree's nodes whose children's guarantees exceed what they may hold, by (node,
+    GPU type), as the session sees the tree now (edits not yet committed included)."""
+    projects = session.scalars(select(Project).options(selectinload(Project.quotas))).all()
+    names = {p.id: p.name for p in projects}
+    tree = ProjectTree(
+        {
+            p.name: TreeProject(
+                name=p.name,
+                parent=names.get(p.parent_id) if p.parent_id else None,
+                kind=p.kind.value,
+                quotas={
+                    q.gpu_type: Quota(q.guaranteed, q.borrow_limit, q.lend_limit) for q in p.quotas
+                },
+            )
+            for p in projects
+        }
+    )
+    return {(o.name, o.gpu_type): o for o in guarantees_over_limits(tree)}
 
 
 def _shown(value: object) -> str:

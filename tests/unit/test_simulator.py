@@ -19,13 +19,24 @@ from hypothesis import strategies as st
 from gpufleet.scheduler.errors import InputError
 from gpufleet.scheduler.inputs import TraceJob, read_fleet, read_projects, read_trace
 from gpufleet.scheduler.model import FleetNode, ProjectTree, project_tree
+from gpufleet.scheduler.plan import plan
 from gpufleet.scheduler.simulator import (
     SimulationOptions,
     SimulationResult,
     TraceJobError,
     simulate,
 )
-from gpufleet.scheduler.simulator_report import percentile, result_json
+from gpufleet.scheduler.simulator_report import (
+    percentile,
+    result_json,
+    within_guarantee_waits,
+)
+from gpufleet.scheduler.snapshot import (
+    Plan,
+    Preemption,
+    PreemptionCause,
+    SchedulingSnapshot,
+)
 
 GPUFLEET = str(Path(sys.executable).parent / "gpufleet")
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
@@ -127,6 +138,9 @@ def check_accounting(result: SimulationResult, jobs: Sequence[TraceJob], nodes: 
         assert document["allocation"][project] == expected
     summary = document["summary"]
     assert summary["jobs"] == len(jobs)
+    if summary["allocation_while_waiting"] is not None:  # the quotas bound what is held
+        achieved = summary["allocation_while_waiting"]
+        assert achieved <= summary["allocation_ceiling_while_waiting"] + 1e-9 <= 1 + 2e-9
     assert summary["never_fits"] == len(never)
     assert summary["started"] == sum(r["start_s"] is not None for r in records.values())
     return records
@@ -242,8 +256,9 @@ def test_static_reports_a_group_without_guarantee_as_never_fitting_and_says_why(
     assert guest.job_id == "a"
     assert "borrowing is off (static quotas)" in guest.reason
     assert owner.end_s == 60.0
-    # GPUs idled while the guest waited: 8 of 28 held for the first minute.
-    assert result.summary.allocation_while_waiting == pytest.approx(8 / 28)
+    # The guest was never queued, so nothing waited: no GPU idled while work waited.
+    assert result.summary.waiting_s == 0.0
+    assert result.summary.allocation_while_waiting is None
 
 
 def test_allocation_while_waiting_is_full_when_no_gpu_idles_while_work_queues():
@@ -419,3 +434,215 @@ def test_the_philly_window_replays_with_every_job_accounted_for(tmp_path: Path) 
     check_accounting(result, jobs, nodes)
     assert result.summary.jobs == 5000
     assert result.summary.finished + result.summary.never_fits == 5000
+
+
+# ------------------------------------------------ ceiling, never fits, preemption figures
+def test_the_ceiling_is_what_the_quota_tree_permits_while_work_waits():
+    nodes = fleet(("z1", 4, 8))  # 32 GPUs
+    tree = project_tree(
+        [
+            # Guaranteed 8 (its children's), may borrow 4: the team holds at most 12.
+            {
+                "name": "team",
+                "kind": "team",
+                "quotas": {"V100": {"guaranteed": 8, "borrow_limit": 4}},
+            },
+            {
+                "name": "a",
+                "parent": "team",
+                "quotas": {"V100": {"guaranteed": 4, "borrow_limit": 4}},
+            },
+            {"name": "b", "parent": "team", "quotas": {"V100": {"guaranteed": 4}}},
+        ]
+    )
+    jobs = [
+        TraceJob("a1", 0.0, 100.0, 8, "a"),  # a at its cap of 8
+        TraceJob("b1", 0.0, 100.0, 8, "b"),  # the team would hold 16 > 12: waits for a1
+        TraceJob("o1", 0.0, 1000.0, 8, "other"),  # unconfigured: no limit
+    ]
+    result = simulate(jobs, nodes, tree, "gpufleet")
+    check_accounting(result, jobs, nodes)
+    starts = {r.job_id: r.start_s for r in result.records}
+    assert starts == {"a1": 0.0, "b1": 100.0, "o1": 0.0}
+    s = result.summary
+    assert s.waiting_s == 100.0
+    assert s.allocation_while_waiting == pytest.approx(16 / 32)
+    # a: min(8, 8), b: min(unbounded, 8), team: min(12, 16) = 12; other: 8. 20 of 32.
+    assert s.allocation_ceiling_while_waiting == pytest.approx(20 / 32)
+    assert (
+        result_json(result)["summary"]["allocation_ceiling_while_waiting"]
+        == s.allocation_ceiling_while_waiting
+    )
+
+
+def test_jobs_the_configuration_never_admits_are_never_fits_and_never_queued():
+    tree = project_tree(
+        [
+            {
+                "name": "team",
+                "kind": "team",
+                "quotas": {"V100": {"guaranteed": 4, "borrow_limit": 0}},
+            },
+            {"name": "small", "parent": "team", "quotas": {"V100": {"guaranteed": 4}}},
+            {"name": "capped", "quotas": {"V100": {"guaranteed": 4, "borrow_limit": 4}}},
+            {"name": "peruser", "quotas": {"V100": {"guaranteed": 8}}, "per_user_gpu_cap": 2},
+        ]
+    )
+    jobs = [
+        TraceJob("team-cap", 0.0, 60.0, 8, "small"),  # the team may hold 4
+        TraceJob(
+            "own-cap", 0.0, 60.0, 12, "capped", gpus_per_pod=4
+        ),  # guarantee 4 + borrow limit 4
+        TraceJob("user-cap", 0.0, 60.0, 4, "peruser"),  # one user may hold 2
+        TraceJob("no-type", 0.0, 60.0, 1, "capped", gpu_type="A100"),
+        TraceJob("zone", 0.0, 60.0, 24, "other"),  # the largest zone holds 16
+        TraceJob("fits", 0.0, 60.0, 2, "peruser"),
+    ]
+    queued: set[str] = set()
+
+    def watching(snapshot: SchedulingSnapshot, now: float) -> Plan:
+        queued.update(r.user for r in snapshot.queue)  # each job is its own user
+        return plan(snapshot, now)
+
+    result = simulate(jobs, FLEET, tree, "gpufleet", planner=watching)
+    check_accounting(result, jobs, FLEET)
+    reasons = {n.job_id: n.reason for n in result.never_fits}
+    assert list(reasons) == ["team-cap", "own-cap", "user-cap", "no-type", "zone"]
+    assert "team team may never hold more than 4" in reasons["team-cap"]
+    assert "project capped may never hold more than 8" in reasons["own-cap"]
+    assert "per-user cap is 2" in reasons["user-cap"]
+    assert "'A100'" in reasons["no-type"] and "largest zone holds" in reasons["zone"]
+    assert [r.job_id for r in result.records] == ["fits"]
+    assert queued == {"fits"}
+    assert result.summary.waiting_s == 0.0 and result.summary.never_started == 0
+    # Under static a project's guarantee is all it may hold; under fifo quotas do not count.
+    static = simulate(jobs, FLEET, tree, "static")
+    assert {n.job_id for n in static.never_fits} == set(reasons)
+    fifo = simulate(jobs, FLEET, tree, "fifo")
+    assert {n.job_id for n in fifo.never_fits} == {"no-type", "zone"}
+
+
+def test_a_job_that_could_fit_but_never_started_has_a_record_without_a_start():
+    # The owner lends none of its idle guarantee: the guest waits to the end of the trace.
+    tree = project_tree([{"name": "owner", "quotas": {"V100": {"guaranteed": 8, "lend_limit": 0}}}])
+    nodes = fleet(("z1", 1, 8))
+    jobs = [TraceJob("guest", 0.0, 60.0, 4, "guests"), TraceJob("o", 10.0, 50.0, 8, "owner")]
+    result = simulate(jobs, nodes, tree, "gpufleet")
+    check_accounting(result, jobs, nodes)
+    assert result.never_fits == ()
+    guest = next(r for r in result.records if r.job_id == "guest")
+    assert guest.start_s is None and guest.end_s is None and guest.waiting_reason
+    assert result.summary.never_started == 1 and result.summary.started == 1
+    assert result_json(result)["jobs"][0]["start_s"] is None
+
+
+def test_a_gpu_type_nobody_asks_for_is_not_counted_as_idle():
+    nodes = fleet(("z1", 1, 8)) + fleet(("z2", 1, 8), gpu_type="T4")
+    jobs = [TraceJob("a", 0.0, 100.0, 8, "g"), TraceJob("b", 0.0, 100.0, 8, "g")]
+    summary = simulate(jobs, nodes, ProjectTree({}), "fifo").summary
+    assert summary.waiting_s == 100.0
+    assert summary.allocation_while_waiting == 1.0  # the idle T4 are not what b waits for
+    assert summary.allocation_ceiling_while_waiting == 1.0
+    assert summary.gpu_utilisation == 0.5
+
+
+def scripted(preemptions: dict[float, list[tuple[int, int]]]):
+    """The core, whose own preemptions are dropped, and at the given times only the
+    scripted ones (victim id, preemptor id): workload ids are trace positions from 1."""
+
+    def planner(snapshot: SchedulingSnapshot, now: float) -> Plan:
+        if now in preemptions:
+            return Plan(
+                preemptions=tuple(
+                    Preemption(v, p, PreemptionCause.GUARANTEE, "scripted")
+                    for v, p in preemptions.pop(now)
+                )
+            )
+        return replace(plan(snapshot, now), preemptions=())
+
+    return planner
+
+
+def test_each_preemption_decision_is_measured_against_what_its_preemptor_needed():
+    nodes = fleet(("z1", 2, 8))  # 16 GPUs
+    jobs = [
+        TraceJob("g1", 0.0, 10_000.0, 8, "guests"),
+        TraceJob("g2", 0.0, 10_000.0, 4, "guests"),  # 4 left free, on g2's node
+        TraceJob("owner", 100.0, 500.0, 8, "vision"),
+    ]
+    result = simulate(
+        jobs, nodes, PROJECTS, "gpufleet", planner=scripted({100.0: [(1, 3), (2, 3)]})
+    )
+    check_accounting(result, jobs, nodes)
+    (decision,) = result.preemption_decisions
+    assert (decision.job_id, decision.victims, decision.at_s) == ("owner", ("g1", "g2"), 100.0)
+    assert (decision.free_gpus, decision.need_gpus, decision.evicted_gpus) == (4, 4, 12)
+    assert not decision.fitted  # 4 free GPUs are no 8-GPU pod
+    s = result.summary
+    assert (s.preemptors, s.evicted_beyond_need_gpus, s.preemptors_over_twice_need) == (1, 8, 1)
+    assert (s.preempted_while_fitting, s.max_preemptions_per_job, s.preemptions) == (0, 1, 2)
+    owner = next(r for r in result.records if r.job_id == "owner")
+    assert (owner.preemptor_of, owner.evicted_gpus, owner.evicted_beyond_need_gpus) == (1, 12, 8)
+    assert result_json(result)["preemption_decisions"][0]["need_gpus"] == 4
+
+
+def test_a_preemption_while_the_gang_fitted_is_counted():
+    nodes = fleet(("z1", 2, 8))
+    jobs = [
+        TraceJob("g1", 0.0, 10_000.0, 8, "guests"),
+        TraceJob("owner", 100.0, 500.0, 8, "vision"),
+    ]
+    result = simulate(jobs, nodes, PROJECTS, "gpufleet", planner=scripted({100.0: [(1, 2)]}))
+    (decision,) = result.preemption_decisions
+    assert (decision.need_gpus, decision.evicted_gpus, decision.fitted) == (0, 8, True)
+    s = result.summary
+    assert (
+        s.preempted_while_fitting,
+        s.preemptors_over_twice_need,
+        s.evicted_beyond_need_gpus,
+    ) == (1, 1, 8)
+
+
+def test_the_planner_sees_how_often_a_workload_was_preempted_and_how_often_it_checkpoints():
+    nodes = fleet(("z1", 1, 8), ("z2", 1, 4))
+    jobs = [
+        TraceJob("guest", 0.0, 10_000.0, 8, "guests"),
+        TraceJob("owner", 100.0, 1_000.0, 8, "vision"),
+        TraceJob("notebook", 0.0, 10_000.0, 4, "nlp", kind="session"),
+        TraceJob("late", 2_000.0, 10.0, 4, "guests"),  # a cycle after the restart
+    ]
+    options = SimulationOptions(min_run_time_s=300, checkpoint_interval_s=100)
+    seen: list[SchedulingSnapshot] = []
+
+    def capturing(snapshot: SchedulingSnapshot, now: float) -> Plan:
+        seen.append(snapshot)
+        return plan(snapshot, now)
+
+    result = simulate(jobs, nodes, PROJECTS, "gpufleet", options, planner=capturing)
+    check_accounting(result, jobs, nodes)
+    running = [(r.user, r.preemptions, r.checkpoint_interval_s) for s in seen for r in s.running]
+    assert ("guest", 0, 100.0) in running and ("notebook", 0, None) in running
+    # Restarted after its preemption at 330 s; checkpoints keep the count.
+    guest = next(r for r in result.records if r.job_id == "guest")
+    assert guest.preemptions == 1 and guest.runs[1].start_s == 1330.0
+    assert any(u == "guest" and n == 1 for u, n, _ in running)
+
+
+def test_within_guarantee_waits_give_the_owners_wait_and_whether_guarantees_blocked_it():
+    nodes = fleet(("z1", 1, 8))
+    jobs = [
+        TraceJob("guest", 0.0, 10_000.0, 8, "guests"),
+        TraceJob("owner", 100.0, 1_000.0, 8, "vision"),
+    ]
+    result = simulate(jobs, nodes, PROJECTS, "gpufleet", SimulationOptions(min_run_time_s=300))
+    (wait,) = within_guarantee_waits(result, PROJECTS, nodes)
+    assert (wait.job_id, wait.wait_s, wait.blocked, wait.blocked_s) == ("owner", 230.0, False, 0.0)
+    # Two guaranteed projects filling a zone: the later one is blocked until room is made.
+    tree = project_tree(
+        [{"name": n, "quotas": {"V100": {"guaranteed": 8}}} for n in ("first", "second")]
+    )
+    jobs = [TraceJob("f", 0.0, 500.0, 8, "first"), TraceJob("s", 10.0, 100.0, 8, "second")]
+    result = simulate(jobs, nodes, tree, "gpufleet")
+    (f, s) = within_guarantee_waits(result, tree, nodes)
+    assert (f.wait_s, f.blocked) == (0.0, False)
+    assert (s.wait_s, s.blocked, s.blocked_s) == (490.0, True, 490.0)

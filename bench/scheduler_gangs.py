@@ -1,0 +1,159 @@
+"""fifo vs static vs gpufleet on gang workloads: allocation against what the quotas
+permit, waits within guarantee, and what preemption costs.
+
+Workloads: the seeded synthetic traces of ``gang_traces.py`` (1,024 H100, 2 clusters × 2
+zones, a bursting critical project, a capped research team, scavengers; 2 days), and
+with ``--philly`` the Philly window of ``scheduler_policies.py`` (its fleet and projects).
+For each workload, each policy replayed in the same run:
+
+- allocation while waiting (``allocation_while_waiting``) against the ceiling the quota
+  tree permits (``allocation_ceiling_while_waiting``) and the gap; target gap <= 0.03 for
+  gpufleet;
+- evicted GPUs beyond need, preemptors that evicted more than twice their need,
+  preemptions while the preemptor's gang already fitted, the most preemptions of one
+  job, lost GPU-hours, and the replay's wall time;
+- per project: waits of the jobs that asked within their guarantee (p99 / max; target
+  max <= 330 s = minimum run time 300 s + job grace 30 s), leaving out those that other
+  projects' within-guarantee work blocked (``simulator_report.within_guarantee_waits``),
+  counted apart with their longest wait; and the mean JCT.
+
+    .venv/bin/python bench/scheduler_gangs.py                  # 3 seeds, 2 days each
+    .venv/bin/python bench/scheduler_gangs.py --hours 6        # quick: 6 h of submissions
+    .venv/bin/python bench/scheduler_gangs.py --seeds 1 2 --philly
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+from gang_traces import gang_fleet, gang_projects, gang_trace, offered_load
+from scheduler_policies import TRACE
+from scheduler_policies import fleet as philly_fleet
+from scheduler_policies import projects as philly_projects
+
+from gpufleet.scheduler.inputs import TraceJob, read_trace
+from gpufleet.scheduler.model import FleetNode, ProjectTree
+from gpufleet.scheduler.simulator import SimulationOptions, simulate
+from gpufleet.scheduler.simulator_report import (
+    GuaranteedWait,
+    SimulationResult,
+    percentile,
+    within_guarantee_waits,
+)
+
+POLICIES = ("fifo", "static", "gpufleet")
+
+
+def run_workload(
+    title: str,
+    jobs: Sequence[TraceJob],
+    nodes: Sequence[FleetNode],
+    tree: ProjectTree,
+    options: SimulationOptions,
+) -> None:
+    kinds = Counter(j.kind for j in jobs)
+    gpus = sum(n.gpus for n in nodes)
+    print(
+        f"== {title}: {len(jobs)} jobs ({kinds['session']} sessions, {kinds['job']} jobs) "
+        f"on {gpus} GPUs"
+    )
+    print(
+        f"{'policy':<9} {'alloc':>6} {'ceiling':>7} {'gap':>6} {'beyond need':>11} "
+        f"{'preemptors':>10} {'>2x need':>8} {'fitted':>6} {'max/job':>7} {'lost GPU-h':>10} "
+        f"{'replay s':>8}"
+    )
+    results: dict[str, SimulationResult] = {}
+    for policy in POLICIES:
+        started = time.perf_counter()
+        result = simulate(jobs, nodes, tree, policy, options)
+        elapsed = time.perf_counter() - started
+        results[policy] = result
+        s = result.summary
+        gap = (
+            None
+            if s.allocation_while_waiting is None or s.allocation_ceiling_while_waiting is None
+            else s.allocation_ceiling_while_waiting - s.allocation_while_waiting
+        )
+        print(
+            f"{policy:<9} {_f(s.allocation_while_waiting):>6} "
+            f"{_f(s.allocation_ceiling_while_waiting):>7} {_f(gap):>6} "
+            f"{s.evicted_beyond_need_gpus:>11} {s.preemptors:>10} "
+            f"{s.preemptors_over_twice_need:>8} {s.preempted_while_fitting:>6} "
+            f"{s.max_preemptions_per_job:>7} {s.lost_gpu_hours:>10.1f} {elapsed:>8.1f}"
+        )
+    bound = options.min_run_time_s + options.job_checkpoint_grace_s
+    groups = sorted({r.project for r in results["fifo"].records} | set(tree.projects))
+    groups = [g for g in groups if not tree.children(g) or g not in tree.projects]
+    print(
+        f"within-guarantee waits, s: p99 / max of the unblocked [blocked: count, max] "
+        f"(target max <= {bound:.0f})"
+    )
+    print(f"{'policy':<9} " + " ".join(f"{g:>24}" for g in groups))
+    for policy, result in results.items():
+        by_project: dict[str, list[GuaranteedWait]] = defaultdict(list)
+        for wait in within_guarantee_waits(result, tree, nodes):
+            by_project[wait.project].append(wait)
+        print(f"{policy:<9} " + " ".join(f"{_waits(by_project.get(g, [])):>24}" for g in groups))
+    print("mean JCT, h")
+    print(f"{'policy':<9} " + " ".join(f"{g:>10}" for g in groups))
+    for policy, result in results.items():
+        jct = result.summary.mean_jct_by_project
+        print(f"{policy:<9} " + " ".join(f"{_h(jct.get(g)):>10}" for g in groups))
+    print()
+
+
+def _waits(waits: Sequence[GuaranteedWait]) -> str:
+    if not waits:
+        return "-"
+    free = sorted(w.wait_s for w in waits if not w.blocked)
+    blocked = [w.wait_s for w in waits if w.blocked]
+    p99 = percentile(free, 0.99)
+    head = "-" if p99 is None else f"{p99:.0f}/{free[-1]:.0f}"
+    return f"{head} [{len(blocked)}, {max(blocked, default=0):.0f}]"
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _h(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds / 3600:.2f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seeds", type=int, nargs="*", default=[1, 2, 3])
+    parser.add_argument(
+        "--hours",
+        type=float,
+        help="submission window in hours (default: 48 for the synthetic traces, all of Philly)",
+    )
+    parser.add_argument("--philly", action="store_true", help="also the Philly window")
+    parser.add_argument("--philly-nodes", type=int, default=24, help="nodes per zone (2 zones)")
+    args = parser.parse_args(argv)
+    options = SimulationOptions()
+    nodes, tree = gang_fleet(), gang_projects()
+    hours = 48.0 if args.hours is None else args.hours
+    for seed in args.seeds:
+        jobs = gang_trace(seed, hours)
+        title = f"seed {seed}, {hours:g} h, offered load {offered_load(jobs, hours):.2f}"
+        run_workload(title, jobs, nodes, tree, options)
+    if args.philly:
+        jobs = read_trace(TRACE)
+        title = "Philly window"
+        if args.hours is not None:
+            first = min(j.submit_s for j in jobs)
+            jobs = [j for j in jobs if j.submit_s < first + args.hours * 3600]
+            title += f", first {args.hours:g} h"
+        nodes = philly_fleet(args.philly_nodes)
+        tree = philly_projects(jobs, sum(n.gpus for n in nodes))
+        run_workload(title, jobs, nodes, tree, options)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""What the simulator measures beside the replay itself: which jobs the configuration can
+never admit, the most GPUs the quota tree lets be held while work waits (the ceiling),
+and what each preemption decision evicted against what its preemptor needed.
+
+Pure helpers over plain values; ``simulator.py`` calls them as the replay runs.
+
+- **Never fits** (``beyond_limits``): a request larger than its project may ever hold
+  under the policy, even on an empty fleet — more than the tightest guarantee plus
+  borrow limit on its project's path (``static``: more than its guarantee), or more than
+  its project's per-user cap (each trace job is its own user). ``fifo`` has no quotas.
+- **Ceiling** (``QuotaCeiling``): per GPU type, each tree node may hold the smaller of
+  its own limit and what its subtree runs and waits for (each waiting request counted up
+  to its per-user cap); the fleet's size of the type caps the total. Gang packing, zones
+  and lend limits are not counted, so the ceiling is an upper bound on what any scheduler
+  could hold under these quotas, and at least what the replay holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .model import ProjectTree
+from .quota import QuotaLimits
+from .snapshot import Mode, NodeState, Pod
+
+UNLIMITED = math.inf
+
+
+def _limit(limits: QuotaLimits, mode: Mode, name: str, gpu_type: str) -> float:
+    """The most GPUs of the type the node's subtree may hold under the policy."""
+    if mode is Mode.FIFO:
+        return UNLIMITED
+    if mode is Mode.STATIC:  # admits within the guarantee only, which is below every cap
+        return limits.guaranteed_of.get((name, gpu_type), 0)
+    return limits.caps.get((name, gpu_type), UNLIMITED)
+
+
+def beyond_limits(
+    limits: QuotaLimits, mode: Mode, project: str, gpu_type: str, gpus: int
+) -> str | None:
+    """Why a request of ``gpus`` can never be admitted under the configuration, or None."""
+    if mode is Mode.FIFO:
+        return None
+    tree = limits.tree
+    if mode is Mode.STATIC:
+        guaranteed = limits.guaranteed_of.get((project, gpu_type), 0)
+        if gpus > guaranteed:
+            return (
+                f"more than project {project} may ever hold: needs {gpus} × {gpu_type}, "
+                f"project {project} is guaranteed {guaranteed} and borrowing is off "
+                "(static quotas)"
+            )
+    else:
+        path = (project, *tree.ancestors(project))
+        name, ceiling = min(
+            ((n, _limit(limits, mode, n, gpu_type)) for n in path), key=lambda named: named[1]
+        )
+        if gpus > ceiling:
+            whose = (
+                f"project {project}" if name == project else f"{limits.projects[name].kind} {name}"
+            )
+            return (
+                f"more than {whose} may ever hold: needs {gpus} × {gpu_type}, {whose} may "
+                f"never hold more than {int(ceiling)} × {gpu_type} (guarantee plus borrow limit)"
+            )
+    cap = limits.projects[project].per_user_cap
+    if cap is not None and gpus > cap:
+        return (
+            f"more than one user may hold in project {project}: needs {gpus} × {gpu_type}, "
+            f"the per-user cap is {cap} GPUs (each trace job is its own user)"
+        )
+    return None
+
+
+class QuotaCeiling:
+    """The most GPUs of a type the quota tree lets be held, given what each project runs
+    and waits for; kept incrementally (``add``), computed on demand (``permitted``).
+
+    Invariant: ``demand[(project, type)]`` is the GPUs the project's running (and
+    stopping) workloads hold plus, for each of its queued requests, its GPUs up to the
+    project's per-user cap (``counted``)."""
+
+    def __init__(self, tree: ProjectTree, mode: Mode, capacity: Mapping[str, int]):
+        limits = QuotaLimits(tree)
+        self.mode = mode
+        self.capacity = capacity
+        self.parent = {p.name: p.parent for p in tree}
+        # Children before their parents, so one pass sums a subtree before its root.
+        depth = {name: len(tree.ancestors(name)) for name in self.parent}
+        self.order = sorted(self.parent, key=lambda name: -depth[name])
+        self.limit = {
+            (name, t): _limit(limits, mode, name, t) for name in self.parent for t in capacity
+        }
+        self.user_cap = {
+            p.name: p.per_user_cap
+            for p in tree
+            if p.per_user_cap is not None and mode is not Mode.FIFO
+        }
+        self.demand: dict[tuple[str, str], int] = defaultdict(int)
+
+    def counted(self, project: str, gpus: int) -> int:
+        """What a queued request of ``gpus`` adds to its project's demand."""
+        cap = self.user_cap.get(project)
+        return gpus if cap is None else min(gpus, cap)
+
+    def add(self, project: str, gpu_type: str, gpus: int) -> None:
+        self.demand[(project, gpu_type)] += gpus
+
+    def permitted(self, gpu_type: str) -> float:
+        """min(the fleet's GPUs of the type, the sum over top-level nodes of what each may
+        hold), a node holding min(its limit, its own demand + its children's)."""
+        subtree: dict[str, float] = defaultdict(float)
+        total = 0.0
+        demand, limit = self.demand, self.limit
+        for name in self.order:
+            held = min(limit[(name, gpu_type)], demand.get((name, gpu_type), 0) + subtree[name])
+            parent = self.parent[name]
+            if parent is None:
+                total += held
+            else:
+                subtree[parent] += held
+        return min(total, self.capacity.get(gpu_type, 0))
+
+
+@dataclass(frozen=True)
+class PreemptionDecision:
+    """One preemptor and the victims one plan stopped for it, measured when the plan was
+    applied (its admissions already placed): ``free_gpus`` of its type in the victims'
+    zone, less free GPUs kept for other preemptors; ``need_gpus`` = max(0, its GPUs -
+    ``free_gpus``); ``fitted``: its gang (whole pods) already fitted the free GPUs of some
+    zone of its type, so the preemption was not needed for room (it may still have been
+    needed for quota: a higher class making room under its own project's cap, or free
+    GPUs that lend limits keep back)."""
+
+    at_s: float
+    job_id: str
+    victims: tuple[str, ...]  # trace job ids
+    cluster: str
+    zone: str
+    gpus: int  # the preemptor's
+    free_gpus: int
+    need_gpus: int
+    evicted_gpus: int
+    fitted: bool
+
+    @property
+    def beyond_need_gpus(self) -> int:
+        return max(0, self.evicted_gpus - self.need_gpus)
+
+
+def free_for(nodes: Iterable[NodeState], others_kept: Iterable[Pod]) -> dict[str, int]:
+    """Free GPUs per node, less the ones kept for other workloads."""
+    kept = {g for pod in others_kept for g in pod.gpus}
+    return {n.name: sum(1 for g in n.free if g not in kept) for n in nodes}
+
+
+def gang_fits(free_per_node: Iterable[int], gpus_per_pod: int, pods: int) -> bool:
+    return sum(free // gpus_per_pod for free in free_per_node) >= pods
