@@ -36,7 +36,7 @@ from scheduler_policies import projects as philly_projects
 
 from gpufleet.scheduler.inputs import TraceJob, read_trace
 from gpufleet.scheduler.model import FleetNode, ProjectTree
-from gpufleet.scheduler.simulator import SimulationOptions, simulate
+from gpufleet.scheduler.simulator import PRIORITY_RANKS, SimulationOptions, simulate
 from gpufleet.scheduler.simulator_report import (
     GuaranteedWait,
     SimulationResult,
@@ -94,7 +94,7 @@ def run_workload(
     print(f"{'policy':<9} " + " ".join(f"{g:>24}" for g in groups))
     for policy, result in results.items():
         by_project: dict[str, list[GuaranteedWait]] = defaultdict(list)
-        for wait in within_guarantee_waits(result, tree, nodes):
+        for wait in within_guarantee_waits(result, tree, nodes, PRIORITY_RANKS):
             by_project[wait.project].append(wait)
         print(f"{policy:<9} " + " ".join(f"{_waits(by_project.get(g, [])):>24}" for g in groups))
     print("mean JCT, h")

@@ -31,7 +31,7 @@ from .snapshot import Running
 EXACT_LIMIT = 10
 # Steps the exhaustive search may take: unbounded in practice up to ``EXACT_LIMIT``
 # candidates, a short improvement of the greedy answer beyond.
-EXACT_BUDGET = 4_096
+EXACT_BUDGET = 2_048
 IMPROVE_BUDGET = 64
 
 Cost = tuple[int, float]
@@ -58,7 +58,9 @@ def lost_work(victim: Running, now: float) -> float:
 
 
 class _Room:
-    """The zone's free GPUs per node with a set of victims gone, kept incrementally."""
+    """The zone's free GPUs per node with a set of victims gone, kept incrementally.
+    What each victim frees where (its pods on schedulable nodes, and the quotas it
+    counts for) is worked out once per search and shared by its rooms (``parts``)."""
 
     def __init__(
         self,
@@ -66,6 +68,7 @@ class _Room:
         gpu_type: str,
         need: Need,
         fitting: int,
+        parts: dict[int, tuple[list[tuple[NodeKey, int]], list[int]]] | None = None,
     ):
         self.base = free
         self.gpu_type = gpu_type
@@ -73,24 +76,39 @@ class _Room:
         self.free: dict[NodeKey, int] = {}
         self.fitting = fitting
         self.freed = [0] * len(need.quotas)
+        self.parts = {} if parts is None else parts
 
     def count(self, key: NodeKey) -> int:
         value = self.free.get(key)
         return self.base[key] if value is None else value
 
+    def _parts(self, victim: Running) -> tuple[list[tuple[NodeKey, int]], list[int]]:
+        found = self.parts.get(victim.id)
+        if found is None:
+            t = self.gpu_type
+            nodes = [
+                ((pod.node, t), len(pod.gpus)) for pod in victim.pods if (pod.node, t) in self.base
+            ]  # on an unschedulable node, freeing it gives nothing usable
+            quotas = [
+                i
+                for i, (projects, _) in enumerate(self.need.quotas)
+                if projects is None or victim.project in projects
+            ]
+            found = self.parts[victim.id] = (nodes, quotas)
+        return found
+
     def change(self, victim: Running, sign: int) -> None:
-        k, t = self.need.per_pod, self.gpu_type
-        for pod in victim.pods:
-            key = (pod.node, t)
-            if key not in self.base:
-                continue  # an unschedulable node: freeing it gives nothing usable
-            before = self.count(key)
-            after = before + sign * len(pod.gpus)
-            self.free[key] = after
+        k, free, base = self.need.per_pod, self.free, self.base
+        nodes, quotas = self._parts(victim)
+        for key, gpus in nodes:
+            before = free.get(key)
+            if before is None:
+                before = base[key]
+            after = before + sign * gpus
+            free[key] = after
             self.fitting += after // k - before // k
-        for i, (projects, _) in enumerate(self.need.quotas):
-            if projects is None or victim.project in projects:
-                self.freed[i] += sign * victim.gpus
+        for i in quotas:
+            self.freed[i] += sign * victim.gpus
 
     def fits(self) -> bool:
         return self.fitting >= self.need.pods and all(
@@ -113,13 +131,13 @@ def cheapest_victims(
     frees for certain (what the gang lacks in the zone), a bound that prunes the search."""
     lost = {v.id: lost_work(v, now) for v in candidates}
     ordered = sorted(candidates, key=lambda v: (v.gpus, lost[v.id], v.id))
-    room = _Room(free, gpu_type, need, fitting)
+    # Every candidate gone: if the gang does not fit even then, nothing here makes room.
+    potential = _Room(free, gpu_type, need, fitting)
     for victim in ordered:
-        room.change(victim, +1)
-    if not room.fits():
+        potential.change(victim, +1)
+    if not potential.fits():
         return None
-    for victim in ordered:
-        room.change(victim, -1)
+    room = _Room(free, gpu_type, need, fitting, potential.parts)
     best: tuple[Cost, list[Running]] | None = None
     if len(ordered) > EXACT_LIMIT:
         chosen = _greedy(ordered, room, lost)
@@ -134,7 +152,7 @@ def cheapest_victims(
                 best = (cost, [victim])
             room.change(victim, -1)
     budget = EXACT_BUDGET if len(ordered) <= EXACT_LIMIT else IMPROVE_BUDGET
-    return _Exact(ordered, room, lost, best, budget, at_least).run()
+    return _Exact(ordered, room, potential, lost, best, budget, at_least).run()
 
 
 def _cost(victims: Sequence[Running], lost: Mapping[int, float]) -> Cost:
@@ -247,6 +265,7 @@ class _Exact:
         self,
         ordered: Sequence[Running],
         room: _Room,
+        potential: _Room,
         lost: Mapping[int, float],
         best: tuple[Cost, list[Running]] | None,
         budget: int,
@@ -258,11 +277,9 @@ class _Exact:
         self.best = best
         self.budget = budget
         self.at_least = at_least
-        self.exhaustive = len(ordered) <= EXACT_LIMIT
-        # GPUs the candidates from each index on could free together.
-        self.rest = [0] * (len(ordered) + 1)
-        for i in range(len(ordered) - 1, -1, -1):
-            self.rest[i] = self.rest[i + 1] + ordered[i].gpus
+        # The taken candidates and every one not decided yet, all gone: if the gang does
+        # not fit even then, no branch from here makes room (kept as the search goes).
+        self.potential = potential
         self.taken: list[Running] = []
 
     def run(self) -> tuple[Cost, list[Running]] | None:
@@ -280,11 +297,7 @@ class _Exact:
         if room.fits():
             self.best = (cost, list(self.taken))
             return
-        if i == len(self.ordered) or self.rest[i] < lacking:
-            return
-        # Whether the rest could still make room costs a pass over it: only worth it
-        # where the search is exhaustive (a large zone's improvement has a short budget).
-        if self.exhaustive and not self._could_fit(i):
+        if i == len(self.ordered) or not self.potential.fits():
             return
         victim = self.ordered[i]
         room.change(victim, +1)
@@ -292,14 +305,6 @@ class _Exact:
         self._visit(i + 1, (cost[0] + victim.gpus, cost[1] + self.lost[victim.id]))
         self.taken.pop()
         room.change(victim, -1)
+        self.potential.change(victim, -1)
         self._visit(i + 1, cost)
-
-    def _could_fit(self, i: int) -> bool:
-        """Whether taking every candidate from ``i`` on would make room."""
-        rest = self.ordered[i:]
-        for victim in rest:
-            self.room.change(victim, +1)
-        fits = self.room.fits()
-        for victim in rest:
-            self.room.change(victim, -1)
-        return fits
+        self.potential.change(victim, +1)

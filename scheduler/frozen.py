@@ -62,6 +62,7 @@ class _Planner(Protocol):
     capped: set[str]
     epoch: int
     searches_left: int
+    backfill_left: int
     reserved: dict[str, Any]  # GPU type -> plan.Hold
     in_flight: dict[int, list[Running]]
     settled: dict[tuple[Any, ...], tuple[int, WaitCause, str]]
@@ -71,6 +72,7 @@ class _Planner(Protocol):
     positions: dict[tuple[str, str], int]
 
     def _order(self, request: Pending) -> tuple[Any, ...]: ...
+    def may_enter(self, shape: tuple[str, str, int, int, str], hold: Any) -> bool: ...
     def _next_in_queue(self, queue: Any, blocked_users: dict[tuple[str, str], int]) -> None: ...
     def _decide(self, request: Pending) -> Any: ...
     def _beyond_limits(self, request: Pending) -> str | None: ...
@@ -93,18 +95,27 @@ class Frozen:
 
     def __init__(self, planner: _Planner):
         self.planner = planner
-        self.seen: tuple[int, int, int] | None = None
+        self.seen: tuple[int, int, int, bool] | None = None
         self.frozen = False
+        self.backfill: set[tuple[str, str]] = set()
 
     def now(self, heap: list[tuple[Any, ...]]) -> bool:
+        """Whether nothing can change any more but, perhaps, backfill into held zones:
+        ``backfill`` then names the queues that could still enter one (the planner
+        decides those one by one first; nothing the others do changes the state)."""
+        return self.planner.memo.frozen_tails and self.state(heap)[0]
+
+    def state(self, heap: list[tuple[Any, ...]]) -> tuple[bool, set[tuple[str, str]]]:
+        """Whether the state is frozen but for backfill, and the queues that could
+        backfill; the same with frozen tails or without (the planner counts backfill
+        decisions by it either way)."""
         p = self.planner
-        if not p.memo.frozen_tails:
-            return False
-        state = (p.epoch, p.searches_left, len(p.reserved))
+        state = (p.epoch, p.searches_left, len(p.reserved), p.backfill_left > 0)
         if state != self.seen:
             self.seen = state
+            self.backfill = set()
             self.frozen = self._check(heap)
-        return self.frozen
+        return self.frozen, self.backfill
 
     def _check(self, heap: list[tuple[Any, ...]]) -> bool:
         p = self.planner
@@ -128,13 +139,41 @@ class Frozen:
                 if any(key[1] == gpu_type for *_, key in heap):
                     return False
                 continue  # nothing of the type is left to decide
-            # The held zone's free GPUs are left out: backfill enters it only before the
-            # cycle freezes (counting them kept the cycle from freezing at all at scale).
             smallest = min(pod_sizes)
             for zone in zones:
-                if zone != held[0] and capacity.most_free(zone) >= smallest:
+                if capacity.most_free(zone) < smallest:
+                    continue
+                if zone != held.zone:
                     return False
+                self.backfill |= self._may_backfill(gpu_type, held, heap)
         return True
+
+    def _may_backfill(
+        self, gpu_type: str, held: Any, heap: list[tuple[Any, ...]]
+    ) -> set[tuple[str, str]]:
+        """The queues still being decided with a request that could enter the held zone
+        as backfill (``plan.may_enter``) and fit there, by the queues' shapes (a few
+        hundred, not their requests); a shape refused this cycle whose refusal stands
+        cannot. Only a queue's own admissions change whether its shapes may enter (they
+        make its project borrow), so no other queue joins these while they are decided."""
+        p, capacity = self.planner, self.planner.capacity
+        epoch = p.epoch if p.book.lends_with_limits else 0
+        queues: set[tuple[str, str]] = set()
+        if p.backfill_left <= 0:
+            return queues
+        for *_, key in heap:
+            if key[1] != gpu_type:
+                continue
+            for shape in p.memo.queue_shapes[key]:
+                refused = p.settled.get(shape)
+                if refused is not None and refused[0] == epoch:
+                    continue
+                if capacity.pods_fitting(held.zone, shape[2]) >= shape[3] and p.may_enter(
+                    shape, held
+                ):
+                    queues.add(key)
+                    break
+        return queues
 
 
 class FrozenTails:

@@ -92,6 +92,10 @@ def _gpus_by_node(workloads: Iterable[Running]) -> dict[tuple[str, str], list[st
 
 _SHAPE = operator.attrgetter("shape")
 
+# Decisions per cycle of the queues that could backfill a held zone, once nothing else
+# can change the state: reaching their requests means deciding them one by one.
+MAX_BACKFILL_DECISIONS = 64
+
 # Outcomes an identical request would get too, as long as nothing changed.
 _REPEATABLE = (WaitCause.QUOTA, WaitCause.USER_CAP, WaitCause.CAPACITY, WaitCause.NEVER_FITS)
 
@@ -172,6 +176,9 @@ class _Planner:
         self.subtrees: dict[str, frozenset[str]] = {}
         self.failed_searches: set[tuple[Any, ...]] = set()
         self.searches_left = self.policy.max_preemption_searches
+        # Decisions left, once only backfill can change the state, of the queues that
+        # could backfill (``_run_queues``): past them backfill waits for the next cycle.
+        self.backfill_left = MAX_BACKFILL_DECISIONS
         self.chosen: set[int] = set()
         self.victims: VictimIndex | None = None  # brought up to date on the first search
         # Bumped by every change of state; a decision made in the same epoch for an
@@ -235,14 +242,17 @@ class _Planner:
         zone = self._promised_zone(request)
         if zone is None or zone not in self.capacity.buckets:
             return False
+        t = request.gpu_type
+        victims = self.in_flight.get(request.id, [])
         if (
             self._beyond_limits(request) is not None
-            or self._quota_refusal(request) is not None
+            or self._refused_by_quota_once_gone(request, victims)
             or self._user_cap_refusal(request) is not None  # its user started other work
         ):
             return False
-        t = request.gpu_type
-        victims = self.in_flight.get(request.id, [])
+        # It starts only once no cap refuses it as things stand (a victim still stopping
+        # still holds its GPUs); until then its placement is kept.
+        may_start = self._quota_refusal(request) is None
         if request.promised:
             coming = {g for v in victims for pod in v.pods for g in pod.gpus}
             free_now: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -255,20 +265,34 @@ class _Planner:
                         return False
             for key, gpus in free_now.items():
                 self.capacity.take_exact(key, gpus)
-            if sum(len(g) for g in free_now.values()) == request.gpus:
+            if may_start and sum(len(g) for g in free_now.values()) == request.gpus:
                 self._admit(request, zone, request.promised)
                 return True
             self._kept(request, request.promised)
         else:
             k, pods = request.gpus_per_pod, request.pods
             usable = self.capacity.free_by_type[t] - self.book.withheld_from(request.project, t)
-            if self.capacity.pods_fitting(zone, k) >= pods and usable >= request.gpus:
+            fits = self.capacity.pods_fitting(zone, k) >= pods and usable >= request.gpus
+            if may_start and fits:
                 self._admit(request, zone, self.capacity.place(zone, k, pods))
                 return True
             if not victims or not self._keep_for(request, zone, _gpus_by_node(victims)):
                 return False
         self._wait(request, WaitCause.PREEMPTING, self._preempting(request))
         return True
+
+    def _refused_by_quota_once_gone(self, request: Pending, victims: list[Running]) -> bool:
+        """Whether a quota refuses the preemptor even once its victims, still stopping and
+        still counted where they run, are gone: they leave for it, so a cap they fill
+        must not break its promise (or the GPUs they free would go back to them)."""
+        t = request.gpu_type
+        for victim in victims:
+            self.book.add(victim.project, t, -victim.gpus)
+        try:
+            return self._quota_refusal(request) is not None
+        finally:
+            for victim in victims:
+                self.book.add(victim.project, t, victim.gpus)
 
     def _keep_for(
         self, request: Pending, zone: ZoneKey, coming: dict[tuple[str, str], list[str]]
@@ -303,8 +327,25 @@ class _Planner:
         heapq.heapify(heap)
         blocked_users: dict[tuple[str, str], int] = {}
         frozen = Frozen(self)
-        while heap:
-            if frozen.now(heap):
+        aside: list[tuple[Any, ...]] = []  # queues that wait while backfill is decided
+        while heap or aside:
+            still, backfill = frozen.state(heap)
+            if still and backfill and heap:
+                # Only the queues that could backfill a held zone can still change the
+                # state: decide them, in order, before freezing the rest (with frozen
+                # tails; without, the others are decided in between, changing nothing).
+                if heap[0][2] in backfill:
+                    self.backfill_left -= 1
+                elif frozen.now(heap):
+                    aside.append(heapq.heappop(heap))
+                    continue
+            elif aside:
+                for entry in aside:
+                    heapq.heappush(heap, entry)
+                aside.clear()
+                frozen.seen = None  # the heap it looked at lacked these
+                continue
+            elif frozen.now(heap):
                 self.frozen.decide(heap, queues, blocked_users)
                 return
             order, epoch, key = heapq.heappop(heap)
@@ -516,6 +557,7 @@ class _Planner:
                     outcome = self._make_room_under_caps(request)
                     if outcome is not None:
                         return outcome
+                    self._claim_caps(request)
                 return self._wait(request, WaitCause.QUOTA, refusal)
             over_user_cap = self._user_cap_refusal(request)
             if over_user_cap is not None:
@@ -555,6 +597,20 @@ class _Planner:
             if self.book.usage(name, t) + gpus > self.book.cap(name, t)
         )
         return self._make_room(request, quotas=quotas)
+
+    def _claim_caps(self, request: Pending) -> None:
+        """A request within its project's guarantee that an enclosing node's cap refuses,
+        and that could not make room under it yet, keeps what is left under that cap for
+        the rest of the cycle: no borrower of the subtree gets more meanwhile (within
+        guarantee requests come first in the order, so only later ones are held back)."""
+        p, t, gpus = request.project, request.gpu_type, request.gpus
+        if not self.book.within_guarantee(p, t, gpus):
+            return
+        for name in self.book.path(p)[1:]:
+            room = self.book.cap(name, t) - self.book.usage(name, t)
+            if 0 < room < gpus:
+                self.book.add(name, t, int(room))
+                self.epoch += 1
 
     def _subtree(self, name: str) -> frozenset[str]:
         """The projects under a node of the tree (itself included)."""
@@ -641,7 +697,7 @@ class _Planner:
             return self.capacity.place_selected(t, k, pods, request.node_selector)
         holder = self.reserved.get(t)
         holds = holder is not None and holder.holder == request.id
-        enters = holds or holder is None or self._may_enter(request, holder)
+        enters = holds or holder is None or self._enters(request, holder)
         failed = (t, k, enters)
         if not holds and self.failed_shapes.get(failed, pods + 1) <= pods:
             return None
@@ -661,21 +717,32 @@ class _Planner:
             request.project, request.gpu_type, request.gpus
         )
 
-    def _may_enter(self, request: Pending, hold: Hold) -> bool:
-        """Whether the request may take free GPUs of a zone held for another: if it
-        outranks the holder, or as backfill — work the holder may evict once it can
-        start (of another project, beyond that project's guarantee, and the holder within
-        its own or the request preemptible and of a lower class; of the holder's
-        project, preemptible and of a lower class). So a held zone does not idle, and
-        nothing that enters it can keep the holder out."""
-        if self._outranks(request, hold):
+    def _enters(self, request: Pending, hold: Hold) -> bool:
+        """``may_enter``, while the cycle's backfill decisions last (one that outranks
+        the holder enters whenever)."""
+        if not hold.within and self.book.within_guarantee(
+            request.project, request.gpu_type, request.gpus
+        ):
             return True
-        rank = self.ranks.get(request.priority, 0)
-        lower = self.snapshot.preemptible.get(request.priority, False) and rank < hold.rank
-        if request.project == hold.project:
+        return self.backfill_left > 0 and self.may_enter(request.shape, hold)
+
+    def may_enter(self, shape: tuple[str, str, int, int, str], hold: Hold) -> bool:
+        """Whether a request of this shape (project, type, pod size, pods, class) may
+        take free GPUs of a zone held for another: if it outranks the holder
+        (``_outranks``), or as backfill — work the holder may evict once it can start (of
+        another project, beyond that project's guarantee, and the holder within its own
+        or the request preemptible and of a lower class; of the holder's project,
+        preemptible and of a lower class). So a held zone does not idle, and nothing
+        that enters it can keep the holder out."""
+        project, gpu_type, per_pod, pods, priority = shape
+        within = self.book.within_guarantee(project, gpu_type, per_pod * pods)
+        if within and not hold.within:
+            return True
+        rank = self.ranks.get(priority, 0)
+        lower = self.snapshot.preemptible.get(priority, False) and rank < hold.rank
+        if project == hold.project:
             return lower
-        borrows = not self.book.within_guarantee(request.project, request.gpu_type, request.gpus)
-        return borrows and (hold.within or lower)
+        return not within and (hold.within or lower)
 
     def _admit(self, request: Pending, zone: ZoneKey, pods: tuple[Pod, ...]) -> None:
         p, t = request.project, request.gpu_type

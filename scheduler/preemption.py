@@ -386,8 +386,8 @@ class VictimIndex:
         need = Need(k, pods, quotas)
         free = _FreeCounts(capacity)
         for at_least, zone_key, zone in zones:
-            if best is not None and best[0][0] <= at_least:
-                break
+            if best is not None and (best[0][0], best[0][1]) <= (at_least, 0.0):
+                break  # no zone further on evicts fewer GPUs, nor as few losing less
             causes: dict[int, PreemptionCause] = {}
             eligible = []
             for victim in zone.members.values():

@@ -69,6 +69,7 @@ from .simulator_measures import (
     beyond_limits,
     free_for,
     gang_fits,
+    pod_need,
 )
 from .simulator_report import (
     ClockTotals,
@@ -569,7 +570,14 @@ class _Replay:
         cluster, zone = victims[0].cluster, victims[0].zone
         free = sum(free_in.get((cluster, zone), {}).values())
         evicted = sum(v.gpus for v in victims)
-        need = max(0, job.trace.num_gpus - free)
+        need = min(
+            pod_need(
+                ((count, self.nodes[name].total) for name, count in per_node.items()),
+                job.gpus_per_pod,
+                job.pods,
+            )
+            for per_node in free_in.values()
+        )
         decision = PreemptionDecision(
             at_s=now,
             job_id=job.trace.job_id,

@@ -129,11 +129,14 @@ class QuotaCeiling:
 class PreemptionDecision:
     """One preemptor and the victims one plan stopped for it, measured when the plan was
     applied (its admissions already placed): ``free_gpus`` of its type in the victims'
-    zone, less free GPUs kept for other preemptors; ``need_gpus`` = max(0, its GPUs -
-    ``free_gpus``); ``fitted``: its gang (whole pods) already fitted the free GPUs of some
-    zone of its type, so the preemption was not needed for room (it may still have been
-    needed for quota: a higher class making room under its own project's cap, or free
-    GPUs that lend limits keep back)."""
+    zone, less free GPUs kept for other preemptors; ``need_gpus``: the fewest GPUs any
+    preemption for it had to free, in the zone of its type where that is least
+    (``pod_need``: whole pods on one node each, victims' sizes not counted); ``fitted``:
+    its gang (whole pods) already fitted the free GPUs of some zone of its type, so the
+    preemption was not needed for room (it may still have been needed for quota: a
+    higher class making room under its own project's cap, or free GPUs that lend limits
+    keep back).
+    """
 
     at_s: float
     job_id: str
@@ -155,6 +158,30 @@ def free_for(nodes: Iterable[NodeState], others_kept: Iterable[Pod]) -> dict[str
     """Free GPUs per node, less the ones kept for other workloads."""
     kept = {g for pod in others_kept for g in pod.gpus}
     return {n.name: sum(1 for g in n.free if g not in kept) for n in nodes}
+
+
+def pod_need(free_and_size: Iterable[tuple[int, int]], gpus_per_pod: int, pods: int) -> int:
+    """The fewest GPUs that must be freed in a zone (its nodes' free and total GPUs) for
+    ``pods`` pods of ``gpus_per_pod`` to fit, each on one node: the pods that do not fit
+    now each take the cheapest remaining completion of a node's pod — its first one costs
+    what the node lacks of a whole pod, the next ones a whole pod. None-fitting zones
+    (too few slots even empty) give a number larger than any eviction."""
+    k = gpus_per_pod
+    fitting = 0
+    costs: list[int] = []
+    for free, size in free_and_size:
+        fitting += free // k
+        slots = size // k - free // k
+        if slots <= 0:
+            continue
+        costs.append(k - free % k)
+        costs.extend([k] * (slots - 1))
+    lacking = pods - fitting
+    if lacking <= 0:
+        return 0
+    if len(costs) < lacking:
+        return 1 << 30
+    return sum(sorted(costs)[:lacking])
 
 
 def gang_fits(free_per_node: Iterable[int], gpus_per_pod: int, pods: int) -> bool:

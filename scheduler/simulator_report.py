@@ -394,13 +394,43 @@ def _room_beside_guarantees(
     return room
 
 
+def _queued_ahead(
+    record: JobRecord, same_queue: Sequence[JobRecord], ranks: Mapping[str, int]
+) -> int:
+    """GPUs of the project's requests of the type that waited, ahead of ``record`` in
+    its queue (a higher class, or the same class and submitted earlier), when it was
+    submitted: they come first for the project's guarantee."""
+    at, rank = record.submit_s, ranks.get(record.priority, 0)
+    ahead = 0
+    for other in same_queue:
+        if other is record or other.submit_s > at:
+            continue
+        other_rank = ranks.get(other.priority, 0)
+        if other_rank < rank or (other_rank == rank and other.submit_s == at):
+            continue
+        running = any(run.start_s <= at < run.end_s for run in other.runs)
+        done = other.end_s is not None and other.end_s <= at
+        if not running and not done:
+            ahead += other.num_gpus
+    return ahead
+
+
 def within_guarantee_waits(
-    result: SimulationResult, tree: ProjectTree, nodes: Sequence[FleetNode]
+    result: SimulationResult,
+    tree: ProjectTree,
+    nodes: Sequence[FleetNode],
+    ranks: Mapping[str, int] | None = None,
 ) -> list[GuaranteedWait]:
     """``GuaranteedWait`` for every started job that asked within its project's
-    guarantee, in record order. ``blocked`` is approximate (``_room_beside_guarantees``):
-    whole pods and lend limits are not counted; a job is blocked while no zone's room
-    beside other projects' within-guarantee work reaches its GPUs."""
+    guarantee, in record order: what its project held when it was submitted, plus what
+    its project's requests ahead of it in the queue asked for (``ranks``: priority class
+    ranks; without them only what the project held), plus its own GPUs, is within the
+    guarantee. ``blocked`` is approximate (``_room_beside_guarantees``): whole pods and
+    lend limits are not counted; a job is blocked while no zone's room beside other
+    projects' within-guarantee work reaches its GPUs."""
+    queues: dict[tuple[str, str], list[JobRecord]] = defaultdict(list)
+    for record in result.records:
+        queues[(record.project, record.gpu_type)].append(record)
     zone_sizes: dict[str, dict[tuple[str, str], int]] = defaultdict(lambda: defaultdict(int))
     for n in nodes:
         zone_sizes[n.gpu_type][(n.cluster, n.zone)] += n.gpus
@@ -416,6 +446,8 @@ def within_guarantee_waits(
         held = series[i][1] if i >= 0 else 0
         if r.start_s == r.submit_s:  # the step at its submission counts its own start
             held -= r.num_gpus
+        if ranks is not None:
+            held += _queued_ahead(r, queues[(r.project, r.gpu_type)], ranks)
         if quota is None or held + r.num_gpus > quota.guaranteed:
             continue
         guarantee = {

@@ -124,7 +124,8 @@ MAX_STEP = 300
 class Tree:
     """Guarantees, caps and paths over project specs, computed here independently of
     ``quota.py``: an inner node's guarantee is the larger of its own and its children's sum;
-    its cap is guarantee + borrow limit where a borrow limit is set."""
+    its cap, where a borrow limit is set, is the borrow limit plus the guarantee it declares,
+    or, declaring none, plus its children's sum."""
 
     def __init__(self, specs: Sequence[Mapping[str, Any]]):
         self.specs = {s["name"]: s for s in specs}
@@ -155,7 +156,8 @@ class Tree:
         quota = (self.specs[name].get("quotas") or {}).get(gpu_type)
         if quota is None or quota.get("borrow_limit") is None:
             return float("inf")
-        return self.guarantee(name, gpu_type) + quota["borrow_limit"]
+        declared = quota.get("guaranteed", 0)
+        return (declared or self.guarantee(name, gpu_type)) + quota["borrow_limit"]
 
     def user_cap(self, name: str) -> int | None:
         cap: int | None = self.specs[name].get("per_user_gpu_cap")
@@ -686,12 +688,15 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
         }
         key = (request.project, request.gpu_type)
         cap = tree.cap(*key)
-        # Upper bounds of what the search had to reach: the GPUs the project had to give
-        # back (usage only grows in a cycle) and the free GPUs of the type that lend limits
-        # of other subtrees kept (they only shrink as usage grows).
-        must_free = (
-            0 if cap == float("inf") else max(0, int(after.get(key, 0) + request.gpus - cap))
-        )
+        # Upper bounds of what the search had to reach: the GPUs each capped node on the
+        # request's path had to get back from its subtree (usage only grows in a cycle)
+        # and the free GPUs of the type that lend limits of other subtrees kept (they only
+        # shrink as usage grows).
+        must_free = [
+            (name, max(0, int(after.get((name, request.gpu_type), 0) + request.gpus - c)))
+            for name in tree.path(request.project)
+            if (c := tree.cap(name, request.gpu_type)) != float("inf")
+        ]
         withheld = book.withheld_from(request.project, request.gpu_type)
         type_free = sum(
             free_after[n.name]
@@ -703,7 +708,10 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
             freed = sum(v.gpus for v in rest)
             unneeded = (
                 fits(free_after, rest, zone_nodes, request.gpus_per_pod) >= request.pods
-                and freed >= must_free
+                and all(
+                    sum(v.gpus for v in rest if name in tree.path(v.project)) >= gpus
+                    for name, gpus in must_free
+                )
                 and type_free + freed - withheld >= request.gpus
             )
             assert not unneeded, f"victim {victim.id} of {wid} was not needed: {victims}"
@@ -711,6 +719,8 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
             request.pods == 1
             and all(len(v.pods) == 1 for v in victims)
             and before.get(key, 0) <= cap
+            and not any(gpus for _, gpus in must_free)  # no cap asked for more
+            and type_free - withheld >= request.gpus  # nor a lend limit
         ):
             gpus = sorted(v.gpus for v in victims)
             assert sum(gpus) - gpus[-1] < request.gpus, f"{wid} evicts too much: {victims}"

@@ -646,3 +646,16 @@ def test_within_guarantee_waits_give_the_owners_wait_and_whether_guarantees_bloc
     (f, s) = within_guarantee_waits(result, tree, nodes)
     assert (f.wait_s, f.blocked) == (0.0, False)
     assert (s.wait_s, s.blocked, s.blocked_s) == (490.0, True, 490.0)
+
+
+def test_the_need_of_a_preemption_counts_whole_pods_on_nodes() -> None:
+    from gpufleet.scheduler.simulator_measures import pod_need
+
+    # 8-GPU nodes with 2, 3 and 7 free: one 8-GPU pod lacks 1 GPU on the third node;
+    # two pods lack 1 + 5; free GPUs spread over nodes do not make a pod.
+    nodes = [(2, 8), (3, 8), (7, 8)]
+    assert pod_need(nodes, 8, 1) == 1
+    assert pod_need(nodes, 8, 2) == 1 + 5
+    assert pod_need(nodes, 8, 3) == 1 + 5 + 6
+    assert pod_need(nodes, 2, 4) == 0  # 1 + 1 + 3 pods of 2 fit now
+    assert pod_need(nodes, 8, 4) > 1000  # three nodes never hold four whole-node pods
