@@ -28,7 +28,8 @@ so far) and, for a job, its ``checkpoint_interval_s``. Every plan is checked by
 - L4 no needless preemption (``check_no_needless_preemption``): nothing is preempted for a
   request whose gang fits the free GPUs of a zone it may use;
 - L5 no thrashing (``check_protection``): no victim is within its protection
-  (``protected_until``), which doubles with every preemption it suffered;
+  (``protected_until``), which doubles with every preemption it suffered (for a job
+  that checkpoints, from its third);
 - L6 reservations (``check_reservations``): a zone kept for a request is backfilled only by
   work that request could evict at once; a zone is kept for one request at most;
 - L7 lend limits (``check_lend_reserve``): on worlds where one project alone has a lend
@@ -117,13 +118,14 @@ def checkpoint_interval(workload_id: int) -> float:
 def protected_until(workload: Running, min_run_time_s: float) -> float:
     """Until when a workload may not be a victim (idle sessions aside): the minimum run time
     for one never preempted; after ``n`` preemptions, ``max(min_run, checkpoint interval)
-    x 2^(n-1)`` for a job that checkpoints, else ``min_run x 2^n`` (exponent at most 10)."""
+    x 2^max(0, n-2)`` for a job that checkpoints, else ``min_run x 2^n`` (exponent at most
+    10)."""
     n = workload.preemptions
     if n <= 0:
         return workload.started_at + min_run_time_s
     if workload.checkpoint_interval_s is not None:
         base = max(min_run_time_s, workload.checkpoint_interval_s)
-        return workload.started_at + base * 2 ** min(n - 1, 10)
+        return workload.started_at + base * 2 ** max(0, min(n, 10) - 2)
     return workload.started_at + min_run_time_s * 2 ** min(n, 10)
 
 
@@ -1234,9 +1236,10 @@ def test_l4_checker_catches_a_preemption_for_a_request_that_fits() -> None:
 
 
 def test_l5_checker_catches_a_victim_still_protected() -> None:
-    # Preempted twice before, checkpoints every 1000 s: protected 2000 s after its start.
+    # Preempted three times before, checkpoints every 1000 s: protected 2000 s after its
+    # start.
     victim = _running(
-        10, "b", "n1", "z1", range(8), started=8_500.0, preemptions=2, checkpoint_interval_s=1000.0
+        10, "b", "n1", "z1", range(8), started=8_500.0, preemptions=3, checkpoint_interval_s=1000.0
     )
     request = _ask(1, "a", 8)
     bad = Plan(
@@ -1249,11 +1252,11 @@ def test_l5_checker_catches_a_victim_still_protected() -> None:
     with pytest.raises(AssertionError, match="L5"):
         check_protection(_facts(OTHERS, nodes, [victim], [request], bad))
     check_protection(_facts(OTHERS, nodes, [replace(victim, started_at=7_000.0)], [request], bad))
-    # Without a checkpoint interval: min_run x 2^n = 1200 s.
+    # Without a checkpoint interval: min_run x 2^n = 2400 s.
     session = replace(victim, checkpoint_interval_s=None, started_at=8_900.0)
     with pytest.raises(AssertionError, match="L5"):
         check_protection(_facts(OTHERS, nodes, [session], [request], bad))
-    check_protection(_facts(OTHERS, nodes, [replace(session, started_at=8_800.0)], [request], bad))
+    check_protection(_facts(OTHERS, nodes, [replace(session, started_at=7_500.0)], [request], bad))
 
 
 def test_l6_checker_catches_a_kept_zone_backfilled_by_work_it_cannot_evict() -> None:
