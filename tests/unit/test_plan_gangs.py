@@ -101,6 +101,7 @@ from .test_plan_properties import (
     _running,
     check_plan,
     fits,
+    reclaim_within_the_bound,
     sometimes,
     within_guarantee,
 )
@@ -1055,28 +1056,12 @@ def test_a_lend_limit_reserve_stays_free(scenario: Scenario) -> None:
 
 def reclaimed_within_the_bound(scenario: Scenario) -> None:
     """``test_plan_properties.reclaim_within_the_bound`` on a ``GangWorld``."""
-    world = GangWorld(scenario)
-    deadline: int | None = None  # the first cycle at which min_run_time_s has passed
-    tail = itertools.repeat(Cycle(step=MAX_STEP, delays=scenario.cycles[0].delays))
-    for cycle in itertools.chain(scenario.cycles, tail):
-        if deadline is None and world.now >= START + scenario.min_run_time_s:
-            deadline = world.cycle
-        if 1 in world.admitted_at or (deadline is not None and world.cycle > deadline + 2):
-            break
-        world.run_cycle(cycle)
-    last = "" if world.last is None else "\nthe last cycle:\n" + describe(*world.last)
-    assert 1 in world.admitted_at, (
-        f"L1: the request within its guarantee was never admitted (min_run_time_s "
-        f"{scenario.min_run_time_s}, {world.cycle} cycles){last}"
-    )
-    admitted_cycle, admitted_time = world.admitted_at[1]
-    stop_cycles = world.victims_delay.get(1, 0)
-    if deadline is not None:
-        assert admitted_cycle <= deadline + stop_cycles, (
-            f"L1: admitted at cycle {admitted_cycle}; min_run_time_s passed at cycle "
-            f"{deadline}, its victims took {stop_cycles} cycle(s) to stop"
-        )
-    assert admitted_time - START <= scenario.min_run_time_s + (1 + stop_cycles) * MAX_STEP
+
+    def last_cycle(world: World) -> str:
+        last = getattr(world, "last", None)
+        return "" if last is None else "\nthe last cycle:\n" + describe(*last)
+
+    reclaim_within_the_bound(scenario, GangWorld(scenario), last_cycle)
 
 
 @gang_settings(40)

@@ -86,7 +86,7 @@ import copy
 import itertools
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -1027,8 +1027,15 @@ def test_the_laws_hold_under_contention(scenario: Scenario) -> None:
         world.run_cycle(cycle)
 
 
-def reclaim_within_the_bound(scenario: Scenario) -> None:
-    world = World(scenario)
+def reclaim_within_the_bound(
+    scenario: Scenario,
+    world: World | None = None,
+    explain: Callable[[World], str] = lambda world: "",
+) -> None:
+    """The request within its guarantee (workload 1) is admitted within the bound, in
+    ``world`` (a ``World`` of the scenario unless given); ``explain`` adds to a failure."""
+    if world is None:
+        world = World(scenario)
     deadline: int | None = None  # the first cycle at which min_run_time_s has passed
     # The drawn cycles, then as many of the longest step as it takes.
     tail = itertools.repeat(Cycle(step=MAX_STEP, delays=scenario.cycles[0].delays))
@@ -1038,13 +1045,16 @@ def reclaim_within_the_bound(scenario: Scenario) -> None:
         if 1 in world.admitted_at or (deadline is not None and world.cycle > deadline + 2):
             break
         world.run_cycle(cycle)
-    assert 1 in world.admitted_at, "the request within its guarantee was never admitted"
+    assert 1 in world.admitted_at, (
+        f"the request within its guarantee was never admitted (min_run_time_s "
+        f"{scenario.min_run_time_s}, {world.cycle} cycles){explain(world)}"
+    )
     admitted_cycle, admitted_time = world.admitted_at[1]
     stop_cycles = world.victims_delay.get(1, 0)
     if deadline is not None:
         assert admitted_cycle <= deadline + stop_cycles, (
             f"admitted at cycle {admitted_cycle}; min_run_time_s passed at cycle {deadline}, "
-            f"its victims took {stop_cycles} cycle(s) to stop"
+            f"its victims took {stop_cycles} cycle(s) to stop{explain(world)}"
         )
     bound = scenario.min_run_time_s + (1 + stop_cycles) * MAX_STEP
     assert admitted_time - START <= bound
