@@ -22,7 +22,7 @@ Costs compare as ``(GPUs, lost work)`` tuples.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .snapshot import Running
@@ -69,37 +69,46 @@ class _Room:
         need: Need,
         fitting: int,
         parts: dict[int, tuple[list[tuple[NodeKey, int]], list[int]]] | None = None,
+        zone: tuple[str, str, str] | None = None,
     ):
         self.base = free
+        self.zone = zone
         self.gpu_type = gpu_type
         self.need = need
         self.free: dict[NodeKey, int] = {}
         self.fitting = fitting
         self.freed = [0] * len(need.quotas)
-        self.parts = {} if parts is None else parts
+        self.parts_of = {} if parts is None else parts
 
     def count(self, key: NodeKey) -> int:
         value = self.free.get(key)
         return self.base[key] if value is None else value
 
-    def _parts(self, victim: Running) -> tuple[list[tuple[NodeKey, int]], list[int]]:
-        found = self.parts.get(victim.id)
+    def parts(self, victim: Running) -> tuple[list[tuple[NodeKey, int]], list[int]]:
+        """Where the victim frees GPUs the gang could use (its pods on schedulable nodes
+        of the zone: elsewhere it frees only quota), and the quotas it counts for."""
+        found = self.parts_of.get(victim.id)
         if found is None:
-            t = self.gpu_type
-            nodes = [
-                ((pod.node, t), len(pod.gpus)) for pod in victim.pods if (pod.node, t) in self.base
-            ]  # on an unschedulable node, freeing it gives nothing usable
+            t, zone = self.gpu_type, self.zone
+            if zone is not None and (victim.cluster, victim.zone) != (zone[0], zone[1]):
+                nodes = []
+            else:
+                nodes = [
+                    ((pod.node, t), len(pod.gpus))
+                    for pod in victim.pods
+                    if (pod.node, t) in self.base
+                ]  # on an unschedulable node, freeing it gives nothing usable
             quotas = [
                 i
                 for i, (projects, _) in enumerate(self.need.quotas)
                 if projects is None or victim.project in projects
             ]
-            found = self.parts[victim.id] = (nodes, quotas)
+            found = self.parts_of[victim.id] = (nodes, quotas)
         return found
 
     def change(self, victim: Running, sign: int) -> None:
         k, free, base = self.need.per_pod, self.free, self.base
-        nodes, quotas = self._parts(victim)
+        nodes, quotas = self.parts(victim)
         for key, gpus in nodes:
             before = free.get(key)
             if before is None:
@@ -111,7 +120,10 @@ class _Room:
             self.freed[i] += sign * victim.gpus
 
     def fits(self) -> bool:
-        return self.fitting >= self.need.pods and all(
+        return self.fitting >= self.need.pods and self.quotas_met()
+
+    def quotas_met(self) -> bool:
+        return all(
             freed >= gpus for freed, (_, gpus) in zip(self.freed, self.need.quotas, strict=True)
         )
 
@@ -124,24 +136,30 @@ def cheapest_victims(
     fitting: int,
     now: float,
     at_least: int = 0,
+    zone: tuple[str, str, str] | None = None,
 ) -> tuple[Cost, list[Running]] | None:
-    """The cheapest feasible victim set among ``candidates`` (all eligible, in one zone
-    whose schedulable nodes' free counts are ``free``; ``fitting`` pods fit now), with its
-    cost; None if even all of them do not make room. ``at_least``: GPUs any feasible set
-    frees for certain (what the gang lacks in the zone), a bound that prunes the search."""
+    """The cheapest feasible victim set among ``candidates`` (all eligible; schedulable
+    nodes' free counts are ``free``; ``fitting`` pods fit now in the zone), with its cost;
+    None if even all of them do not make room. ``zone``: where the gang lands, when some
+    candidates run elsewhere (they free only quota; without it every candidate runs
+    there). ``at_least``: GPUs any feasible set frees for certain (what the gang lacks in
+    the zone), a bound that prunes the search."""
     lost = {v.id: lost_work(v, now) for v in candidates}
     ordered = sorted(candidates, key=lambda v: (v.gpus, lost[v.id], v.id))
     # Every candidate gone: if the gang does not fit even then, nothing here makes room.
-    potential = _Room(free, gpu_type, need, fitting)
+    potential = _Room(free, gpu_type, need, fitting, zone=zone)
     for victim in ordered:
         potential.change(victim, +1)
     if not potential.fits():
         return None
-    room = _Room(free, gpu_type, need, fitting, potential.parts)
+    room = _Room(free, gpu_type, need, fitting, potential.parts_of, zone)
     best: tuple[Cost, list[Running]] | None = None
     if len(ordered) > EXACT_LIMIT:
         chosen = _greedy(ordered, room, lost)
         best = (_cost(chosen, lost), chosen)
+        if need.quotas:
+            chosen = _greedy(ordered, room, lost, quota_first=True)
+            best = min(best, (_cost(chosen, lost), chosen), key=lambda found: found[0])
         # A gang victim that alone frees whole nodes can beat the node-by-node greedy.
         for victim in ordered:
             cost = (victim.gpus, lost[victim.id])
@@ -152,24 +170,43 @@ def cheapest_victims(
                 best = (cost, [victim])
             room.change(victim, -1)
     budget = EXACT_BUDGET if len(ordered) <= EXACT_LIMIT else IMPROVE_BUDGET
-    return _Exact(ordered, room, potential, lost, best, budget, at_least).run()
+    found = _Exact(ordered, room, potential, lost, best, budget, at_least).run()
+    if found is None or len(ordered) <= EXACT_LIMIT:
+        return found  # the optimum: nothing in it is unneeded
+    # A budget-bound search may stop at a set with a victim it does not need.
+    needed = {v.id: v for v in found[1]}
+    for victim in found[1]:
+        room.change(victim, +1)
+    _drop_unneeded(needed, room, lost)
+    for victim in needed.values():
+        room.change(victim, -1)
+    kept = list(needed.values())
+    return _cost(kept, lost), kept
 
 
 def _cost(victims: Sequence[Running], lost: Mapping[int, float]) -> Cost:
     return (sum(v.gpus for v in victims), sum(lost[v.id] for v in victims))
 
 
-def _greedy(ordered: Sequence[Running], room: _Room, lost: Mapping[int, float]) -> list[Running]:
+def _greedy(
+    ordered: Sequence[Running],
+    room: _Room,
+    lost: Mapping[int, float],
+    quota_first: bool = False,
+) -> list[Running]:
     """Node by node, the cheapest GPUs per pod gained, until the gang fits; then without
-    every victim it does not need, the largest first. ``room`` starts and ends empty."""
-    k, t = room.need.per_pod, room.gpu_type
+    every victim it does not need, the largest first. ``quota_first``: the smallest
+    victims that count for what the caps ask are taken before the nodes (where a cap
+    asks more than room does, they may well make the room too). ``room`` starts and
+    ends empty."""
+    k = room.need.per_pod
     on_node: dict[NodeKey, list[Running]] = {}
     for victim in ordered:
-        for pod in victim.pods:
-            key = (pod.node, t)
-            if key in room.base:
-                on_node.setdefault(key, []).append(victim)
+        for key, _ in room.parts(victim)[0]:
+            on_node.setdefault(key, []).append(victim)
     chosen: dict[int, Running] = {}
+    if quota_first:
+        _fill_quotas(ordered, room, chosen, room.quotas_met)
 
     def option(key: NodeKey) -> tuple[tuple[float, float, str], list[Running]] | None:
         """The node's cheapest way to one more pod, scored by GPUs per pod gained."""
@@ -208,22 +245,39 @@ def _greedy(ordered: Sequence[Running], room: _Room, lost: Mapping[int, float]) 
             chosen[v.id] = v
             room.change(v, +1)
     # What a cap or a lend limit still asks for: the smallest victims that count for it.
+    _fill_quotas(ordered, room, chosen, room.fits)
+    _drop_unneeded(chosen, room, lost)
+    result = list(chosen.values())
+    for victim in result:
+        room.change(victim, -1)
+    return result
+
+
+def _fill_quotas(
+    ordered: Sequence[Running],
+    room: _Room,
+    chosen: dict[int, Running],
+    done: Callable[[], bool],
+) -> None:
+    """Add the smallest victims that count for what a cap or a lend limit still asks,
+    until ``done``."""
     for victim in ordered:
-        if room.fits():
+        if done():
             break
         if victim.id not in chosen and _counts(room, victim):
             chosen[victim.id] = victim
             room.change(victim, +1)
+
+
+def _drop_unneeded(chosen: dict[int, Running], room: _Room, lost: Mapping[int, float]) -> None:
+    """Without every chosen victim the room does not need (all of them in it), the
+    largest first."""
     for victim in sorted(chosen.values(), key=lambda v: (-v.gpus, -lost[v.id], v.id)):
         room.change(victim, -1)
         if room.fits():
             del chosen[victim.id]
         else:
             room.change(victim, +1)
-    result = list(chosen.values())
-    for victim in result:
-        room.change(victim, -1)
-    return result
 
 
 def _counts(room: _Room, victim: Running) -> bool:

@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, Protocol, cast
@@ -72,6 +73,7 @@ class _Planner(Protocol):
     positions: dict[tuple[str, str], int]
 
     def _order(self, request: Pending) -> tuple[Any, ...]: ...
+    def _queue_order(self, key: tuple[str, str], queue: Any) -> tuple[Any, ...]: ...
     def may_enter(self, shape: tuple[str, str, int, int, str], hold: Any) -> bool: ...
     def _next_in_queue(self, queue: Any, blocked_users: dict[tuple[str, str], int]) -> None: ...
     def _decide(self, request: Pending) -> Any: ...
@@ -209,7 +211,9 @@ class FrozenTails:
         self.p.settled.clear()
         self.p.no_room_reasons.clear()
         self.p.quota_said.clear()
-        order = sorted((self.p._order(queues[key].current), key) for _, _, key in heap)
+        # In the order deciding one by one would take them (a user blocked by a per-user
+        # cap in one queue waits behind in the next).
+        order = sorted((self.p._queue_order(key, queues[key]), key) for _, _, key in heap)
         views: dict[str, tuple[Any, ...]] = {}
         previous = self.p.memo.tails
         # The victims stopping for the queue's requests (their reasons name them).
@@ -220,8 +224,15 @@ class FrozenTails:
                 victims = tuple((v.id, v.gpus) for v in self.p.in_flight[wid])
                 by_queue[(request.project, request.gpu_type)].append((wid, victims))
         self.preempting_by_queue = {key: tuple(v) for key, v in by_queue.items()}
+        # Queues under a per-user cap go one decision at a time, in the order, as deciding
+        # one by one takes them: a user blocked in one of its project's queues waits
+        # behind in the others (``blocked_users``), so their decisions depend on it.
+        per_user: list[tuple[Any, ...]] = []
         for _, key in order:
             queue = queues[key]
+            if key[0] in self.p.capped:
+                per_user.append((self.p._queue_order(key, queue), key))
+                continue
             rest = queue.requests[queue.head :]
             start = self.p.positions[key]
             context = self._tail_context(key, rest, views, blocked_users)
@@ -251,6 +262,13 @@ class FrozenTails:
             # ``_rest`` appends rows only: a settled run comes from ``_next_in_queue``.
             rows = cast(list[Waiting], self.p.waiting[mark:])
             self.tails[key] = Tail(rest, start, context, rows, index)
+        heapq.heapify(per_user)
+        while per_user:
+            _, key = heapq.heappop(per_user)
+            queue = queues[key]
+            self.p._next_in_queue(queue, blocked_users)
+            if queue.head < len(queue.requests):
+                heapq.heappush(per_user, (self.p._queue_order(key, queue), key))
 
     def _patched(self, rest: list[Pending], tail: Tail) -> list[Waiting] | None:
         """Last cycle's answers for a queue whose requests, start, usage and victims are
@@ -290,17 +308,14 @@ class FrozenTails:
         append, make = waiting.append, tuple.__new__  # see _patched
         index: dict[Any, list[int]] = {}
         position = self.p.positions[key]
-        # After a quota refusal: the row the later requests get, and the guarantee left
-        # (a borrower's refusal does not hold back those within it; ``_behind_quota_refusal``).
+        # After a quota refusal within the guarantee: the row the later requests get
+        # (a borrower's refusal holds nothing; ``_Planner._holds_queue``).
         behind: tuple[WaitCause, str] | None = None
-        room = 0
         for i, request in enumerate(rest):
             if behind is not None:
-                if request.gpus > room:
-                    position += 1
-                    append(make(Waiting, (request.id, position, *behind)))
-                    continue
-                behind = None
+                position += 1
+                append(make(Waiting, (request.id, position, *behind)))
+                continue
             shape = request.shape
             outcome = said.get(shape)
             if outcome is None or request.id in in_flight:
@@ -324,11 +339,9 @@ class FrozenTails:
             else:
                 positions.append(i)
             if outcome[0] is WaitCause.QUOTA:
-                behind = (WaitCause.BEHIND, behind_refusal(request, outcome[1]))
                 book = self.p.book
-                room = book.guarantee(*key) - book.usage(*key)
-                if request.gpus <= room:
-                    room = -1  # it was within the guarantee: everything waits behind it
+                if request.gpus <= book.guarantee(*key) - book.usage(*key):
+                    behind = (WaitCause.BEHIND, behind_refusal(request, outcome[1]))
         self.p.positions[key] = position
         return index
 

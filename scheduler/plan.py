@@ -14,12 +14,16 @@ cap (guarantee + borrow limit), the user stays within the project's per-user cap
 outside other subtrees' lend-limit reserves suffice, and its gang fits in one zone (see
 ``placement.py``). ``static`` mode admits only within the guarantee.
 
-Head of line. A request stopped by its project's quota holds that queue: later requests of
-the same project and GPU type wait behind it (a big request is not starved by small ones
-of its own project); a request stopped by the per-user cap holds only that user's later
-requests. The first request of a GPU type that finds no room and cannot make room holds a
-zone: the one closest to fitting it, which later requests of the type leave alone, so it
-starts as GPUs free up there while the rest of the fleet keeps filling (backfill).
+Head of line. A borrower stopped by a cap holds nothing: later requests of its queue may
+start beyond the guarantee as its backfill, which it takes back (``backfill``) once it can
+start without them — so a big request is not starved by small ones of its own project,
+and the quota it waits for does not idle. A request within its guarantee stopped by an
+enclosing cap holds its queue; a queue whose head borrows takes its place in the order
+from its first request within the guarantee, decided first. A request stopped by the
+per-user cap holds only that user's later requests. The first request of a GPU type that
+finds no room and cannot make room holds a zone: the one closest to fitting it, which
+later requests of the type leave alone, so it starts as GPUs free up there while the rest
+of the fleet keeps filling (backfill).
 
 Preemption (``gpufleet`` mode). A request that does not fit looks for victims, simulating
 first and committing nothing until it found a set that makes the gang fit in one zone.
@@ -28,7 +32,9 @@ Who may be a victim:
 - a borrower of another project — a workload beyond its project's guarantee when the
   project's workloads are counted by class, then start time — for a request within its
   own guarantee; for a borrowing request, only a preemptible borrower of a lower class;
-- a preemptible workload of a lower class in the request's own project.
+- a preemptible workload of a lower class in the request's own project;
+- for a borrower refused by a cap: its own project's borrowers that started while it
+  waited, behind it in the queue (its backfill), wherever they run.
 A workload is spared for ``min_run_time_s`` after its start (idle ones aside), longer
 after earlier preemptions (``preemption.protected_until``). The victims are the feasible
 set with the fewest evicted GPUs, then the least lost work (``eviction.py``), in the zone
@@ -60,11 +66,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from .caps import CapRoom
 from .frozen import Frozen, FrozenTails
+from .holds import HeldZones, Hold
 from .memo import PlanMemo
 from .placement import Capacity, ZoneKey
 from .preemption import VictimIndex
 from .quota import QuotaBook
+from .reasons import Reasons, n_of
 from .snapshot import (
     Admission,
     Kept,
@@ -73,7 +82,6 @@ from .snapshot import (
     Plan,
     Pod,
     Preemption,
-    PreemptionCause,
     Running,
     SchedulingSnapshot,
     WaitCause,
@@ -118,32 +126,17 @@ def plan(snapshot: SchedulingSnapshot, now: float, memo: PlanMemo | None = None)
         del planner.frozen
 
 
-def _n(gpus: int, gpu_type: str) -> str:
-    return f"{gpus} × {gpu_type}"
-
-
-def _gpus(count: int) -> str:
-    return "1 GPU" if count == 1 else f"{count} GPUs"
-
-
 @dataclass
 class _Queue:
     requests: list[Pending]
     head: int = 0
+    # From here on a request within the project's guarantee may still stand behind a
+    # borrowing head (``_first_within``; usage only grows in a cycle, so it only moves on).
+    scan: int = 0
 
     @property
     def current(self) -> Pending:
         return self.requests[self.head]
-
-
-class Hold(NamedTuple):
-    """A zone held for the first request of a GPU type that found no room."""
-
-    zone: ZoneKey
-    holder: int
-    within: bool  # the holder asked within its project's guarantee
-    rank: int  # its class's rank
-    project: str
 
 
 class _Outcome(NamedTuple):
@@ -151,7 +144,7 @@ class _Outcome(NamedTuple):
     reason: str = ""
 
 
-class _Planner:
+class _Planner(Reasons, CapRoom, HeldZones):
     def __init__(self, snapshot: SchedulingSnapshot, now: float, memo: PlanMemo):
         self.snapshot = snapshot
         self.now = now
@@ -180,6 +173,13 @@ class _Planner:
         # could backfill (``_run_queues``): past them backfill waits for the next cycle.
         self.backfill_left = MAX_BACKFILL_DECISIONS
         self.chosen: set[int] = set()
+        # (tree node, GPU type) -> GPUs of its subtree's workloads stopping for a
+        # preemptor (or chosen as victims this cycle): still counted in the book's usage,
+        # but gone by the time a preemptor starts. Made on first use (``_leaving``).
+        self.leaving_by_node: dict[tuple[str, str], int] | None = None
+        # (tree node, GPU type) whose room a request within its guarantee claimed
+        # (``_claim_caps``): what is left there is that request's, not a borrower's.
+        self.claimed: set[tuple[str, str]] = set()
         self.victims: VictimIndex | None = None  # brought up to date on the first search
         # Bumped by every change of state; a decision made in the same epoch for an
         # identical request stands (``_decide``), and a queue's order stays valid.
@@ -193,6 +193,7 @@ class _Planner:
         self.preemptions: list[Preemption] = []
         self.waiting: list[Waiting | SettledRun] = []
         self.positions: dict[tuple[str, str], int] = defaultdict(int)
+        self.smallest: dict[tuple[str, str], int] = {}  # queue -> its smallest request
         self.frozen = FrozenTails(self)  # the rest of every queue once nothing can change
 
     # ----------------------------------------------------------------- order
@@ -206,9 +207,12 @@ class _Planner:
         promising = [
             memo.pending[i] for i in {*memo.promised, *self.in_flight} if i in memo.pending
         ]
+        # In the cycle's order (within the guarantee first, then class, then arrival): a
+        # victim back in the queue that made room for itself meanwhile must not take the
+        # quota its own preemptor counts on.
         kept = {
             r.id
-            for r in sorted(promising, key=lambda r: (r.created_at, r.id))
+            for r in sorted(promising, key=self._order)
             if self._promised_zone(r) is not None and self._keep_promise(r)
         }
         if self.mode is Mode.FIFO:
@@ -281,19 +285,6 @@ class _Planner:
         self._wait(request, WaitCause.PREEMPTING, self._preempting(request))
         return True
 
-    def _refused_by_quota_once_gone(self, request: Pending, victims: list[Running]) -> bool:
-        """Whether a quota refuses the preemptor even once its victims, still stopping and
-        still counted where they run, are gone: they leave for it, so a cap they fill
-        must not break its promise (or the GPUs they free would go back to them)."""
-        t = request.gpu_type
-        for victim in victims:
-            self.book.add(victim.project, t, -victim.gpus)
-        try:
-            return self._quota_refusal(request) is not None
-        finally:
-            for victim in victims:
-                self.book.add(victim.project, t, victim.gpus)
-
     def _keep_for(
         self, request: Pending, zone: ZoneKey, coming: dict[tuple[str, str], list[str]]
     ) -> bool:
@@ -322,8 +313,8 @@ class _Planner:
                 requests = [r for r in requests if r.id not in kept]
                 if not requests:
                     continue
-            queues[key] = _Queue(requests)
-            heap.append((self._order(requests[0]), self.epoch, key))
+            queue = queues[key] = _Queue(requests)
+            heap.append((self._queue_order(key, queue), self.epoch, key))
         heapq.heapify(heap)
         blocked_users: dict[tuple[str, str], int] = {}
         frozen = Frozen(self)
@@ -332,11 +323,11 @@ class _Planner:
             still, backfill = frozen.state(heap)
             if still and backfill and heap:
                 # Only the queues that could backfill a held zone can still change the
-                # state: decide them, in order, before freezing the rest (with frozen
-                # tails; without, the others are decided in between, changing nothing).
+                # state: decide them, in order, before the rest (frozen tails or not: an
+                # admission there may use room under a cap the others share).
                 if heap[0][2] in backfill:
                     self.backfill_left -= 1
-                elif frozen.now(heap):
+                else:
                     aside.append(heapq.heappop(heap))
                     continue
             elif aside:
@@ -351,13 +342,59 @@ class _Planner:
             order, epoch, key = heapq.heappop(heap)
             queue = queues[key]
             if epoch != self.epoch:  # something was admitted since: its place may be later
-                fresh = self._order(queue.current)
+                fresh = self._queue_order(key, queue)
                 if fresh > order:
                     heapq.heappush(heap, (fresh, self.epoch, key))
                     continue
+            if not still:  # once frozen nothing starts: the order cannot matter
+                self._within_first(key, queue)
             self._next_in_queue(queue, blocked_users)
             if queue.head < len(queue.requests):
-                heapq.heappush(heap, (self._order(queue.current), self.epoch, key))
+                heapq.heappush(heap, (self._queue_order(key, queue), self.epoch, key))
+
+    def _queue_order(self, key: tuple[str, str], queue: _Queue) -> tuple[Any, ...]:
+        """The queue's place in the cycle's order: its head's, or, when the head borrows,
+        that of its first request within the project's guarantee — a borrower never
+        holds back its project's guaranteed GPUs, not even behind other projects'
+        borrowers that would take them meanwhile (under a team's cap)."""
+        order = self._order(queue.current)
+        if order[0] == 0 or self.mode is Mode.FIFO:
+            return order
+        within = self._first_within(key, queue)
+        return order if within is None else self._order(queue.requests[within])
+
+    def _first_within(self, key: tuple[str, str], queue: _Queue) -> int | None:
+        """The index of the queue's first request after its head that fits within the
+        project's guarantee, if any."""
+        room = self.book.guaranteed_of.get(key, 0) - self.book.used.get(key, 0)
+        if room <= 0:
+            return None
+        smallest = self.smallest.get(key)
+        if smallest is None:
+            smallest = self.smallest[key] = min(
+                per_pod * pods for _, _, per_pod, pods, _ in self.memo.queue_shapes[key]
+            )
+        if smallest > room:
+            return None
+        requests = queue.requests
+        i = max(queue.scan, queue.head + 1)
+        while i < len(requests) and requests[i].gpus > room:
+            i += 1
+        queue.scan = i
+        return i if i < len(requests) else None
+
+    def _within_first(self, key: tuple[str, str], queue: _Queue) -> None:
+        """Bring the queue's first request within the guarantee before its borrowing
+        head (``_queue_order`` put the queue in the order by it)."""
+        if self._order(queue.current)[0] == 0:
+            return
+        within = self._first_within(key, queue)
+        if within is None:
+            return
+        if queue.requests is self.memo.queues.get(key):
+            queue.requests = list(queue.requests)  # the memo's: not ours to reorder
+        queue.requests.insert(queue.head, queue.requests.pop(within))
+        queue.scan = within + 1
 
     def _next_in_queue(self, queue: _Queue, blocked_users: dict[tuple[str, str], int]) -> None:
         """Decide the queue's current request, and the later ones that only repeat an
@@ -373,7 +410,7 @@ class _Planner:
             )
         else:
             outcome = self._decide(request)
-            if outcome.cause is WaitCause.QUOTA:
+            if outcome.cause is WaitCause.QUOTA and self._holds_queue(request):
                 self._behind_quota_refusal(queue, outcome.reason)
                 return
             if outcome.cause is WaitCause.USER_CAP:
@@ -381,20 +418,23 @@ class _Planner:
         queue.head += 1
         self._settle_repeats(queue, blocked_users)
 
+    def _holds_queue(self, request: Pending) -> bool:
+        """Whether a request refused by a quota holds its queue: only one within its
+        project's guarantee (an enclosing cap refused it; it reclaims there). A borrower
+        does not: the later requests of its queue may start meanwhile, beyond the
+        guarantee as its backfill, which it takes back once it can start
+        (``_make_room_under_caps``) — so a large request is not starved by small ones
+        of its own project, and the quota it waits for does not idle."""
+        key = (request.project, request.gpu_type)
+        return self.book.used.get(key, 0) + request.gpus <= self.book.guaranteed_of.get(key, 0)
+
     def _behind_quota_refusal(self, queue: _Queue, reason: str) -> None:
-        """The queue's current request was refused by a quota: the later ones wait behind
-        it, so that small requests of its project do not starve it — except those that fit
-        within the project's guarantee while it did not (a borrower must not hold back its
-        project's guaranteed GPUs): the queue goes on at the first of those."""
+        """The queue's current request, within its guarantee, was refused by an enclosing
+        cap: the later ones wait behind it."""
         request = queue.current
-        p, t = request.project, request.gpu_type
-        room = self.book.guarantee(p, t) - self.book.usage(p, t)
-        within = room >= request.gpus
         later = queue.head + 1
         requests = queue.requests
         while later < len(requests):
-            if not within and requests[later].gpus <= room:
-                break
             self._wait(requests[later], WaitCause.BEHIND, behind_refusal(request, reason))
             later += 1
         queue.head = later
@@ -578,115 +618,28 @@ class _Planner:
 
     def _make_room_under_caps(self, request: Pending) -> _Outcome | None:
         """A request refused by a cap on its path may still make room under that cap.
-        Over its own project's cap: its project's lower classes give back what it needs.
-        Within its project's guarantee but over an enclosing node's cap (its siblings
+        Within its project's guarantee, over an enclosing node's cap (its siblings
         borrowed the rest): the borrowers under that node give back what it needs, for a
-        guarantee holds whatever fills the parent's cap."""
+        guarantee holds whatever fills the parent's cap. Borrowing: its own project
+        gives back what every cap on its path lacks, from its lower preemptible classes
+        and its backfill (borrowers that started while it waited, behind it in the
+        queue). A cap short only of what workloads already stopping give back needs no
+        one else stopped (``_excess``)."""
         p, t, gpus = request.project, request.gpu_type, request.gpus
-        over = self.book.over_cap(p, t, gpus)
-        if over == p:
-            excess = self.book.usage(p, t) + gpus - self.book.cap(p, t)
-            return self._make_room(
-                request, quotas=((frozenset([p]), int(excess)),), own_project=True
-            )
-        if over is None or not self.book.within_guarantee(p, t, gpus):
+        if self.book.over_cap(p, t, gpus) is None:
             return None
+        within = self.book.within_guarantee(p, t, gpus)
+        path = self.book.path(p)
+        if not within and any((name, t) in self.claimed for name in path):
+            return None  # a request within its guarantee waits for that room, not this one
         quotas = tuple(
-            (self._subtree(name), int(self.book.usage(name, t) + gpus - self.book.cap(name, t)))
-            for name in self.book.path(p)[1:]
-            if self.book.usage(name, t) + gpus > self.book.cap(name, t)
+            (self._subtree(name), excess)
+            for name in path[1 if within else 0 :]
+            if (excess := self._excess(name, t, gpus)) > 0
         )
-        return self._make_room(request, quotas=quotas)
-
-    def _claim_caps(self, request: Pending) -> None:
-        """A request within its project's guarantee that an enclosing node's cap refuses,
-        and that could not make room under it yet, keeps what is left under that cap for
-        the rest of the cycle: no borrower of the subtree gets more meanwhile (within
-        guarantee requests come first in the order, so only later ones are held back)."""
-        p, t, gpus = request.project, request.gpu_type, request.gpus
-        if not self.book.within_guarantee(p, t, gpus):
-            return
-        for name in self.book.path(p)[1:]:
-            room = self.book.cap(name, t) - self.book.usage(name, t)
-            if 0 < room < gpus:
-                self.book.add(name, t, int(room))
-                self.epoch += 1
-
-    def _subtree(self, name: str) -> frozenset[str]:
-        """The projects under a node of the tree (itself included)."""
-        found = self.subtrees.get(name)
-        if found is None:
-            found = self.subtrees[name] = frozenset(
-                project for project in self.book.projects if name in self.book.path(project)
-            )
-        return found
-
-    def _beyond_limits(self, request: Pending) -> str | None:
-        """Why the request exceeds what its project or user may ever hold, if it does."""
-        asked = (request.project, request.gpu_type, request.gpus)
-        if asked not in self.limits:  # the limits do not change in a cycle
-            self.limits[asked] = self._beyond_limits_afresh(*asked)
-        return self.limits[asked]
-
-    def _beyond_limits_afresh(self, p: str, t: str, gpus: int) -> str | None:
-        if self.mode is Mode.STATIC and gpus > self.book.guarantee(p, t):
-            return (
-                f"More than project {p} may ever hold; ask for fewer GPUs: needs {_n(gpus, t)}, "
-                f"project {p} is guaranteed {self.book.guarantee(p, t)} and borrowing is off "
-                "(static quotas)"
-            )
-        name, ceiling = self.book.ceiling(p, t)
-        if gpus > ceiling:
-            whose = f"project {p}" if name == p else f"{self.book.projects[name].kind} {name}"
-            return (
-                f"More than {whose} may ever hold; ask for fewer GPUs, or for a higher limit: "
-                f"needs {_n(gpus, t)}, {whose} may never hold more than {int(ceiling)} × {t} "
-                "(guarantee plus borrow limit)"
-            )
-        cap = self.book.projects[p].per_user_cap
-        if cap is not None and gpus > cap:
-            return (
-                f"More than one user may hold in project {p}; ask for fewer GPUs: needs "
-                f"{_n(gpus, t)}, the per-user cap in project {p} is {cap} GPUs"
-            )
-        return None
-
-    def _user_cap_refusal(self, request: Pending) -> str | None:
-        cap = self.book.projects[request.project].per_user_cap
-        used = self.user_used[(request.project, request.user)]
-        if cap is None or used + request.gpus <= cap:
+        if not quotas:
             return None
-        return (
-            f"Waiting until {request.user} holds fewer GPUs in project {request.project}: "
-            f"needs {_n(request.gpus, request.gpu_type)}, {request.user} uses {used} of the "
-            f"{cap}-GPU per-user cap"
-        )
-
-    def _quota_refusal(self, request: Pending) -> str | None:
-        t, p = request.gpu_type, request.project
-        within = self.book.within_guarantee(p, t, request.gpus)
-        used, guaranteed = self.book.usage(p, t), self.book.guarantee(p, t)
-        if self.mode is Mode.STATIC and not within:
-            return (
-                f"Waiting for project {p}'s GPUs to free up: needs {_n(request.gpus, t)}, "
-                f"project {p} uses {used}/{guaranteed} guaranteed {t} and borrowing is off "
-                "(static quotas)"
-            )
-        over = self.book.over_cap(p, t, request.gpus)
-        if over is None:
-            return None
-        if over == p:
-            return (
-                f"Waiting for project {p}'s GPUs to free up: needs {_n(request.gpus, t)}, "
-                f"project {p} uses {used}/{guaranteed} guaranteed {t} and may borrow "
-                f"{int(self.book.may_borrow(p, t))} more"
-            )
-        node = self.book.projects[over]
-        return (
-            f"Waiting for the GPUs of {node.kind} {over} to free up: needs "
-            f"{_n(request.gpus, t)}, {node.kind} {over} caps its projects at "
-            f"{int(self.book.cap(over, t))} × {t} and they use {self.book.usage(over, t)}"
-        )
+        return self._make_room(request, quotas=quotas, own_project=not within)
 
     def _place(self, request: Pending) -> tuple[ZoneKey, tuple[Pod, ...]] | None:
         t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
@@ -710,39 +663,6 @@ class _Planner:
         return zone, self.capacity.place(zone, k, pods)
 
     # ---------------------------------------------------------- held zones
-    def _outranks(self, request: Pending, hold: Hold) -> bool:
-        """A request within its guarantee goes before a holder that borrows: it may use
-        the held zone, for its free GPUs and its victims, rather than evict elsewhere."""
-        return not hold.within and self.book.within_guarantee(
-            request.project, request.gpu_type, request.gpus
-        )
-
-    def _enters(self, request: Pending, hold: Hold) -> bool:
-        """``may_enter``, while the cycle's backfill decisions last (one that outranks
-        the holder enters whenever)."""
-        if not hold.within and self.book.within_guarantee(
-            request.project, request.gpu_type, request.gpus
-        ):
-            return True
-        return self.backfill_left > 0 and self.may_enter(request.shape, hold)
-
-    def may_enter(self, shape: tuple[str, str, int, int, str], hold: Hold) -> bool:
-        """Whether a request of this shape (project, type, pod size, pods, class) may
-        take free GPUs of a zone held for another: if it outranks the holder
-        (``_outranks``), or as backfill — work the holder may evict once it can start (of
-        another project, beyond that project's guarantee, and the holder within its own
-        or the request preemptible and of a lower class; of the holder's project,
-        preemptible and of a lower class). So a held zone does not idle, and nothing
-        that enters it can keep the holder out."""
-        project, gpu_type, per_pod, pods, priority = shape
-        within = self.book.within_guarantee(project, gpu_type, per_pod * pods)
-        if within and not hold.within:
-            return True
-        rank = self.ranks.get(priority, 0)
-        lower = self.snapshot.preemptible.get(priority, False) and rank < hold.rank
-        if project == hold.project:
-            return lower
-        return not within and (hold.within or lower)
 
     def _admit(self, request: Pending, zone: ZoneKey, pods: tuple[Pod, ...]) -> None:
         p, t = request.project, request.gpu_type
@@ -762,17 +682,6 @@ class _Planner:
         return _Outcome(cause, reason)
 
     # --------------------------------------------------------------- reasons
-    def _never_fits(self, request: Pending) -> str:
-        t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
-        if t not in self.capacity.zones_by_type and not any(
-            zt == t for (_, _, zt) in self.capacity.totals_by_zone
-        ):
-            return f"Cannot start, the fleet has no {t}: needs {_n(request.gpus, t)}"
-        shape = f"{pods} pods × {k}" if pods > 1 else f"{k} on one node"
-        return (
-            "Cannot start, no zone of the fleet holds that many even when empty; ask for "
-            f"fewer GPUs, or for smaller pods: needs {_n(request.gpus, t)} ({shape}) in one zone"
-        )
 
     def _no_room(self, request: Pending) -> _Outcome:
         t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
@@ -798,70 +707,6 @@ class _Planner:
                     f"{reason}; you are next for {t}, {zone} is kept for you as GPUs free up",
                 )
         return self._wait(request, WaitCause.CAPACITY, reason)
-
-    def _zone_to_hold(self, request: Pending, within: bool) -> ZoneKey | None:
-        """The zone closest to holding the request: the most of its pods fit there once
-        the work it may evict there is gone, so that backfill coming and going (once it
-        has run the minimum run time) does not move the hold; without preemption, the
-        most of its pods fit now."""
-        t, k = request.gpu_type, request.gpus_per_pod
-        if self.mode is not Mode.GPUFLEET:
-            closest = self.capacity.closest_zone(t, k)
-            return None if closest is None else closest[0]
-        if self.victims is None:
-            self.victims = VictimIndex(self.memo.candidates, self.book, self.ranks, self.now)
-        rank = self.ranks.get(request.priority, 0)
-        best: tuple[int, ZoneKey] | None = None
-        for zone in self.capacity.zones_by_type.get(t, ()):
-            members = self.victims.zones.get(zone)
-            if members is None:
-                fitting = self.capacity.pods_fitting(zone, k)
-            else:
-                fitting = self.victims.pods_at_most(zone, members, self.capacity, k, within, rank)
-            if best is None or fitting > best[0]:
-                best = (fitting, zone)
-        return None if best is None else best[1]
-
-    def _no_room_reason(self, request: Pending, block: tuple[int, str] | None, within: bool) -> str:
-        t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
-        if pods > 1:
-            where = f"{_gpus(request.gpus)} in one zone ({pods} pods × {k})"
-        else:
-            where = f"{_gpus(k)} on one node"
-        if block is None:
-            free = f"every node with {t} is cordoned, unhealthy or silent right now"
-        elif block[0] == 0:
-            free = f"every {t} is in use" if pods == 1 else f"no node has {k} × {t} free"
-        elif pods > 1:
-            free = f"the most its pods can get in one zone is {_n(block[0], t)}, in {block[1]}"
-        else:
-            free = f"the most free on one node is {_n(block[0], t)}, in {block[1]}"
-        return f"Waiting for {where}: {free}{self._quota_said(request.project, t, within)}"
-
-    def _quota_said(self, p: str, t: str, within: bool) -> str:
-        if self.mode is Mode.FIFO:
-            return ""
-        said = self.quota_said.get((p, t, within))  # per cycle: see _decide on staleness
-        if said is not None:
-            return said
-        used, guaranteed = self.book.usage(p, t), self.book.guarantee(p, t)
-        if within:
-            said = f"; within project {p}'s guarantee ({used}/{guaranteed} used)"
-        else:
-            room = self.book.may_borrow(p, t)
-            more = "without limit" if room == float("inf") else f"{int(room)} more"
-            said = f"; project {p} uses {used}/{guaranteed} guaranteed and may borrow {more}"
-        self.quota_said[(p, t, within)] = said
-        return said
-
-    def _preempting(self, request: Pending) -> str:
-        victims = self.in_flight[request.id]
-        gpus = sum(v.gpus for v in victims)
-        ids = ", ".join(str(v.id) for v in victims)
-        return (
-            f"Other work is stopping to make room: needs {_n(request.gpus, request.gpu_type)}, "
-            f"waiting for {gpus} GPU(s) being freed by preempted workload(s) {ids}"
-        )
 
     # ------------------------------------------------------------ preemption
     def _make_room(
@@ -913,14 +758,14 @@ class _Planner:
         if found is None:
             self.failed_searches.add(memo)
             return None
-        victims = found
+        zone, victims = found
         self.epoch += 1
         # Keep the free GPUs the gang counts on, next to its victims' (simulated) ones.
-        zone = (victims[0][0].cluster, victims[0][0].zone, t)
         kept = self._keep_for(request, zone, _gpus_by_node(v for v, _ in victims))
         assert kept, "the search found victims with which the gang fits"
         for victim, cause in victims:
             self.chosen.add(victim.id)
+            self._count_leaving(victim)
             self.preemptions.append(
                 Preemption(
                     victim.id, request.id, cause, self._victim_reason(victim, request, cause)
@@ -931,22 +776,6 @@ class _Planner:
         return self._wait(
             request,
             WaitCause.PREEMPTING,
-            f"Other work is stopping to make room: needs {_n(request.gpus, t)}, stopping "
+            f"Other work is stopping to make room: needs {n_of(request.gpus, t)}, stopping "
             f"workload(s) {ids} to free {gpus} GPU(s)",
-        )
-
-    def _victim_reason(self, victim: Running, request: Pending, cause: PreemptionCause) -> str:
-        who = f"workload {request.id} of project {request.project}"
-        if cause is PreemptionCause.IDLE:
-            return f"idle; its GPUs were reclaimed for {who}"
-        if cause is PreemptionCause.GUARANTEE:
-            return (
-                f"it ran on GPUs borrowed beyond project {victim.project}'s guarantee, which "
-                f"{who} needed within its own guarantee"
-            )
-        if cause is PreemptionCause.PRIORITY:
-            return f"preempted by higher-priority ({request.priority}) {who}"
-        return (
-            f"it ran on borrowed GPUs and {who} has a higher priority class "
-            f"({request.priority} over {victim.priority})"
         )

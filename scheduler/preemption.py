@@ -42,7 +42,7 @@ _GPUS = itemgetter(3)  # of a ``Candidates._counts_as`` tuple
 
 
 @dataclass
-class _Zone:
+class Zone:
     # The candidates here, by id (the index's order is made per cycle: it depends on the
     # clock and on fair shares).
     members: dict[int, Running] = field(default_factory=dict)
@@ -81,7 +81,7 @@ class Candidates:
         self._order: dict[tuple[str, str], list[tuple[int, float, int, int]]] = defaultdict(list)
         self.borrowing: set[int] = set()
         self._borrowing_in: dict[tuple[str, str], set[int]] = {}
-        self.zones: dict[ZoneKey, _Zone] = {}
+        self.zones: dict[ZoneKey, Zone] = {}
         self._member: dict[int, tuple[Running, bool]] = {}  # id -> (it, borrowing when in)
         self._dirty: set[tuple[str, str]] = set()
         self._new: set[int] = set()
@@ -169,6 +169,28 @@ class Candidates:
             if tracked is not None:
                 self._review(tracked)
 
+    def young_freeable(
+        self, within: bool, rank: int, ranks: Mapping[str, int]
+    ) -> dict[ZoneKey, dict[str, int]]:
+        """Per zone and node, the GPUs of would-be candidates still within their
+        protection that a request of this kind could evict once it ends (see
+        ``VictimIndex.pods_at_most``): what a zone held for it will give back in time."""
+        found: dict[ZoneKey, dict[str, int]] = {}
+        seen: set[int] = set()
+        for _, wid in self._later:
+            if wid in seen or wid in self._member:
+                continue
+            seen.add(wid)
+            workload = self._tracked(wid)
+            if workload is None or wid not in self.borrowing:
+                continue
+            if not within and not (workload.preemptible and ranks.get(workload.priority, 0) < rank):
+                continue
+            on = found.setdefault((workload.cluster, workload.zone, workload.gpu_type), {})
+            for pod in workload.pods:
+                on[pod.node] = on.get(pod.node, 0) + len(pod.gpus)
+        return found
+
     def _tracked(self, wid: int) -> Running | None:
         key = self._where.get(wid)
         return None if key is None else self.by_project[key].get(wid)
@@ -205,7 +227,7 @@ class Candidates:
         zone_key = (workload.cluster, workload.zone, workload.gpu_type)
         zone = self.zones.get(zone_key)
         if zone is None:
-            zone = self.zones[zone_key] = _Zone()
+            zone = self.zones[zone_key] = Zone()
         self._count(zone, workload, borrowing, +1)
         zone.members[workload.id] = workload
 
@@ -221,7 +243,7 @@ class Candidates:
         if not zone.members:
             del self.zones[zone_key]
 
-    def _count(self, zone: _Zone, workload: Running, borrowing: bool, sign: int) -> None:
+    def _count(self, zone: Zone, workload: Running, borrowing: bool, sign: int) -> None:
         idle, project = workload.idle_reclaimable, workload.project
         if workload.preemptible:
             _bump(zone.preemptible_projects, project, sign)
@@ -243,6 +265,17 @@ class Candidates:
         elif borrowing:
             zone.borrowed_gpus += gpus
         _bump(zone.gpus_by_project, project, gpus)
+
+
+def ran_ahead(victim: Running, request: Pending, victim_rank: int, rank: int) -> bool:
+    """Whether the running ``victim`` (of the request's project) started while the
+    request waited and stands behind it in the project's queue (class, then arrival):
+    it ran as the request's backfill, on quota the request was waiting for."""
+    if victim.created_at is None or victim.started_at < request.created_at:
+        return False
+    if victim_rank != rank:
+        return victim_rank < rank
+    return (victim.created_at, victim.id) > (request.created_at, request.id)
 
 
 # Protection doubles with each earlier preemption, up to this many times.
@@ -296,24 +329,28 @@ class VictimIndex:
     def pods_at_most(
         self,
         zone_key: ZoneKey,
-        zone: _Zone,
+        zone: Zone,
         capacity: Capacity,
         per_pod: int,
         within: bool,
         rank: int,
+        young: Mapping[str, int] | None = None,
     ) -> int:
         """How many pods the zone could hold if every candidate a request of this kind may
-        evict (its own project's aside) were gone. Free GPUs only shrink in a cycle, so a
-        bound computed earlier in the cycle stays a bound."""
-        memo = (zone_key, per_pod, within, rank)
+        evict (its own project's aside) were gone; with ``young`` (per node, GPUs of
+        would-be candidates still protected: ``Candidates.young_freeable``), once those
+        are too. Free GPUs only shrink in a cycle, so a bound computed earlier in the
+        cycle stays a bound."""
+        memo = (zone_key, per_pod, within, rank, young is not None)
         bound = self._bounds.get(memo)
         if bound is None:
             bound = capacity.pods_fitting(zone_key, per_pod)
             # Within its guarantee a request may evict any borrower; beyond it, only the
             # preemptible ones of a lower class: on other nodes it could free nothing.
             evictable = zone.borrowed_on if within else zone.preemptible_on
-            for node in zone.idle_on.keys() | evictable.keys():
-                freeable = zone.idle_on.get(node, 0)
+            later = young or {}
+            for node in zone.idle_on.keys() | evictable.keys() | later.keys():
+                freeable = zone.idle_on.get(node, 0) + later.get(node, 0)
                 if within:
                     freeable += zone.borrowed_on.get(node, 0)
                 else:
@@ -328,14 +365,23 @@ class VictimIndex:
         return bound
 
     def cause(
-        self, victim: Running, request: Pending, rank: int, within: bool
+        self, victim: Running, request: Pending, rank: int, within: bool, backfill: bool = False
     ) -> PreemptionCause | None:
+        """Why the victim may be stopped for the request, or None. ``backfill``: the
+        request is refused by a cap on its path, so its project's borrowers that started
+        while it waited, behind it in the queue, ran as its backfill."""
         if victim.idle_reclaimable:
             return PreemptionCause.IDLE
         victim_rank = self.ranks.get(victim.priority, 0)
         if victim.project == request.project:
             if victim.preemptible and victim_rank < rank:
                 return PreemptionCause.PRIORITY
+            if (
+                backfill
+                and victim.id in self.borrowing
+                and ran_ahead(victim, request, victim_rank, rank)
+            ):
+                return PreemptionCause.BACKFILL
             return None
         if victim.id not in self.borrowing:
             return None
@@ -356,27 +402,55 @@ class VictimIndex:
         own_project: bool = False,
         excluded: ZoneKey | None = None,
         chosen: set[int],
-    ) -> Victims | None:
-        """The victims with the fewest evicted GPUs (ties: the least lost work) with which
-        the gang fits in one zone and every ``quotas`` entry is freed, or None.
+    ) -> tuple[ZoneKey, Victims] | None:
+        """The zone and the victims with the fewest evicted GPUs (ties: the least lost
+        work) with which the gang fits in that zone and every ``quotas`` entry is freed,
+        or None.
+
+        ``own_project``: the request is refused by a cap on its path and makes room among
+        its own project's work: its lower preemptible classes and its backfill
+        (``ran_ahead``). Those free its project's quota wherever they run, so victims
+        elsewhere may join the ones in the zone where the gang lands; every other search
+        stops victims in that zone only.
 
         Zones are looked at from the one needing the fewest GPUs freed; the search stops
         once a set costs no more than the next zone could need at least."""
         k, pods, t = request.gpus_per_pod, request.pods, request.gpu_type
         own_needed = max((gpus for projects, gpus in quotas if projects is not None), default=0)
         least = max((gpus for _, gpus in quotas), default=0)
-        zones: list[tuple[int, ZoneKey, _Zone]] = []
-        for zone_key, zone in self.zones.items():
+        causes: dict[int, PreemptionCause] = {}
+        own: list[Running] = []  # own_project: the project's eligible work, every zone
+        if own_project:
+            for zone_key, zone in self.zones.items():
+                if zone_key[2] != t or request.project not in zone.gpus_by_project:
+                    continue
+                for victim in zone.members.values():
+                    if victim.project != request.project or victim.id in chosen:
+                        continue
+                    cause = self.cause(victim, request, rank, within, backfill=True)
+                    if cause is not None:
+                        causes[victim.id] = cause
+                        own.append(victim)
+            if sum(v.gpus for v in own) < own_needed:
+                return None
+            searched = [
+                (zone_key, self.zones.get(zone_key) or Zone())
+                for zone_key in capacity.zones_by_type.get(t, ())
+            ]
+        else:
+            searched = [(zone_key, zone) for zone_key, zone in self.zones.items()]
+        zones: list[tuple[int, ZoneKey, Zone]] = []
+        for zone_key, zone in searched:
             if zone_key[2] != t or zone_key == excluded or zone_key not in capacity.buckets:
                 continue
-            own = zone.gpus_by_project.get(request.project, 0)
-            ceiling = zone.idle_gpus + own + (0 if own_project else zone.borrowed_gpus)
+            here = zone.gpus_by_project.get(request.project, 0)
+            ceiling = zone.idle_gpus + here + (0 if own_project else zone.borrowed_gpus)
             if capacity.zone_free[zone_key] + ceiling < request.gpus:
                 continue  # even evicting every candidate here would not make room
-            if own_project and own < own_needed:
-                continue
-            if request.project not in zone.preemptible_projects and (
-                self.pods_at_most(zone_key, zone, capacity, k, within, rank) < pods
+            if (
+                not own_project
+                and request.project not in zone.preemptible_projects
+                and self.pods_at_most(zone_key, zone, capacity, k, within, rank) < pods
             ):
                 continue  # no node mix of candidates here could hold the gang
             if pods == 1:
@@ -391,17 +465,26 @@ class VictimIndex:
         for at_least, zone_key, zone in zones:
             if best is not None and (best[0][0], best[0][1]) <= (at_least, 0.0):
                 break  # no zone further on evicts fewer GPUs, nor as few losing less
-            causes: dict[int, PreemptionCause] = {}
-            eligible = []
-            for victim in zone.members.values():
-                if victim.id in chosen or (own_project and victim.project != request.project):
-                    continue
-                cause = self.cause(victim, request, rank, within)
-                if cause is not None:
-                    causes[victim.id] = cause
-                    eligible.append(victim)
+            if own_project:
+                eligible = own
+            else:
+                eligible = []
+                for victim in zone.members.values():
+                    if victim.id in chosen:
+                        continue
+                    cause = self.cause(victim, request, rank, within)
+                    if cause is not None:
+                        causes[victim.id] = cause
+                        eligible.append(victim)
             found = cheapest_victims(
-                eligible, free, t, need, capacity.pods_fitting(zone_key, k), self.now, at_least
+                eligible,
+                free,
+                t,
+                need,
+                capacity.pods_fitting(zone_key, k),
+                self.now,
+                at_least,
+                zone=zone_key,
             )
             if found is None:
                 continue
@@ -409,7 +492,7 @@ class VictimIndex:
             key = (cost[0], cost[1], zone_key)
             if best is None or key < best[0]:
                 best = (key, [(v, causes[v.id]) for v in victims])
-        return None if best is None else best[1]
+        return None if best is None else (best[0][2], best[1])
 
 
 class _FreeCounts(Mapping[tuple[str, str], int]):

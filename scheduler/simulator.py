@@ -335,6 +335,7 @@ def _checkpointed(r: Running, at: float) -> Running:
         stopping_for=r.stopping_for,
         preemptions=r.preemptions,
         checkpoint_interval_s=r.checkpoint_interval_s,
+        created_at=r.created_at,
     )
 
 
@@ -380,7 +381,7 @@ class _Replay:
         self.ceiling = QuotaCeiling(tree, policy.mode, self.gpus_by_type)
         # While some job waits, per moment, over the GPU types the waiting jobs ask for:
         # GPUs held, the fleet's GPUs, and the ceiling. Stale once anything changed.
-        self.while_waiting = (0, 0, 0.0)
+        self.while_waiting = (0, 0, 0.0, 0.0)
         self.measures_stale = False
         self.decisions: list[PreemptionDecision] = []
         # Every change to these is recorded and handed to the core with the next snapshot.
@@ -411,17 +412,18 @@ class _Replay:
         start = clock = self.events[0][0] if self.events else 0.0
         held_s = held_waiting_s = waiting_s = 0.0
         events = self.events
-        waiting_capacity_s = ceiling_s = 0.0
+        waiting_capacity_s = ceiling_s = ceiling_lend_s = 0.0
         while events:
             now = events[0][0]
             elapsed = now - clock
             if elapsed > 0:
                 held_s += self.held * elapsed
                 if self.queue:
-                    held, capacity, ceiling = self.while_waiting
+                    held, capacity, ceiling, ceiling_lend = self.while_waiting
                     held_waiting_s += held * elapsed
                     waiting_capacity_s += capacity * elapsed
                     ceiling_s += ceiling * elapsed
+                    ceiling_lend_s += ceiling_lend * elapsed
                     waiting_s += elapsed
                 clock = now
             replan = False
@@ -468,6 +470,7 @@ class _Replay:
             held_while_waiting_gpu_s=held_waiting_s,
             capacity_while_waiting_gpu_s=waiting_capacity_s,
             ceiling_while_waiting_gpu_s=ceiling_s,
+            ceiling_within_lend_limits_while_waiting_gpu_s=ceiling_lend_s,
             waiting_s=waiting_s,
             admissions=self.admissions,
             plan_calls=self.plan_calls,
@@ -482,6 +485,7 @@ class _Replay:
             sum(self.held_by_type[t] for t in types),
             sum(self.gpus_by_type[t] for t in types),
             sum(self.ceiling.permitted(t) for t in types),
+            sum(self.ceiling.permitted_within_lend_limits(t) for t in types),
         )
 
     def _could_admit(self) -> bool:
@@ -567,16 +571,22 @@ class _Replay:
             if gpu_type == job.gpu_type:
                 nodes = (self.nodes[n] for n in names)
                 free_in[(cluster, zone)] = free_for(nodes, others_kept)
-        cluster, zone = victims[0].cluster, victims[0].zone
+        own = [pod for k in plan.kept if k.workload_id == job.wid for pod in k.pods]
+        where = self.nodes[own[0].node] if own else victims[0]  # where it lands
+        cluster, zone = where.cluster, where.zone
         free = sum(free_in.get((cluster, zone), {}).values())
         evicted = sum(v.gpus for v in victims)
-        need = min(
-            pod_need(
-                ((count, self.nodes[name].total) for name, count in per_node.items()),
-                job.gpus_per_pod,
-                job.pods,
-            )
-            for per_node in free_in.values()
+        quota_need = self._quota_need(job, victims, plan)
+        need = max(
+            min(
+                pod_need(
+                    ((count, self.nodes[name].total) for name, count in per_node.items()),
+                    job.gpus_per_pod,
+                    job.pods,
+                )
+                for per_node in free_in.values()
+            ),
+            quota_need,
         )
         decision = PreemptionDecision(
             at_s=now,
@@ -588,7 +598,8 @@ class _Replay:
             free_gpus=free,
             need_gpus=need,
             evicted_gpus=evicted,
-            fitted=any(
+            fitted=quota_need <= 0
+            and any(
                 gang_fits(per_node.values(), job.gpus_per_pod, job.pods)
                 for per_node in free_in.values()
             ),
@@ -597,6 +608,31 @@ class _Replay:
         job.preemptor_of += 1
         job.evicted_gpus += evicted
         job.evicted_beyond_need_gpus += decision.beyond_need_gpus
+
+    def _quota_need(self, job: _Job, victims: list[Running], plan: Plan) -> int:
+        """The GPUs the preemptor's caps asked its victims to free, as the plan left the
+        rest: the most, over the capped nodes on its project's path, by which its GPUs
+        would take the subtree over its cap once what stops there (but its own victims)
+        is gone — the other preemptors' kept placements counted as their projects'."""
+        t = job.gpu_type
+        mine = {v.id for v in victims}
+        path = (job.project, *self.tree.ancestors(job.project))
+        used: dict[str, int] = defaultdict(int)
+        for r in self.running.values():
+            if r.gpu_type == t and not (r.stopping and r.id not in mine):
+                for name in (r.project, *self.tree.ancestors(r.project)):
+                    used[name] += r.gpus
+        for kept in plan.kept:
+            other = self.jobs[kept.workload_id]
+            if kept.workload_id != job.wid and other.gpu_type == t:
+                for name in (other.project, *self.tree.ancestors(other.project)):
+                    used[name] += other.trace.num_gpus
+        need = 0
+        for name in path:
+            cap = self.ceiling.limit.get((name, t), math.inf)
+            if cap != math.inf:
+                need = max(need, int(used[name] + job.trace.num_gpus - cap))
+        return need
 
     def _start(self, job: _Job, cluster: str, zone: str, pods: tuple[Pod, ...], now: float) -> None:
         for pod in pods:
@@ -633,6 +669,7 @@ class _Replay:
             checkpoint_interval_s=self.options.checkpoint_interval_s
             if job.trace.kind == "job"
             else None,
+            created_at=job.trace.submit_s,
         )
         self._hold(job.project, job.gpu_type, gpus)
         self.admissions += 1

@@ -12,7 +12,9 @@ Pure helpers over plain values; ``simulator.py`` calls them as the replay runs.
   its own limit and what its subtree runs and waits for (each waiting request counted up
   to its per-user cap); the fleet's size of the type caps the total. Gang packing, zones
   and lend limits are not counted, so the ceiling is an upper bound on what any scheduler
-  could hold under these quotas, and at least what the replay holds.
+  could hold under these quotas, and at least what the replay holds. A second figure
+  takes off what lend limits keep idle for projects that do not ask for it
+  (``kept_back``): still an upper bound, for a scheduler that honours lend limits.
 """
 
 from __future__ import annotations
@@ -99,6 +101,17 @@ class QuotaCeiling:
             for p in tree
             if p.per_user_cap is not None and mode is not Mode.FIFO
         }
+        # (node, type) -> (guarantee, lend limit) of the nodes that set a lend limit.
+        self.lends: dict[tuple[str, str], tuple[int, int]] = (
+            {
+                (p.name, t): (limits.guaranteed_of.get((p.name, t), 0), quota.lend_limit)
+                for p in tree
+                for t, quota in p.quotas.items()
+                if quota.lend_limit is not None
+            }
+            if mode is Mode.GPUFLEET
+            else {}
+        )
         self.demand: dict[tuple[str, str], int] = defaultdict(int)
 
     def counted(self, project: str, gpus: int) -> int:
@@ -124,18 +137,46 @@ class QuotaCeiling:
                 subtree[parent] += held
         return min(total, self.capacity.get(gpu_type, 0))
 
+    def kept_back(self, gpu_type: str) -> float:
+        """GPUs of the type that lend limits keep idle: for each node with a lend limit,
+        its guarantee beyond what its subtree runs and waits for, less what it lends;
+        nested limits count once (the larger), as the core withholds them."""
+        if not self.lends:
+            return 0.0
+        demand: dict[str, float] = defaultdict(float)
+        protected: dict[str, float] = defaultdict(float)
+        total = 0.0
+        for name in self.order:  # children first
+            demand[name] += self.demand.get((name, gpu_type), 0)
+            lend = self.lends.get((name, gpu_type))
+            own = 0.0 if lend is None else max(0.0, lend[0] - demand[name] - lend[1])
+            kept = max(own, protected[name])
+            parent = self.parent[name]
+            if parent is None:
+                total += kept
+            else:
+                demand[parent] += demand[name]
+                protected[parent] += kept
+        return total
+
+    def permitted_within_lend_limits(self, gpu_type: str) -> float:
+        """``permitted``, less what lend limits keep idle for projects that do not ask
+        for it: the most any scheduler that honours them could hold."""
+        room = self.capacity.get(gpu_type, 0) - self.kept_back(gpu_type)
+        return min(self.permitted(gpu_type), max(0.0, room))
+
 
 @dataclass(frozen=True)
 class PreemptionDecision:
     """One preemptor and the victims one plan stopped for it, measured when the plan was
-    applied (its admissions already placed): ``free_gpus`` of its type in the victims'
-    zone, less free GPUs kept for other preemptors; ``need_gpus``: the fewest GPUs any
-    preemption for it had to free, in the zone of its type where that is least
-    (``pod_need``: whole pods on one node each, victims' sizes not counted); ``fitted``:
-    its gang (whole pods) already fitted the free GPUs of some zone of its type, so the
-    preemption was not needed for room (it may still have been needed for quota: a
-    higher class making room under its own project's cap, or free GPUs that lend limits
-    keep back).
+    applied (its admissions already placed): ``free_gpus`` of its type in the zone where
+    it lands, less free GPUs kept for other preemptors; ``need_gpus``: the fewest GPUs
+    any preemption for it had to free — for room, in the zone of its type where that is
+    least (``pod_need``: whole pods on one node each, victims' sizes not counted), or
+    under the caps on its project's path, whichever is more; ``fitted``:
+    no cap asked anything of its victims and its gang (whole pods) already fitted the
+    free GPUs of some zone of its type, so the preemption was not needed for room (it
+    may still have been needed for free GPUs that lend limits keep back).
     """
 
     at_s: float

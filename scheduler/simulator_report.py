@@ -98,6 +98,8 @@ class Summary:
     # The most the quota tree permits of the same (``QuotaCeiling``), same denominator: a
     # shortfall of the achieved figure below it is the scheduler's, the rest the quotas'.
     allocation_ceiling_while_waiting: float | None
+    # The same less what lend limits keep idle for projects that do not ask for it.
+    allocation_ceiling_within_lend_limits_while_waiting: float | None
     waiting_s: float  # how long (virtual clock) some job was waiting
     mean_jct_s: float | None  # end - submit, over the finished jobs
     preemptions: int
@@ -140,6 +142,7 @@ class ClockTotals:
     held_while_waiting_gpu_s: float = 0.0  # of the types some waiting job asks for
     capacity_while_waiting_gpu_s: float = 0.0  # the fleet's GPUs of those types
     ceiling_while_waiting_gpu_s: float = 0.0  # what the quota tree permits of those types
+    ceiling_within_lend_limits_while_waiting_gpu_s: float = 0.0  # less lend-limit reserves
     waiting_s: float = 0.0
     admissions: int = 0
     plan_calls: int = 0
@@ -202,6 +205,11 @@ def summarise(
         if waiting_fleet_gpu_s > 0
         else None,
         allocation_ceiling_while_waiting=totals.ceiling_while_waiting_gpu_s / waiting_fleet_gpu_s
+        if waiting_fleet_gpu_s > 0
+        else None,
+        allocation_ceiling_within_lend_limits_while_waiting=(
+            totals.ceiling_within_lend_limits_while_waiting_gpu_s / waiting_fleet_gpu_s
+        )
         if waiting_fleet_gpu_s > 0
         else None,
         waiting_s=totals.waiting_s,
@@ -290,6 +298,9 @@ def summary_json(s: Summary) -> dict[str, Any]:
         "gpu_utilisation": s.gpu_utilisation,
         "allocation_while_waiting": s.allocation_while_waiting,
         "allocation_ceiling_while_waiting": s.allocation_ceiling_while_waiting,
+        "allocation_ceiling_within_lend_limits_while_waiting": (
+            s.allocation_ceiling_within_lend_limits_while_waiting
+        ),
         "waiting_s": s.waiting_s,
         "mean_jct_s": s.mean_jct_s,
         "preemptions": s.preemptions,

@@ -69,6 +69,10 @@ class Running:
     # longer (``protected_until``), so that nobody loses all of their work over and over.
     preemptions: int = 0
     checkpoint_interval_s: float | None = None
+    # When its request was queued (the first time, across preemptions; None: unknown):
+    # work that started while an earlier request of its project waited for the
+    # project's quota ran as that request's backfill (``PreemptionCause.BACKFILL``).
+    created_at: float | None = None
 
     @cached_property
     def gpus(self) -> int:
@@ -173,6 +177,9 @@ class PreemptionCause(enum.StrEnum):
     GUARANTEE = "guarantee-reclaim"  # a borrower, reclaimed for a project within guarantee
     PRIORITY = "priority"  # a lower class of the same project
     BORROWER_PRIORITY = "borrower-priority"  # a lower-class borrower, for a higher-class one
+    # A borrower that started while an earlier request of its project (ahead of it in the
+    # queue) waited for the project's quota, for that request once it can start.
+    BACKFILL = "backfill"
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,10 @@ def print_summary(result: SimulationResult, console: Console) -> None:
         ("GPU utilisation", _share(s.gpu_utilisation)),
         ("GPUs allocated while work waited", _share(s.allocation_while_waiting)),
         ("  most the quotas permit (ceiling)", _share(s.allocation_ceiling_while_waiting)),
+        (
+            "  the same, less what lend limits keep idle",
+            _share(s.allocation_ceiling_within_lend_limits_while_waiting),
+        ),
         ("time with work waiting", _duration(s.waiting_s)),
         ("wait p50 / p95 / p99", _waits(s.waits)),
         ("mean JCT", _duration(s.mean_jct_s)),

@@ -342,6 +342,7 @@ class Mirror:
                 priority=request.priority,
                 preemptible=self.preemptible.get(request.priority, False),
                 started_at=now,
+                created_at=request.created_at,
             )
         for kept in plan.kept:
             self.pending[kept.workload_id] = replace(
@@ -453,6 +454,7 @@ def _running(
         idle_reclaimable=workload.idle_since is not None,
         stopping=workload.state == WorkloadState.stopping,
         stopping_for=workload.preempted_for_id,
+        created_at=workload.created_at.timestamp(),
     )
 
 

@@ -124,6 +124,46 @@ def test_on_large_zones_the_greedy_evicts_at_most_twice_a_single_victim_that_suf
     assert _fits(free, chosen, need)
     if singles:
         assert cost[0] <= min(v.gpus for v in singles)
+    for victim in chosen:  # and nothing in it is there for nothing
+        assert not _fits(free, [v for v in chosen if v is not victim], need), (
+            f"victim {victim.id} is not needed"
+        )
+
+
+def _job(wid: int, project: str, node: str, first: int, gpus: int, zone: str = "z") -> Running:
+    pod = Pod(node, tuple(f"{node}/{first + g}" for g in range(gpus)))
+    return Running(wid, project, "u", "job", T, "c", zone, (pod,), started_at=0.0)
+
+
+def test_where_a_cap_asks_more_than_room_the_victims_that_count_for_it_make_the_room() -> None:
+    """A 5-GPU pod over its team's cap by 5, in a zone too large to search whole: five
+    GPUs of the team's jobs, those on node n1 among them, free both the cap's 5 and the
+    room; evicting another project's 4-GPU job for room would add to them."""
+    team = [_job(10 + i, "team", "n1", i, 1) for i in range(3)] + [_job(13, "team", "n1", 3, 2)]
+    team += [_job(20 + i, "team", "n2", i, 1) for i in range(4)] + [_job(24, "team", "n2", 4, 4)]
+    other = [_job(30, "x", "n0", 0, 4), _job(31, "x", "n3", 0, 4)]
+    free = {("n0", T): 4, ("n1", T): 3, ("n2", T): 0, ("n3", T): 4}
+    assert len(team + other) > EXACT_LIMIT  # the greedy's ground
+    need = Need(5, 1, ((frozenset({"team"}), 5),))
+    found = cheapest_victims(team + other, free, T, need, 0, NOW)
+    assert found is not None
+    cost, chosen = found
+    assert cost[0] == 5 and _fits(free, chosen, need)
+    assert not {30, 31} & {v.id for v in chosen}
+
+
+def test_victims_in_another_zone_free_quota_but_no_room() -> None:
+    """Where the gang lands (zone z) it lacks 4 GPUs of room, and its cap asks 6: the
+    other zone's victim counts only for the cap."""
+    here = _job(1, "p", "n1", 0, 4)
+    there = _job(2, "p", "m1", 0, 8, zone="y")
+    free = {("n1", T): 4, ("m1", T): 0}
+    need = Need(8, 1, ((frozenset({"p"}), 6),))
+    found = cheapest_victims([here, there], free, T, need, 0, NOW, zone=("c", "z", T))
+    assert found is not None and sorted(v.id for v in found[1]) == [1, 2]
+    # Without the cap, the other zone's victim alone frees no room where the gang lands.
+    alone = cheapest_victims([there], free, T, Need(8, 1), 0, NOW, zone=("c", "z", T))
+    assert alone is None
 
 
 def test_a_gang_evicts_the_small_job_not_the_big_one() -> None:

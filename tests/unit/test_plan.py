@@ -217,6 +217,20 @@ def test_the_first_blocked_request_holds_a_zone_and_smaller_ones_fill_the_rest()
     assert result.waiting[0].cause is WaitCause.RESERVED
 
 
+def test_the_zone_held_for_a_guarantee_is_the_one_its_protected_borrowers_will_free() -> None:
+    # z1 is full of project c's work within c's guarantee: it never frees for a. z2 is
+    # full of b's borrowing, still within its minimum run time: it will.
+    nodes = [node("a1", zone="z1", free=[]), node("b1", zone="z2", free=[])]
+    run = [
+        running(8, "c", {"a1": range(8)}, started=0.0),
+        running(9, "b", {"b1": range(8)}, zone="z2", started=NOW - 60),
+    ]
+    result = plan(snap(nodes, [pending(1, "a", 6)], run, projects(a=8, b=0, c=8)), NOW)
+    assert result.preemptions == ()
+    assert result.waiting[0].cause is WaitCause.RESERVED
+    assert result.waiting[0].reason.endswith("z2 is kept for you as GPUs free up")
+
+
 # ---------------------------------------------------------------------- quota
 def test_a_project_at_its_borrow_limit_waits_with_the_numbers() -> None:
     result = plan(
@@ -228,6 +242,8 @@ def test_a_project_at_its_borrow_limit_waits_with_the_numbers() -> None:
         ),
         NOW,
     )
+    # A borrower refused by its cap holds nothing: the next request is decided (and
+    # refused) on its own numbers.
     assert result.waiting == (
         Waiting(
             1,
@@ -239,12 +255,94 @@ def test_a_project_at_its_borrow_limit_waits_with_the_numbers() -> None:
         Waiting(
             2,
             2,
-            WaitCause.BEHIND,
-            "Waiting behind an earlier H100 request of project vision (workload 1), waiting "
-            "for project vision's GPUs to free up: needs 2 × H100, project vision uses 4/4 "
-            "guaranteed H100 and may borrow 0 more",
+            WaitCause.QUOTA,
+            "Waiting for project vision's GPUs to free up: needs 1 × H100, project vision uses "
+            "4/4 guaranteed H100 and may borrow 0 more",
         ),
     )
+
+
+def test_a_borrower_refused_by_its_cap_lets_smaller_requests_start_as_its_backfill() -> None:
+    result = plan(
+        snap(
+            [node("n1", free=[6, 7]), node("n2", free=[])],
+            [pending(1, "vision", 8, at=1), pending(2, "vision", 2, at=2)],
+            [running(9, "vision", {"n1": [0, 1, 2, 3, 4, 5]})],
+            projects(vision=(4, 4)),
+        ),
+        NOW,
+    )
+    assert result.admissions == (Admission(2, "c1", "z1", (Pod("n1", ids("n1", 6, 7)),), 2),)
+    assert [(w.workload_id, w.cause) for w in result.waiting] == [(1, WaitCause.QUOTA)]
+
+
+def _backfill_world(backfill_started: float, backfill_queued: float, **extra: Any) -> Any:
+    """vision (guarantee 4, cap 8) runs 4 GPUs of old work on n1 and, on n2, two 2-GPU
+    borrowers; request 1 (4 GPUs) was queued at 1000."""
+    return snap(
+        [node("n1", free=[4, 5, 6, 7]), node("n2", free=[4, 5, 6, 7])],
+        [pending(1, "vision", 4, at=1000.0)],
+        [
+            running(9, "vision", {"n1": [0, 1, 2, 3]}, created_at=0.0),
+            running(
+                10, "vision", {"n2": [0, 1]}, started=backfill_started, created_at=backfill_queued
+            ),
+            running(
+                11, "vision", {"n2": [2, 3]}, started=backfill_started, created_at=backfill_queued
+            ),
+        ],
+        projects(vision=(4, 4)),
+        **extra,
+    )
+
+
+def test_a_borrower_takes_back_the_quota_its_backfill_ran_on() -> None:
+    result = plan(_backfill_world(2000.0, 1500.0), NOW)
+    assert {(p.victim_id, p.for_workload_id, p.cause) for p in result.preemptions} == {
+        (10, 1, PreemptionCause.BACKFILL),
+        (11, 1, PreemptionCause.BACKFILL),
+    }
+    assert result.preemptions[0].reason == (
+        "it started while workload 1 of project vision, ahead of it in the queue, waited for "
+        "the project's quota; that workload can start on it now"
+    )
+    assert result.waiting[0].cause is WaitCause.PREEMPTING
+
+
+def test_work_that_was_ahead_in_the_queue_is_not_backfill() -> None:
+    # Queued before request 1 (ahead of it), though started after: it keeps its GPUs.
+    ahead = plan(_backfill_world(2000.0, 500.0), NOW)
+    assert ahead.preemptions == ()
+    assert ahead.waiting[0].cause is WaitCause.QUOTA
+    # Started before request 1 was queued: it never ran on quota request 1 waited for.
+    earlier = plan(_backfill_world(900.0, 900.0), NOW)
+    assert earlier.preemptions == ()
+
+
+def test_backfill_within_the_minimum_run_time_is_spared() -> None:
+    result = plan(_backfill_world(NOW - 60, 1500.0, min_run_time_s=300.0), NOW)
+    assert result.preemptions == ()
+    assert result.waiting[0].cause is WaitCause.QUOTA
+
+
+def test_backfill_in_another_zone_gives_back_quota_for_a_request_landing_elsewhere() -> None:
+    # Request 1 fits z1's free GPUs; its project's cap is full of backfill running in z2.
+    world = snap(
+        [node("a1", zone="z1", free=[4, 5, 6, 7]), node("b1", zone="z2", free=[4, 5, 6, 7])],
+        [pending(1, "vision", 4, at=1000.0)],
+        [
+            running(9, "vision", {"a1": [0, 1, 2, 3]}, created_at=0.0),
+            running(
+                10, "vision", {"b1": [0, 1, 2, 3]}, zone="z2", started=2000.0, created_at=1500.0
+            ),
+        ],
+        projects(vision=(4, 4)),
+    )
+    result = plan(world, NOW)
+    assert [(p.victim_id, p.cause) for p in result.preemptions] == [(10, PreemptionCause.BACKFILL)]
+    assert [(k.workload_id, k.pods) for k in result.kept] == [
+        (1, (Pod("a1", ids("a1", 4, 5, 6, 7)),))
+    ]
 
 
 def test_an_inner_node_caps_its_subtree() -> None:

@@ -140,7 +140,9 @@ def check_accounting(result: SimulationResult, jobs: Sequence[TraceJob], nodes: 
     assert summary["jobs"] == len(jobs)
     if summary["allocation_while_waiting"] is not None:  # the quotas bound what is held
         achieved = summary["allocation_while_waiting"]
-        assert achieved <= summary["allocation_ceiling_while_waiting"] + 1e-9 <= 1 + 2e-9
+        within_lend_limits = summary["allocation_ceiling_within_lend_limits_while_waiting"]
+        assert achieved <= within_lend_limits + 1e-9
+        assert within_lend_limits <= summary["allocation_ceiling_while_waiting"] + 1e-9 <= 1 + 2e-9
     assert summary["never_fits"] == len(never)
     assert summary["started"] == sum(r["start_s"] is not None for r in records.values())
     return records
@@ -473,6 +475,31 @@ def test_the_ceiling_is_what_the_quota_tree_permits_while_work_waits():
         result_json(result)["summary"]["allocation_ceiling_while_waiting"]
         == s.allocation_ceiling_while_waiting
     )
+
+
+def test_the_ceiling_within_lend_limits_leaves_out_what_a_lender_keeps_idle():
+    nodes = fleet(("z1", 4, 8))  # 32 GPUs
+    tree = project_tree(
+        [
+            # Guaranteed 16, lends at most 4: while it runs 2 and asks for nothing, it
+            # keeps 16 - 2 - 4 = 10 idle for itself.
+            {"name": "lender", "quotas": {"V100": {"guaranteed": 16, "lend_limit": 4}}},
+            {"name": "x", "quotas": {"V100": {"guaranteed": 0}}},
+        ]
+    )
+    jobs = [
+        TraceJob("l1", 0.0, 1000.0, 2, "lender"),
+        TraceJob("x1", 0.0, 1000.0, 16, "x"),
+        TraceJob("x2", 0.0, 1000.0, 8, "x"),  # 2 + 16 + 8 = 26 > 32 - 10: waits
+    ]
+    result = simulate(jobs, nodes, tree, "gpufleet")
+    check_accounting(result, jobs, nodes)
+    starts = {r.job_id: r.start_s for r in result.records}
+    assert starts == {"l1": 0.0, "x1": 0.0, "x2": 1000.0}
+    s = result.summary
+    assert s.allocation_while_waiting == pytest.approx(18 / 32)
+    assert s.allocation_ceiling_while_waiting == pytest.approx(26 / 32)
+    assert s.allocation_ceiling_within_lend_limits_while_waiting == pytest.approx(22 / 32)
 
 
 def test_jobs_the_configuration_never_admits_are_never_fits_and_never_queued():

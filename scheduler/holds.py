@@ -1,0 +1,105 @@
+"""Zones held for the first request of a GPU type that found no room (``plan._Planner``
+mixes this in): which zone, and who may take its free GPUs meanwhile — backfill the
+holder may evict once it can start, or a request that outranks it (docs/scheduler.md,
+"Held zones")."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from .memo import PlanMemo
+from .placement import Capacity, ZoneKey
+from .preemption import VictimIndex, Zone
+from .quota import QuotaBook
+from .snapshot import Mode, Pending, SchedulingSnapshot
+
+_NO_CANDIDATES = Zone()  # a zone without candidates: only its free GPUs count
+
+
+class Hold(NamedTuple):
+    """A zone held for the first request of a GPU type that found no room."""
+
+    zone: ZoneKey
+    holder: int
+    within: bool  # the holder asked within its project's guarantee
+    rank: int  # its class's rank
+    project: str
+
+
+class HeldZones:
+    """What the held zones read of the planner."""
+
+    snapshot: SchedulingSnapshot
+    now: float
+    memo: PlanMemo
+    mode: Mode
+    ranks: Mapping[str, int]
+    book: QuotaBook
+    capacity: Capacity
+    backfill_left: int
+    victims: VictimIndex | None
+
+    def _outranks(self, request: Pending, hold: Hold) -> bool:
+        """A request within its guarantee goes before a holder that borrows: it may use
+        the held zone, for its free GPUs and its victims, rather than evict elsewhere."""
+        return not hold.within and self.book.within_guarantee(
+            request.project, request.gpu_type, request.gpus
+        )
+
+    def _enters(self, request: Pending, hold: Hold) -> bool:
+        """``may_enter``, while the cycle's backfill decisions last (one that outranks
+        the holder enters whenever)."""
+        if not hold.within and self.book.within_guarantee(
+            request.project, request.gpu_type, request.gpus
+        ):
+            return True
+        return self.backfill_left > 0 and self.may_enter(request.shape, hold)
+
+    def may_enter(self, shape: tuple[str, str, int, int, str], hold: Hold) -> bool:
+        """Whether a request of this shape (project, type, pod size, pods, class) may
+        take free GPUs of a zone held for another: if it outranks the holder
+        (``_outranks``), or as backfill — work the holder may evict once it can start (of
+        another project, beyond that project's guarantee, and the holder within its own
+        or the request preemptible and of a lower class; of the holder's project,
+        preemptible and of a lower class). So a held zone does not idle, and nothing
+        that enters it can keep the holder out."""
+        project, gpu_type, per_pod, pods, priority = shape
+        within = self.book.within_guarantee(project, gpu_type, per_pod * pods)
+        if within and not hold.within:
+            return True
+        rank = self.ranks.get(priority, 0)
+        lower = self.snapshot.preemptible.get(priority, False) and rank < hold.rank
+        if project == hold.project:
+            return lower
+        return not within and (hold.within or lower)
+
+    def _zone_to_hold(self, request: Pending, within: bool) -> ZoneKey | None:
+        """The zone closest to holding the request: the most of its pods fit there once
+        the work it may evict there is gone, so that backfill coming and going (once it
+        has run the minimum run time) does not move the hold; without preemption, the
+        most of its pods fit now."""
+        t, k = request.gpu_type, request.gpus_per_pod
+        if self.mode is not Mode.GPUFLEET:
+            closest = self.capacity.closest_zone(t, k)
+            return None if closest is None else closest[0]
+        if self.victims is None:
+            self.victims = VictimIndex(self.memo.candidates, self.book, self.ranks, self.now)
+        rank = self.ranks.get(request.priority, 0)
+        # Work still within its protection will be evictable too: counting it keeps the
+        # hold off a zone that can never give the request room while one that will soon
+        # could (ties between zones, otherwise, when every candidate is young).
+        young = self.memo.candidates.young_freeable(within, rank, self.ranks)
+        best: tuple[tuple[int, int], ZoneKey] | None = None
+        empty = _NO_CANDIDATES
+        for zone in self.capacity.zones_by_type.get(t, ()):
+            members = self.victims.zones.get(zone, empty)
+            fitting = (
+                self.victims.pods_at_most(
+                    zone, members, self.capacity, k, within, rank, young.get(zone, {})
+                ),
+                self.victims.pods_at_most(zone, members, self.capacity, k, within, rank),
+            )
+            if best is None or fitting > best[0]:
+                best = (fitting, zone)
+        return None if best is None else best[1]
