@@ -1,0 +1,87 @@
+"""Fixtures of the Kubernetes tier: two real clusters on loopback for the whole test session.
+
+``k8s_tier`` starts them on first use (a few seconds once built) and stops every process and
+removes every file at the end of the session. Without the binaries (``scripts/install
+--k8s`` not run) the tier's tests are skipped with a message that says so, except under
+``CI=true``, where they fail: CI must never pass without having run them. A tier that is
+built but does not start fails everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from kubernetes_asyncio import client
+
+from .control_plane import (
+    NAMESPACE,
+    Cluster,
+    ControlPlane,
+    K8sUnavailable,
+    find_binaries,
+)
+from .kube import kube_client
+from .nodes import NodeSpec
+from .processes import TierStartError
+
+CLUSTER_A = "cluster-a"
+CLUSTER_B = "cluster-b"
+# Same GPU type in both clusters, so a later test can fill one and land in the other.
+TIER_NODES: dict[str, tuple[NodeSpec, ...]] = {
+    CLUSTER_A: (NodeSpec("a-gpu-1", "zone-a", gpus=4), NodeSpec("a-gpu-2", "zone-b", gpus=4)),
+    CLUSTER_B: (NodeSpec("b-gpu-1", "zone-c", gpus=4),),
+}
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.fixture(scope="session")
+def k8s_tier() -> Iterator[ControlPlane]:
+    """Both clusters, their fake GPU nodes Ready, for the whole session."""
+    try:
+        binaries = find_binaries()
+    except K8sUnavailable as e:
+        if in_ci():
+            pytest.fail(f"CI=true and {e}", pytrace=False)
+        pytest.skip(str(e))
+    try:
+        plane = ControlPlane.start(binaries, dict(TIER_NODES))
+    except TierStartError as e:
+        pytest.fail(f"the Kubernetes tier did not start: {e}", pytrace=False)
+    try:
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture
+def cluster_a(k8s_tier: ControlPlane) -> Cluster:
+    return k8s_tier[CLUSTER_A]
+
+
+@pytest.fixture
+def cluster_b(k8s_tier: ControlPlane) -> Cluster:
+    return k8s_tier[CLUSTER_B]
+
+
+@pytest.fixture
+async def admin_a(cluster_a: Cluster) -> AsyncIterator[client.CoreV1Api]:
+    async with kube_client(cluster_a.kubeconfig("admin"), cluster_a.name) as api:
+        yield client.CoreV1Api(api)
+
+
+@pytest.fixture
+async def admin_b(cluster_b: Cluster) -> AsyncIterator[client.CoreV1Api]:
+    async with kube_client(cluster_b.kubeconfig("admin"), cluster_b.name) as api:
+        yield client.CoreV1Api(api)
+
+
+@pytest.fixture
+async def spawner_a(cluster_a: Cluster) -> AsyncIterator[client.CoreV1Api]:
+    """cluster-a as gpufleet's spawner, in its namespace."""
+    async with kube_client(cluster_a.kubeconfig("spawner", NAMESPACE), cluster_a.name) as api:
+        yield client.CoreV1Api(api)
