@@ -9,7 +9,6 @@ built but does not start fails everywhere.
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -23,20 +22,8 @@ from .control_plane import (
     find_binaries,
 )
 from .kube import kube_client
-from .nodes import NodeSpec
 from .processes import TierStartError
-
-CLUSTER_A = "cluster-a"
-CLUSTER_B = "cluster-b"
-# Same GPU type in both clusters, so a later test can fill one and land in the other.
-TIER_NODES: dict[str, tuple[NodeSpec, ...]] = {
-    CLUSTER_A: (NodeSpec("a-gpu-1", "zone-a", gpus=4), NodeSpec("a-gpu-2", "zone-b", gpus=4)),
-    CLUSTER_B: (NodeSpec("b-gpu-1", "zone-c", gpus=4),),
-}
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() == "true"
+from .tier import CLUSTER_A, CLUSTER_B, TIER_NODES, in_ci
 
 
 @pytest.fixture(scope="session")

@@ -58,7 +58,7 @@ KUBE_BINARIES = ("kube-apiserver", "kube-scheduler", "kube-controller-manager")
 INSTALL_HINT = (
     "the Kubernetes test tier is not built: run `scripts/install --k8s` (it builds "
     "kube-apiserver, kube-scheduler and kube-controller-manager once from Debian's source "
-    "package, about 10-14 minutes, and installs Debian's etcd-server)"
+    "package, about 15 CPU-minutes, and installs Debian's etcd-server)"
 )
 NAMESPACE = "gpufleet"  # where the spawner identity may create pods
 START_DEADLINE_S = 90.0

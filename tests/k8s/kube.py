@@ -44,3 +44,22 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {deadline_s:.0f} s: {what}")
         await asyncio.sleep(interval_s)
+
+
+@asynccontextmanager
+async def pod_in(api: client.CoreV1Api, namespace: str, pod: client.V1Pod) -> AsyncIterator[str]:
+    """Creates ``pod`` (the value is its name) and afterwards deletes it and waits until it
+    is gone. Grace 0 removes it at once, as no kubelet runs it: no pod, and none of the GPUs
+    it asked for, outlives its test on the tier's shared nodes."""
+    created = await api.create_namespaced_pod(namespace, pod)
+    name = str(created.metadata.name)
+    try:
+        yield name
+    finally:
+        await api.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+
+        async def gone() -> bool:
+            pods = await api.list_namespaced_pod(namespace)
+            return name not in {p.metadata.name for p in pods.items}
+
+        await eventually(gone, f"pod {name} deleted", 30.0)

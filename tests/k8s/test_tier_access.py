@@ -11,10 +11,10 @@ import pytest
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from .conftest import CLUSTER_A, CLUSTER_B, TIER_NODES
 from .control_plane import NAMESPACE, Cluster, ControlPlane
-from .kube import kube_client
+from .kube import kube_client, pod_in
 from .pki import trust
+from .tier import CLUSTER_A, CLUSTER_B, TIER_NODES
 
 pytestmark = pytest.mark.k8s
 
@@ -100,9 +100,7 @@ async def test_combined_kubeconfig_reaches_both_clusters_as_the_controller(
 async def test_clusters_are_independent(
     admin_a: client.CoreV1Api, admin_b: client.CoreV1Api
 ) -> None:
-    name = f"only-in-a-{uuid.uuid4().hex[:8]}"
-    await admin_a.create_namespaced_pod(NAMESPACE, _pod(name))
-    try:
+    async with pod_in(admin_a, NAMESPACE, _pod(f"only-in-a-{uuid.uuid4().hex[:8]}")) as name:
         assert (await admin_a.read_namespaced_pod(name, NAMESPACE)).metadata.name == name
         with pytest.raises(ApiException) as missing:
             await admin_b.read_namespaced_pod(name, NAMESPACE)
@@ -110,8 +108,6 @@ async def test_clusters_are_independent(
         assert name not in {
             p.metadata.name for p in (await admin_b.list_pod_for_all_namespaces()).items
         }
-    finally:
-        await admin_a.delete_namespaced_pod(name, NAMESPACE, grace_period_seconds=0)
 
 
 def _pod(name: str) -> client.V1Pod:

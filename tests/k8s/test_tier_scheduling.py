@@ -8,15 +8,12 @@ import asyncio
 import datetime
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pytest
 from kubernetes_asyncio import client
 
-from .conftest import CLUSTER_A, CLUSTER_B, TIER_NODES
 from .control_plane import NAMESPACE, NODE_MONITOR_GRACE_S, Cluster, ControlPlane
-from .kube import eventually, kube_client
+from .kube import eventually, kube_client, pod_in
 from .nodes import (
     GPU_RESOURCE,
     HOSTNAME_LABEL,
@@ -25,6 +22,7 @@ from .nodes import (
     ZONE_LABEL,
     NodeSpec,
 )
+from .tier import CLUSTER_A, CLUSTER_B, TIER_NODES
 
 pytestmark = pytest.mark.k8s
 
@@ -61,7 +59,7 @@ async def test_scheduler_binds_a_gpu_pod_to_its_affine_node(
     spawner_a: client.CoreV1Api,
 ) -> None:
     target = "a-gpu-2"
-    async with _pod_in(spawner_a, _gpu_pod("two-gpus", gpus=2, node=target)) as name:
+    async with pod_in(spawner_a, NAMESPACE, _gpu_pod("two-gpus", gpus=2, node=target)) as name:
 
         async def bound_node() -> str | None:
             pod = await spawner_a.read_namespaced_pod(name, NAMESPACE)
@@ -78,7 +76,7 @@ async def test_a_pod_wanting_more_gpus_than_any_node_stays_pending(
     spawner_a: client.CoreV1Api,
 ) -> None:
     most = max(s.gpus for s in TIER_NODES[CLUSTER_A])
-    async with _pod_in(spawner_a, _gpu_pod("too-many", gpus=most + 1)) as name:
+    async with pod_in(spawner_a, NAMESPACE, _gpu_pod("too-many", gpus=most + 1)) as name:
 
         async def failed_scheduling() -> str | None:
             events = await spawner_a.list_namespaced_event(
@@ -176,13 +174,3 @@ def _gpu_pod(prefix: str, gpus: int, node: str | None = None) -> client.V1Pod:
             ],
         ),
     )
-
-
-@asynccontextmanager
-async def _pod_in(api: client.CoreV1Api, pod: client.V1Pod) -> AsyncIterator[str]:
-    """Creates the pod (its name is the value) and deletes it at once afterwards."""
-    created = await api.create_namespaced_pod(NAMESPACE, pod)
-    try:
-        yield str(created.metadata.name)
-    finally:
-        await api.delete_namespaced_pod(created.metadata.name, NAMESPACE, grace_period_seconds=0)
