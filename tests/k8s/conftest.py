@@ -1,6 +1,7 @@
 """Fixtures of the Kubernetes tier: two real clusters on loopback for the whole test session.
 
-``k8s_tier`` starts them on first use (a few seconds once built) and stops every process and
+``k8s_tier`` starts them on first use (15-20 s on this two-core machine once built, most of
+it the two API servers building their OpenAPI documents) and stops every process and
 removes every file at the end of the session. Without the binaries (``scripts/install
 --k8s`` not run) the tier's tests are skipped with a message that says so, except under
 ``CI=true``, where they fail: CI must never pass without having run them. A tier that is

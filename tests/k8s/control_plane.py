@@ -114,6 +114,7 @@ class Cluster:
     ports: dict[str, int]
     identities: dict[str, Identity]
     spare_node_names: list[str] = field(default_factory=list)  # kubelet tokens, no Node yet
+    etcd_data: Path | None = None  # on tmpfs where there is one, outside ``workdir``
     processes: dict[str, ManagedProcess] = field(default_factory=dict)
     nodes: dict[str, FakeNode] = field(default_factory=dict)
 
@@ -329,9 +330,11 @@ class ControlPlane:
             for c in self.clusters.values():
                 c.stop()
         finally:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            # etcd's data first: it may lie outside the workdir (on tmpfs).
             for c in self.clusters.values():
-                shutil.rmtree(c.workdir / "etcd-data", ignore_errors=True)
+                if c.etcd_data is not None:
+                    shutil.rmtree(c.etcd_data, ignore_errors=True)
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _prepare_cluster(
@@ -381,16 +384,14 @@ def _start(cluster: Cluster, key: str, argv: list[str]) -> None:
 
 def _etcd_data_dir(cluster: Cluster) -> Path:
     """etcd's data on tmpfs where there is one: etcd fsyncs every write, and a test tier
-    needs no durability, only speed on a busy disk. A link in the cluster's folder names it,
-    so ``ControlPlane.stop`` removes it with the rest."""
+    needs no durability, only speed on a busy disk. ``ControlPlane.stop`` removes it."""
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
-        data = Path(tempfile.mkdtemp(prefix=f"gpufleet-etcd-{cluster.name}-", dir=shm))
-        (cluster.workdir / "etcd-data").symlink_to(data)
-        return data
-    data = cluster.workdir / "etcd-data"
-    data.mkdir()
-    return data
+        cluster.etcd_data = Path(tempfile.mkdtemp(prefix=f"gpufleet-etcd-{cluster.name}-", dir=shm))
+    else:
+        cluster.etcd_data = cluster.workdir / "etcd-data"
+        cluster.etcd_data.mkdir()
+    return cluster.etcd_data
 
 
 def _etcd_argv(binaries: Binaries, c: Cluster) -> list[str]:
