@@ -1,11 +1,13 @@
-"""Fixtures of the Kubernetes tier: two real clusters on loopback for the whole test session.
+"""Fixtures of the Kubernetes tier: two real clusters on loopback while ``tests/k8s`` runs.
 
 ``k8s_tier`` starts them on first use (15-20 s on this two-core machine once built, most of
-it the two API servers building their OpenAPI documents) and stops every process and
-removes every file at the end of the session. Without the binaries (``scripts/install
---k8s`` not run) the tier's tests are skipped with a message that says so, except under
-``CI=true``, where they fail: CI must never pass without having run them. A tier that is
-built but does not start fails everywhere.
+it the two API servers building their OpenAPI documents) and, being package-scoped, stops
+every process and removes every file once the last test of this package has run: the rest
+of the session does not share two cores with an idle control plane.
+
+Without the binaries (``scripts/install --k8s`` not run) the tier's tests are skipped with a
+message that says so, except under ``CI=true``, where they fail: CI must never pass without
+having run them. A tier that is built but does not start fails everywhere.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from .processes import TierStartError
 from .tier import CLUSTER_A, CLUSTER_B, TIER_NODES, in_ci
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def k8s_tier() -> Iterator[ControlPlane]:
-    """Both clusters, their fake GPU nodes Ready, for the whole session."""
+    """Both clusters, their fake GPU nodes Ready, for the tests of this package."""
     try:
         binaries = find_binaries()
     except K8sUnavailable as e:
