@@ -653,7 +653,10 @@ def run(nodes: int, waiting: int, cycles: int, profile: bool = False) -> dict[st
                 profiler.disable()
             plans.append(len(result.plan.waiting))
         if profiler:
-            pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+            stats = pstats.Stats(profiler).sort_stats("cumulative")
+            stats.print_stats(30)
+            if os.environ.get("GPUFLEET_BENCH_CALLERS"):
+                stats.print_callers(os.environ["GPUFLEET_BENCH_CALLERS"])
         return {
             "gpus": nodes * 8,
             "waiting": waiting,

@@ -33,6 +33,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
+from .holds import admits
 from .memo import PlanMemo, Tail, Verdict
 from .placement import Capacity
 from .quota import UNLIMITED, QuotaBook
@@ -75,6 +76,7 @@ class _Planner(Protocol):
     def _order(self, request: Pending) -> tuple[Any, ...]: ...
     def _queue_order(self, key: tuple[str, str], queue: Any) -> tuple[Any, ...]: ...
     def may_enter(self, shape: tuple[str, str, int, int, str], hold: Any) -> bool: ...
+    def lower_than(self, priority: str, hold: Any) -> bool: ...
     def _next_in_queue(self, queue: Any, blocked_users: dict[tuple[str, str], int]) -> None: ...
     def _decide(self, request: Pending) -> Any: ...
     def _beyond_limits(self, request: Pending) -> str | None: ...
@@ -100,6 +102,9 @@ class Frozen:
         self.seen: tuple[int, int, int, bool] | None = None
         self.frozen = False
         self.backfill: set[tuple[str, str]] = set()
+        # Queue -> (what its answer read: the hold, its project's usage, the held zone's
+        # free GPUs, the refusal epoch; whether it may backfill; the shape that may).
+        self.answers: dict[tuple[str, str], tuple[tuple[Any, ...], bool, Any]] = {}
 
     def now(self, heap: list[tuple[Any, ...]]) -> bool:
         """Whether nothing can change any more but, perhaps, backfill into held zones:
@@ -163,18 +168,52 @@ class Frozen:
         queues: set[tuple[str, str]] = set()
         if p.backfill_left <= 0:
             return queues
+        # ``may_enter`` by what it depends on, worked out per queue (the guarantee left)
+        # and per class, and the held zone's room per pod size: a few of each, for
+        # thousands of shapes.
+        # A queue's answer stands while what it read stands: shapes only get refused, so
+        # "no" stays "no", and "yes" while its shape is not refused.
+        book = p.book
+        fitting: dict[int, int] = {}
+        lower: dict[str, bool] = {}
+        zone_free = capacity.zone_free.get(held.zone, 0)
+        answers = self.answers
         for *_, key in heap:
             if key[1] != gpu_type:
                 continue
+            used = book.used.get(key, 0)
+            read = (held, used, zone_free, epoch)
+            answer = answers.get(key)
+            if answer is not None and answer[0] == read:
+                if answer[1]:
+                    refused = p.settled.get(answer[2])
+                    if refused is None or refused[0] != epoch:
+                        queues.add(key)
+                        continue
+                else:
+                    continue
+            guarantee_left = book.guaranteed_of.get(key, 0) - used
+            same = key[0] == held.project
+            found = None
             for shape in p.memo.queue_shapes[key]:
                 refused = p.settled.get(shape)
                 if refused is not None and refused[0] == epoch:
                     continue
-                if capacity.pods_fitting(held.zone, shape[2]) >= shape[3] and p.may_enter(
-                    shape, held
-                ):
-                    queues.add(key)
+                per_pod, pods = shape[2], shape[3]
+                room = fitting.get(per_pod)
+                if room is None:
+                    room = fitting[per_pod] = capacity.pods_fitting(held.zone, per_pod)
+                if room < pods:
+                    continue
+                below = lower.get(shape[4])
+                if below is None:
+                    below = lower[shape[4]] = p.lower_than(shape[4], held)
+                if admits(held, per_pod * pods <= guarantee_left, same, below):
+                    found = shape
                     break
+            answers[key] = (read, found is not None, found)
+            if found is not None:
+                queues.add(key)
         return queues
 
 

@@ -27,6 +27,16 @@ class Hold(NamedTuple):
     project: str
 
 
+def admits(hold: Hold, within: bool, same_project: bool, lower: bool) -> bool:
+    """``HeldZones.may_enter`` from what it depends on: whether the request is within its
+    project's guarantee, of the holder's project, and preemptible of a lower class."""
+    if within and not hold.within:
+        return True
+    if same_project:
+        return lower
+    return not within and (hold.within or lower)
+
+
 class HeldZones:
     """What the held zones read of the planner."""
 
@@ -66,13 +76,13 @@ class HeldZones:
         that enters it can keep the holder out."""
         project, gpu_type, per_pod, pods, priority = shape
         within = self.book.within_guarantee(project, gpu_type, per_pod * pods)
-        if within and not hold.within:
-            return True
+        return admits(hold, within, project == hold.project, self.lower_than(priority, hold))
+
+    def lower_than(self, priority: str, hold: Hold) -> bool:
+        """Whether work of this class is preemptible and of a lower class than the
+        holder's."""
         rank = self.ranks.get(priority, 0)
-        lower = self.snapshot.preemptible.get(priority, False) and rank < hold.rank
-        if project == hold.project:
-            return lower
-        return not within and (hold.within or lower)
+        return self.snapshot.preemptible.get(priority, False) and rank < hold.rank
 
     def _zone_to_hold(self, request: Pending, within: bool) -> ZoneKey | None:
         """The zone closest to holding the request: the most of its pods fit there once
