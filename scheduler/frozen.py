@@ -442,15 +442,20 @@ class FrozenTails:
 
     def _usage_view(self, project: str, gpu_type: str) -> tuple[int, ...]:
         """The project's usage, and its ancestors' where they cap it (only then do their
-        numbers enter a reason)."""
+        numbers enter a reason); with lend limits, the free GPUs they keep from it too
+        (a reason says so when that is what leaves it short)."""
         view = self.usage_views.get((project, gpu_type))
         if view is None:
             book = self.p.book
-            view = self.usage_views[(project, gpu_type)] = tuple(
+            view = tuple(
                 book.usage(name, gpu_type)
                 for i, name in enumerate(book.path(project))
                 if i == 0 or book.cap(name, gpu_type) != UNLIMITED
             )
+            if book.lends_with_limits and self.p.mode is not Mode.FIFO:
+                withheld = book.withheld_from(project, gpu_type)
+                view = (*view, -withheld, -self.p.capacity.free_by_type[gpu_type])
+            self.usage_views[(project, gpu_type)] = view
         return view
 
     def _known(self, gpu_type: str) -> bool:

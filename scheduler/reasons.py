@@ -124,6 +124,14 @@ class Reasons:
             free = f"the most its pods can get in one zone is {n_of(block[0], t)}, in {block[1]}"
         else:
             free = f"the most free on one node is {n_of(block[0], t)}, in {block[1]}"
+        withheld = self.book.withheld_from(request.project, t) if self.mode is not Mode.FIFO else 0
+        total = self.capacity.free_by_type[t]
+        if withheld and total - withheld < request.gpus:
+            # The room is there, but not for this project: say whose it is.
+            free = (
+                f"{free}, but other projects' lend limits keep {withheld} of the {total} free "
+                f"{t} back for themselves"
+            )
         return f"Waiting for {where}: {free}{self._quota_said(request.project, t, within)}"
 
     def _quota_said(self, p: str, t: str, within: bool) -> str:

@@ -409,6 +409,12 @@ def test_a_lend_limit_keeps_part_of_the_unused_guarantee_idle() -> None:
     result = plan(snap([node("n1")], [pending(1, "other", 5)], tree=tree), NOW)
     # 8 free, of which owner keeps 4 (6 unused, 2 lent at most): 5 do not fit, 4 do.
     assert result.admissions == ()
+    assert result.waiting[0].reason == (
+        "Waiting for 5 GPUs on one node: the most free on one node is 8 × H100, in z1, but "
+        "other projects' lend limits keep 4 of the 8 free H100 back for themselves; project "
+        "other uses 0/0 guaranteed and may borrow without limit; you are next for H100, z1 "
+        "is kept for you as GPUs free up"
+    )
     fits = plan(snap([node("n1")], [pending(1, "other", 4)], tree=tree), NOW)
     assert len(fits.admissions) == 1
 
