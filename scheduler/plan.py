@@ -398,7 +398,8 @@ class _Planner(Reasons, CapRoom, HeldZones):
 
     def _next_in_queue(self, queue: _Queue, blocked_users: dict[tuple[str, str], int]) -> None:
         """Decide the queue's current request, and the later ones that only repeat an
-        earlier refusal; a quota refusal decides the whole rest of the queue."""
+        earlier refusal; a quota refusal of a request within its guarantee decides the
+        whole rest of the queue (``_holds_queue``)."""
         request = queue.current
         head = blocked_users.get((request.project, request.user))
         if head is not None:
