@@ -27,6 +27,7 @@ from ..scheduler.store.projects import UNCHANGED, ProjectEdit, QuotaEdit
 from .api.handlers import node_rows
 from .api.projects import project_usage
 from .api.schemas import NodeOut, ProjectUsageOut
+from .errors import ClusterUnavailable
 from .pages import PageHandler, project_label
 
 
@@ -187,6 +188,7 @@ class AdminPage(PageHandler):
             priorities = list(
                 session.scalars(select(PriorityClass.name).order_by(PriorityClass.rank.desc()))
             )
+        unreachable = [c for c in self.controller.store.cluster_statuses() if not c.reachable]
         self.render_page(
             "gpufleet-admin.html",
             title="gpufleet admin",
@@ -198,6 +200,7 @@ class AdminPage(PageHandler):
             priorities=priorities,
             nodes=[NodeRow(n, "uncordon" if n.cordoned else "cordon") for n in nodes],
             gpus=gpus,
+            unreachable=unreachable,
             queue=queue,
             events=events,
         )
@@ -234,11 +237,17 @@ class AdminNodeForm(AdminPage):
     async def post(self, name: str, action: str) -> None:
         by = self.require_admin()
         cordoned = action == "cordon"
-        if not self.controller.store.set_cordoned(self.controller.now(), name, cordoned, by):
+        try:
+            changed = await self.controller.cordon(name, cordoned, by)
+        except NotFound:
             self.render_panel(error=f"there is no node {name!r}", status=404)
             return
+        except ClusterUnavailable as e:
+            self.render_panel(error=f"{name}: {e}; nothing was changed", status=503)
+            return
         self.controller.kick()
-        said = f"{name} {'cordoned' if cordoned else 'uncordoned'}"
+        verb = "cordoned" if cordoned else "uncordoned"
+        said = f"{name} {verb}" if changed else f"{name} was already {verb}"
         self.redirect(self.panel_url(said, "nodes"), status=303)
 
 

@@ -22,36 +22,39 @@ from typing import Any
 from urllib.parse import urlparse
 
 import httpx
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from tornado import web
 from tornado.httpserver import HTTPServer
 from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
-from traitlets.config import Application
 
 from .. import __version__
 from ..agent.lifecycle import until_stopped
 from ..culler.errors import PolicyError
 from ..culler.loop import IdleCuller
 from ..culler.snapshots import SnapshotSettings
-from ..scheduler.errors import InputError, LeaseLost, SchedulerError, SchemaMismatch
+from ..scheduler.errors import InputError, LeaseLost, NotFound, SchedulerError, SchemaMismatch
 from ..scheduler.model import project_tree
 from ..scheduler.snapshot import Policy
 from ..scheduler.store import db
 from ..scheduler.store.accounts import check_range
+from ..scheduler.store.clusters import KUBERNETES
 from ..scheduler.store.collector import collect_all
 from ..scheduler.store.fleet import FleetStore
 from ..snapshotter.errors import SnapshotError
+from ..spawner.clusters import ClusterConfigError, check_loadable, parse_clusters
 from . import logs
 from .admin import admin_routes
 from .api.base import Identity
 from .api.handlers import routes
+from .appbase import DatabaseMixin, UpgradeDB
+from .errors import ClusterUnavailable
 from .job_pages import job_page_routes
+from .kube_inventory import KubeInventory
 from .metrics import ControllerMetrics
 from .notifier import Notifier
 from .pages import page_routes
 from .reconciler import Reconciler
-from .secrets import SecretFileError, check_secret_file, read_secret
+from .secrets import SecretFileError, check_secret_file
 from .victims import VictimStopper
 
 DEFAULT_PRIORITY_CLASSES = [
@@ -64,102 +67,6 @@ DEFAULT_PRIORITY_CLASSES = [
         "description": "runs on idle capacity; first to make room",
     },
 ]
-
-
-class ConfigFileMixin(Application):
-    """Reads ``jupyterhub_config.py``: one file configures hub, spawner, controller, agent."""
-
-    config_file = Unicode(
-        help="The JupyterHub configuration file that also configures gpufleet. "
-        "Defaults to $GPUFLEET_CONFIG, else ./jupyterhub_config.py.",
-    ).tag(config=True)
-
-    @default("config_file")
-    def _default_config_file(self) -> str:
-        return os.environ.get("GPUFLEET_CONFIG", "jupyterhub_config.py")
-
-    aliases = {"config": "ConfigFileMixin.config_file", "log-level": "Application.log_level"}
-
-    def initialize(self, argv: list[str] | None = None) -> None:
-        self.parse_command_line(argv)
-        if self.subapp is not None:
-            return  # the subcommand initialised itself
-        path = os.path.abspath(self.config_file)
-        if not os.path.exists(path):
-            self.exit_with(f"configuration file {path} does not exist; pass --config PATH")
-        self.load_config_file(path)
-        self.parse_command_line(argv)  # the command line wins over the file
-
-    def exit_with(self, message: str, code: int = 1) -> None:
-        print(f"{self.name}: {message}", file=sys.stderr)
-        self.exit(code)
-
-
-class DatabaseMixin(ConfigFileMixin):
-    data_dir = Unicode(
-        help="Where the embedded defaults keep their files (SQLite database, snapshots). "
-        "Defaults to $GPUFLEET_DATA_DIR, else .gpufleet beside the configuration file.",
-    ).tag(config=True)
-
-    @default("data_dir")
-    def _default_data_dir(self) -> str:
-        # The same default as gpufleet.hub.setup: beside the configuration file.
-        beside_config = os.path.join(
-            os.path.dirname(os.path.abspath(self.config_file)), ".gpufleet"
-        )
-        return os.environ.get("GPUFLEET_DATA_DIR", beside_config)
-
-    db_url = Unicode(
-        help="SQLAlchemy URL of the controller's database: SQLite (default, a file in "
-        "data_dir) or PostgreSQL (postgresql+psycopg://user@host/db). Its password, if "
-        "any, goes in db_password_file, never here: this file is readable by anyone.",
-    ).tag(config=True)
-
-    db_password_file = Unicode(
-        help="A file of mode 0600, owned by the controller's account, holding the "
-        "database password of db_url (checked at start).",
-    ).tag(config=True)
-
-    @default("db_url")
-    def _default_db_url(self) -> str:
-        return f"sqlite:///{os.path.join(self.data_dir, 'gpufleet.sqlite')}"
-
-    def make_engine(self) -> Any:
-        if self.db_url.startswith("sqlite:///"):
-            os.makedirs(os.path.dirname(self.db_url[len("sqlite:///") :]) or ".", exist_ok=True)
-        url = make_url(self.db_url)
-        if url.password:
-            self.exit_with(
-                "c.FleetController.db_url holds a password, which the configuration file "
-                "shows to anyone who can read it; put the password in a file of mode 0600 "
-                "and name it in c.FleetController.db_password_file",
-                code=2,
-            )
-        if self.db_password_file:
-            try:
-                password = read_secret(Path(self.db_password_file), "the database password file")
-            except SecretFileError as e:
-                self.exit_with(str(e), code=2)
-            return db.make_engine(url.set(password=password).render_as_string(False))
-        return db.make_engine(self.db_url)
-
-
-class UpgradeDB(DatabaseMixin):
-    name = "gpufleet-controller upgrade-db"
-    description = "Create the gpufleet database, or upgrade it to this version's schema."
-
-    def start(self) -> None:
-        # The config file says c.FleetController.db_url; this subcommand reads the same.
-        section = self.config.FleetController
-        for name in ("data_dir", "db_url", "db_password_file"):
-            if name in section:
-                setattr(self, name, section[name])
-        engine = self.make_engine()
-        before = db.current_revision(engine)
-        db.upgrade(engine)
-        after = db.current_revision(engine)
-        where = engine.url.render_as_string(hide_password=True)
-        print(f"gpufleet database {where}: {before or 'empty'} -> {after}")
 
 
 class FleetController(DatabaseMixin):
@@ -247,6 +154,27 @@ class FleetController(DatabaseMixin):
         30.0,
         help="A node whose agent has not reported for this many seconds is marked unknown and "
         "receives no new work.",
+    ).tag(config=True)
+
+    clusters = List(
+        Dict(),
+        help="""The Kubernetes clusters of the fleet (docs/kubernetes.md); empty: this machine
+        only. Each: {"name", "kubeconfig" (a file) and "context", or "in_cluster": True,
+        "namespace" ("gpufleet"), "gpu_resource" ("nvidia.com/gpu", or a MIG slice such as
+        "nvidia.com/mig-3g.40gb"), "gpu_node_selector" ({label: value}), "pod_url"
+        ("http://{ip}:{port}", or a template for an ingress per cluster)}. Their GPU nodes
+        come from each cluster's Node objects (watched); the hub's KubeGPUSpawner reads the
+        same list.""",
+    ).tag(config=True)
+
+    cluster_unreachable_after = Float(
+        20.0,
+        help="A cluster whose API server has not answered for this many seconds makes its "
+        "nodes unknown (no new work) until it answers again; the other clusters go on.",
+    ).tag(config=True)
+
+    cluster_probe_interval = Float(
+        5.0, help="Seconds between checks that each cluster's API server answers."
     ).tag(config=True)
 
     membership_sync_interval = Float(
@@ -384,6 +312,12 @@ class FleetController(DatabaseMixin):
             project_tree(self.projects)
         except InputError as e:
             self.exit_with(f"c.FleetController.projects: {e}", code=2)
+        try:
+            self.cluster_settings = parse_clusters(self.clusters)
+            asyncio.run(check_loadable(self.cluster_settings))
+        except ClusterConfigError as e:
+            self.exit_with(f"c.FleetController.clusters: {e}", code=2)
+        self.kube: KubeInventory | None = None
         self.notifier = Notifier()
         self.victims = VictimStopper(
             os.environ.get("JUPYTERHUB_API_URL", ""),
@@ -523,6 +457,23 @@ class FleetController(DatabaseMixin):
                 if not next_page:
                     return groups
                 offset = next_page["offset"]
+
+    async def cordon(self, node: str, cordoned: bool, by: str) -> bool:
+        """Cordon or uncordon ``node``. A node of a Kubernetes cluster is cordoned there
+        first (``spec.unschedulable``, the one truth; the watch brings it back), so a refusal
+        of its API server changes nothing. Raises NotFound for an unknown node."""
+        place = self.store.cluster_of_node(node)
+        if place is None:
+            raise NotFound(f"there is no node {node!r}")
+        cluster, backend = place
+        if backend == KUBERNETES:
+            if self.kube is None or cluster not in self.kube.watches:
+                raise ClusterUnavailable(
+                    f"node {node} belongs to cluster {cluster}, which is not in "
+                    "c.FleetController.clusters; add it to cordon its nodes"
+                )
+            await self.kube.cordon(node, cluster, cordoned)
+        return self.store.set_cordoned(self.now(), node, cordoned, by)
 
     # ----------------------------------------------------------- loops
     async def _hold_lease(self) -> None:
@@ -732,6 +683,18 @@ class FleetController(DatabaseMixin):
         server.listen(url.port or 80, url.hostname or "127.0.0.1")
         self.log.info("gpufleet controller %s listening on %s", self.version, self.service_url)
         self._tasks.append(asyncio.create_task(self._hold_lease()))
+        if self.cluster_settings:
+            self.kube = KubeInventory(
+                self.cluster_settings,
+                self.store,
+                log=self.log,
+                now=self.now,
+                kick=self.kick,
+                unreachable_after=self.cluster_unreachable_after,
+                probe_interval=self.cluster_probe_interval,
+            )
+            await self.kube.start()
+            self._tasks.append(asyncio.create_task(self.kube.run(lambda: self.is_leader)))
         # Apply the declared projects and profiles once we may write.
         await self._became_leader.wait()
         self.store.apply_config(self.now(), self.projects, self.profiles, self.priority_classes)

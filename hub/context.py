@@ -53,3 +53,6 @@ class ControllerContext(Protocol):
     async def identify(self, handler: web.RequestHandler) -> Identity | None: ...
 
     async def refresh_memberships(self, max_age: float) -> None: ...
+
+    async def cordon(self, node: str, cordoned: bool, by: str) -> bool:
+        """Cordon or uncordon a node wherever it lives; whether anything changed."""

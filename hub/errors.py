@@ -69,3 +69,11 @@ class NotLeader(ControllerError):
 
     status = 503
     code = "not-leader"
+
+
+class ClusterUnavailable(ControllerError):
+    """A Kubernetes cluster's API server did not answer or refused what the controller
+    asked of it; nothing was changed. The message names the cluster and what failed."""
+
+    status = 503
+    code = "cluster-unavailable"

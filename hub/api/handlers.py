@@ -269,9 +269,8 @@ class NodeCordonHandler(APIHandler):
     async def post(self, node_name: str, action: str) -> None:
         identity = self.require(scopes.ADMIN)
         with store_errors_as_http():
-            self.controller.store.set_cordoned(
-                self.controller.now(), node_name, action == "cordon", identity.name
-            )
+            await self.controller.cordon(node_name, action == "cordon", identity.name)
+        self.controller.kick()
         with self.controller.store.read() as session:
             (row,) = [n for n in node_rows(session) if n.name == node_name]
         self.send(row.model_dump(mode="json"))

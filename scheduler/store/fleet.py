@@ -22,6 +22,7 @@ from ..validation import SessionRequest, validate_session_request
 from .accounts import AccountStore
 from .base import _event, _get_workload, _preemptible
 from .catalogue import CatalogueStore
+from .clusters import ClusterInventoryStore
 from .cycle import SchedulingStore
 from .inventory import InventoryStore
 from .jobs import JobStore
@@ -49,6 +50,7 @@ class FleetStore(
     SchedulingStore,
     ReconcileStore,
     InventoryStore,
+    ClusterInventoryStore,
     SnapshotStore,
     SessionActivityStore,
     JobStore,

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from ..errors import NotFound
 from .base import StoreBase, _event
+from .clusters import AGENT_PREFIX, is_slot
 from .models import Cluster, Gpu, GpuHistoryPoint, Node, NodeHealth, Zone
 
 
@@ -180,7 +181,10 @@ class InventoryStore(StoreBase):
                     gpu.memory_bytes = gpu_spec.memory_bytes
                     gpu.present = True
                 for missing in known.values():
-                    if missing.present:
+                    if is_slot(missing.uuid):
+                        # The node's cluster counted its GPUs until this agent named them.
+                        missing.present = False
+                    elif missing.present:
                         missing.present = False
                         _event(
                             session,
@@ -254,9 +258,11 @@ class InventoryStore(StoreBase):
     def mark_silent_nodes(self, now: datetime, timeout: timedelta) -> list[str]:
         """Nodes whose heartbeat is older than ``timeout`` become unknown: no new work."""
         with self._write(now) as session:
+            # A node no agent of gpufleet reports lives as long as its cluster says so.
             silent = session.scalars(
                 select(Node).where(
                     Node.health != NodeHealth.unknown,
+                    Node.agent.is_(None) | Node.agent.not_like(f"{AGENT_PREFIX}%"),
                     (Node.last_heartbeat_at.is_(None)) | (Node.last_heartbeat_at < now - timeout),
                 )
             ).all()

@@ -33,6 +33,7 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
     text,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -217,6 +218,11 @@ class Cluster(Base):
     name: Mapped[str] = mapped_column(String(64), unique=True)
     backend: Mapped[str] = mapped_column(String(32), default="local")
     kube_context: Mapped[str | None] = mapped_column(String(255), default=None)
+    # A Kubernetes cluster whose API server does not answer: its nodes are unknown (no new
+    # work) until it answers again. ``status_message`` says what failed, since when.
+    reachable: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    status_message: Mapped[str] = mapped_column(Text, default="", server_default="")
+    status_since: Mapped[datetime | None] = mapped_column(default=None)
 
     zones: Mapped[list[Zone]] = relationship(back_populates="cluster")
 

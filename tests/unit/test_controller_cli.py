@@ -72,3 +72,40 @@ def test_a_bad_project_declaration_stops_start_up_with_what_to_fix(tmp_path: Pat
     result = run("--config", str(config))
     assert result.returncode == 2
     assert "c.FleetController.projects: project 'vision' names parent 'research'" in (result.stderr)
+
+
+@pytest.mark.parametrize(
+    ("clusters", "expected"),
+    [
+        (
+            "[{'name': 'east', 'kubeconfig': '/nonexistent/east.yaml'}]",
+            "c.FleetController.clusters: cluster 'east': kubeconfig /nonexistent/east.yaml "
+            "does not exist or is not a file",
+        ),
+        (
+            "[{'name': 'east', 'kubeconfig': KUBECONFIG, 'context': 'nope'}]",
+            "c.FleetController.clusters: cluster 'east': cannot load",
+        ),
+        (
+            "[{'name': 'east', 'kubeconfig': KUBECONFIG, 'gpu_resourse': 'nvidia.com/gpu'}]",
+            "cluster 'east': gpu_resourse: unknown key",
+        ),
+    ],
+)
+def test_a_cluster_that_cannot_be_used_stops_the_start_naming_it(
+    tmp_path: Path, clusters: str, expected: str
+) -> None:
+    kubeconfig = tmp_path / "east.yaml"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: east\n"
+        "clusters: [{name: east, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: east, context: {cluster: east, user: u}}]\n"
+    )
+    config = write_config(tmp_path, tmp_path / "fleet.sqlite")
+    with config.open("a") as f:
+        f.write(f"KUBECONFIG = {str(kubeconfig)!r}\nc.FleetController.clusters = {clusters}\n")
+    result = run("--config", str(config))
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr
+    assert not (tmp_path / "fleet.sqlite").exists()  # nothing made before the refusal

@@ -1,0 +1,232 @@
+"""What Kubernetes API servers say of their nodes, recorded as the fleet's inventory, on
+SQLite and PostgreSQL: GPU slots a session can be admitted to, cordons and readiness as
+Kubernetes reports them, deleted nodes, and a cluster whose API server stops answering."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import Engine, select
+
+from gpufleet.scheduler.store.clusters import ClusterNodeState, slot_uuid
+from gpufleet.scheduler.store.fleet import FleetStore
+from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
+from gpufleet.scheduler.store.models import Gpu, Node, NodeHealth
+
+from .test_store import (
+    GROUPS,
+    PRIORITY_CLASSES,
+    PROFILES,
+    PROJECTS,
+    T0,
+    allocations,
+    ask,
+    cycle,
+    events,
+    t,
+    workload,
+)
+
+
+def state(name: str, zone: str = "zone-a", gpus: int = 4, **changes: object) -> ClusterNodeState:
+    fields: dict[str, object] = {
+        "name": name,
+        "zone": zone,
+        "gpu_type": "A100",
+        "gpus": gpus,
+        "ready": True,
+        "unschedulable": False,
+        "cpus": 32.0,
+        "memory_bytes": 2**38,
+        "labels": {"topology.kubernetes.io/zone": zone},
+    }
+    fields.update(changes)
+    return ClusterNodeState(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def store(engine: Engine) -> FleetStore:
+    """A controller holding the lease, with projects and no nodes yet."""
+    store = FleetStore(engine, "controller-a", lease_ttl=timedelta(seconds=15))
+    assert store.try_acquire_lease(T0)
+    store.apply_config(T0, PROJECTS, PROFILES, PRIORITY_CLASSES)
+    store.sync_memberships(T0, GROUPS)
+    return store
+
+
+def health(store: FleetStore) -> dict[str, tuple[NodeHealth, bool]]:
+    with store.read() as session:
+        return {
+            n: (h, c) for n, h, c in session.execute(select(Node.name, Node.health, Node.cordoned))
+        }
+
+
+def present_gpus(store: FleetStore, node: str) -> list[str]:
+    with store.read() as session:
+        return list(
+            session.scalars(
+                select(Gpu.uuid)
+                .join(Node)
+                .where(Node.name == node, Gpu.present.is_(True))
+                .order_by(Gpu.index)
+            )
+        )
+
+
+def test_a_listed_node_offers_its_gpus_as_slots_a_session_is_admitted_to(
+    store: FleetStore,
+) -> None:
+    changed = store.sync_cluster_nodes(
+        t(1), "cluster-a", [state("a-gpu-1", gpus=2)], complete=True, context="a"
+    )
+    assert changed == ["a-gpu-1"]
+    assert present_gpus(store, "a-gpu-1") == [
+        slot_uuid("cluster-a", "a-gpu-1", 0),
+        slot_uuid("cluster-a", "a-gpu-1", 1),
+    ]
+    assert events(store, "node-registered") == [
+        "node a-gpu-1 found in cluster cluster-a (zone-a) with 2 × A100"
+    ]
+    # The same listing again changes nothing and says nothing.
+    assert store.sync_cluster_nodes(t(2), "cluster-a", [state("a-gpu-1", gpus=2)]) == []
+    assert len(events(store, "node-registered")) == 1
+
+    alice = ask(store, t(3), "alice", gpus=2)
+    cycle(store, t(4))
+    assert workload(store, alice).state.value == "admitted"
+    assert sorted(uuid for _, uuid, _ in allocations(store)) == present_gpus(store, "a-gpu-1")
+    statuses = {c.name: c for c in store.cluster_statuses()}
+    assert statuses["cluster-a"].backend == "kubernetes"
+    assert statuses["cluster-a"].reachable
+
+
+def test_a_cordon_in_kubernetes_and_a_not_ready_node_take_no_new_work(
+    store: FleetStore,
+) -> None:
+    store.sync_cluster_nodes(
+        t(1), "cluster-a", [state("a-gpu-1"), state("a-gpu-2", "zone-b")], complete=True
+    )
+    store.sync_cluster_nodes(
+        t(2),
+        "cluster-a",
+        [
+            state("a-gpu-1", unschedulable=True),
+            state(
+                "a-gpu-2",
+                "zone-b",
+                ready=False,
+                why_not_ready="NodeStatusUnknown: Kubelet stopped posting node status.",
+            ),
+        ],
+    )
+    assert health(store) == {
+        "a-gpu-1": (NodeHealth.ok, True),
+        "a-gpu-2": (NodeHealth.unhealthy, False),
+    }
+    assert events(store, "node-cordoned") == [
+        "node a-gpu-1 is cordoned in cluster cluster-a (spec.unschedulable); it receives no "
+        "new work"
+    ]
+    assert events(store, "node-not-ready") == [
+        "node a-gpu-2 of cluster cluster-a is not Ready (NodeStatusUnknown: Kubelet stopped "
+        "posting node status.); it receives no new work"
+    ]
+    alice = ask(store, t(3), "alice")
+    cycle(store, t(4))
+    assert workload(store, alice).state.value == "pending"
+    assert "cordoned, unhealthy or silent" in workload(store, alice).reason
+
+    store.sync_cluster_nodes(t(5), "cluster-a", [state("a-gpu-1"), state("a-gpu-2", "zone-b")])
+    assert health(store) == {
+        "a-gpu-1": (NodeHealth.ok, False),
+        "a-gpu-2": (NodeHealth.ok, False),
+    }
+    cycle(store, t(6))
+    assert workload(store, alice).state.value == "admitted"
+
+
+def test_a_node_gone_from_a_complete_listing_keeps_its_row_but_offers_nothing(
+    store: FleetStore,
+) -> None:
+    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1"), state("a-gpu-2")], complete=True)
+    assert store.sync_cluster_nodes(t(2), "cluster-a", [state("a-gpu-1")], complete=True) == [
+        "a-gpu-2"
+    ]
+    assert present_gpus(store, "a-gpu-2") == []
+    assert health(store)["a-gpu-2"] == (NodeHealth.unknown, False)
+    assert events(store, "node-deleted") == [
+        "node a-gpu-2 was deleted from cluster cluster-a; it receives no new work"
+    ]
+    # Back again (a node re-registered under its name): its slots return.
+    store.sync_cluster_nodes(t(3), "cluster-a", [state("a-gpu-2")])
+    assert len(present_gpus(store, "a-gpu-2")) == 4
+    assert health(store)["a-gpu-2"] == (NodeHealth.ok, False)
+
+
+def test_a_gpu_count_drop_is_an_event_and_the_slots_beyond_it_leave(store: FleetStore) -> None:
+    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1", gpus=4)], complete=True)
+    store.sync_cluster_nodes(t(2), "cluster-a", [state("a-gpu-1", gpus=3)])
+    assert len(present_gpus(store, "a-gpu-1")) == 3
+    assert events(store, "gpu-count-changed") == [
+        "node a-gpu-1 of cluster cluster-a offers 3 GPU(s), was 4"
+    ]
+
+
+def test_an_unreachable_cluster_makes_only_its_own_nodes_unknown(store: FleetStore) -> None:
+    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1")], complete=True)
+    store.sync_cluster_nodes(t(1), "cluster-b", [state("b-gpu-1", "zone-c")], complete=True)
+    assert store.set_cluster_reachable(t(2), "cluster-b", False, "ConnectTimeout")
+    assert not store.set_cluster_reachable(t(3), "cluster-b", False, "ConnectTimeout")
+    assert health(store) == {
+        "a-gpu-1": (NodeHealth.ok, False),
+        "b-gpu-1": (NodeHealth.unknown, False),
+    }
+    assert events(store, "cluster-unreachable") == [
+        "cluster cluster-b's API server does not answer (ConnectTimeout); its 1 node(s) "
+        "receive no new work until it does"
+    ]
+    # What a watch still says of a node while its cluster is unreachable does not revive it.
+    store.sync_cluster_nodes(t(4), "cluster-b", [state("b-gpu-1", "zone-c", cpus=16.0)])
+    assert health(store)["b-gpu-1"] == (NodeHealth.unknown, False)
+    status = {c.name: c for c in store.cluster_statuses()}["cluster-b"]
+    assert (status.reachable, status.message, status.since) == (False, "ConnectTimeout", t(2))
+
+    assert store.set_cluster_reachable(t(5), "cluster-b", True)
+    store.sync_cluster_nodes(t(6), "cluster-b", [state("b-gpu-1", "zone-c")], complete=True)
+    assert health(store)["b-gpu-1"] == (NodeHealth.ok, False)
+    assert events(store, "cluster-reachable") == ["cluster cluster-b's API server answers again"]
+
+
+def test_kubernetes_nodes_are_not_lost_for_want_of_an_agent_heartbeat(store: FleetStore) -> None:
+    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1")], complete=True)
+    assert store.mark_silent_nodes(t(100), timedelta(seconds=30)) == []
+    assert health(store)["a-gpu-1"] == (NodeHealth.ok, False)
+
+
+def test_an_agent_on_the_node_names_its_gpus_and_the_slots_step_aside(store: FleetStore) -> None:
+    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1", gpus=2)], complete=True)
+    agent_view = NodeSpec(
+        name="a-gpu-1",
+        cluster="cluster-a",
+        zone="zone-a",
+        gpu_type="A100",
+        gpus=(GpuSpec("GPU-real-0", 0), GpuSpec("GPU-real-1", 1)),
+    )
+    store.register_nodes(t(2), "agent-a-gpu-1", [agent_view])
+    assert present_gpus(store, "a-gpu-1") == ["GPU-real-0", "GPU-real-1"]
+    assert events(store, "gpu-missing") == []  # slots are not GPUs that went missing
+    # The cluster's next word on the node keeps the agent's GPUs and still cordons.
+    store.sync_cluster_nodes(t(3), "cluster-a", [state("a-gpu-1", gpus=2, unschedulable=True)])
+    assert present_gpus(store, "a-gpu-1") == ["GPU-real-0", "GPU-real-1"]
+    assert health(store)["a-gpu-1"] == (NodeHealth.ok, True)
+
+
+def test_a_node_name_another_cluster_holds_is_left_to_its_owner(store: FleetStore) -> None:
+    store.sync_cluster_nodes(t(1), "cluster-a", [state("gpu-1")], complete=True)
+    assert store.sync_cluster_nodes(t(2), "cluster-b", [state("gpu-1", "zone-c")]) == []
+    assert present_gpus(store, "gpu-1") == [slot_uuid("cluster-a", "gpu-1", i) for i in range(4)]
+    assert events(store, "node-name-conflict") == [
+        "cluster cluster-b lists a node gpu-1, but a node of that name belongs to cluster-a; "
+        "gpufleet ignores the second one (rename one of them)"
+    ]
