@@ -50,6 +50,7 @@ class Placement:
     node: str
     gpu_uuids: tuple[str, ...]
     pci_bus_ids: tuple[str, ...]
+    cluster: str = ""
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class WorkloadStatus:
                 node=allocations[0]["node"],
                 gpu_uuids=tuple(a["uuid"] for a in allocations),
                 pci_bus_ids=tuple(a["pci_bus_id"] for a in allocations),
+                cluster=allocations[0].get("cluster", ""),
             )
         return cls(
             id=body["id"],

@@ -164,6 +164,7 @@ class GpuOut(BaseModel):
     index: int
     pci_bus_id: str
     node: str
+    cluster: str
 
 
 class WorkloadOut(BaseModel):

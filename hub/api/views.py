@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from ...scheduler.store.models import Allocation, Workload, WorkloadKind, WorkloadState
+from ...scheduler.store.models import Allocation, Node, Workload, WorkloadKind, WorkloadState, Zone
 from ..errors import BadRequest, NotFoundError
 from . import schemas
 
@@ -18,7 +18,10 @@ MAX_WAIT_SECONDS = 60
 WORKLOAD_DETAILS = (
     selectinload(Workload.project),
     selectinload(Workload.allocations).selectinload(Allocation.gpu),
-    selectinload(Workload.allocations).selectinload(Allocation.node),
+    selectinload(Workload.allocations)
+    .selectinload(Allocation.node)
+    .selectinload(Node.zone)
+    .selectinload(Zone.cluster),
 )
 
 
@@ -46,7 +49,11 @@ def workload_out(workload: Workload) -> schemas.WorkloadOut:
         ended_at=workload.ended_at,
         allocations=[
             schemas.GpuOut(
-                uuid=a.gpu_uuid, index=a.gpu.index, pci_bus_id=a.gpu.pci_bus_id, node=a.node.name
+                uuid=a.gpu_uuid,
+                index=a.gpu.index,
+                pci_bus_id=a.gpu.pci_bus_id,
+                node=a.node.name,
+                cluster=a.node.zone.cluster.name,
             )
             for a in sorted(workload.allocations, key=lambda a: a.gpu.index)
             if a.closed_at is None
