@@ -135,6 +135,10 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
     c.JupyterHub.spawner_class = "gpufleet.spawner.local.LocalGPUSpawner"
     c.LocalGPUSpawner.controller_api_url = d.controller_api_url
     c.LocalGPUSpawner.controller_token = spawner_token
+    # The Kubernetes backend (docs/kubernetes.md) talks to the same controller, as the same
+    # identity: switching c.JupyterHub.spawner_class is all it takes.
+    c.KubeGPUSpawner.controller_api_url = d.controller_api_url
+    c.KubeGPUSpawner.controller_token = spawner_token
     c.LocalGPUSpawner.home_dir_template = str(d.data_dir / "homes" / "{username}")
     c.NodeAgent.home_dir_template = c.LocalGPUSpawner.home_dir_template
     c.LocalGPUSpawner.fake_nvml_dir = str(d.data_dir / "agent" / "fake-nvml")

@@ -1,0 +1,458 @@
+"""KubeGPUSpawner: KubeSpawner 7 behind the gpufleet queue, on several Kubernetes clusters.
+
+The handshake is :mod:`.handshake`'s: the request waits in the controller's queue (position
+and reason on the spawn page) until the scheduler places it on a node of one of the fleet's
+clusters. Then the pod goes to that cluster and node, built by the pure
+:func:`.kube_manifests.session_pod` (required node affinity, so kube-scheduler still checks
+it; the GPU limit; a priority class that never preempts; non-root; no service-account
+token) with its NetworkPolicy, and the pod's events become progress messages.
+
+What differs from KubeSpawner: KubeSpawner loads one process-wide client configuration and
+shares one pod and one event reflector per namespace, so every server lives on one cluster
+(kubespawner#516). Here each cluster of ``c.FleetController.clusters`` has its own API
+client (its kubeconfig and context), and reflectors are keyed by cluster, so one hub spawns
+on any of them; a server's cluster is in its saved state, and survives a hub restart.
+
+GPUs are released only once the pod is gone (``_nothing_left_running``): a pod that may
+still run keeps its GPUs allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+from urllib.parse import urlparse
+
+from jupyterhub.spawner import Spawner
+from kubespawner import KubeSpawner
+from kubespawner.reflector import ResourceReflector
+from kubespawner.spawner import EventReflector, PodReflector
+from tornado import web
+from traitlets import Bool, Dict, Integer, List, Unicode, default
+
+from ..recovery import processes
+from .clusters import ClusterConfigError, ClusterSettings, api_client, parse_clusters
+from .handshake import GPUQueueSpawner
+from .kube_manifests import (
+    KUBE_DNS,
+    Endpoint,
+    Peer,
+    SessionPod,
+    Volume,
+    session_network_policy,
+    session_pod,
+)
+
+__all__ = ["KubeGPUSpawner"]
+
+# One API client per cluster and event loop, shared by every spawner of the hub.
+_clients: dict[tuple[int, str], Any] = {}
+
+
+class _ClusterReflectorMixin(ResourceReflector):
+    """A KubeSpawner reflector on the API client it is given, not the process-wide one."""
+
+    def __init__(self, *args: Any, api: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.api = api
+
+
+class ClusterPodReflector(_ClusterReflectorMixin, PodReflector):
+    pass
+
+
+class ClusterEventReflector(_ClusterReflectorMixin, EventReflector):
+    pass
+
+
+def _peer(spec: dict[str, Any]) -> Peer:
+    return Peer(
+        pod_labels=spec.get("pod_labels"),
+        namespace_labels=spec.get("namespace_labels"),
+        cidr=str(spec.get("cidr", "")),
+        except_cidrs=tuple(spec.get("except_cidrs", ())),
+    )
+
+
+def _address_peer(url: str) -> tuple[Peer, int]:
+    """The host of ``url`` as a one-address peer, and its port."""
+    parsed = urlparse(url)
+    host = parsed.hostname or "127.0.0.1"
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    bits = 128 if ":" in host else 32
+    return Peer(cidr=f"{host}/{bits}"), port
+
+
+class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
+    clusters = List(
+        Dict(),
+        help="The fleet's Kubernetes clusters; by default c.FleetController.clusters, so "
+        "the controller and the spawner name them once (docs/kubernetes.md).",
+    ).tag(config=True)
+
+    @default("clusters")
+    def _default_clusters(self) -> list[dict[str, Any]]:
+        return list(self.config.FleetController.get("clusters", []))
+
+    termination_grace_seconds = Integer(
+        60,
+        help="Seconds a session pod gets between SIGTERM and SIGKILL when it stops: long "
+        "enough for the server to save what it must.",
+    ).tag(config=True)
+
+    session_priority_class = Unicode(
+        "gpufleet-session",
+        help="The PriorityClass of session pods. Create it with preemptionPolicy: Never "
+        "(docs/kubernetes.md): gpufleet decides preemption, kube-scheduler never does.",
+    ).tag(config=True)
+
+    session_volumes = List(
+        Dict(),
+        help="Volumes of every session pod: {name, mount_path, kind: pvc|hostPath|emptyDir, "
+        "source, sub_path, read_only, medium, size_limit}; {username} and {servername} in "
+        "source and sub_path are the server's (escaped as KubeSpawner escapes them).",
+    ).tag(config=True)
+
+    network_proxy = Dict(
+        help="Who may reach a session pod besides the hub: {cidr} or {pod_labels, "
+        "namespace_labels}. Default: the hub's own address.",
+    ).tag(config=True)
+
+    network_hub = Dict(
+        help="The hub's API as sessions reach it: {cidr} or {pod_labels, namespace_labels}, "
+        "and {ports}. Default: the host and port of the hub's API URL.",
+    ).tag(config=True)
+
+    network_controller = Dict(
+        help="gpufleet's controller as sessions reach it, as network_hub. Default: the host "
+        "and port of controller_api_url.",
+    ).tag(config=True)
+
+    network_dns = Bool(
+        True, help="Let session pods reach kube-dns in kube-system (UDP and TCP 53)."
+    ).tag(config=True)
+
+    session_extension = Bool(
+        True,
+        help="Start the session's server with gpufleet's server extension (activity for "
+        "the culler, its notices); the image must have gpufleet installed.",
+    ).tag(config=True)
+
+    @default("delete_grace_period")
+    def _default_delete_grace_period(self) -> int:
+        return int(self.termination_grace_seconds)
+
+    @default("cmd")
+    def _default_cmd(self) -> list[str]:
+        return ["jupyterhub-singleuser"]
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        # Not KubeSpawner.__init__: it loads one process-wide client configuration (and
+        # fails where there is none). A cluster's client is chosen at placement.
+        Spawner.__init__(self, *args, **kwargs)
+        self.pod_name = self._expand_user_properties(self.pod_name_template)
+        self.dns_name = self.dns_name_template.format(namespace=self.namespace, name=self.pod_name)
+        self.secret_name = self._expand_user_properties(self.secret_name_template)
+        self.pvc_name = self._expand_user_properties(self.pvc_name_template)
+        self._pvc_exists = False
+        if getattr(self, "port", 0) == 0:
+            self.port = 8888  # KubeSpawner's default port, as its __init__ sets it
+        self._start_future: Any = None
+        self.api: Any = None
+        self._uid = self._gid = 0
+
+    # -------------------------------------------------------------- clusters
+    def cluster_settings(self, name: str) -> ClusterSettings:
+        try:
+            known = {c.name: c for c in parse_clusters(self.clusters)}
+        except ClusterConfigError as e:
+            raise web.HTTPError(500, f"c.FleetController.clusters: {e}") from e
+        if name not in known:
+            raise web.HTTPError(
+                500,
+                f"the scheduler placed this server on cluster {name!r}, which is not in "
+                "c.FleetController.clusters of the hub: give the hub the same list as the "
+                "controller",
+            )
+        return known[name]
+
+    async def _use_cluster(self, name: str) -> ClusterSettings:
+        """Talk to cluster ``name`` from now on (its namespace, its shared client)."""
+        from kubernetes_asyncio import client
+
+        settings = self.cluster_settings(name)
+        key = (id(asyncio.get_running_loop()), name)
+        if key not in _clients:
+            try:
+                _clients[key] = await api_client(settings)
+            except ClusterConfigError as e:
+                raise web.HTTPError(503, str(e)) from e
+        self.cluster_name = name
+        self.namespace = settings.namespace
+        self.dns_name = self.dns_name_template.format(namespace=self.namespace, name=self.pod_name)
+        self.api = client.CoreV1Api(_clients[key])
+        return settings
+
+    def _get_reflector_key(self, kind: str) -> Any:
+        return (self.cluster_name, kind, self.namespace)
+
+    async def _start_watching_pods(self, replace: bool = False) -> Any:
+        return await self._start_reflector(
+            kind="pods",
+            reflector_class=ClusterPodReflector,
+            labels={"component": self.component_label},
+            omit_namespace=False,
+            replace=replace,
+            api=self.api,
+        )
+
+    async def _start_watching_events(self, replace: bool = False) -> Any:
+        return await self._start_reflector(
+            kind="events",
+            reflector_class=ClusterEventReflector,
+            fields={"involvedObject.kind": "Pod"},
+            omit_namespace=False,
+            replace=replace,
+            api=self.api,
+        )
+
+    async def load_user_options(self) -> None:
+        """The form's options are gpufleet's (project, GPU type and count, profile), which
+        the controller checked; KubeSpawner's profile list does not apply."""
+
+    # -------------------------------------------------------------- manifests
+    def session_pod(self) -> SessionPod:
+        settings = self.cluster_settings(self.cluster_name)
+        assert self.workload_id is not None
+        args = [*self.get_args(), "--ip=$(GPUFLEET_POD_IP)", f"--port={self.port}"]
+        if self.session_extension:
+            args.append("--ServerApp.jpserver_extensions=gpufleet.culler.session_extension=True")
+        env = {k: v for k, v in self.get_env().items() if k not in _SET_BY_THE_POD}
+        return SessionPod(
+            name=self.pod_name,
+            namespace=self.namespace,
+            cluster=self.cluster_name,
+            node=self.node_name,
+            node_selector=settings.gpu_node_selector,
+            workload_id=self.workload_id,
+            user=self.user.name,
+            project=str(self.user_options.get("project", "")),
+            server_name=self.name,
+            marker=self.marker,
+            image=self.image,
+            command=tuple(self.cmd or ()),
+            args=tuple(args),
+            env=env,
+            image_pull_policy=self.image_pull_policy or None,
+            port=self.port,
+            base_url=self.server.base_url if self.server else None,
+            uid=self._uid,
+            gid=self._gid,
+            gpu_resource=settings.gpu_resource,
+            gpus=len(self.gpu_uuids),
+            priority_class_name=self.session_priority_class,
+            termination_grace_seconds=int(self.termination_grace_seconds),
+            volumes=tuple(self._volumes()),
+            extra_labels={"component": self.component_label},
+        )
+
+    def _volumes(self) -> list[Volume]:
+        volumes = []
+        for spec in self.session_volumes:
+            fields = dict(spec)
+            for key in ("source", "sub_path"):
+                if key in fields:
+                    fields[key] = self._expand_user_properties(str(fields[key]))
+            volumes.append(Volume(**fields))
+        return volumes
+
+    async def get_pod_manifest(self) -> Any:
+        try:
+            return session_pod(self.session_pod())
+        except ValueError as e:
+            raise web.HTTPError(500, f"the session's pod cannot be built: {e}") from e
+
+    def network_policy(self) -> dict[str, Any]:
+        hub_peer, hub_port = _address_peer(self.hub.api_url)
+        controller_peer, controller_port = _address_peer(self.controller_api_url)
+
+        def endpoint(spec: dict[str, Any], peer: Peer, port: int) -> Endpoint:
+            if not spec:
+                return Endpoint(peer, (port,))
+            return Endpoint(_peer(spec), tuple(int(p) for p in spec.get("ports", (port,))))
+
+        return session_network_policy(
+            self.session_pod(),
+            proxy=_peer(self.network_proxy) if self.network_proxy else hub_peer,
+            hub=endpoint(self.network_hub, hub_peer, hub_port),
+            controller=endpoint(self.network_controller, controller_peer, controller_port),
+            dns=KUBE_DNS if self.network_dns else None,
+        )
+
+    def get_env(self) -> dict[str, str]:
+        env: dict[str, str] = super().get_env()
+        if self.workload_id is not None:
+            env["GPUFLEET_NODE"] = self.node_name
+            env["GPUFLEET_CLUSTER"] = self.cluster_name
+            env["GPUFLEET_PROJECT"] = str(self.user_options.get("project", ""))
+            env["GPUFLEET_CONTROLLER_API_URL"] = self.controller_api_url
+        return env
+
+    def _get_pod_url(self, pod: dict[str, Any]) -> str:
+        settings = self.cluster_settings(self.cluster_name)
+        return settings.pod_address(
+            ip=pod["status"]["podIP"], port=self._get_pod_port(pod), pod=pod["metadata"]["name"]
+        )
+
+    # -------------------------------------------------------------- start
+    async def start(self) -> Any:
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        self._progress_log()
+        self.marker = processes.new_marker()
+        status = await self._open_request()
+        self.workload_id = status.id
+        renewer = asyncio.create_task(self._renew_while_waiting(status.id))
+        follower: asyncio.Task[None] | None = None
+        created = False
+        try:
+            status = await self._wait_for_placement(status)
+            assert status.placement is not None
+            self.gpu_uuids = status.placement.gpu_uuids
+            self.node_name = status.placement.node
+            await self._use_cluster(status.placement.cluster)
+            self._report(
+                f"GPUs assigned: {len(self.gpu_uuids)} × {status.gpu_type} on "
+                f"{self.node_name} in cluster {self.cluster_name}",
+                25,
+            )
+            account = await self._until_answered(
+                lambda: self.controller.account(self.user.name), self.queue_timeout
+            )
+            self._uid, self._gid = int(account["uid"]), int(account["gid"])
+            await self._apply_network_policy()
+            follower = asyncio.create_task(self._follow_pod_events())
+            created = True
+            self._start_future = asyncio.ensure_future(self._start())
+            try:
+                url = await self._start_future
+            except ApiException as e:
+                raise _api_error(self.cluster_name, "create the session's pod", e) from e
+            renewer.cancel()
+            workload_id = status.id
+            await self._until_answered(lambda: self.controller.running(workload_id), 120)
+            self._report("Server is up", 100)
+            return url
+        except BaseException as error:  # cancellation included: never leave GPUs behind
+            renewer.cancel()
+            await asyncio.shield(self._abandon(created, error))
+            raise
+        finally:
+            renewer.cancel()
+            if follower is not None:
+                follower.cancel()
+
+    async def _apply_network_policy(self) -> None:
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        policy = self.network_policy()
+        networking: Any = client.NetworkingV1Api(self.api.api_client)
+        try:
+            await networking.create_namespaced_network_policy(self.namespace, policy)
+        except ApiException as e:
+            if e.status != 409:
+                raise _api_error(self.cluster_name, "create the session's NetworkPolicy", e) from e
+            await networking.replace_namespaced_network_policy(
+                self.pod_name, self.namespace, policy
+            )
+
+    async def _follow_pod_events(self) -> None:
+        """The pod's events (scheduled, image, started, FailedScheduling...) as progress."""
+        await self._start_watching_events()
+        seen = 0
+        while True:
+            events = self.events
+            for event in events[seen:]:
+                reason = event.get("reason") or event.get("type") or ""
+                self._report(f"{reason}: {event.get('message', '')}", 50)
+            seen = len(events)
+            await asyncio.sleep(0.5)
+
+    # -------------------------------------------------------------- poll and stop
+    async def poll(self) -> int | None:
+        if self.api is None:
+            if not self.cluster_name:
+                return 0
+            await self._use_cluster(self.cluster_name)
+        result: int | None = await KubeSpawner.poll(self)
+        return result
+
+    async def stop(self, now: bool = False) -> None:
+        if self.api is None and self.cluster_name:
+            await self._use_cluster(self.cluster_name)
+        if self.api is not None:
+            await KubeSpawner.stop(self, now=now)
+            await self._delete_network_policy()
+        await self._release("stopped", "")
+
+    async def _delete_network_policy(self) -> None:
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        with contextlib.suppress(ApiException):
+            await client.NetworkingV1Api(self.api.api_client).delete_namespaced_network_policy(
+                self.pod_name, self.namespace
+            )
+
+    async def _nothing_left_running(self) -> bool:
+        if self.api is None:
+            return True
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        try:
+            pod = await self.api.read_namespaced_pod(self.pod_name, self.namespace)
+        except ApiException as e:
+            if e.status == 404:
+                return True
+            self.log.error(
+                "could not tell whether pod %s/%s of workload %s is gone (%s); its GPUs stay "
+                "allocated",
+                self.namespace,
+                self.pod_name,
+                self.workload_id,
+                e.reason,
+            )
+            return False
+        self.log.error(
+            "pod %s/%s of workload %s still exists (phase %s); its GPUs stay allocated until "
+            "it is gone",
+            self.namespace,
+            self.pod_name,
+            self.workload_id,
+            pod.status.phase if pod.status else "unknown",
+        )
+        return False
+
+
+# The device plugin sets these in the container: a spawner's value would be wrong there.
+_SET_BY_THE_POD = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "NVIDIA_VISIBLE_DEVICES",
+        "GPUFLEET_POD_IP",
+        "GPUFLEET_WORKLOAD_ID",
+        processes.MARKER_VARIABLE,
+    }
+)
+
+
+def _api_error(cluster: str, what: str, error: Any) -> web.HTTPError:
+    if error.status == 403:
+        return web.HTTPError(
+            503,
+            f"cluster {cluster} does not let gpufleet's spawner {what} (403 Forbidden): grant "
+            "its identity the Role in docs/kubernetes.md",
+        )
+    return web.HTTPError(503, f"cluster {cluster} could not {what}: {error.status} {error.reason}")
