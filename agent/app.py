@@ -1,7 +1,8 @@
 """The node agent: the controller's eyes and hands on a GPU node.
 
-It reports the node's inventory, a heartbeat, GPU samples and XIDs, and runs the job
-pods the controller places on its nodes (``jobs.PodKeeper``). On a machine without GPUs
+It reports the node's inventory, a heartbeat, GPU samples, XIDs and which GPUs each
+workload's processes were given (``placements``), and runs the job pods the controller
+places on its nodes (``jobs.PodKeeper``). On a machine without GPUs
 the inventory is the one declared in the config (``c.NodeAgent.declared_nodes``), with
 stable made-up UUIDs, so the whole flow runs on a laptop and in CI.
 """
@@ -22,6 +23,7 @@ from traitlets.config import Application
 
 from .. import __version__
 from ..recovery.nvml import GpuSample, NvmlError
+from ..recovery.processes import marked_process_details
 from ..snapshotter.sandbox import (
     DEFAULT_SESSION_PREFIX,
     SandboxMode,
@@ -43,6 +45,14 @@ from .jobs import PodKeeper, RankSandbox
 from .lifecycle import until_stopped
 from .metrics import Assignment
 from .network_guard import GuardUnavailable, NetworkGuard, table_name
+from .placements import (
+    VISIBLE_DEVICES,
+    Conflict,
+    changed_placements,
+    placements_body,
+    read_placements,
+    served_uuids,
+)
 
 
 def _sample_body(sample: GpuSample) -> dict[str, Any]:
@@ -100,6 +110,15 @@ class NodeAgent(Application):
     sample_interval = Float(5.0, help="Seconds between GPU samples sent to the controller.").tag(
         config=True
     )
+
+    placement_interval = Float(
+        5.0,
+        help="Seconds between readings of which GPUs the marked processes of this machine "
+        "were given (NVIDIA_VISIBLE_DEVICES in their environment, as NVIDIA's device "
+        "plugin and container runtime set it); the controller then records each workload "
+        "on those GPUs. Only changes are sent. 0 turns the read-back off: the controller "
+        "keeps the GPUs it admitted each workload on.",
+    ).tag(config=True)
 
     nvml = Enum(
         ["auto", "real", "fake", "off"],
@@ -304,9 +323,16 @@ class NodeAgent(Application):
             )
             if self.metrics_port:
                 start_exporter(self.gpus, self.node_name, self.metrics_ip, self.metrics_port)
+        # Set while the controller knows this agent's nodes; ``registrations`` counts the
+        # times it was told them. A controller that forgot them (a new database) forgot
+        # what the read-back reported too: the next report after it is complete.
+        self.registered = asyncio.Event()
+        self.registrations = 0
         headers = {"Authorization": f"token {self.api_token}"}
         async with httpx.AsyncClient(headers=headers, timeout=10) as client:
             loops = [self._heartbeats(client), self._job_pods(client)]
+            if self.placement_interval > 0:
+                loops.append(self._placements(client))
             if self.gpus is not None:
                 loops += [self._samples(client, self.gpus), self._xids(client, self.gpus)]
             await asyncio.gather(*loops)
@@ -318,6 +344,8 @@ class NodeAgent(Application):
                 if not registered:
                     await self._post(client, "/agent/register", {"nodes": self.inventory})
                     registered = True
+                    self.registrations += 1
+                    self.registered.set()
                     self.log.info("registered %d node(s) with the controller", len(self.inventory))
                 else:
                     answer = await self._post(
@@ -326,6 +354,8 @@ class NodeAgent(Application):
                         {"nodes": [n["name"] for n in self.inventory]},
                     )
                     registered = not answer["unknown"]
+                    if not registered:
+                        self.registered.clear()
                     if self.gpus is not None:
                         self.gpus.assignments = {
                             uuid: Assignment(a["workload_id"], a["username"], a["name"])
@@ -336,6 +366,50 @@ class NodeAgent(Application):
                 await asyncio.sleep(min(self.heartbeat_interval, 1.0))
                 continue
             await asyncio.sleep(self.heartbeat_interval if registered else 0.2)
+
+    async def _placements(self, client: httpx.AsyncClient) -> None:
+        """Report which served GPUs each marker's container was given (agent/placements.py):
+        everything at the start, after a failed report and after each registration (a
+        controller that forgot this agent); otherwise only what changed. Never before the
+        controller knows this agent's GPUs: it would take them for GPUs it does not know."""
+        served = served_uuids(self.inventory)
+        reported: dict[str, tuple[str, ...]] | None = None
+        logged: set[Conflict] = set()
+        reported_since = 0  # the registration ``reported`` was sent after
+        while True:
+            await self.registered.wait()
+            if reported_since != self.registrations:
+                reported_since, reported = self.registrations, None
+            processes = await asyncio.to_thread(marked_process_details, (VISIBLE_DEVICES,))
+            readback = read_placements(processes, served)
+            for conflict in set(readback.conflicts) - logged:
+                self.log.warning(
+                    "processes of marker %s disagree on their GPUs: pid %d has %s=%r, pid %d "
+                    "(the first, which counts) %r",
+                    conflict.marker,
+                    conflict.other_pid,
+                    VISIBLE_DEVICES,
+                    conflict.other,
+                    conflict.kept_pid,
+                    conflict.kept,
+                )
+            logged = set(readback.conflicts)  # said once while it lasts
+            changes = changed_placements(readback.placements, reported)
+            if changes:
+                try:
+                    answer = await self._post(client, "/agent/placements", placements_body(changes))
+                except httpx.HTTPError as e:
+                    self.log.warning("could not report which GPUs workloads have (%s)", e)
+                    reported = None  # what arrived is unknown: all of it again next time
+                    await asyncio.sleep(self.placement_interval)
+                    continue
+                if answer.get("reseated"):
+                    self.log.info(
+                        "the controller moved workload(s) %s onto the GPUs their processes have",
+                        answer["reseated"],
+                    )
+            reported = readback.placements
+            await asyncio.sleep(self.placement_interval)
 
     async def _job_pods(self, client: httpx.AsyncClient) -> None:
         """Report the job pods this agent runs, with their new log lines; run what the

@@ -298,6 +298,15 @@ OPERATIONS = (
         status=202,
     ),
     Operation(
+        "post",
+        "/agent/placements",
+        "A node agent reports which GPUs each workload's processes were given (their "
+        "NVIDIA_VISIBLE_DEVICES); the controller records each workload on those GPUs",
+        (scopes.AGENT,),
+        schemas.PlacementsIn,
+        schemas.PlacementsOut,
+    ),
+    Operation(
         "get",
         "/snapshots",
         "Snapshots of your sessions (anyone's for admins), newest first, from the index",

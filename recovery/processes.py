@@ -9,10 +9,12 @@ remains. The marker is random per start, not the workload id: two deployments on
 machine (or a test suite beside a demo) number their workloads independently.
 
 Used by the local backend's spawner (sessions), by the node agent's rank runner (job
-ranks) and by the controller's reconciler (``marked_processes``: every marked process, to
+ranks), by the controller's reconciler (``marked_processes``: every marked process, to
 find those no open workload owns), so the rule "nothing of it runs any more" is written
-once. DESIGN.md's import table lets the spawner import only the client and the
-snapshotter; this stdlib-only module is the exception (docs/architecture.md).
+once, and by the node agent's GPU read-back (``marked_process_details``: which GPUs each
+workload's container was given, from its environment). DESIGN.md's import table lets the
+spawner import only the client and the snapshotter; this stdlib-only module is the
+exception (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 MARKER_VARIABLE = "GPUFLEET_SESSION_MARKER"
@@ -62,22 +66,56 @@ def marked_processes(proc: Path = Path("/proc")) -> dict[int, str]:
     cannot be read belongs to another user and never to a session of this hub: sessions
     run as the hub's own user, or the hub runs as root and reads everything.
     """
+    return {found.pid: found.marker for found in marked_process_details((), proc)}
+
+
+@dataclass(frozen=True)
+class MarkedProcess:
+    """A live marked process, with the variables of its environment that were asked for."""
+
+    pid: int
+    marker: str
+    # When it started, in clock ticks after boot (/proc/<pid>/stat, field 22): of one
+    # marker's processes, the oldest is the one its backend started (a container's init).
+    started: int
+    environ: Mapping[str, str]
+
+
+def marked_process_details(
+    variables: Collection[str], proc: Path = Path("/proc")
+) -> list[MarkedProcess]:
+    """Every live marked process (as ``marked_processes``) with its start time and the
+    ``variables`` of its environment it has.
+
+    ``/proc/<pid>/environ`` is the environment the process was started with, what its
+    parent (a container runtime) gave it: its own later ``setenv()`` calls do not show there.
+    """
     prefix = f"{MARKER_VARIABLE}=".encode()
-    found = {}
+    wanted = {f"{name}=".encode() for name in variables}
+    found = []
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:
             environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if state == "Z":  # a zombie holds no GPU memory; its parent reaps it
+        if stat[0] == "Z":  # a zombie holds no GPU memory; its parent reaps it
             continue
+        marker = None
+        values = {}
         for item in environ.split(b"\0"):
+            # The first of a repeated variable counts, as for getenv().
             if item.startswith(prefix) and len(item) > len(prefix):
-                found[int(entry.name)] = item[len(prefix) :].decode(errors="replace")
-                break
+                marker = marker or item[len(prefix) :].decode(errors="replace")
+            elif wanted:
+                name, sep, value = item.partition(b"=")
+                key = name.decode(errors="replace")
+                if sep and name + b"=" in wanted and key not in values:
+                    values[key] = value.decode(errors="replace")
+        if marker is not None:
+            found.append(MarkedProcess(int(entry.name), marker, int(stat[19]), values))
     return found
 
 

@@ -273,6 +273,28 @@ class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
         except ValueError as e:
             raise web.HTTPError(500, f"the session's pod cannot be built: {e}") from e
 
+    async def _make_create_pod_request(self, pod: dict[str, Any], request_timeout: float) -> bool:
+        """Create the pod (a manifest dict, not KubeSpawner's V1Pod). A pod of the same name
+        left from an earlier start is deleted first and the creation retried: through
+        KubeSpawner's stop, not this class's, which would release the new start's GPUs."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        try:
+            await asyncio.wait_for(
+                self.api.create_namespaced_pod(self.namespace, pod), request_timeout
+            )
+            return True
+        except TimeoutError:
+            return False
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        self.log.info(
+            "deleting the stale pod %s/%s before creating it", self.namespace, self.pod_name
+        )
+        await KubeSpawner.stop(self, now=True)
+        return False
+
     def network_policy(self) -> dict[str, Any]:
         hub_peer, hub_port = _address_peer(self.hub.api_url)
         controller_peer, controller_port = _address_peer(self.controller_api_url)

@@ -18,6 +18,7 @@ from ...scheduler.store.models import (
     WorkloadKind,
     Zone,
 )
+from ...scheduler.store.readback import Placement
 from ...scheduler.validation import SessionRequest
 from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
@@ -356,6 +357,30 @@ class AgentXidHandler(APIHandler):
         self.send({"recorded": True}, status=202)
 
 
+class AgentPlacementsHandler(APIHandler):
+    """Which GPUs workloads' processes were really given, as a node agent read them; the
+    controller records each workload on those GPUs (``store/readback.py``)."""
+
+    async def post(self) -> None:
+        identity = self.require(scopes.AGENT)
+        body = self.body(schemas.PlacementsIn)
+        placements = [Placement(p.marker, tuple(p.gpu_uuids)) for p in body.placements]
+        with store_errors_as_http():
+            result = self.controller.store.record_placements(
+                self.controller.now(), identity.name, placements
+            )
+        if result.reseated:
+            self.controller.notifier.changed(result.reseated)
+            self.controller.kick()  # a GPU left may be free now
+        self.send(
+            schemas.PlacementsOut(
+                reseated=list(result.reseated),
+                mismatched=list(result.mismatched),
+                unknown=list(result.unknown),
+            )
+        )
+
+
 class SnapshotsHandler(APIHandler):
     """Snapshots from the index: yours, or anyone's (``?username=``) for admins."""
 
@@ -415,6 +440,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/agent/heartbeat", AgentHeartbeatHandler),
         (rf"{api}/agent/samples", AgentSamplesHandler),
         (rf"{api}/agent/xid", AgentXidHandler),
+        (rf"{api}/agent/placements", AgentPlacementsHandler),
         (rf"{api}/events", EventsHandler),
         (rf"{api}/snapshots", SnapshotsHandler),
         *session_routes(api),

@@ -298,6 +298,34 @@ class XidIn(Strict):
     xid: int = Field(ge=0, le=2**31)
 
 
+class PlacementIn(Strict):
+    """The GPUs the processes carrying one marker were given (their container's
+    NVIDIA_VISIBLE_DEVICES, the served GPUs of it)."""
+
+    marker: str = Field(
+        min_length=8,
+        max_length=74,
+        pattern=r"^[0-9A-Za-z_-]{8,64}(\.[0-9]{1,9})?$",
+        description="a workload's process marker, or one pod's: <marker>.<pod index>",
+    )
+    gpu_uuids: list[Annotated[Name, Field(min_length=1, max_length=96)]] = Field(
+        min_length=1, max_length=1024
+    )
+
+
+class PlacementsIn(Strict):
+    placements: list[PlacementIn] = Field(max_length=100_000)
+
+
+class PlacementsOut(BaseModel):
+    reseated: list[int] = Field(description="workloads now recorded on other GPUs")
+    mismatched: list[int] = Field(
+        description="workloads whose report fits no admission: nothing changed (an event says "
+        "why, once)"
+    )
+    unknown: list[str] = Field(description="markers of no workload this controller knows")
+
+
 class NodeOut(BaseModel):
     name: str
     cluster: str

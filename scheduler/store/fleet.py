@@ -2,8 +2,9 @@
 
 The state is changed only through the methods of FleetStore and the classes it builds on
 (``base.StoreBase``: lease and fenced writes; ``inventory.InventoryStore``: what node
-agents report; ``reconcile.ReconcileStore``: process markers and the reconciler's
-repairs; ``cycle.SchedulingStore``: the scheduling cycle, whose decisions are committed
+agents report; ``readback.ReadbackStore``: the GPUs workloads' processes really have;
+``reconcile.ReconcileStore``: process markers and the reconciler's repairs;
+``cycle.SchedulingStore``: the scheduling cycle, whose decisions are committed
 in one transaction: a controller killed at any point leaves either all of them or none).
 """
 
@@ -38,6 +39,7 @@ from .models import (
     WorkloadState,
 )
 from .projects import ProjectAdminStore
+from .readback import ReadbackStore
 from .reconcile import ReconcileStore
 from .sessions import SessionActivityStore
 from .snapshots import SnapshotStore
@@ -51,6 +53,7 @@ class FleetStore(
     ReconcileStore,
     InventoryStore,
     ClusterInventoryStore,
+    ReadbackStore,
     SnapshotStore,
     SessionActivityStore,
     JobStore,

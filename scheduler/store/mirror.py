@@ -278,7 +278,10 @@ class Mirror:
         touched = set()
         for pod in old.pods:
             for uuid in pod.gpus:
-                self.taken.pop(uuid, None)
+                # Only if still this workload's: two workloads that swapped GPUs (the GPU
+                # read-back, store/readback.py) are re-read in any order.
+                if self.taken.get(uuid) == workload_id:
+                    del self.taken[uuid]
             touched.add(self.node_ids[pod.node])
         return touched
 
