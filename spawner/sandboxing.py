@@ -186,10 +186,17 @@ def sandboxed_command(
     extra_binds: Iterable[str],
     read_only: Iterable[str],
     notebook_dir: str,
+    binds_at: Iterable[tuple[Path, Path]] = (),
+    read_only_at: Iterable[tuple[Path, Path]] = (),
 ) -> list[str]:
     """Prepare a server's directories for a start and return the command line that runs
     ``argv`` in its sandbox as the user of ``containment``, with ``home``, from the
     session's own virtualenv (:mod:`.session_venv`). Blocking.
+
+    ``binds_at`` and ``read_only_at``: ``(host path, path inside)`` pairs bound read-write
+    and read-only where the inside path says (a pod's volumes at their mount paths, for the
+    Kubernetes tier's test kubelet); ``extra_binds`` and ``read_only`` appear at their own
+    paths.
 
     Raises :class:`SandboxUnavailable` with what went wrong.
     """
@@ -212,6 +219,7 @@ def sandboxed_command(
     ]
     if prefix_source is not None:
         binds.append((prefix_source, containment.prefix))
+    binds += binds_at
     shown_read_only = [containment.base_env, *(Path(p) for p in read_only if os.path.exists(p))]
     launcher = [
         str(containment.base_python),
@@ -234,7 +242,7 @@ def sandboxed_command(
             root=root,
             tmp=dirs.tmp,
             user=(containment.uid, containment.gid),
-            read_only=[*((p, p) for p in shown_read_only), *identity],
+            read_only=[*((p, p) for p in shown_read_only), *identity, *read_only_at],
         )
     except ValueError as e:
         raise SandboxUnavailable(str(e)) from e

@@ -31,7 +31,8 @@ from .tier import CLUSTER_A, CLUSTER_B, TIER_NODES, in_ci
 
 @pytest.fixture(scope="package")
 def k8s_tier() -> Iterator[ControlPlane]:
-    """Both clusters, their fake GPU nodes Ready, for the tests of this package."""
+    """Both clusters, their fake GPU nodes Ready, each with its test kubelet
+    (``cluster.kubelet(node)``), for the tests of this package."""
     try:
         binaries = find_binaries()
     except K8sUnavailable as e:

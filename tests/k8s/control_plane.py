@@ -21,7 +21,10 @@ and one kubelet per fake node. The node-lifecycle controller runs with short tim
 (``NODE_MONITOR_GRACE_S``), so a node whose lease stops being renewed is NotReady within
 seconds; leader election is off.
 
-Fake GPU nodes and their lease renewers are in ``nodes.py``.
+Fake GPU nodes and their lease renewers are in ``nodes.py``. Each node has a test kubelet
+(``kubelet.py``, ``Cluster.kubelet(name)``) that runs the pods bound to it on this machine,
+in gpufleet's session sandbox, each pod at a loopback address of its own (``kubelets=False``
+starts the tier without them).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -38,6 +41,9 @@ from typing import Any
 
 import httpx
 
+from gpufleet.recovery.fake_nvml import FakeNvmlBuildError, build
+
+from .kubelet import Kubelet, KubeletSettings
 from .nodes import FakeNode, NodeSpec
 from .pki import (
     CertificateAuthority,
@@ -50,6 +56,7 @@ from .pki import (
     write_token_file,
 )
 from .processes import ManagedProcess, TierStartError, free_ports, wait_until
+from .resources import PodAddresses
 
 BIN_ENV = "GPUFLEET_K8S_BIN"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -117,6 +124,8 @@ class Cluster:
     etcd_data: Path | None = None  # on tmpfs where there is one, outside ``workdir``
     processes: dict[str, ManagedProcess] = field(default_factory=dict)
     nodes: dict[str, FakeNode] = field(default_factory=dict)
+    kubelet_settings: KubeletSettings | None = None  # None: nodes get no kubelet
+    kubelets: dict[str, Kubelet] = field(default_factory=dict)
 
     @property
     def server(self) -> str:
@@ -144,9 +153,15 @@ class Cluster:
             timeout=timeout_s,
         )
 
-    def add_node(self, spec: NodeSpec, wait: bool = True) -> FakeNode:
-        """Registers a fake GPU node as its kubelet would, starts its lease renewer, and
-        (with ``wait``) returns once the node-lifecycle controller has it Ready and untainted.
+    def add_node(
+        self,
+        spec: NodeSpec,
+        wait: bool = True,
+        devices: Mapping[str, Sequence[str]] | None = None,
+    ) -> FakeNode:
+        """Registers a fake GPU node as its kubelet would, starts its lease renewer and its
+        test kubelet (serving ``devices`` by resource name; default: its GPUs), and (with
+        ``wait``) returns once the node-lifecycle controller has it Ready and untainted.
         The API server reads its token file once, so a node added after start takes one of
         the spare kubelet identities' names (``spare_node_name``)."""
         identity = self.identities.get(f"kubelet:{spec.name}")
@@ -161,10 +176,22 @@ class Cluster:
         node.register()
         node.start_renewer()
         self.nodes[spec.name] = node
+        if self.kubelet_settings is not None:
+            kubelet = Kubelet(node, self.kubelet_settings, devices)
+            self.kubelets[spec.name] = kubelet
+            kubelet.start()
         if wait:
             with self.rest() as api:
                 node.wait_ready(api, deadline_s=30.0)
         return node
+
+    def kubelet(self, node: str) -> Kubelet:
+        """The test kubelet of ``node`` (``pause``/``resume``, ``logs``)."""
+        if node not in self.kubelets:
+            raise KeyError(
+                f"{node!r} has no test kubelet in {self.name} (known: {sorted(self.kubelets)})"
+            )
+        return self.kubelets[node]
 
     def spare_node_name(self) -> str:
         """The name of a node not registered yet whose kubelet has a token."""
@@ -176,6 +203,9 @@ class Cluster:
         """Stops the node's renewer and deletes its Node (its Lease follows by owner); its
         name is spare again."""
         node = self.nodes.pop(name)
+        kubelet = self.kubelets.pop(name, None)
+        if kubelet is not None:
+            kubelet.stop()
         node.stop_renewer()
         with self.rest() as api:
             r = api.delete(f"/api/v1/nodes/{name}")
@@ -184,13 +214,18 @@ class Cluster:
         self.spare_node_names.append(name)
 
     def stop(self) -> None:
-        for node in self.nodes.values():
-            node.stop_renewer()
-        # Clients first, the store last: nothing logs errors about a vanished etcd.
-        for key in ("controller-manager", "scheduler", "apiserver", "etcd"):
-            proc = self.processes.get(key)
-            if proc is not None:
-                proc.stop()
+        try:
+            # The kubelets first: their containers die before anything they talk to.
+            for kubelet in self.kubelets.values():
+                kubelet.stop()
+        finally:
+            for node in self.nodes.values():
+                node.stop_renewer()
+            # Clients first, the store last: nothing logs errors about a vanished etcd.
+            for key in ("controller-manager", "scheduler", "apiserver", "etcd"):
+                proc = self.processes.get(key)
+                if proc is not None:
+                    proc.stop()
 
 
 # Grants of gpufleet's own identities: what the controller and the spawner are expected to
@@ -238,10 +273,12 @@ class ControlPlane:
         binaries: Binaries,
         nodes: dict[str, Sequence[NodeSpec]],
         spare_kubelets: int = 2,
+        kubelets: bool = True,
     ) -> ControlPlane:
         """Starts one cluster per key of ``nodes`` with those fake nodes registered and
-        Ready. ``spare_kubelets`` kubelet tokens per cluster (``<cluster>-spare-<i>``) let
-        tests add nodes later. Everything started is stopped again if start-up fails."""
+        Ready, each with its test kubelet (unless ``kubelets`` is False). ``spare_kubelets``
+        kubelet tokens per cluster (``<cluster>-spare-<i>``) let tests add nodes later.
+        Everything started is stopped again if start-up fails."""
         began = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="gpufleet-k8s-"))
         ca = CertificateAuthority.create(workdir)
@@ -251,6 +288,12 @@ class ControlPlane:
             clusters[name] = _prepare_cluster(
                 workdir, ca, name, index, [s.name for s in specs], spares
             )
+        if kubelets:
+            settings = KubeletSettings(
+                workdir / "kubelets", PodAddresses(), fake_nvml_library=_fake_nvml(workdir)
+            )
+            for cluster in clusters.values():
+                cluster.kubelet_settings = settings
         plane = cls(
             workdir,
             binaries,
@@ -335,6 +378,15 @@ class ControlPlane:
                 if c.etcd_data is not None:
                     shutil.rmtree(c.etcd_data, ignore_errors=True)
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _fake_nvml(workdir: Path) -> Path | None:
+    """gpufleet's fake NVML library, built for the tier's pods (under a second); None
+    without a C compiler: pods then get no NVML, and the rest of the tier works."""
+    try:
+        return build(workdir / "fake-nvml")
+    except FakeNvmlBuildError:
+        return None
 
 
 def _prepare_cluster(
@@ -485,6 +537,9 @@ def _controller_manager_argv(binaries: Binaries, c: Cluster) -> list[str]:
         f"--node-monitor-grace-period={NODE_MONITOR_GRACE_S}s",
         "--node-startup-grace-period=10s",
         f"--pod-eviction-timeout={EVICTION_TOLERATION_S}s",
+        # The PV controller binds a claim to a static volume created a moment before only at
+        # its next sync (15 s by default): a second keeps volume tests short.
+        "--pvclaimbinder-sync-period=1s",
         "--controllers=*",
     ]
 

@@ -1,4 +1,5 @@
-"""Fake GPU nodes: Node objects and Leases that a kubelet would keep, without a kubelet.
+"""Fake GPU nodes: the Node objects and Leases a kubelet keeps (the pods are the test
+kubelet's, ``kubelet.py``).
 
 A ``FakeNode`` registers itself through the API server with its own kubelet identity
 (``system:node:<name>``, so the Node authorizer and NodeRestriction treat it as a real
@@ -12,10 +13,11 @@ The renewer is a thread, not an asyncio task: the tier lives for the whole test 
 and synchronous tests running meanwhile must not starve it into a NotReady node. It renews
 every ``RENEW_INTERVAL_S`` and, like a kubelet's status sync, posts Ready again when it finds
 its node not Ready (after a pause, or a moment of starvation). Stopping it is how a test
-makes a node NotReady: the real node-lifecycle controller then marks it Unknown and taints it
-within its grace period. The GPU UUIDs are the ones gpufleet's node agent makes up for a
-declared node (``declared_gpu_uuid``), so a test kubelet added later can hand exactly those
-to pods, as NVIDIA's device plugin would.
+makes a node NotReady (``Kubelet.pause()`` stops it together with the node's pod handling):
+the real node-lifecycle controller then marks it Unknown and taints it within its grace
+period. The GPU UUIDs are the ones gpufleet's node agent makes up for a declared node
+(``declared_gpu_uuid``), so the test kubelet hands exactly those to pods, as NVIDIA's device
+plugin would.
 """
 
 from __future__ import annotations
@@ -167,8 +169,8 @@ def is_ready(node: Mapping[str, Any]) -> bool:
 class FakeNode:
     """A registered fake GPU node of one cluster, and the thread that keeps its lease.
 
-    A test kubelet added later needs only what is here: the node's name, cluster, zone, GPU
-    UUIDs and kubelet identity; it would take over ``start_renewer``'s job."""
+    The node's test kubelet (``kubelet.py``) acts with its identity and GPU UUIDs, and
+    stops and starts its renewer when it is paused and resumed."""
 
     def __init__(
         self, spec: NodeSpec, cluster: str, server: str, ca_path: Path, identity: Identity

@@ -37,10 +37,11 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: be killed if the test process dies without stopping us
-    (PR_SET_PDEATHSIG). Processes are started from the main thread only, whose exit is the
-    process's, since the signal follows the starting thread."""
+    (PR_SET_PDEATHSIG). Only for processes started from a thread that lives as long as the
+    test process (the main thread; the test kubelet's launcher thread), since the signal
+    follows the starting thread."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
@@ -63,7 +64,7 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=(
-                    _die_with_parent
+                    die_with_parent
                     if threading.current_thread() is threading.main_thread()
                     else None
                 ),

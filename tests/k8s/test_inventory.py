@@ -183,12 +183,12 @@ async def test_nodes_added_stopped_and_deleted_are_seen(
 ) -> None:
     b = k8s_tier[CLUSTER_B]
     name = b.spare_node_name()
-    fake = b.add_node(NodeSpec(name, "zone-d", gpus=2))
+    b.add_node(NodeSpec(name, "zone-d", gpus=2))
     try:
         ready = (CLUSTER_B, "zone-d", "A100-80GB", NodeHealth.ok, False, 2)
         await eventually(recorded(store, name, ready), f"{name} found", 10.0)
 
-        fake.stop_renewer()  # its kubelet stops: the node-lifecycle controller notices
+        b.kubelet(name).pause()  # its kubelet hangs: the node-lifecycle controller notices
         lost = (CLUSTER_B, "zone-d", "A100-80GB", NodeHealth.unhealthy, False, 2)
         await eventually(recorded(store, name, lost), f"{name} not Ready", 30.0)
         with store.read() as session:
@@ -197,7 +197,7 @@ async def test_nodes_added_stopped_and_deleted_are_seen(
             ).all()
         assert said and "it receives no new work" in said[-1]
 
-        fake.start_renewer()
+        b.kubelet(name).resume()
         await eventually(recorded(store, name, ready), f"{name} Ready again", 30.0)
     finally:
         b.remove_node(name)

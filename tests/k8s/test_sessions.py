@@ -1,0 +1,212 @@
+"""Sessions on the two clusters, end to end: a real hub, proxy and controller with the
+KubeGPUSpawner, the tier's API servers and kube-schedulers, and test kubelets that run
+``jupyterhub-singleuser`` in the session sandbox. JupyterLab opens in Chromium through the
+proxy; NVML in the kernel shows the GPUs the device plugin gave the pod; a full cluster
+sends the next session to the other one; with both full, sessions queue and start by
+themselves."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, BrowserContext
+
+from gpufleet.spawner.kube_manifests import WORKLOAD_LABEL, priority_class
+
+from ..integration import browser as ui
+from ..integration.harness import Hub, run_in_kernel, wait_for
+from .control_plane import NAMESPACE, ControlPlane
+from .tier import CLUSTER_A, CLUSTER_B
+
+pytestmark = [pytest.mark.k8s, pytest.mark.integration]
+
+KUBE_CONFIG = """
+c.JupyterHub.spawner_class = "gpufleet.spawner.kubernetes.KubeGPUSpawner"
+c.FleetController.clusters = {controller!r}
+c.KubeGPUSpawner.clusters = {spawner!r}
+c.KubeGPUSpawner.image = "gpufleet/session:test"  # the test kubelets run the base env
+c.KubeGPUSpawner.termination_grace_seconds = 5
+c.KubeGPUSpawner.lease_renew_interval = 1
+c.FleetController.cluster_probe_interval = 1
+# The GPUs are the clusters' own: no node agent declares GPUs of this machine.
+c.JupyterHub.services = [s for s in c.JupyterHub.services if s["name"] != "gpufleet-agent"]
+c.JupyterHub.load_roles = [r for r in c.JupyterHub.load_roles if r["name"] != "gpufleet-agent"]
+"""
+
+
+@pytest.fixture(scope="module")
+def kube_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """A hub whose sessions are pods on the tier's two clusters."""
+    for cluster in k8s_tier.clusters.values():
+        with cluster.rest() as api:
+            made = api.post(
+                "/apis/scheduling.k8s.io/v1/priorityclasses",
+                json=priority_class("gpufleet-session", 1000, "gpufleet sessions"),
+            )
+            assert made.status_code in (201, 409), made.text
+    controller = [
+        {"name": name, "kubeconfig": str(k8s_tier.kubeconfig), "context": name}
+        for name in (CLUSTER_A, CLUSTER_B)
+    ]
+    spawner = [
+        {
+            "name": name,
+            "kubeconfig": str(k8s_tier[name].kubeconfig("spawner", NAMESPACE)),
+            "namespace": NAMESPACE,
+        }
+        for name in (CLUSTER_A, CLUSTER_B)
+    ]
+    config = textwrap.dedent(KUBE_CONFIG).format(controller=controller, spawner=spawner)
+    hub = Hub.create(Path(tmp_path_factory.mktemp("kube-hub")), config)
+    hub.start()
+    try:
+        yield hub
+    finally:
+        hub.kill_everything()
+
+
+@pytest.fixture
+def kube_fleet(kube_hub: Hub) -> Iterator[Hub]:
+    yield kube_hub
+    kube_hub.stop_all_servers()
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Browser]:
+    with ui.chromium() as instance:
+        yield instance
+
+
+def cluster_of(workload: dict[str, Any]) -> str:
+    (cluster,) = {a["cluster"] for a in workload["allocations"]}
+    return str(cluster)
+
+
+def pod_of(plane: ControlPlane, workload: dict[str, Any]) -> dict[str, Any]:
+    """The session's pod as its cluster's API server has it."""
+    with plane[cluster_of(workload)].rest() as api:
+        pods = api.get(
+            f"/api/v1/namespaces/{NAMESPACE}/pods",
+            params={"labelSelector": f"{WORKLOAD_LABEL}={workload['id']}"},
+        ).json()["items"]
+    assert len(pods) == 1, pods
+    return dict(pods[0])
+
+
+@pytest.mark.browser
+def test_alice_opens_jupyterlab_in_a_pod_with_exactly_its_gpus(
+    kube_fleet: Hub, k8s_tier: ControlPlane, chromium: Browser
+) -> None:
+    context: BrowserContext = ui.new_context(chromium, kube_fleet.url)
+    try:
+        page = ui.login(context, "alice")
+        ui.open_spawn_form(page)
+        ui.fill_spawn_form(page, project="vision", gpu_type="A100-80GB", gpus="2")
+        ui.submit_spawn_form(page)
+        ui.expect_jupyterlab(page, "alice")
+    finally:
+        context.close()
+
+    workload = kube_fleet.workload_of("alice")
+    assert workload is not None and workload["state"] == "running"
+    pod = pod_of(k8s_tier, workload)
+    node = workload["allocations"][0]["node"]
+    assert pod["spec"]["nodeName"] == node  # kube-scheduler bound it where gpufleet chose
+    assert pod["status"]["phase"] == "Running"
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+    given = k8s_tier[cluster_of(workload)].kubelet(node).held_devices()[pod["metadata"]["uid"]]
+    code = (
+        "import json, pynvml\n"
+        "pynvml.nvmlInit()\n"
+        "n = pynvml.nvmlDeviceGetCount()\n"
+        "print(json.dumps(sorted(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))"
+        " for i in range(n))))\n"
+    )
+    seen = run_in_kernel(kube_fleet, "alice", "", code, kube_fleet.user_token("alice"))
+    assert json.loads(seen) == sorted(given)
+    assert len(given) == 2
+
+
+def spawn_api(hub: Hub, user: str, server: str, project: str, gpus: int) -> None:
+    response = hub.spawn(user, server, project=project, gpu_type="A100-80GB", gpus=gpus)
+    assert response.status_code in (201, 202), response.text
+
+
+def test_a_full_cluster_sends_sessions_to_the_other_then_they_queue_and_start_by_themselves(
+    kube_fleet: Hub, k8s_tier: ControlPlane
+) -> None:
+    # 12 GPUs: cluster-a's two nodes and cluster-b's one, 4 each. Three 4-GPU sessions
+    # take a node each, so both clusters are used whatever order the scheduler picks.
+    for user, server, project in (
+        ("alice", "", "vision"),
+        ("carol", "", "nlp"),
+        ("carol", "second", "nlp"),
+    ):
+        spawn_api(kube_fleet, user, server, project, 4)
+    for user, server in (("alice", ""), ("carol", ""), ("carol", "second")):
+        kube_fleet.wait_ready(user, server, timeout=180)
+    running = [w for w in kube_fleet.workloads() if w["state"] == "running"]
+    assert sorted(cluster_of(w) for w in running) == [CLUSTER_A, CLUSTER_A, CLUSTER_B]
+    assert len({w["allocations"][0]["node"] for w in running}) == 3
+
+    spawn_api(kube_fleet, "carol", "third", "nlp", 1)
+    waiting = wait_for(
+        lambda: (
+            (w := kube_fleet.workload_of("carol", "third"))
+            and w["state"] == "pending"
+            and w["queue_position"] == 1
+            and w
+        ),
+        30,
+        "carol's third session queued",
+    )
+    assert "GPU" in waiting["reason"], waiting["reason"]
+    assert kube_fleet.stop_server("carol", "second").status_code in (202, 204)
+    kube_fleet.wait_ready("carol", "third", timeout=180)
+    third = kube_fleet.workload_of("carol", "third")
+    assert third is not None and third["state"] == "running"
+    assert pod_of(k8s_tier, third)["status"]["phase"] == "Running"
+
+
+def test_a_session_that_stops_leaves_no_pod_and_frees_its_gpus(
+    kube_fleet: Hub, k8s_tier: ControlPlane
+) -> None:
+    spawn_api(kube_fleet, "bob", "", "vision", 1)
+    kube_fleet.wait_ready("bob", "", timeout=180)
+    workload = kube_fleet.workload_of("bob")
+    assert workload is not None
+    cluster = cluster_of(workload)
+    assert kube_fleet.stop_server("bob").status_code in (202, 204)
+    ended = kube_fleet.wait_ended(workload)
+    assert ended["allocations"] == []
+
+    def pods_left() -> list[Any]:
+        with k8s_tier[cluster].rest() as api:
+            listed = api.get(
+                f"/api/v1/namespaces/{NAMESPACE}/pods",
+                params={"labelSelector": f"{WORKLOAD_LABEL}={workload['id']}"},
+            )
+            policies = api.get(
+                f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies",
+                params={"labelSelector": f"{WORKLOAD_LABEL}={workload['id']}"},
+            )
+        return [*listed.json()["items"], *policies.json()["items"]]
+
+    # The GPUs were released only once the pod was gone: nothing of it remains.
+    assert pods_left() == []
+
+
+def test_a_gpu_type_no_cluster_has_is_refused_with_what_to_fix(kube_fleet: Hub) -> None:
+    response = kube_fleet.spawn("alice", "", project="vision", gpu_type="H100-80GB", gpus=1)
+    assert response.status_code == 400
+    assert "H100-80GB" in response.json()["message"]
+    assert kube_fleet.workload_of("alice") is None
+    with httpx.Client() as client:
+        assert client.get(kube_fleet.url + "/hub/health").status_code == 200
