@@ -39,6 +39,7 @@ from ..scheduler.store import db
 from ..scheduler.store.accounts import check_range
 from ..scheduler.store.clusters import KUBERNETES
 from ..scheduler.store.collector import collect_all
+from ..scheduler.store.cycle import Stop
 from ..scheduler.store.fleet import FleetStore
 from ..snapshotter.errors import SnapshotError
 from ..spawner.clusters import ClusterConfigError, check_loadable, parse_clusters
@@ -171,6 +172,13 @@ class FleetController(DatabaseMixin):
         20.0,
         help="A cluster whose API server has not answered for this many seconds makes its "
         "nodes unknown (no new work) until it answers again; the other clusters go on.",
+    ).tag(config=True)
+
+    node_lost_grace_seconds = Float(
+        60.0,
+        help="A Kubernetes node that is not Ready, or deleted, for this many seconds ends "
+        "the sessions on it, each with an event naming the node. Their GPUs stay held "
+        "until the pod is gone (a pod on a node that does not answer may still run).",
     ).tag(config=True)
 
     cluster_probe_interval = Float(
@@ -475,6 +483,17 @@ class FleetController(DatabaseMixin):
             await self.kube.cordon(node, cluster, cordoned)
         return self.store.set_cordoned(self.now(), node, cordoned, by)
 
+    def _stop_sessions_of_lost_nodes(self, stops: list[Stop]) -> None:
+        self.victims.stop(stops)
+        self.notifier.changed([s.workload_id for s in stops])
+
+    async def live_pod_markers(self) -> frozenset[str] | None:
+        """The markers of workloads with a pod in a Kubernetes cluster (none without
+        clusters); None when a cluster cannot say."""
+        if self.kube is None:
+            return frozenset()
+        return await self.kube.live_pod_markers()
+
     # ----------------------------------------------------------- loops
     async def _hold_lease(self) -> None:
         while True:
@@ -629,7 +648,13 @@ class FleetController(DatabaseMixin):
             self.log.warning("no hub API ($JUPYTERHUB_API_URL): the reconciler is off")
             return
         reconciler = Reconciler(
-            self.store, self.metrics, self.hub_api_url, self.hub_api_token, self.log, self.now
+            self.store,
+            self.metrics,
+            self.hub_api_url,
+            self.hub_api_token,
+            self.log,
+            self.now,
+            pods=self.live_pod_markers,
         )
         while True:
             await asyncio.sleep(self.reconcile_interval)
@@ -692,6 +717,8 @@ class FleetController(DatabaseMixin):
                 kick=self.kick,
                 unreachable_after=self.cluster_unreachable_after,
                 probe_interval=self.cluster_probe_interval,
+                node_lost_grace=self.node_lost_grace_seconds,
+                stop_sessions=self._stop_sessions_of_lost_nodes,
             )
             await self.kube.start()
             self._tasks.append(asyncio.create_task(self.kube.run(lambda: self.is_leader)))

@@ -54,5 +54,8 @@ class ControllerContext(Protocol):
 
     async def refresh_memberships(self, max_age: float) -> None: ...
 
+    async def live_pod_markers(self) -> frozenset[str] | None:
+        """The markers of workloads with a pod in a Kubernetes cluster; None: unknown."""
+
     async def cordon(self, node: str, cordoned: bool, by: str) -> bool:
         """Cordon or uncordon a node wherever it lives; whether anything changed."""

@@ -34,6 +34,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from ..agent.gpus import gpu_type_of
 from ..scheduler.errors import SchedulerError
 from ..scheduler.store.clusters import ClusterNodeState
+from ..scheduler.store.cycle import Stop
 from ..scheduler.store.fleet import FleetStore
 from ..spawner.clusters import ClusterSettings, api_client
 
@@ -354,7 +355,15 @@ class KubeInventory:
         kick: Callable[[], None],
         unreachable_after: float = 20.0,
         probe_interval: float = 5.0,
+        node_lost_grace: float = 60.0,
+        stop_sessions: Callable[[list[Stop]], None] = lambda stops: None,
     ):
+        self.node_lost_grace = node_lost_grace
+        self.stop_sessions = stop_sessions
+        # Nodes not Ready or deleted, since when (monotonic), and why; and those whose
+        # sessions were already told to end. A node that is Ready again leaves both.
+        self.lost_since: dict[str, tuple[float, str]] = {}
+        self.acted_on: set[str] = set()
         self.store = store
         self.log = log
         self.now = now
@@ -395,6 +404,8 @@ class KubeInventory:
             self._was_leader = leader
             if leader and self.flush():
                 self.kick()
+            if leader:
+                self.end_sessions_on_lost_nodes(time.monotonic())
 
     def flush(self) -> bool:
         """Tell the store what changed; True if a node's record changed. A write that
@@ -411,6 +422,7 @@ class KubeInventory:
                     view.reachability_changed = False
                 if not watch.reachability.reachable or not (view.changed or view.gone):
                     continue
+                self._note_lost(view, time.monotonic())
                 changed, gone, complete = view.changed, view.gone, view.complete
                 view.changed, view.gone, view.complete = set(), set(), False
                 written = self.store.sync_cluster_nodes(
@@ -429,6 +441,74 @@ class KubeInventory:
                 continue
             any_changed |= bool(written)
         return any_changed
+
+    def _note_lost(self, view: ClusterView, now: float) -> None:
+        """Which of the cluster's nodes are lost to it (not Ready, or deleted), since when.
+        Only what a reachable API server says counts: an outage of the API server is not
+        the loss of its nodes."""
+        cluster = view.settings.name
+        for name in view.gone:
+            self.lost_since.setdefault(name, (now, f"was deleted from cluster {cluster}"))
+        for name in view.changed:
+            state = view.nodes.get(name)
+            if state is None:
+                continue
+            if state.ready:
+                self.lost_since.pop(name, None)
+                self.acted_on.discard(name)
+            else:
+                why = f"of cluster {cluster} is not Ready ({state.why_not_ready})"
+                self.lost_since.setdefault(name, (now, why))
+
+    def end_sessions_on_lost_nodes(self, now: float) -> None:
+        """End the sessions of nodes lost for ``node_lost_grace`` seconds (a kubelet that
+        restarts comes back sooner), once per loss."""
+        for name, (since, why) in sorted(self.lost_since.items()):
+            if name in self.acted_on or now - since < self.node_lost_grace:
+                continue
+            try:
+                stops = self.store.stop_sessions_on_node(self.now(), name, why)
+            except (SQLAlchemyError, SchedulerError):
+                self.log.exception("could not end the sessions of lost node %s", name)
+                continue
+            self.acted_on.add(name)
+            if stops:
+                self.log.warning(
+                    "node %s %s: ending its sessions",
+                    name,
+                    why,
+                    extra={"workloads": [s.workload_id for s in stops]},
+                )
+                self.stop_sessions(stops)
+
+    async def live_pod_markers(self) -> frozenset[str] | None:
+        """The process markers of every pod gpufleet made in any cluster (a pod on a node
+        that does not answer may still run); None when a cluster cannot list its pods."""
+        from ..recovery.processes import workload_marker
+        from ..spawner.kube_manifests import COMMON_LABELS, MARKER_LABEL
+
+        selector = ",".join(f"{k}={v}" for k, v in sorted(COMMON_LABELS.items()))
+        markers: set[str] = set()
+        for watch in self.watches.values():
+            if not watch.reachability.reachable or watch.api is None:
+                return None
+            from kubernetes_asyncio import client
+
+            core: Any = client.CoreV1Api(watch.api)
+            try:
+                response: Any = await core.list_pod_for_all_namespaces(
+                    label_selector=selector, _preload_content=False, _request_timeout=15
+                )
+                async with response:
+                    body = json.loads(await response.read())
+            except Exception as e:  # noqa: BLE001 - any failure means "cannot say"
+                self.log.warning("cluster %s: cannot list gpufleet's pods: %s", watch.name, e)
+                return None
+            for pod in body.get("items", []):
+                found = ((pod.get("metadata") or {}).get("annotations") or {}).get(MARKER_LABEL)
+                if found:
+                    markers.add(workload_marker(str(found)))
+        return frozenset(markers)
 
     async def cordon(self, node: str, cluster: str, cordoned: bool) -> None:
         """Set the node's ``spec.unschedulable`` in its cluster: the one truth of a cordon,

@@ -19,8 +19,10 @@ The rules (the table with examples is in docs/reconciler.md):
 
 Invariants:
 - No GPU is released while anything of its workload may still run: a workload is ended
-  only when its process marker is known and no live process carries it. A workload
-  whose marker is unknown (recorded before markers were) is never ended here.
+  only when its process marker is known, no live process carries it and no pod of it
+  exists in the fleet's Kubernetes clusters (``Observed.pods``: a pod on a node that
+  does not answer may still run). A workload whose marker is unknown (recorded before
+  markers were) is never ended here. A pod of an ended workload is not deleted here.
 - Only processes whose marker this database knows are touched. A marker it does not know
   belongs to another deployment on the same machine (or to a job rank before jobs are
   recorded) and is left alone.
@@ -107,6 +109,9 @@ class MarkedProcess:
 class Observed:
     servers: tuple[HubServer, ...]
     processes: tuple[MarkedProcess, ...]
+    # The markers of workloads that have a pod in one of the fleet's Kubernetes clusters:
+    # something of them may still run there (on a node this machine cannot look into).
+    pods: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,8 @@ def reconcile(
     for workload in open_workloads:
         server = servers.get(_key(workload)) if workload.kind == "session" else None
         pids = tuple(sorted(pids_of.get(workload.marker or "", ())))
+        if workload.marker in observed.pods:
+            continue  # its pod still exists: its GPUs stay held until the pod is gone
         repair = _check_open(workload, server, pids, now, grace)
         if repair is not None:
             repairs.append(repair)
@@ -302,7 +309,9 @@ class BeforeStart:
 
 
 def before_start(
-    recorded: Iterable[RecordedWorkload], processes: Iterable[MarkedProcess]
+    recorded: Iterable[RecordedWorkload],
+    processes: Iterable[MarkedProcess],
+    pods: frozenset[str] = frozenset(),
 ) -> BeforeStart:
     """The open workloads of the one server being started again, and the live marked
     processes of this machine, against a new request for that server.
@@ -326,6 +335,13 @@ def before_start(
                 "still alive on this machine, though the hub no longer runs the server. "
                 "The reconciler ends such processes and then releases the GPUs; start the "
                 "server again once it has (its next passes), or end the processes first"
+            )
+        elif workload.marker is not None and workload.marker in pods:
+            refusals.append(
+                f"{held}: its pod still exists in its Kubernetes cluster (its node may not "
+                "answer), though the hub no longer runs the server. Its GPUs are released "
+                "once the pod is gone; start the server again then, or ask the cluster's "
+                "admin to delete the pod"
             )
         elif workload.state == "admitted":
             continue  # nothing of it runs: the new request supersedes it

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -88,6 +88,9 @@ class StartContext(Protocol):
 
     def kick(self) -> None: ...
 
+    async def live_pod_markers(self) -> frozenset[str] | None:
+        """The markers of workloads with a pod in a Kubernetes cluster; None: unknown."""
+
 
 class Reconciler:
     def __init__(
@@ -98,7 +101,11 @@ class Reconciler:
         hub_api_token: str,
         log: logging.Logger,
         clock: Callable[[], datetime],
+        pods: Callable[[], Awaitable[frozenset[str] | None]] | None = None,
     ):
+        """``pods``: the markers of the workloads that have a pod in the fleet's Kubernetes
+        clusters, None when some cluster cannot say (then the pass repairs nothing)."""
+        self.pods = pods
         self.store = store
         self.metrics = metrics
         self.hub_api_url = hub_api_url.rstrip("/")
@@ -115,6 +122,13 @@ class Reconciler:
         async with httpx.AsyncClient(timeout=30, headers=self.headers) as client:
             servers = await self._active_servers(client)
             if servers is None:
+                return []
+            pods = await self.pods() if self.pods is not None else frozenset()
+            if pods is None:
+                self.log.warning(
+                    "reconciler: a Kubernetes cluster cannot list its pods; nothing is "
+                    "repaired until every cluster answers"
+                )
                 return []
             marked = {
                 pid: processes.workload_marker(found)
@@ -135,6 +149,7 @@ class Reconciler:
             observed = Observed(
                 servers=tuple(servers.values()),
                 processes=tuple(MarkedProcess(pid, m) for pid, m in sorted(marked.items())),
+                pods=pods,
             )
             repairs = reconcile(recorded, observed, now, grace)
             changed = await asyncio.gather(*(self._apply(client, r) for r in repairs))
@@ -305,9 +320,13 @@ async def settle_before_start(controller: StartContext, username: str, server_na
     if not recorded:
         return  # the usual case: nothing to look at, no scan of /proc
     marked = await asyncio.to_thread(processes.marked_processes)
+    pods = await controller.live_pod_markers()
+    if pods is None:  # a cluster cannot say: any of them may still have a pod
+        pods = frozenset(w.marker for w in recorded if w.marker)
     decision = before_start(
         recorded,
         (MarkedProcess(pid, processes.workload_marker(m)) for pid, m in sorted(marked.items())),
+        pods,
     )
     ended = [
         end.workload_id

@@ -26,7 +26,18 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .base import StoreBase, _event
-from .models import Cluster, Gpu, Node, NodeHealth, Zone
+from .cycle import Stop
+from .models import (
+    Allocation,
+    Cluster,
+    Gpu,
+    Node,
+    NodeHealth,
+    Workload,
+    WorkloadKind,
+    WorkloadState,
+    Zone,
+)
 
 KUBERNETES = "kubernetes"
 # A node without a gpufleet agent of its own is reported by its cluster: its ``agent``.
@@ -157,6 +168,43 @@ class ClusterInventoryStore(StoreBase):
                 data={"cluster": cluster, "nodes": names},
             )
             return True
+
+    def stop_sessions_on_node(self, now: datetime, node: str, why: str) -> list[Stop]:
+        """The sessions that hold GPUs on ``node``, which its cluster lost (``why``), become
+        stopping, each with an event naming the node. Their GPUs stay allocated: they are
+        released when the spawner finds the pod gone, never while it may still run."""
+        stops: list[Stop] = []
+        with self._write(now) as session:
+            held = (
+                select(Allocation.workload_id)
+                .join(Node, Allocation.node_id == Node.id)
+                .where(Node.name == node, Allocation.closed_at.is_(None))
+            )
+            workloads = session.scalars(
+                select(Workload).where(
+                    Workload.id.in_(held),
+                    Workload.kind == WorkloadKind.session,
+                    Workload.state.in_((WorkloadState.admitted, WorkloadState.running)),
+                )
+            ).all()
+            for workload in workloads:
+                reason = f"node {node} {why}"
+                workload.state = WorkloadState.stopping
+                workload.reason = reason
+                workload.version += 1
+                _event(
+                    session,
+                    now,
+                    "node-lost-session",
+                    f"{reason}: the session ends; its GPUs are released once its pod is gone",
+                    reason="node-lost",
+                    workload=workload,
+                    node=node,
+                )
+                stops.append(
+                    Stop(workload.id, "session", workload.username, workload.server_name, reason)
+                )
+        return stops
 
     def cluster_statuses(self) -> list[ClusterStatus]:
         with self.read() as session:

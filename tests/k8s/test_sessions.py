@@ -34,6 +34,7 @@ c.KubeGPUSpawner.image = "gpufleet/session:test"  # the test kubelets run the ba
 c.KubeGPUSpawner.termination_grace_seconds = 5
 c.KubeGPUSpawner.lease_renew_interval = 1
 c.FleetController.cluster_probe_interval = 1
+c.FleetController.node_lost_grace_seconds = 2
 # The GPUs are the clusters' own: no node agent declares GPUs of this machine.
 c.JupyterHub.services = [s for s in c.JupyterHub.services if s["name"] != "gpufleet-agent"]
 c.JupyterHub.load_roles = [r for r in c.JupyterHub.load_roles if r["name"] != "gpufleet-agent"]
@@ -210,3 +211,39 @@ def test_a_gpu_type_no_cluster_has_is_refused_with_what_to_fix(kube_fleet: Hub) 
     assert kube_fleet.workload_of("alice") is None
     with httpx.Client() as client:
         assert client.get(kube_fleet.url + "/hub/health").status_code == 200
+
+
+def test_a_node_that_stops_answering_ends_its_session_but_keeps_its_gpus_until_the_pod_is_gone(
+    kube_fleet: Hub, k8s_tier: ControlPlane
+) -> None:
+    spawn_api(kube_fleet, "bob", "", "vision", 1)
+    kube_fleet.wait_ready("bob", "", timeout=180)
+    workload = kube_fleet.workload_of("bob")
+    assert workload is not None
+    node, cluster = workload["allocations"][0]["node"], cluster_of(workload)
+    kubelet = k8s_tier[cluster].kubelet(node)
+    kubelet.pause()  # the node's kubelet hangs; its containers keep running
+    try:
+        stopping = wait_for(
+            lambda: (w := kube_fleet.workload_of("bob")) and w["state"] == "stopping" and w,
+            60,
+            "bob's session stopping",
+        )
+        assert stopping["reason"].startswith(f"node {node} of cluster {cluster} is not Ready")
+        events = kube_fleet.controller(
+            "GET", "/events", params={"workload_id": workload["id"]}
+        ).json()["items"]
+        assert any(e["kind"] == "node-lost-session" and e["node"] == node for e in events), events
+        # The pod may still run on the node: it is there, and its GPUs are still held.
+        pod = pod_of(k8s_tier, workload)
+        assert pod["metadata"].get("deletionTimestamp")
+        held = kube_fleet.workload_of("bob")
+        assert held is not None and held["state"] == "stopping"
+        assert [a["uuid"] for a in held["allocations"]] == [
+            a["uuid"] for a in workload["allocations"]
+        ]
+    finally:
+        kubelet.resume()
+    ended = kube_fleet.wait_ended(workload, timeout=120)
+    assert ended["allocations"] == []
+    kube_fleet.wait_gone("bob", timeout=60)

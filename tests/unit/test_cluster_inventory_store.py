@@ -12,7 +12,7 @@ from sqlalchemy import Engine, select
 from gpufleet.scheduler.store.clusters import ClusterNodeState, slot_uuid
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
-from gpufleet.scheduler.store.models import Gpu, Node, NodeHealth
+from gpufleet.scheduler.store.models import Allocation, Gpu, Node, NodeHealth
 
 from .test_store import (
     GROUPS,
@@ -230,3 +230,73 @@ def test_a_node_name_another_cluster_holds_is_left_to_its_owner(store: FleetStor
         "cluster cluster-b lists a node gpu-1, but a node of that name belongs to cluster-a; "
         "gpufleet ignores the second one (rename one of them)"
     ]
+
+
+def test_the_sessions_of_a_lost_node_stop_and_keep_their_gpus_until_released(
+    store: FleetStore,
+) -> None:
+    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1", gpus=2)], complete=True)
+    alice = ask(store, t(2), "alice", gpus=2)
+    cycle(store, t(3))
+    assert workload(store, alice).state.value == "admitted"
+
+    (stop,) = store.stop_sessions_on_node(t(4), "a-gpu-1", "of cluster cluster-a is not Ready")
+    assert (stop.workload_id, stop.user, stop.server_name) == (alice, "alice", "")
+    stopping = workload(store, alice)
+    assert stopping.state.value == "stopping"
+    assert stopping.reason == "node a-gpu-1 of cluster cluster-a is not Ready"
+    assert events(store, "node-lost-session") == [
+        "node a-gpu-1 of cluster cluster-a is not Ready: the session ends; its GPUs are "
+        "released once its pod is gone"
+    ]
+    # Still held: nobody else gets them while the pod may run.
+    assert [closed for _, _, closed in allocations(store)] == [None, None]
+    # Told once: a second call finds nothing more to stop.
+    assert store.stop_sessions_on_node(t(5), "a-gpu-1", "is not Ready") == []
+
+
+def test_the_controller_ends_the_sessions_of_a_node_lost_past_the_grace(store: FleetStore) -> None:
+    import logging
+
+    from gpufleet.hub.kube_inventory import KubeInventory
+    from gpufleet.scheduler.store.cycle import Stop
+    from gpufleet.spawner.clusters import ClusterSettings
+
+    told: list[list[Stop]] = []
+    clock = [t(0)]
+    kube = KubeInventory(
+        [ClusterSettings(name="cluster-a", in_cluster=True)],
+        store,
+        log=logging.getLogger("test"),
+        now=lambda: clock[0],
+        kick=lambda: None,
+        node_lost_grace=30.0,
+        stop_sessions=told.append,
+    )
+    view = kube.watches["cluster-a"].view
+    view.relisted([state("a-gpu-1", gpus=2), state("a-gpu-2", gpus=2)])
+    kube.flush()
+    alice = ask(store, t(1), "alice", gpus=2)
+    cycle(store, t(2))
+    assert workload(store, alice).state.value == "admitted"
+    with store.read() as session:
+        (held,) = set(
+            session.scalars(
+                select(Node.name)
+                .join(Allocation, Allocation.node_id == Node.id)
+                .where(Allocation.workload_id == alice)
+            )
+        )
+
+    view.seen(held, state(held, gpus=2, ready=False, why_not_ready="NodeStatusUnknown: gone"))
+    kube.flush()
+    kube.end_sessions_on_lost_nodes(now=kube.lost_since[held][0] + 29.0)
+    assert told == []  # a kubelet that restarts comes back within the grace
+    kube.end_sessions_on_lost_nodes(now=kube.lost_since[held][0] + 30.0)
+    (stops,) = told
+    assert [s.workload_id for s in stops] == [alice]
+    assert workload(store, alice).reason == (
+        f"node {held} of cluster cluster-a is not Ready (NodeStatusUnknown: gone)"
+    )
+    kube.end_sessions_on_lost_nodes(now=kube.lost_since[held][0] + 60.0)
+    assert len(told) == 1  # once per loss

@@ -262,3 +262,13 @@ def test_repairs_come_in_a_fixed_order() -> None:
         ("StopServer", "server-without-gpus"),  # zoe
         ("EndProcesses", "orphan-processes"),  # dan's workload 2
     ]
+
+
+def test_a_workload_whose_pod_still_exists_keeps_its_gpus() -> None:
+    # Its node may not answer: the pod may still run there, whatever this machine shows.
+    with_pod = Observed(servers=(), processes=(), pods=frozenset({"m-alice"}))
+    assert reconcile([ALICE], with_pod, NOW, GRACE) == ()
+    stopping = replace(ALICE, state="stopping")
+    assert reconcile([stopping], with_pod, NOW, GRACE) == ()
+    # Gone from its cluster: the usual rule applies.
+    assert reconcile([stopping], NOTHING, NOW, GRACE)[0].rule == Rule.stop_finished

@@ -117,3 +117,10 @@ def test_the_ends_are_decided_even_when_another_workload_refuses_the_start() -> 
     assert decision.refused is not None and decision.refused.startswith(
         "server (default) of alice still holds GPUs as workload 19 (running): process 101 "
     )
+
+
+def test_a_start_waits_for_the_previous_pod_to_be_gone() -> None:
+    decision = before_start([ALICE], [], frozenset({ALICE.marker or ""}))
+    assert decision.ends == ()
+    assert decision.refused is not None
+    assert "its pod still exists in its Kubernetes cluster" in decision.refused

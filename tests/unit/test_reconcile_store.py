@@ -216,6 +216,9 @@ class Controller:
     def kick(self) -> None:
         self.kicks += 1
 
+    async def live_pod_markers(self) -> frozenset[str] | None:
+        return frozenset()  # no Kubernetes clusters
+
 
 @contextmanager
 def marked_sleep(marker: str) -> Iterator[subprocess.Popen[bytes]]:
