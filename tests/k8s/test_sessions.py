@@ -21,7 +21,7 @@ from gpufleet.spawner.kube_manifests import WORKLOAD_LABEL, priority_class
 
 from ..integration import browser as ui
 from ..integration.harness import Hub, run_in_kernel, wait_for
-from .control_plane import NAMESPACE, ControlPlane
+from .control_plane import NAMESPACE, SPAWNER_RULES, ControlPlane
 from .tier import CLUSTER_A, CLUSTER_B
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
@@ -247,3 +247,56 @@ def test_a_node_that_stops_answering_ends_its_session_but_keeps_its_gpus_until_t
     ended = kube_fleet.wait_ended(workload, timeout=120)
     assert ended["allocations"] == []
     kube_fleet.wait_gone("bob", timeout=60)
+
+
+def set_spawner_rules(plane: ControlPlane, cluster: str, rules: list[dict[str, Any]]) -> None:
+    path = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NAMESPACE}/roles/gpufleet-spawner"
+    with plane[cluster].rest() as api:
+        role = api.get(path).json()
+        role["rules"] = rules
+        api.put(path, json=role).raise_for_status()
+
+
+def test_rbac_that_forbids_creating_pods_fails_the_spawn_naming_the_cluster(
+    kube_fleet: Hub, k8s_tier: ControlPlane
+) -> None:
+    # cluster-b's Role lets gpufleet's spawner read, not create; cluster-a is cordoned
+    # (through gpufleet, so in Kubernetes too), so the scheduler places on cluster-b.
+    read_only = [
+        {**rule, "verbs": [v for v in rule["verbs"] if v != "create"]} for rule in SPAWNER_RULES
+    ]
+    set_spawner_rules(k8s_tier, CLUSTER_B, read_only)
+    a_nodes = sorted(k8s_tier[CLUSTER_A].nodes)
+    try:
+        for node in a_nodes:
+            kube_fleet.controller("POST", f"/nodes/{node}/cordon").raise_for_status()
+        response = kube_fleet.spawn("alice", "", project="vision", gpu_type="A100-80GB", gpus=1)
+        # A start that fails within the hub's slow-spawn timeout answers at once; a slower
+        # one answers 202 and fails afterwards: the message is the workload's either way.
+        if response.status_code != 202:
+            assert response.status_code == 503, response.text
+            assert "cluster cluster-b does not let gpufleet's spawner" in response.text
+        workload = wait_for(
+            lambda: next(
+                (w for w in kube_fleet.workloads(username="alice") if w["state"] == "ended"),
+                None,
+            ),
+            120,
+            "alice's spawn failed and her request ended",
+        )
+        assert workload["outcome"] == "failed"
+        assert "cluster cluster-b does not let gpufleet's spawner create" in workload["reason"]
+        assert "403 Forbidden" in workload["reason"]
+        assert workload["allocations"] == []
+        with k8s_tier[CLUSTER_B].rest() as api:
+            selector = {"labelSelector": f"{WORKLOAD_LABEL}={workload['id']}"}
+            pods = api.get(f"/api/v1/namespaces/{NAMESPACE}/pods", params=selector)
+            policies = api.get(
+                f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies",
+                params=selector,
+            )
+        assert pods.json()["items"] == [] and policies.json()["items"] == []
+    finally:
+        set_spawner_rules(k8s_tier, CLUSTER_B, SPAWNER_RULES)
+        for node in a_nodes:
+            kube_fleet.controller("POST", f"/nodes/{node}/uncordon").raise_for_status()
