@@ -15,13 +15,15 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, BrowserContext
+from playwright.sync_api import Browser, BrowserContext, expect
 
 from gpufleet.spawner.kube_manifests import WORKLOAD_LABEL, priority_class
 
 from ..integration import browser as ui
 from ..integration.harness import Hub, run_in_kernel, wait_for
 from .control_plane import NAMESPACE, SPAWNER_RULES, ControlPlane
+from .partition import Partition
+from .pki import KubeContext, write_kubeconfig
 from .tier import CLUSTER_A, CLUSTER_B
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
@@ -35,6 +37,7 @@ c.KubeGPUSpawner.termination_grace_seconds = 5
 c.KubeGPUSpawner.lease_renew_interval = 1
 c.FleetController.cluster_probe_interval = 1
 c.FleetController.node_lost_grace_seconds = 2
+c.FleetController.cluster_unreachable_after = 3
 # The GPUs are the clusters' own: no node agent declares GPUs of this machine.
 c.JupyterHub.services = [s for s in c.JupyterHub.services if s["name"] != "gpufleet-agent"]
 c.JupyterHub.load_roles = [r for r in c.JupyterHub.load_roles if r["name"] != "gpufleet-agent"]
@@ -42,7 +45,19 @@ c.JupyterHub.load_roles = [r for r in c.JupyterHub.load_roles if r["name"] != "g
 
 
 @pytest.fixture(scope="module")
-def kube_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+def partition_b(k8s_tier: ControlPlane) -> Iterator[Partition]:
+    """The controller's way to cluster-b's API server (the spawner's is direct)."""
+    cut = Partition(k8s_tier[CLUSTER_B].ports["apiserver"])
+    try:
+        yield cut
+    finally:
+        cut.close()
+
+
+@pytest.fixture(scope="module")
+def kube_hub(
+    k8s_tier: ControlPlane, partition_b: Partition, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Hub]:
     """A hub whose sessions are pods on the tier's two clusters."""
     for cluster in k8s_tier.clusters.values():
         with cluster.rest() as api:
@@ -51,9 +66,17 @@ def kube_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
                 json=priority_class("gpufleet-session", 1000, "gpufleet sessions"),
             )
             assert made.status_code in (201, 409), made.text
+    root = Path(tmp_path_factory.mktemp("kube-hub"))
+    b = k8s_tier[CLUSTER_B]
+    through = write_kubeconfig(
+        root / "controller-b.kubeconfig",
+        b.ca.cert_path,
+        [KubeContext(CLUSTER_B, partition_b.address, b.identities["controller"])],
+        current=CLUSTER_B,
+    )
     controller = [
-        {"name": name, "kubeconfig": str(k8s_tier.kubeconfig), "context": name}
-        for name in (CLUSTER_A, CLUSTER_B)
+        {"name": CLUSTER_A, "kubeconfig": str(k8s_tier.kubeconfig), "context": CLUSTER_A},
+        {"name": CLUSTER_B, "kubeconfig": str(through)},
     ]
     spawner = [
         {
@@ -64,7 +87,7 @@ def kube_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
         for name in (CLUSTER_A, CLUSTER_B)
     ]
     config = textwrap.dedent(KUBE_CONFIG).format(controller=controller, spawner=spawner)
-    hub = Hub.create(Path(tmp_path_factory.mktemp("kube-hub")), config)
+    hub = Hub.create(root, config)
     hub.start()
     try:
         yield hub
@@ -270,6 +293,8 @@ def test_rbac_that_forbids_creating_pods_fails_the_spawn_naming_the_cluster(
     try:
         for node in a_nodes:
             kube_fleet.controller("POST", f"/nodes/{node}/cordon").raise_for_status()
+            with k8s_tier[CLUSTER_A].rest() as api:  # one truth: cordoned in Kubernetes too
+                assert api.get(f"/api/v1/nodes/{node}").json()["spec"]["unschedulable"]
         response = kube_fleet.spawn("alice", "", project="vision", gpu_type="A100-80GB", gpus=1)
         # A start that fails within the hub's slow-spawn timeout answers at once; a slower
         # one answers 202 and fails afterwards: the message is the workload's either way.
@@ -300,3 +325,29 @@ def test_rbac_that_forbids_creating_pods_fails_the_spawn_naming_the_cluster(
         set_spawner_rules(k8s_tier, CLUSTER_B, SPAWNER_RULES)
         for node in a_nodes:
             kube_fleet.controller("POST", f"/nodes/{node}/uncordon").raise_for_status()
+
+
+@pytest.mark.browser
+def test_a_cluster_cut_off_from_the_controller_is_on_the_admin_panel_and_takes_no_work(
+    kube_fleet: Hub, partition_b: Partition, chromium: Browser
+) -> None:
+    def health_of(node: str) -> str:
+        nodes = kube_fleet.controller("GET", "/nodes").json()["items"]
+        return str(next(n["health"] for n in nodes if n["name"] == node))
+
+    partition_b.cut()
+    try:
+        wait_for(lambda: health_of("b-gpu-1") == "unknown", 30, "cluster-b's node unknown")
+        assert health_of("a-gpu-1") == "ok"
+        context = ui.new_context(chromium, kube_fleet.url)
+        try:
+            page = ui.login(context, "admin")
+            page.goto("/services/gpufleet/admin")
+            warning = page.locator("div[data-cluster='cluster-b']")
+            expect(warning).to_contain_text("Cluster cluster-b's API server does not answer")
+            expect(warning).to_contain_text("Its nodes receive no new work until it does")
+        finally:
+            context.close()
+    finally:
+        partition_b.heal()
+    wait_for(lambda: health_of("b-gpu-1") == "ok", 60, "cluster-b's node back")
