@@ -300,3 +300,46 @@ def test_the_controller_ends_the_sessions_of_a_node_lost_past_the_grace(store: F
     )
     kube.end_sessions_on_lost_nodes(now=kube.lost_since[held][0] + 60.0)
     assert len(told) == 1  # once per loss
+
+
+def test_a_deleted_node_ends_its_sessions_too_but_an_unreachable_cluster_does_not(
+    store: FleetStore,
+) -> None:
+    import logging
+
+    from gpufleet.hub.kube_inventory import KubeInventory
+    from gpufleet.scheduler.store.cycle import Stop
+    from gpufleet.spawner.clusters import ClusterSettings
+
+    told: list[list[Stop]] = []
+    kube = KubeInventory(
+        [ClusterSettings(name="cluster-a", in_cluster=True)],
+        store,
+        log=logging.getLogger("test"),
+        now=lambda: t(10),
+        kick=lambda: None,
+        node_lost_grace=30.0,
+        stop_sessions=told.append,
+    )
+    watch = kube.watches["cluster-a"]
+    watch.view.relisted([state("a-gpu-1", gpus=2)])
+    kube.flush()
+    alice = ask(store, t(1), "alice", gpus=2)
+    cycle(store, t(2))
+
+    # The API server stops answering: its nodes are unknown, but nobody's session ends.
+    watch.reachability.reachable = False
+    watch.view.reachability_changed = True
+    watch.view.seen("a-gpu-1", None)
+    kube.flush()
+    kube.end_sessions_on_lost_nodes(now=10_000.0)
+    assert told == [] and workload(store, alice).state.value == "admitted"
+
+    watch.reachability.reachable = True
+    watch.view.reachability_changed = True
+    kube.flush()  # reachable again, and it lists the node as deleted
+    since, why = kube.lost_since["a-gpu-1"]
+    assert why == "was deleted from cluster cluster-a"
+    kube.end_sessions_on_lost_nodes(now=since + 30.0)
+    assert [s.workload_id for s in told[0]] == [alice]
+    assert workload(store, alice).reason == "node a-gpu-1 was deleted from cluster cluster-a"
