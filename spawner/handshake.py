@@ -28,6 +28,7 @@ from tornado import web
 from traitlets import Float, Unicode, default
 from traitlets.config import LoggingConfigurable
 
+from ..recovery import processes
 from .client import (
     ControllerClient,
     ControllerError,
@@ -318,9 +319,50 @@ class GPUQueueSpawner(_SpawnerBase):
         else; the backend ends what is left first, and says why when something survives."""
         raise NotImplementedError
 
+    async def _start_when_placed(self, run: Callable[[WorkloadStatus], Awaitable[T]]) -> T:
+        """Queue, wait for the placement (renewing the request's lease meanwhile), then
+        ``run(status)``: the backend's start, with the GPUs, node and cluster assigned.
+
+        Whatever goes wrong, cancellation included, the start is abandoned: what the
+        backend started (``_server_started``) is stopped and the GPUs are released once
+        nothing of it runs, never before.
+        """
+        self._progress_log()
+        # Sent with the request, so the controller knows the marker before any process has it.
+        self.marker = processes.new_marker()
+        status = await self._open_request()
+        self.workload_id = status.id
+        self._server_started = False
+        self._renewer = asyncio.create_task(self._renew_while_waiting(status.id))
+        try:
+            status = await self._wait_for_placement(status)
+            assert status.placement is not None
+            self.gpu_uuids = status.placement.gpu_uuids
+            self.node_name = status.placement.node
+            self.cluster_name = status.placement.cluster
+            return await run(status)
+        except BaseException as error:  # cancellation included: never leave GPUs behind
+            self._stop_renewing()
+            await asyncio.shield(self._abandon(self._server_started, error))
+            raise
+        finally:
+            self._stop_renewing()
+
+    _renewer: asyncio.Task[None] | None = None
+    _server_started = False  # the backend began to start the server: stop it on failure
+
+    def _stop_renewing(self) -> None:
+        """The server is up, or the start is over: the request's lease is not renewed."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+
+    async def _stop_server(self, now: bool) -> None:
+        """Stop what the backend started (the next class's ``stop``, below this mixin)."""
+        await super().stop(now=now)
+
     async def _abandon(self, started: bool, error: BaseException) -> None:
         if started:
-            await super().stop(now=True)
+            await self._stop_server(now=True)
         if isinstance(error, asyncio.CancelledError):
             # The hub cancelled the spawn (a DELETE while it waits): it gives the spawn
             # one second to end, then stops the server, and answers 500 if the spawn is

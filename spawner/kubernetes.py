@@ -32,6 +32,7 @@ from tornado import web
 from traitlets import Bool, Dict, Integer, List, Unicode, default
 
 from ..recovery import processes
+from .client import WorkloadStatus
 from .clusters import ClusterConfigError, ClusterSettings, api_client, parse_clusters
 from .handshake import GPUQueueSpawner
 from .kube_manifests import (
@@ -329,51 +330,41 @@ class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
 
     # -------------------------------------------------------------- start
     async def start(self) -> Any:
+        return await self._start_when_placed(self._start_pod)
+
+    async def _start_pod(self, status: WorkloadStatus) -> str:
         from kubernetes_asyncio.client.exceptions import ApiException
 
-        self._progress_log()
-        self.marker = processes.new_marker()
-        status = await self._open_request()
-        self.workload_id = status.id
-        renewer = asyncio.create_task(self._renew_while_waiting(status.id))
-        follower: asyncio.Task[None] | None = None
-        created = False
+        await self._use_cluster(self.cluster_name)
+        self._report(
+            f"GPUs assigned: {len(self.gpu_uuids)} × {status.gpu_type} on "
+            f"{self.node_name} in cluster {self.cluster_name}",
+            25,
+        )
+        account = await self._until_answered(
+            lambda: self.controller.account(self.user.name), self.queue_timeout
+        )
+        self._uid, self._gid = int(account["uid"]), int(account["gid"])
+        self._server_started = True  # from here on a failure deletes the policy and the pod
+        await self._apply_network_policy()
+        follower = asyncio.create_task(self._follow_pod_events())
         try:
-            status = await self._wait_for_placement(status)
-            assert status.placement is not None
-            self.gpu_uuids = status.placement.gpu_uuids
-            self.node_name = status.placement.node
-            await self._use_cluster(status.placement.cluster)
-            self._report(
-                f"GPUs assigned: {len(self.gpu_uuids)} × {status.gpu_type} on "
-                f"{self.node_name} in cluster {self.cluster_name}",
-                25,
-            )
-            account = await self._until_answered(
-                lambda: self.controller.account(self.user.name), self.queue_timeout
-            )
-            self._uid, self._gid = int(account["uid"]), int(account["gid"])
-            await self._apply_network_policy()
-            follower = asyncio.create_task(self._follow_pod_events())
-            created = True
             self._start_future = asyncio.ensure_future(self._start())
-            try:
-                url = await self._start_future
-            except ApiException as e:
-                raise _api_error(self.cluster_name, "create the session's pod", e) from e
-            renewer.cancel()
-            workload_id = status.id
-            await self._until_answered(lambda: self.controller.running(workload_id), 120)
-            self._report("Server is up", 100)
-            return url
-        except BaseException as error:  # cancellation included: never leave GPUs behind
-            renewer.cancel()
-            await asyncio.shield(self._abandon(created, error))
-            raise
+            url = await self._start_future
+        except ApiException as e:
+            raise _api_error(self.cluster_name, "create the session's pod", e) from e
         finally:
-            renewer.cancel()
-            if follower is not None:
-                follower.cancel()
+            follower.cancel()
+        self._stop_renewing()
+        workload_id = status.id
+        await self._until_answered(lambda: self.controller.running(workload_id), 120)
+        self._report("Server is up", 100)
+        return str(url)
+
+    async def _stop_server(self, now: bool) -> None:
+        if self.api is not None:
+            await KubeSpawner.stop(self, now=now)
+            await self._delete_network_policy()
 
     async def _apply_network_policy(self) -> None:
         from kubernetes_asyncio import client
@@ -414,9 +405,7 @@ class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
     async def stop(self, now: bool = False) -> None:
         if self.api is None and self.cluster_name:
             await self._use_cluster(self.cluster_name)
-        if self.api is not None:
-            await KubeSpawner.stop(self, now=now)
-            await self._delete_network_policy()
+        await self._stop_server(now=now)
         await self._release("stopped", "")
 
     async def _delete_network_policy(self) -> None:

@@ -26,7 +26,7 @@ from traitlets import Float, Unicode
 
 from ..culler.snapshots import SnapshotFailed, Sources
 from ..recovery import processes
-from .client import ControllerError, RequestRejected
+from .client import ControllerError, RequestRejected, WorkloadStatus
 from .handshake import (
     GPUQueueSpawner,
     InvalidGPURequest,
@@ -137,43 +137,28 @@ class LocalGPUSpawner(GPUQueueSpawner, SnapshottingMixin, SandboxedProcessSpawne
 
     # -------------------------------------------------------------- start
     async def start(self) -> Any:
-        self._progress_log()
-        # Sent with the request, so the controller knows the marker before any process has it.
-        self.marker = processes.new_marker()
-        status = await self._open_request()
-        self.workload_id = status.id
-        renewer = asyncio.create_task(self._renew_while_waiting(status.id))
-        started = False
-        try:
-            status = await self._wait_for_placement(status)
-            assert status.placement is not None
-            self.gpu_uuids = status.placement.gpu_uuids
-            self.node_name = status.placement.node
-            self._report(
-                f"GPUs assigned: {len(self.gpu_uuids)} × {status.gpu_type} on {self.node_name}",
-                25,
-            )
-            resumed = await self._restore_snapshot()
-            self._report("Starting the server", 60)
-            ip, port = await super().start()
-            started = True
-            renewer.cancel()
-            workload_id = status.id
-            if self.snapshots_enabled:
-                self.snapshot_holds = self.snapshot_sources(self.get_env().get("HOME", ""))
-            holds = self.snapshot_holds.to_json() if self.snapshot_holds else None
-            await self._until_answered(
-                lambda: self.controller.running(workload_id, holds, resumed), 120
-            )
-            await self._wait_ready(ip, port)
-            self._report(f"Server is up. {resumed}" if resumed else "Server is up", 100)
-            return ip, port
-        except BaseException as error:  # cancellation included: never leave GPUs behind
-            renewer.cancel()
-            await asyncio.shield(self._abandon(started, error))
-            raise
-        finally:
-            renewer.cancel()
+        return await self._start_when_placed(self._start_placed)
+
+    async def _start_placed(self, status: WorkloadStatus) -> tuple[str, int]:
+        self._report(
+            f"GPUs assigned: {len(self.gpu_uuids)} × {status.gpu_type} on {self.node_name}", 25
+        )
+        resumed = await self._restore_snapshot()
+        self._report("Starting the server", 60)
+        ip, port = await super().start()
+        # A start that failed half-way left processes at most: the release ends them.
+        self._server_started = True
+        self._stop_renewing()
+        workload_id = status.id
+        if self.snapshots_enabled:
+            self.snapshot_holds = self.snapshot_sources(self.get_env().get("HOME", ""))
+        holds = self.snapshot_holds.to_json() if self.snapshot_holds else None
+        await self._until_answered(
+            lambda: self.controller.running(workload_id, holds, resumed), 120
+        )
+        await self._wait_ready(ip, port)
+        self._report(f"Server is up. {resumed}" if resumed else "Server is up", 100)
+        return ip, port
 
     async def _nothing_left_running(self) -> bool:
         if self.marker and not await processes.end_all(self.marker):

@@ -112,13 +112,29 @@ def cluster_of(workload: dict[str, Any]) -> str:
     return str(cluster)
 
 
+def objects_of(plane: ControlPlane, cluster: str, workload_id: int, kind: str) -> list[Any]:
+    """The session's pods (``kind`` "pods") or NetworkPolicies ("networkpolicies") as the
+    cluster's API server has them."""
+    group = "/api/v1" if kind == "pods" else "/apis/networking.k8s.io/v1"
+    with plane[cluster].rest() as api:
+        listed = api.get(
+            f"{group}/namespaces/{NAMESPACE}/{kind}",
+            params={"labelSelector": f"{WORKLOAD_LABEL}={workload_id}"},
+        )
+        listed.raise_for_status()
+    return list(listed.json()["items"])
+
+
+def left_behind(plane: ControlPlane, cluster: str, workload_id: int) -> list[Any]:
+    return [
+        *objects_of(plane, cluster, workload_id, "pods"),
+        *objects_of(plane, cluster, workload_id, "networkpolicies"),
+    ]
+
+
 def pod_of(plane: ControlPlane, workload: dict[str, Any]) -> dict[str, Any]:
     """The session's pod as its cluster's API server has it."""
-    with plane[cluster_of(workload)].rest() as api:
-        pods = api.get(
-            f"/api/v1/namespaces/{NAMESPACE}/pods",
-            params={"labelSelector": f"{WORKLOAD_LABEL}={workload['id']}"},
-        ).json()["items"]
+    pods = objects_of(plane, cluster_of(workload), workload["id"], "pods")
     assert len(pods) == 1, pods
     return dict(pods[0])
 
@@ -210,21 +226,8 @@ def test_a_session_that_stops_leaves_no_pod_and_frees_its_gpus(
     assert kube_fleet.stop_server("bob").status_code in (202, 204)
     ended = kube_fleet.wait_ended(workload)
     assert ended["allocations"] == []
-
-    def pods_left() -> list[Any]:
-        with k8s_tier[cluster].rest() as api:
-            listed = api.get(
-                f"/api/v1/namespaces/{NAMESPACE}/pods",
-                params={"labelSelector": f"{WORKLOAD_LABEL}={workload['id']}"},
-            )
-            policies = api.get(
-                f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies",
-                params={"labelSelector": f"{WORKLOAD_LABEL}={workload['id']}"},
-            )
-        return [*listed.json()["items"], *policies.json()["items"]]
-
     # The GPUs were released only once the pod was gone: nothing of it remains.
-    assert pods_left() == []
+    assert left_behind(k8s_tier, cluster, workload["id"]) == []
 
 
 def test_a_gpu_type_no_cluster_has_is_refused_with_what_to_fix(kube_fleet: Hub) -> None:
@@ -313,14 +316,7 @@ def test_rbac_that_forbids_creating_pods_fails_the_spawn_naming_the_cluster(
         assert "cluster cluster-b does not let gpufleet's spawner create" in workload["reason"]
         assert "403 Forbidden" in workload["reason"]
         assert workload["allocations"] == []
-        with k8s_tier[CLUSTER_B].rest() as api:
-            selector = {"labelSelector": f"{WORKLOAD_LABEL}={workload['id']}"}
-            pods = api.get(f"/api/v1/namespaces/{NAMESPACE}/pods", params=selector)
-            policies = api.get(
-                f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies",
-                params=selector,
-            )
-        assert pods.json()["items"] == [] and policies.json()["items"] == []
+        assert left_behind(k8s_tier, CLUSTER_B, workload["id"]) == []
     finally:
         set_spawner_rules(k8s_tier, CLUSTER_B, SPAWNER_RULES)
         for node in a_nodes:
