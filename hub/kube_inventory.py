@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -51,7 +52,13 @@ def parse_quantity(text: str | int | float | None) -> float:
     """A Kubernetes resource quantity ("32", "500m", "256Gi") as a number; 0 for none."""
     if text is None or text == "":
         return 0.0
-    match = _QUANTITY.match(str(text).strip())
+    return _quantity(str(text))
+
+
+@functools.lru_cache(maxsize=1024)
+def _quantity(text: str) -> float:
+    # Cached: a thousand kubelets report the same few quantities every few seconds.
+    match = _QUANTITY.match(text.strip())
     if match is None or match.group(2) not in _SUFFIXES:
         raise ValueError(f"{text!r} is not a Kubernetes quantity")
     return float(match.group(1)) * _SUFFIXES[match.group(2)]
@@ -64,15 +71,18 @@ def gpu_type_of_product(product: str, memory_mib: float, settings: ClusterSettin
     if product in settings.gpu_type_names:
         whole = settings.gpu_type_names[product]
     else:
-        # GFD writes NVML's name with spaces as dashes; the vendor prefix is a word.
-        model = (
-            "NVIDIA " + product.removeprefix("NVIDIA-")
-            if product.startswith("NVIDIA-")
-            else product
-        )
-        whole = gpu_type_of(model, int(memory_mib * 2**20), {})
+        whole = _derived_type(product, memory_mib)
     profile = settings.mig_profile
     return f"{whole}:{profile}" if profile else whole
+
+
+@functools.lru_cache(maxsize=256)
+def _derived_type(product: str, memory_mib: float) -> str:
+    # GFD writes NVML's name with spaces as dashes; the vendor prefix is a word.
+    model = (
+        "NVIDIA " + product.removeprefix("NVIDIA-") if product.startswith("NVIDIA-") else product
+    )
+    return gpu_type_of(model, int(memory_mib * 2**20), {})
 
 
 def observe_node(node: Mapping[str, Any], settings: ClusterSettings) -> ClusterNodeState | None:
