@@ -243,8 +243,13 @@ class ActivityReporter:
         headers = {"Authorization": f"token {self.settings.token}"} if self.settings.token else {}
         # The controller is always reached directly: a proxy set for the researcher's own
         # downloads (HTTP_PROXY) must not see the server's token.
+        # An http:// controller needs no TLS context, whose CA bundle takes a tenth of a
+        # second to load while the server starts.
         self._client = httpx.AsyncClient(
-            headers=headers, timeout=REQUEST_TIMEOUT_S, trust_env=False
+            headers=headers,
+            timeout=REQUEST_TIMEOUT_S,
+            trust_env=False,
+            verify=self.settings.session_url.startswith("https://"),
         )
         self._tasks = [
             asyncio.ensure_future(self._report_loop(self.settings)),

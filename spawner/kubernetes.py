@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from functools import partial
 from typing import Any
 from urllib.parse import urlparse
 
+import httpx
 from jupyterhub.spawner import Spawner
+from jupyterhub.utils import exponential_backoff
 from kubespawner import KubeSpawner
 from kubespawner.reflector import ResourceReflector
 from kubespawner.spawner import EventReflector, PodReflector
 from tornado import web
-from traitlets import Bool, Dict, Integer, List, Unicode, default
+from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
 
 from ..recovery import processes
 from .client import WorkloadStatus
@@ -132,6 +136,12 @@ class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
 
     network_dns = Bool(
         True, help="Let session pods reach kube-dns in kube-system (UDP and TCP 53)."
+    ).tag(config=True)
+
+    readiness_interval = Float(
+        0.05,
+        help="Seconds between probes of a starting server once its pod runs: the spawn "
+        "ends as soon as the server answers through its pod's address.",
     ).tag(config=True)
 
     session_extension = Bool(
@@ -347,14 +357,11 @@ class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
         self._uid, self._gid = int(account["uid"]), int(account["gid"])
         self._server_started = True  # from here on a failure deletes the policy and the pod
         await self._apply_network_policy()
-        follower = asyncio.create_task(self._follow_pod_events())
         try:
             self._start_future = asyncio.ensure_future(self._start())
             url = await self._start_future
         except ApiException as e:
             raise _api_error(self.cluster_name, "create the session's pod", e) from e
-        finally:
-            follower.cancel()
         self._stop_renewing()
         workload_id = status.id
         await self._until_answered(lambda: self.controller.running(workload_id), 120)
@@ -381,12 +388,61 @@ class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
                 self.pod_name, self.namespace, policy
             )
 
+    async def _start(self) -> str:
+        """Create the pod, then return its URL once its server answers there.
+
+        Not KubeSpawner's wait for the pod's Ready condition: that polls with a back-off
+        growing to 5 s, after a readiness probe period, and the hub then checks the URL
+        again; here the server is probed every ``readiness_interval`` once the pod runs,
+        as the local backend probes its server.
+        """
+        await asyncio.gather(self._start_watching_pods(), self._start_watching_events())
+        # Earlier pods of this server (a restart) keep their events: show only this one's.
+        events = self.events
+        if events:
+            self._last_event = events[-1]["metadata"]["uid"]
+        follower = asyncio.create_task(self._follow_pod_events())
+        try:
+            pod = await self.get_pod_manifest()
+            key = f"{self.namespace}/{self.pod_name}"
+            await exponential_backoff(
+                partial(self._make_create_pod_request, pod, self.k8s_api_request_timeout),
+                f"could not create pod {key}",
+                timeout=self.k8s_api_request_retry_timeout,
+            )
+            return await self._until_answering(key)
+        finally:
+            follower.cancel()
+
+    async def _until_answering(self, key: str) -> str:
+        deadline = time.monotonic() + self.start_timeout
+        async with httpx.AsyncClient(timeout=2) as client:
+            while time.monotonic() < deadline:
+                pod = self.pod_reflector.pods.get(key)
+                status = (pod or {}).get("status") or {}
+                if status.get("phase") in ("Failed", "Succeeded"):
+                    raise web.HTTPError(
+                        500, f"pod {key} ended before its server answered: {_why_ended(status)}"
+                    )
+                if pod is not None and status.get("phase") == "Running" and status.get("podIP"):
+                    url = self._get_pod_url(pod)
+                    try:
+                        answer = await client.get(f"{url}{self.server.base_url}api")
+                        if answer.status_code < 500:
+                            self.pod_id = pod["metadata"]["uid"]
+                            return url
+                    except httpx.TransportError:
+                        pass
+                await asyncio.sleep(self.readiness_interval)
+        raise TimeoutError(f"pod {key} did not answer within {self.start_timeout} s")
+
     async def _follow_pod_events(self) -> None:
         """The pod's events (scheduled, image, started, FailedScheduling...) as progress."""
-        await self._start_watching_events()
         seen = 0
         while True:
             events = self.events
+            if len(events) < seen:
+                seen = 0  # the reflector was replaced: its list starts again
             for event in events[seen:]:
                 reason = event.get("reason") or event.get("type") or ""
                 self._report(f"{reason}: {event.get('message', '')}", 50)
@@ -457,6 +513,20 @@ _SET_BY_THE_POD = frozenset(
         processes.MARKER_VARIABLE,
     }
 )
+
+
+def _why_ended(status: dict[str, Any]) -> str:
+    """A pod's own account of why it ended: its reason, else its container's."""
+    if status.get("reason") or status.get("message"):
+        return f"{status.get('reason', '')} {status.get('message', '')}".strip()
+    for container in status.get("containerStatuses") or []:
+        ended = (container.get("state") or {}).get("terminated")
+        if ended:
+            return (
+                f"container {container.get('name')} exited {ended.get('exitCode')} "
+                f"({ended.get('reason', '')}) {ended.get('message', '')}"
+            ).strip()
+    return str(status.get("phase"))
 
 
 def _api_error(cluster: str, what: str, error: Any) -> web.HTTPError:
