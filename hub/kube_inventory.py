@@ -25,7 +25,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -220,6 +220,7 @@ class ClusterWatch:
         self.probe_interval = probe_interval
         self.watch_timeout = watch_timeout
         self.api: Any = None
+        self.listings = 0  # complete listings read: the first, then one per watch lost
         self._tasks: list[asyncio.Task[None]] = []
         self._watch_task: asyncio.Task[None] | None = None
 
@@ -305,6 +306,7 @@ class ClusterWatch:
             body = json.loads(await response.read())
         states = [observe_node(n, self.view.settings) for n in body.get("items", [])]
         self.view.relisted([s for s in states if s is not None])
+        self.listings += 1
         self._record(True)
         self._changed()
         return str(body["metadata"]["resourceVersion"])
@@ -325,7 +327,7 @@ class ClusterWatch:
             _request_timeout=self.watch_timeout + 30,
         )
         async with response:
-            while line := await response.content.readline():
+            async for line in _lines(response.content):
                 event = json.loads(line)
                 kind, obj = event.get("type"), event.get("object") or {}
                 if kind == "ERROR":
@@ -340,6 +342,20 @@ class ClusterWatch:
                 if self.view.seen(name, state):
                     self._changed()
         return version
+
+
+async def _lines(stream: Any) -> AsyncIterator[bytes]:
+    """The lines of a watch stream, however long (a Node lists its images): no line
+    limit applies here, where aiohttp's ``readline`` has one (twice its read buffer)."""
+    pending = b""
+    async for chunk in stream.iter_any():
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            if line.strip():
+                yield line
+    if pending.strip():
+        yield pending
 
 
 def _describe(error: BaseException) -> str:

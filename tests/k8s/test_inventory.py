@@ -163,9 +163,19 @@ async def test_a_cordon_is_one_truth_in_kubernetes_and_gpufleet(
     free = (CLUSTER_A, "zone-b", "A100-80GB", ok, False, 4)
     cordoned = (CLUSTER_A, "zone-b", "A100-80GB", ok, True, 4)
     await eventually(recorded(store, "a-gpu-2", free), "a-gpu-2 recorded", 15.0)
+    listings = inventory.watches[CLUSTER_A].listings
     try:
+        # A large Node (as one that lists many images) comes through the watch too.
+        with k8s_tier[CLUSTER_A].rest() as api:
+            api.patch(
+                "/api/v1/nodes/a-gpu-2",
+                json={"metadata": {"annotations": {"example.org/padding": "x" * 200_000}}},
+                headers={"Content-Type": "application/strategic-merge-patch+json"},
+            ).raise_for_status()
         set_unschedulable(k8s_tier, CLUSTER_A, "a-gpu-2", True)  # kubectl cordon
         await eventually(recorded(store, "a-gpu-2", cordoned), "kubectl's cordon seen", 5.0)
+        # Seen through the watch, not by listing again after the watch broke on it.
+        assert inventory.watches[CLUSTER_A].listings == listings
         # gpufleet's uncordon is Kubernetes' (the controller's own identity patches it).
         await inventory.cordon("a-gpu-2", CLUSTER_A, False)
         assert not api_unschedulable(k8s_tier, CLUSTER_A, "a-gpu-2")
@@ -175,6 +185,12 @@ async def test_a_cordon_is_one_truth_in_kubernetes_and_gpufleet(
         await eventually(recorded(store, "a-gpu-2", cordoned), "gpufleet's cordon seen", 5.0)
     finally:
         set_unschedulable(k8s_tier, CLUSTER_A, "a-gpu-2", False)
+        with k8s_tier[CLUSTER_A].rest() as api:
+            api.patch(
+                "/api/v1/nodes/a-gpu-2",
+                json={"metadata": {"annotations": {"example.org/padding": None}}},
+                headers={"Content-Type": "application/strategic-merge-patch+json"},
+            ).raise_for_status()
     await eventually(recorded(store, "a-gpu-2", free), "uncordoned again", 5.0)
 
 

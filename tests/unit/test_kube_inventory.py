@@ -270,3 +270,17 @@ def test_a_view_reports_only_what_changed() -> None:
     assert view.seen("a-gpu-1", None)
     assert (view.changed, view.gone) == (set(), {"a-gpu-1"})
     assert not view.seen("a-gpu-1", None)
+
+
+async def test_watch_lines_of_any_length_survive_any_chunking() -> None:
+    from gpufleet.hub.kube_inventory import _lines
+
+    events = [b'{"type": "MODIFIED", "pad": "' + b"x" * 200_000 + b'"}', b'{"type": "DELETED"}']
+    body = b"\n".join(events) + b"\n"
+
+    class Stream:
+        async def iter_any(self):  # type: ignore[no-untyped-def]
+            for start in range(0, len(body), 7_001):  # chunk edges fall anywhere
+                yield body[start : start + 7_001]
+
+    assert [line async for line in _lines(Stream())] == events
