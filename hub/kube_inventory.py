@@ -510,6 +510,8 @@ class KubeInventory:
     async def live_pod_markers(self) -> frozenset[str] | None:
         """The process markers of every pod gpufleet made in any cluster (a pod on a node
         that does not answer may still run); None when a cluster cannot list its pods."""
+        from kubernetes_asyncio import client
+
         from ..recovery.processes import workload_marker
         from ..spawner.kube_manifests import COMMON_LABELS, MARKER_LABEL
 
@@ -518,8 +520,6 @@ class KubeInventory:
         for watch in self.watches.values():
             if not watch.reachability.reachable or watch.api is None:
                 return None
-            from kubernetes_asyncio import client
-
             core: Any = client.CoreV1Api(watch.api)
             try:
                 response: Any = await core.list_pod_for_all_namespaces(

@@ -25,7 +25,15 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 # GPU Feature Discovery's label for the GPU's model ("NVIDIA-A100-SXM4-80GB").
@@ -92,21 +100,15 @@ class ClusterSettings(BaseModel):
         "{namespace} and {pod} (an ingress per cluster).",
     )
 
-    @field_validator("name")
+    @field_validator("name", "namespace")
     @classmethod
-    def _name(cls, value: str) -> str:
+    def _dns_label(cls, value: str, info: ValidationInfo) -> str:
         if not _DNS_LABEL.match(value):
+            what = "cluster name" if info.field_name == "name" else "Kubernetes namespace name"
             raise ValueError(
-                f"{value!r} is not a valid cluster name: use lower-case letters, digits and "
+                f"{value!r} is not a valid {what}: use lower-case letters, digits and "
                 "dashes, at most 63 characters, starting and ending with a letter or digit"
             )
-        return value
-
-    @field_validator("namespace")
-    @classmethod
-    def _namespace(cls, value: str) -> str:
-        if not _DNS_LABEL.match(value):
-            raise ValueError(f"{value!r} is not a valid Kubernetes namespace name")
         return value
 
     @field_validator("gpu_resource")

@@ -174,11 +174,16 @@ class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
         self._uid = self._gid = 0
 
     # -------------------------------------------------------------- clusters
+    _known_clusters: dict[str, ClusterSettings] | None = None
+
     def cluster_settings(self, name: str) -> ClusterSettings:
-        try:
-            known = {c.name: c for c in parse_clusters(self.clusters)}
-        except ClusterConfigError as e:
-            raise web.HTTPError(500, f"c.FleetController.clusters: {e}") from e
+        # Parsed once per spawner (it checks the kubeconfig files): poll asks on every call.
+        if self._known_clusters is None:
+            try:
+                self._known_clusters = {c.name: c for c in parse_clusters(self.clusters)}
+            except ClusterConfigError as e:
+                raise web.HTTPError(500, f"c.FleetController.clusters: {e}") from e
+        known = self._known_clusters
         if name not in known:
             raise web.HTTPError(
                 500,

@@ -68,6 +68,7 @@ def test_every_problem_of_every_cluster_is_named_at_once(tmp_path: Path, kubecon
                 {"name": "d", "kubeconfig": kubeconfig, "gpu_resource": "gpus"},
                 {"name": "e", "in_cluster": True, "pod_url": "http://{host}:{port}"},
                 {"name": "Bad_Name", "in_cluster": True},
+                {"name": "f", "in_cluster": True, "namespace": "Team_A"},
             ]
         )
     problems = str(caught.value).split("; ")
@@ -82,6 +83,9 @@ def test_every_problem_of_every_cluster_is_named_at_once(tmp_path: Path, kubecon
         "cluster 'Bad_Name': name: 'Bad_Name' is not a valid cluster name: use lower-case "
         "letters, digits and dashes, at most 63 characters, starting and ending with a "
         "letter or digit",
+        "cluster 'f': namespace: 'Team_A' is not a valid Kubernetes namespace name: use "
+        "lower-case letters, digits and dashes, at most 63 characters, starting and ending "
+        "with a letter or digit",
         "cluster 'a' is declared 2 times",
         f"cluster 'b': kubeconfig {tmp_path / 'missing.yaml'} does not exist or is not a file",
     ]
