@@ -10,6 +10,7 @@ stable made-up UUIDs, so the whole flow runs on a laptop and in CI.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import sys
@@ -22,6 +23,7 @@ from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
 from .. import __version__
+from ..culler.snapshots import SnapshotSettings
 from ..recovery.nvml import GpuSample, NvmlError
 from ..recovery.processes import marked_process_details
 from ..snapshotter.sandbox import (
@@ -45,6 +47,7 @@ from .jobs import PodKeeper, RankSandbox
 from .lifecycle import until_stopped
 from .metrics import Assignment
 from .network_guard import GuardUnavailable, NetworkGuard, table_name
+from .operations import run_operation
 from .placements import (
     VISIBLE_DEVICES,
     Conflict,
@@ -53,6 +56,11 @@ from .placements import (
     read_placements,
     served_uuids,
 )
+
+# While operations run, their progress goes to the controller this often; with none,
+# the agent long-polls this long for the next.
+PROGRESS_EVERY_S = 0.5
+OPERATION_POLL_S = 20.0
 
 
 def _sample_body(sample: GpuSample) -> dict[str, Any]:
@@ -197,6 +205,58 @@ class NodeAgent(Application):
         data = os.environ.get("GPUFLEET_DATA_DIR", ".gpufleet")
         return os.path.join(os.path.abspath(data), "homes", "{username}")
 
+    snapshot_store = Unicode(
+        help="Where session snapshots are kept (the controller's c.FleetController."
+        "snapshot_store): the agent writes and restores Kubernetes sessions' snapshots on "
+        "its node (docs/kubernetes.md). Default: the controller's setting, else "
+        "$GPUFLEET_SNAPSHOT_STORE, else $GPUFLEET_DATA_DIR/snapshots.",
+    ).tag(config=True)
+
+    @default("snapshot_store")
+    def _default_snapshot_store(self) -> str:
+        return str(
+            self.config.FleetController.get("snapshot_store")
+            or os.environ.get("GPUFLEET_SNAPSHOT_STORE")
+            or os.path.join(
+                os.path.abspath(os.environ.get("GPUFLEET_DATA_DIR", ".gpufleet")), "snapshots"
+            )
+        )
+
+    snapshot_key_file = Unicode(
+        help="The snapshot master key (the controller's c.FleetController.snapshot_key_file). "
+        "Default: the controller's setting, else $GPUFLEET_SNAPSHOT_KEY_FILE, else "
+        "$GPUFLEET_DATA_DIR/snapshot-master.key.",
+    ).tag(config=True)
+
+    @default("snapshot_key_file")
+    def _default_snapshot_key_file(self) -> str:
+        return str(
+            self.config.FleetController.get("snapshot_key_file")
+            or os.environ.get("GPUFLEET_SNAPSHOT_KEY_FILE")
+            or os.path.join(
+                os.path.abspath(os.environ.get("GPUFLEET_DATA_DIR", ".gpufleet")),
+                "snapshot-master.key",
+            )
+        )
+
+    snapshot_s3_endpoint = Unicode(
+        help="The S3 endpoint of an s3:// snapshot store that is not AWS itself. Default: "
+        "the controller's c.FleetController.snapshot_s3_endpoint, else $GPUFLEET_S3_ENDPOINT.",
+    ).tag(config=True)
+
+    @default("snapshot_s3_endpoint")
+    def _default_snapshot_s3_endpoint(self) -> str:
+        return str(
+            self.config.FleetController.get("snapshot_s3_endpoint")
+            or os.environ.get("GPUFLEET_S3_ENDPOINT", "")
+        )
+
+    node_operations = Bool(
+        True,
+        help="Run the snapshot passes and restores the controller asks of this agent's nodes "
+        "(Kubernetes sessions' volumes and container layers).",
+    ).tag(config=True)
+
     protected_ports = List(
         Integer(),
         help="Loopback ports only the platform's account may connect to (docs/containment.md): "
@@ -333,6 +393,8 @@ class NodeAgent(Application):
             loops = [self._heartbeats(client), self._job_pods(client)]
             if self.placement_interval > 0:
                 loops.append(self._placements(client))
+            if self.node_operations:
+                loops.append(self._node_operations(client))
             if self.gpus is not None:
                 loops += [self._samples(client, self.gpus), self._xids(client, self.gpus)]
             await asyncio.gather(*loops)
@@ -410,6 +472,77 @@ class NodeAgent(Application):
                     )
             reported = readback.placements
             await asyncio.sleep(self.placement_interval)
+
+    def snapshot_settings(self) -> SnapshotSettings:
+        return SnapshotSettings(
+            self.snapshot_store,
+            self.snapshot_key_file,
+            self.snapshot_s3_endpoint,
+            os.path.join(self.data_dir, "statcache"),
+        )
+
+    async def _node_operations(self, client: httpx.AsyncClient) -> None:
+        """Claim the snapshot passes and restores asked of this agent's nodes and run them
+        (agent/operations.py), reporting progress at most every ``PROGRESS_EVERY_S``
+        while any runs; with none running, long-poll for the next."""
+        nodes = [n["name"] for n in self.inventory] or [self.node_name]
+        settings = self.snapshot_settings()
+        reports: dict[int, dict[str, Any]] = {}
+        running: set[asyncio.Task[None]] = set()
+        wake = asyncio.Event()
+
+        async def run(operation: dict[str, Any]) -> None:
+            oid = operation["id"]
+
+            def progress(line: dict[str, Any]) -> None:
+                fields = ("phase", "done", "total")
+                reports[oid] = {
+                    "id": oid,
+                    "state": "running",
+                    "progress": {k: line[k] for k in fields if k in line},
+                }
+
+            try:
+                result = await run_operation(
+                    operation["kind"], operation["request"], settings, progress
+                )
+                reports[oid] = {"id": oid, "state": "done", "result": result}
+            except Exception as e:  # noqa: BLE001 (said to the asker, who decides)
+                self.log.warning("node operation %s (%s) failed: %s", oid, operation["kind"], e)
+                reports[oid] = {"id": oid, "state": "failed", "error": str(e)[:4000]}
+            wake.set()
+
+        while True:
+            sent = dict(reports)
+            wait = 0.0 if running or sent else OPERATION_POLL_S
+            try:
+                response = await client.post(
+                    f"{self.controller_api_url}/agent/node-operations",
+                    json={"nodes": nodes, "reports": list(sent.values()), "wait": wait},
+                    timeout=wait + 30,
+                )
+                response.raise_for_status()
+            except httpx.HTTPError as e:
+                self.log.warning("could not sync node operations with the controller (%s)", e)
+                await asyncio.sleep(1.0)
+                continue
+            for oid, report in sent.items():
+                if reports.get(oid) is report:
+                    del reports[oid]
+            for operation in response.json()["operations"]:
+                self.log.info(
+                    "node operation %s: %s for workload %s",
+                    operation["id"],
+                    operation["kind"],
+                    operation["workload_id"],
+                )
+                task = asyncio.create_task(run(operation))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:
+                wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), PROGRESS_EVERY_S)
 
     async def _job_pods(self, client: httpx.AsyncClient) -> None:
         """Report the job pods this agent runs, with their new log lines; run what the

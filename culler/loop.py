@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
@@ -92,6 +93,8 @@ class IdleCuller:
         interval: float = 30.0,
         retry_after: float = 300.0,
         idle_grace: float = 300.0,
+        notify: Callable[[Iterable[int]], None] | None = None,
+        node_claim_seconds: float = 30.0,
     ):
         self.store = store
         self.policies = policies
@@ -104,6 +107,8 @@ class IdleCuller:
         self.interval = interval
         self.retry_after = retry_after
         self.idle_grace = idle_grace
+        self.notify = notify  # workloads changed: wakes long polls (the node agents')
+        self.node_claim_seconds = node_claim_seconds
         self._policy_cache: dict[tuple[str, str], IdlePolicy] = {}
         self._kicked = asyncio.Event()
         self._culling: dict[int, asyncio.Task[None]] = {}
@@ -296,9 +301,19 @@ class IdleCuller:
     async def _live_pass(self, s: CulledSession, sources: snapshots.Sources) -> None:
         assert self.snapshot_settings is not None
         started = time.monotonic()
-        result = await snapshots.create(
-            self.snapshot_settings, s.project, s.username, s.server_name, sources, tags=["live"]
-        )
+        if sources.on_node:
+            result = await self._live_pass_on_node(s, sources)
+            if result.get("skipped"):
+                return
+        else:
+            result = await snapshots.create(
+                self.snapshot_settings,
+                s.project,
+                s.username,
+                s.server_name,
+                sources,
+                tags=["live"],
+            )
         seconds = time.monotonic() - started
         self.metrics.snapshot_seconds.labels("live").observe(seconds)
         stats = result.get("stats", {})
@@ -327,6 +342,42 @@ class IdleCuller:
             "session-snapshot",
             f"live snapshot {result.get('id')}: {stats.get('files', 0)} files, "
             f"{int(stats.get('new_bytes', 0)) >> 20} MiB new, in {seconds:.1f} s",
+        )
+
+    async def _live_pass_on_node(
+        self, s: CulledSession, sources: snapshots.Sources
+    ) -> dict[str, Any]:
+        """The live pass of a session whose files are on its node (Kubernetes), asked of
+        the node agent there (scheduler/store/operations.py)."""
+        request = {
+            "paths": list(sources.paths),
+            "exclude": list(sources.exclude),
+            "container": sources.container,
+            "tags": ["live"],
+        }
+
+        async def ask() -> dict[str, Any]:
+            made = await asyncio.to_thread(
+                self.store.request_node_operation, self.now(), s.workload_id, "snapshot", request
+            )
+            if self.notify is not None:
+                self.notify([s.workload_id])  # the agents' long polls
+            return asdict(made)
+
+        async def status(operation_id: int) -> dict[str, Any]:
+            return asdict(await asyncio.to_thread(self.store.node_operation, operation_id))
+
+        async def abandon(operation_id: int) -> dict[str, Any]:
+            await asyncio.to_thread(
+                self.store.abandon_node_operation,
+                self.now(),
+                operation_id,
+                "no node agent took it in time",
+            )
+            return await status(operation_id)
+
+        return await snapshots.on_node(
+            ask, status, abandon, what="live snapshot", claim_within=self.node_claim_seconds
         )
 
     def _store_uri(self) -> str:

@@ -14,8 +14,11 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from .errors import CullerError
@@ -33,6 +36,10 @@ class Sources:
     prefixes: tuple[str, ...] = ()
     overlays: tuple[str, ...] = ()  # "upper[:merged]"
     exclude: tuple[str, ...] = ()
+    # The paths are on the session's node, read by its node agent (a Kubernetes session:
+    # spawner/kube_snapshots.py), with its container's layer when ``container``.
+    on_node: bool = False
+    container: bool = False
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Sources:
@@ -41,14 +48,18 @@ class Sources:
             tuple(raw.get("prefixes", ())),
             tuple(raw.get("overlays", ())),
             tuple(raw.get("exclude", ())),
+            bool(raw.get("on_node", False)),
+            bool(raw.get("container", False)),
         )
 
-    def to_json(self) -> dict[str, list[str]]:
+    def to_json(self) -> dict[str, Any]:
         return {
             "paths": list(self.paths),
             "prefixes": list(self.prefixes),
             "overlays": list(self.overlays),
             "exclude": list(self.exclude),
+            "on_node": self.on_node,
+            "container": self.container,
         }
 
     def __bool__(self) -> bool:
@@ -147,6 +158,122 @@ async def show_latest(
         if "has no snapshot" in str(e):
             return None
         raise
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a restore of the missing sources brought back."""
+
+    snapshot_id: str
+    created_at: float  # when the snapshot was taken (seconds since the epoch)
+    sources: tuple[dict[str, Any], ...]  # name, path, kind of each source restored
+    seconds: float
+
+    def notice(self) -> str:
+        """What the user should read about it in the session."""
+        taken = datetime.fromtimestamp(self.created_at, UTC)
+        return (
+            f"Stopped at {taken:%H:%M UTC on %d %b}; restored from snapshot "
+            f"{self.snapshot_id}: {', '.join(source_label(s) for s in self.sources)} as "
+            "they were; kernels were restarted"
+        )
+
+
+async def restore_missing(
+    settings: SnapshotSettings,
+    project: str,
+    user: str,
+    server: str,
+    *,
+    within: Collection[str] | None = None,
+    announce: Callable[[Sequence[dict[str, Any]]], None] | None = None,
+    on_progress: Progress | None = None,
+) -> Restored | None:
+    """Restore what the owner's latest snapshot of this server holds and is missing here
+    (a source whose directory is gone or empty), only sources whose path is in
+    ``within`` if given; None when nothing had to be restored. ``announce`` hears the
+    sources about to be restored."""
+    local = not settings.store.startswith("s3://")
+    if local and not await asyncio.to_thread(os.path.isdir, settings.store):
+        return None  # nothing was ever snapshotted here
+    shown = await show_latest(settings, project, user, server)
+    if shown is None:
+        return None
+    sources = [s for s in shown.get("sources", []) if within is None or s.get("path") in within]
+    gone = await asyncio.to_thread(lambda: [is_missing(Path(s["path"])) for s in sources])
+    missing = [s for s, is_gone in zip(sources, gone, strict=True) if is_gone]
+    if not missing:
+        return None
+    if announce is not None:
+        announce(missing)
+    started = time.monotonic()
+    result = await restore_latest(
+        settings, project, user, server, only=[s["name"] for s in missing], on_progress=on_progress
+    )
+    return Restored(
+        str(result.get("id")),
+        float(shown.get("created_at", 0)),
+        tuple(missing),
+        time.monotonic() - started,
+    )
+
+
+def source_label(source: Mapping[str, Any]) -> str:
+    kind = source.get("kind")
+    if kind == "overlay":
+        return "installed packages and system changes"
+    if kind == "prefix":
+        return f"environment {source.get('path')}"
+    return "files"
+
+
+def is_missing(path: Path) -> bool:
+    try:
+        with os.scandir(path) as listing:
+            return next(listing, None) is None
+    except FileNotFoundError:
+        return True
+    except NotADirectoryError:
+        return False
+
+
+async def on_node(
+    request: Callable[[], Awaitable[dict[str, Any]]],
+    status: Callable[[int], Awaitable[dict[str, Any]]],
+    abandon: Callable[[int], Awaitable[dict[str, Any]]],
+    *,
+    what: str,
+    claim_within: float,
+    on_progress: Progress | None = None,
+    poll_s: float = 0.2,
+) -> dict[str, Any]:
+    """Ask a node agent for an operation (``store/operations.py``) and wait for its end:
+    its result. Raises :class:`SnapshotFailed` when it fails, or when no agent claims it
+    within ``claim_within`` seconds (it is abandoned, so no agent runs it later)."""
+    operation = await request()
+    oid, node = int(operation["id"]), operation["node"]
+    claim_deadline = time.monotonic() + claim_within
+    last_progress = None
+    while True:
+        state = operation["state"]
+        if state == "done":
+            return dict(operation.get("result") or {})
+        if state == "failed":
+            raise SnapshotFailed(f"{what} on node {node} failed: {operation.get('error')}")
+        if state == "pending" and time.monotonic() > claim_deadline:
+            operation = await abandon(oid)
+            if operation["state"] == "failed":
+                raise SnapshotFailed(
+                    f"no gpufleet node agent on node {node} took the {what} within "
+                    f"{claim_within:.0f} s: is the agent running there (docs/kubernetes.md)?"
+                )
+            continue
+        progress = operation.get("progress")
+        if progress and progress != last_progress and on_progress is not None:
+            on_progress(progress)
+        last_progress = progress
+        await asyncio.sleep(poll_s)
+        operation = await status(oid)
 
 
 async def _run(

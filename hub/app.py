@@ -363,6 +363,7 @@ class FleetController(DatabaseMixin):
             now=self.now,
             interval=self.cull_interval,
             retry_after=self.cull_retry_seconds,
+            notify=self.notifier.changed,
         )
         try:
             self.culler.check_policies([str(p["name"]) for p in self.projects])

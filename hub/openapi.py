@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from . import scopes
 from .api import job_schemas as js
+from .api import node_operations as nops
 from .api import schemas
 
 
@@ -34,6 +35,7 @@ USERNAME = ("username", "string", "a hub user name")
 NODE_NAME = ("node_name", "string", "a node's name, as GET /nodes lists it")
 JOB_ID = ("job_id", "integer", "a job's id (the id of its workload)")
 PROJECT_NAME = ("project_name", "string", "a project's (or organisation's, team's) name")
+OPERATION_ID = ("operation_id", "integer", "a node operation's id")
 PAGING = (
     ("offset", "integer", "skip this many"),
     ("limit", "integer", "at most this many (1-1000)"),
@@ -307,6 +309,41 @@ OPERATIONS = (
         schemas.PlacementsOut,
     ),
     Operation(
+        "post",
+        "/workloads/{workload_id}/node-operations",
+        "Ask the node agent of a session's node for a snapshot pass or a restore of its "
+        "volumes (the Kubernetes spawner)",
+        (scopes.SPAWN,),
+        nops.NodeOperationIn,
+        nops.NodeOperationOut,
+        201,
+    ),
+    Operation(
+        "get",
+        "/node-operations/{operation_id}",
+        "A node operation's state, progress and result",
+        (scopes.SPAWN,),
+        None,
+        nops.NodeOperationOut,
+    ),
+    Operation(
+        "post",
+        "/node-operations/{operation_id}/abandon",
+        "Give up on a node operation no agent has claimed (it fails)",
+        (scopes.SPAWN,),
+        None,
+        nops.NodeOperationOut,
+    ),
+    Operation(
+        "post",
+        "/agent/node-operations",
+        "A node agent reports on its node operations and claims the pending ones of its "
+        "nodes (long-polls with wait)",
+        (scopes.AGENT,),
+        nops.AgentOperationsIn,
+        nops.AgentOperationsOut,
+    ),
+    Operation(
         "get",
         "/snapshots",
         "Snapshots of your sessions (anyone's for admins), newest first, from the index",
@@ -353,7 +390,14 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "schema": {"type": kind},
                 "description": text,
             }
-            for name, kind, text in (WORKLOAD_ID, USERNAME, NODE_NAME, JOB_ID, PROJECT_NAME)
+            for name, kind, text in (
+                WORKLOAD_ID,
+                USERNAME,
+                NODE_NAME,
+                JOB_ID,
+                PROJECT_NAME,
+                OPERATION_ID,
+            )
             if "{" + name + "}" in op.path
         ] + [
             {

@@ -177,5 +177,17 @@ class ControllerClient:
             )
         )
 
+    async def request_node_operation(
+        self, workload_id: int, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Ask the agent of the session's node for a snapshot pass or a restore."""
+        return await self._call("POST", f"/workloads/{workload_id}/node-operations", json=body)
+
+    async def node_operation(self, operation_id: int) -> dict[str, Any]:
+        return await self._call("GET", f"/node-operations/{operation_id}")
+
+    async def abandon_node_operation(self, operation_id: int) -> dict[str, Any]:
+        return await self._call("POST", f"/node-operations/{operation_id}/abandon")
+
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -28,6 +28,7 @@ from tornado import web
 from traitlets import Float, Unicode, default
 from traitlets.config import LoggingConfigurable
 
+from ..culler.snapshots import SnapshotFailed
 from ..recovery import processes
 from .client import (
     ControllerClient,
@@ -429,6 +430,77 @@ class GPUQueueSpawner(_SpawnerBase):
         self.node_name = ""
         self.cluster_name = ""
         self.marker = ""
+
+    # -------------------------------------------------------------- final snapshot
+    async def _final_snapshot(self) -> str:
+        """The backend's final snapshot pass once nothing of the session runs; what it did
+        (for the workload's end event). Raises ``SnapshotFailed``."""
+        raise NotImplementedError
+
+    async def _save_then_release(self) -> None:
+        """The final pass, then the release. A pass that fails keeps the GPUs (the session
+        is held: nothing unsaved is lost to a waiting workload) and is retried in the
+        background every ``final_snapshot_retry_seconds``."""
+        try:
+            saved = await self._final_snapshot()
+        except SnapshotFailed as e:
+            self.log.error(
+                "the final snapshot of %s failed; its files stay where they are and its "
+                "GPUs stay allocated while it is retried: %s",
+                self._log_name,
+                e,
+            )
+            if self.workload_id is not None:
+                try:
+                    await self.controller.hold(self.workload_id, f"the final snapshot failed: {e}")
+                except ControllerError as held:
+                    self.log.warning("could not tell the controller: %s", held)
+            self._retry_final_snapshot()
+            return
+        await self._release("stopped", f"the server stopped; {saved}")
+
+    final_snapshot_retry_seconds: float  # the backend's trait
+
+    def _retry_final_snapshot(self) -> None:
+        workload_id = self.workload_id
+
+        async def retry() -> None:
+            while True:
+                await asyncio.sleep(self.final_snapshot_retry_seconds)
+                if workload_id is None or await self._released_elsewhere(workload_id):
+                    return
+                try:
+                    saved = await self._final_snapshot()
+                except SnapshotFailed as e:
+                    self.log.warning("final snapshot of %s still failing: %s", self._log_name, e)
+                    continue
+                await self._release("stopped", f"the server stopped; {saved}, retried")
+                return
+
+        task = asyncio.create_task(retry())
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+    async def _released_elsewhere(self, workload_id: int) -> bool:
+        """Whether an admin released the GPUs of a session whose final snapshot kept failing
+        (``POST /workloads/<id>/release``): then retrying stops, and its files stay where
+        they are."""
+        try:
+            status = await self.controller.watch(workload_id, 0, 0)
+        except ControllerError as e:
+            self.log.warning("could not ask about workload %s: %s", workload_id, e)
+            return False
+        if status.state != "ended":
+            return False
+        self.log.warning(
+            "workload %s of %s was released (%s); its final snapshot is no longer retried",
+            workload_id,
+            self._log_name,
+            status.reason,
+        )
+        if self.workload_id == workload_id:
+            self._forget_workload()
+        return True
 
     async def _renew_while_waiting(self, workload_id: int) -> None:
         while True:

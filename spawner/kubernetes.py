@@ -35,6 +35,7 @@ from kubespawner.spawner import EventReflector, PodReflector
 from tornado import web
 from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
 
+from ..culler.snapshots import SnapshotFailed
 from ..recovery import processes
 from .client import WorkloadStatus
 from .clusters import ClusterConfigError, ClusterSettings, api_client, parse_clusters
@@ -48,6 +49,7 @@ from .kube_manifests import (
     session_network_policy,
     session_pod,
 )
+from .kube_snapshots import KubeSnapshotMixin
 
 __all__ = ["KubeGPUSpawner"]
 
@@ -89,7 +91,7 @@ def _address_peer(url: str) -> tuple[Peer, int]:
     return Peer(cidr=f"{host}/{bits}"), port
 
 
-class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
+class KubeGPUSpawner(KubeSnapshotMixin, GPUQueueSpawner, KubeSpawner):
     clusters = List(
         Dict(),
         help="The fleet's Kubernetes clusters; by default c.FleetController.clusters, so "
@@ -360,6 +362,7 @@ class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
             lambda: self.controller.account(self.user.name), self.queue_timeout
         )
         self._uid, self._gid = int(account["uid"]), int(account["gid"])
+        notice = await self._restore_on_node()
         self._server_started = True  # from here on a failure deletes the policy and the pod
         await self._apply_network_policy()
         try:
@@ -369,7 +372,10 @@ class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
             raise _api_error(self.cluster_name, "create the session's pod", e) from e
         self._stop_renewing()
         workload_id = status.id
-        await self._until_answered(lambda: self.controller.running(workload_id), 120)
+        sources = self.snapshot_sources() if self.snapshot_volumes else None
+        await self._until_answered(
+            lambda: self.controller.running(workload_id, sources, notice), 120
+        )
         self._report("Server is up", 100)
         return str(url)
 
@@ -466,7 +472,22 @@ class KubeGPUSpawner(GPUQueueSpawner, KubeSpawner):
     async def stop(self, now: bool = False) -> None:
         if self.api is None and self.cluster_name:
             await self._use_cluster(self.cluster_name)
+        snapshotted = self.workload_id is not None and bool(self.snapshot_volumes)
+        if snapshotted and self.snapshot_container_layer:
+            # The container's layer goes with the pod: it is read while the pod runs.
+            try:
+                await self._pass_on_node("stop", container=True)
+            except SnapshotFailed as e:
+                self.log.warning(
+                    "the snapshot of %s before its stop failed (its volumes are still "
+                    "snapshotted once the pod is gone): %s",
+                    self._log_name,
+                    e,
+                )
         await self._stop_server(now=now)
+        if snapshotted:
+            await self._save_then_release()
+            return
         await self._release("stopped", "")
 
     async def _delete_network_policy(self) -> None:

@@ -26,11 +26,10 @@ from traitlets import Float, Unicode
 
 from ..culler.snapshots import SnapshotFailed, Sources
 from ..recovery import processes
-from .client import ControllerError, RequestRejected, WorkloadStatus
+from .client import RequestRejected, WorkloadStatus
 from .handshake import (
     GPUQueueSpawner,
     InvalidGPURequest,
-    _background,
 )
 from .resume import SnapshottingMixin
 from .sandboxing import Containment, SandboxedProcessSpawner
@@ -201,22 +200,7 @@ class LocalGPUSpawner(GPUQueueSpawner, SnapshottingMixin, SandboxedProcessSpawne
             if self.marker and not await processes.end_all(self.marker):
                 await self._release("stopped", "")  # says why the GPUs stay allocated
                 return
-            try:
-                saved = await self._final_snapshot()
-            except SnapshotFailed as e:
-                self.log.error(
-                    "the final snapshot of %s failed; its files stay where they are and its "
-                    "GPUs stay allocated while it is retried: %s",
-                    self._log_name,
-                    e,
-                )
-                try:
-                    await self.controller.hold(self.workload_id, f"the final snapshot failed: {e}")
-                except ControllerError as held:
-                    self.log.warning("could not tell the controller: %s", held)
-                self._retry_final_snapshot()
-                return
-            await self._release("stopped", f"the server stopped; {saved}")
+            await self._save_then_release()
             return
         await self._release("stopped", "")
 
@@ -251,44 +235,3 @@ class LocalGPUSpawner(GPUQueueSpawner, SnapshottingMixin, SandboxedProcessSpawne
             "final snapshot %s of %s in %.1f s", result.get("id"), self._log_name, seconds
         )
         return f"final snapshot {result.get('id')} in {seconds:.2f} s"
-
-    def _retry_final_snapshot(self) -> None:
-        workload_id = self.workload_id
-
-        async def retry() -> None:
-            while True:
-                await asyncio.sleep(self.final_snapshot_retry_seconds)
-                if workload_id is None or await self._released_elsewhere(workload_id):
-                    return
-                try:
-                    saved = await self._final_snapshot()
-                except SnapshotFailed as e:
-                    self.log.warning("final snapshot of %s still failing: %s", self._log_name, e)
-                    continue
-                await self._release("stopped", f"the server stopped; {saved}, retried")
-                return
-
-        task = asyncio.create_task(retry())
-        _background.add(task)
-        task.add_done_callback(_background.discard)
-
-    async def _released_elsewhere(self, workload_id: int) -> bool:
-        """Whether an admin released the GPUs of a session whose final snapshot kept failing
-        (``POST /workloads/<id>/release``): then retrying stops, and its files stay where
-        they are, in its home and its upper directory."""
-        try:
-            status = await self.controller.watch(workload_id, 0, 0)
-        except ControllerError as e:
-            self.log.warning("could not ask about workload %s: %s", workload_id, e)
-            return False
-        if status.state != "ended":
-            return False
-        self.log.warning(
-            "workload %s of %s was released (%s); its final snapshot is no longer retried",
-            workload_id,
-            self._log_name,
-            status.reason,
-        )
-        if self.workload_id == workload_id:
-            self._forget_workload()
-        return True

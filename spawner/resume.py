@@ -18,7 +18,6 @@ import asyncio
 import os
 import shutil
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -175,67 +174,37 @@ class SnapshottingMixin(LoggingConfigurable):
     async def restore_missing(self, project: str, user: str, server: str, report: Any) -> str:
         """Restore what the latest snapshot holds and is missing here; what the user should
         read about it ("" when nothing was restored)."""
-        settings = self.snapshot_settings()
-        local = not settings.store.startswith("s3://")
-        if local and not await asyncio.to_thread(os.path.isdir, settings.store):
-            return ""  # nothing was ever snapshotted here
-        shown = await snapshots.show_latest(settings, project, user, server)
-        if shown is None:
-            return ""
-        sources = shown.get("sources", [])
-        gone = await asyncio.to_thread(lambda: [_is_missing(Path(s["path"])) for s in sources])
-        missing = [s for s, is_gone in zip(sources, gone, strict=True) if is_gone]
-        if not missing:
-            return ""
-        names = [s["name"] for s in missing]
-        report(f"Restoring your last snapshot ({', '.join(_label(s) for s in missing)})", 30)
-
-        def progress(line: dict[str, Any]) -> None:
-            total, done = line.get("total") or 0, line.get("done") or 0
-            share = f"{done / total:.0%}" if total else line.get("phase", "")
-            report(
-                f"Restoring your last snapshot: {share}",
-                30 + int(25 * done / total) if total else 30,
-            )
-
-        started = time.monotonic()
-        result = await snapshots.restore_latest(
-            settings, project, user, server, only=names, on_progress=progress
-        )
-        seconds = time.monotonic() - started
-        RESTORE_SECONDS.observe(seconds)
-        self.log.info(
-            "restored snapshot %s of %s/%s (%s) in %.1f s",
-            result.get("id"),
+        restored = await snapshots.restore_missing(
+            self.snapshot_settings(),
+            project,
             user,
             server,
-            ", ".join(names),
-            seconds,
+            announce=lambda missing: report(restoring_message(missing), 30),
+            on_progress=lambda line: report(*restore_progress(line)),
         )
-        taken = datetime.fromtimestamp(float(shown.get("created_at", 0)), UTC)
-        return (
-            f"Stopped at {taken:%H:%M UTC on %d %b}; restored from snapshot {result.get('id')}: "
-            f"{', '.join(_label(s) for s in missing)} as they were; kernels were restarted"
+        if restored is None:
+            return ""
+        RESTORE_SECONDS.observe(restored.seconds)
+        self.log.info(
+            "restored snapshot %s of %s/%s (%s) in %.1f s",
+            restored.snapshot_id,
+            user,
+            server,
+            ", ".join(s["name"] for s in restored.sources),
+            restored.seconds,
         )
+        return restored.notice()
 
 
-def _label(source: dict[str, Any]) -> str:
-    kind = source.get("kind")
-    if kind == "overlay":
-        return "installed packages and system changes"
-    if kind == "prefix":
-        return f"environment {source.get('path')}"
-    return "files"
+def restoring_message(missing: Any) -> str:
+    return f"Restoring your last snapshot ({', '.join(snapshots.source_label(s) for s in missing)})"
 
 
-def _is_missing(path: Path) -> bool:
-    try:
-        with os.scandir(path) as listing:
-            return next(listing, None) is None
-    except FileNotFoundError:
-        return True
-    except NotADirectoryError:
-        return False
+def restore_progress(line: dict[str, Any]) -> tuple[str, int]:
+    """A restore's progress line as the spawn page shows it (30-55 %)."""
+    total, done = line.get("total") or 0, line.get("done") or 0
+    share = f"{done / total:.0%}" if total else line.get("phase", "")
+    return f"Restoring your last snapshot: {share}", 30 + int(25 * done / total) if total else 30
 
 
 def _empty(directory: Path) -> None:

@@ -27,6 +27,7 @@ from . import schemas
 from .accounts import account_routes
 from .base import APIHandler, store_errors_as_http
 from .jobs import job_routes
+from .node_operations import node_operation_routes
 from .projects import project_routes
 from .sessions import session_routes
 from .views import MAX_WAIT_SECONDS, listing, load_workload, page, workload_out
@@ -446,6 +447,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         *session_routes(api),
         *account_routes(api),
         *job_routes(api),
+        *node_operation_routes(api),
         *project_routes(api),
         (rf"{prefix.rstrip('/')}/metrics", MetricsHandler),
     ]

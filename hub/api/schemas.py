@@ -92,6 +92,14 @@ class SnapshotSourcesIn(Strict):
     prefixes: list[str] = Field(default_factory=list, max_length=64)
     overlays: list[str] = Field(default_factory=list, max_length=4)
     exclude: list[str] = Field(default_factory=list, max_length=256)
+    on_node: bool = Field(
+        default=False,
+        description="the paths are on the session's node: its node agent reads them "
+        "(a Kubernetes session's hostPath volumes)",
+    )
+    container: bool = Field(
+        default=False, description="on_node: also the container's layer (overlay upper)"
+    )
 
 
 class RunningIn(Strict):

@@ -3,6 +3,7 @@
 The state is changed only through the methods of FleetStore and the classes it builds on
 (``base.StoreBase``: lease and fenced writes; ``inventory.InventoryStore``: what node
 agents report; ``readback.ReadbackStore``: the GPUs workloads' processes really have;
+``operations.NodeOperationStore``: snapshot passes and restores node agents do;
 ``reconcile.ReconcileStore``: process markers and the reconciler's repairs;
 ``cycle.SchedulingStore``: the scheduling cycle, whose decisions are committed
 in one transaction: a controller killed at any point leaves either all of them or none).
@@ -38,6 +39,7 @@ from .models import (
     WorkloadKind,
     WorkloadState,
 )
+from .operations import NodeOperationStore
 from .projects import ProjectAdminStore
 from .readback import ReadbackStore
 from .reconcile import ReconcileStore
@@ -54,6 +56,7 @@ class FleetStore(
     InventoryStore,
     ClusterInventoryStore,
     ReadbackStore,
+    NodeOperationStore,
     SnapshotStore,
     SessionActivityStore,
     JobStore,

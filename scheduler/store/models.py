@@ -394,6 +394,34 @@ class JobPod(Base):
     ended_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
+class NodeOperation(Base):
+    """Heavy work on one node that the node agent there does for a workload: a snapshot
+    pass over a Kubernetes session's volumes and container layer, or a restore into its
+    volumes before its pod starts (docs/kubernetes.md, "Snapshots").
+
+    The controller and the hub never read a pod's files: they ask, the agent on the node
+    claims the operation (``pending`` -> ``running``), reports its progress, and ends it
+    ``done`` (with the snapshot command's result) or ``failed`` (with why). An operation
+    no agent claims in time is ``failed`` by whoever asked.
+    """
+
+    __tablename__ = "node_operations"
+    __table_args__ = (Index("ix_node_operations_node_state", "node", "state"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"), index=True)
+    node: Mapped[str] = mapped_column(String(255))
+    kind: Mapped[str] = mapped_column(String(16))  # snapshot | restore
+    # {"project", "username", "server", "paths", "exclude", "container", "tags", "marker"}
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    error: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
 class JobLog(Base):
     """A chunk of one rank's stdout or stderr, as the node agent sent it.
 

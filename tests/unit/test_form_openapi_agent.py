@@ -215,7 +215,14 @@ def test_every_operation_is_documented_with_parameters_and_scopes(
         path_params = {p["name"] for p in operation["parameters"] if p["in"] == "path"}
         assert path_params == {
             name
-            for name in ("workload_id", "username", "node_name", "job_id", "project_name")
+            for name in (
+                "workload_id",
+                "username",
+                "node_name",
+                "job_id",
+                "project_name",
+                "operation_id",
+            )
             if "{" + name + "}" in op.path
         }
     sessions = document["paths"]["/sessions"]["post"]

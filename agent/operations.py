@@ -1,0 +1,170 @@
+"""Node operations the agent runs for the controller: snapshot passes and restores of a
+Kubernetes session's files, on the node where they are (``scheduler/store/operations.py``).
+
+The agent holds the snapshot master key, as the hub and the controller do; a user's pod
+never does. It reads the session's hostPath volumes where the hub said they are, and what
+the container changed outside them from the container's overlay upper directory, found
+from the session's own processes: the oldest process carrying the session's marker is the
+container's first, and its mount table names the overlay its root (a container runtime's
+image layers: containerd, CRI-O, Docker) or its top-level directories (gpufleet's own
+sandbox, one overlay layer per directory) are mounted from. A container whose layer is
+not an overlay on this node (another snapshotter, a VM runtime) is reported as such: its
+volumes are still snapshotted.
+
+The functions here are pure but for ``find_container_layer`` (reads /proc) and
+``run_operation`` (runs ``gpufleet snapshot``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import posixpath
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..culler import snapshots
+from ..recovery.processes import marked_process_details
+
+
+@dataclass(frozen=True)
+class OverlayMount:
+    mount_point: str
+    upper: str
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes (\\040...)."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def overlay_mounts(mountinfo: str) -> list[OverlayMount]:
+    """The overlay mounts of a mount table (``/proc/<pid>/mountinfo``) that name an upper
+    directory, in the table's order."""
+    found = []
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3 or tail[0] != "overlay":
+            continue
+        for option in tail[2].split(","):
+            if option.startswith("upperdir="):
+                found.append(OverlayMount(_unescape(fields[4]), _unescape(option[9:])))
+    return found
+
+
+def container_layer(mounts: Sequence[OverlayMount]) -> str | None:
+    """The upper directory holding what a container changed, as an overlay source of a
+    snapshot takes it (its ``usr/...`` is what the container changed in ``/usr``):
+
+    - a runtime's overlay root: the upper directory of the mount at ``/``;
+    - a root of one overlay per top-level directory (``/usr`` from ``<dir>/usr``, ``/etc``
+      from ``<dir>/etc``): ``<dir>``, when every such layer shares it.
+
+    None when neither is there."""
+    for mount in mounts:
+        if mount.mount_point == "/":
+            return mount.upper
+    layers = [
+        m
+        for m in mounts
+        if m.mount_point.count("/") == 1
+        and posixpath.basename(m.upper) == m.mount_point[1:]
+        and m.upper.startswith("/")
+    ]
+    parents = {posixpath.dirname(m.upper) for m in layers}
+    if len(parents) == 1:
+        return parents.pop()
+    return None
+
+
+def find_container_layer(marker: str, proc: Path = Path("/proc")) -> str | None:
+    """The upper directory of the container whose processes carry ``marker``, read from
+    its first process's mount table; None when no such process runs here or its layer is
+    not an overlay."""
+    if not marker:
+        return None
+    mine = [p for p in marked_process_details((), proc) if p.marker == marker]
+    if not mine:
+        return None
+    first = min(mine, key=lambda p: (p.started, p.pid))
+    try:
+        table = (proc / str(first.pid) / "mountinfo").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return container_layer(overlay_mounts(table))
+
+
+def prepare_volume(path: str, owner: Sequence[int] | None) -> None:
+    """Make a session's volume directory that is not there yet (a user's first session on
+    this node), owned by the session's user, so that the pod's hostPath finds it."""
+    if os.path.lexists(path):
+        return
+    os.makedirs(path, mode=0o700)
+    if owner:
+        os.chown(path, int(owner[0]), int(owner[1]))
+
+
+Report = Callable[[dict[str, Any]], None]
+
+
+async def run_operation(
+    kind: str,
+    request: Mapping[str, Any],
+    settings: snapshots.SnapshotSettings,
+    on_progress: Report,
+) -> dict[str, Any]:
+    """Run one operation; its result. Raises ``snapshots.SnapshotFailed``."""
+    project, user, server = request["project"], request["username"], request["server"]
+    paths = [str(p) for p in request.get("paths", ())]
+    if kind == "restore":
+        restored = await snapshots.restore_missing(
+            settings, project, user, server, within=set(paths), on_progress=on_progress
+        )
+        for path in paths:
+            await asyncio.to_thread(prepare_volume, path, request.get("owner"))
+        if restored is None:
+            return {"restored": []}
+        return {
+            "id": restored.snapshot_id,
+            "created_at": restored.created_at,
+            "restored": list(restored.sources),
+            "seconds": restored.seconds,
+            "notice": restored.notice(),
+        }
+    present = [p for p in paths if await asyncio.to_thread(os.path.isdir, p)]
+    overlays: tuple[str, ...] = ()
+    layer_note = ""
+    if request.get("container"):
+        layer = await asyncio.to_thread(find_container_layer, str(request.get("marker", "")))
+        if layer is None:
+            layer_note = (
+                "the container's layer was not found on this node (not running, or not an overlay)"
+            )
+        else:
+            overlays = (layer,)
+    sources = snapshots.Sources(
+        paths=tuple(present), overlays=overlays, exclude=tuple(request.get("exclude", ()))
+    )
+    if not sources:
+        return {"skipped": "nothing of the session is on this node", "container": layer_note}
+    result = await snapshots.create(
+        settings,
+        project,
+        user,
+        server,
+        sources,
+        tags=tuple(request.get("tags", ())),
+        on_progress=on_progress,
+    )
+    return {**result, "container": layer_note or (overlays[0] if overlays else "")}

@@ -1,0 +1,174 @@
+"""Node operations: heavy work a node agent does on its node for a workload.
+
+On Kubernetes a session's files live on its node (hostPath volumes, the container's
+layer); neither the hub nor the controller can read them, and the snapshot master key
+must never enter a user's pod. So a snapshot pass or a restore is *asked for* here and
+*done* by the node agent of the workload's node, which holds the key as the platform
+does (``agent/operations.py``). The life of one operation:
+
+    pending --(agent claims)--> running --(agent reports)--> done | failed
+    pending --(nobody claims in time: the asker gives up)--> failed
+
+Invariants: an operation is claimed at most once (the claim is a conditional update:
+two agents, or one agent asking twice, cannot both run it); an ended operation never
+changes again, so a late report from an agent that was thought gone changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select, update
+
+from ..errors import InvalidRequest, NotFound
+from .base import StoreBase, _get_workload
+from .models import Allocation, NodeOperation, WorkloadKind
+
+KINDS = ("snapshot", "restore")
+ENDED = ("done", "failed")
+
+
+@dataclass(frozen=True)
+class Operation:
+    id: int
+    workload_id: int
+    node: str
+    kind: str
+    request: dict[str, Any]
+    state: str
+    progress: dict[str, Any] | None
+    result: dict[str, Any] | None
+    error: str
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+
+def _operation(row: NodeOperation) -> Operation:
+    return Operation(
+        row.id,
+        row.workload_id,
+        row.node,
+        row.kind,
+        dict(row.request),
+        row.state,
+        row.progress,
+        row.result,
+        row.error,
+    )
+
+
+class NodeOperationStore(StoreBase):
+    def request_node_operation(
+        self, now: datetime, workload_id: int, kind: str, request: Mapping[str, Any]
+    ) -> Operation:
+        """Ask the agent of the node the session's GPUs are (or last were) on for
+        ``kind``. The workload's owner, server and process marker go with the request:
+        the agent finds the container by the marker and files the snapshot under the
+        owner."""
+        if kind not in KINDS:
+            raise InvalidRequest(f"a node operation is one of {', '.join(KINDS)}, not {kind!r}")
+        with self._write(now) as session:
+            workload = _get_workload(session, workload_id)
+            if workload.kind is not WorkloadKind.session:
+                raise InvalidRequest(f"workload {workload_id} is not a session")
+            latest = session.scalars(
+                select(Allocation)
+                .where(Allocation.workload_id == workload_id)
+                .order_by(Allocation.id.desc())
+                .limit(1)
+            ).first()
+            if latest is None:
+                raise InvalidRequest(
+                    f"workload {workload_id} has never had GPUs: it is on no node yet"
+                )
+            row = NodeOperation(
+                workload_id=workload_id,
+                node=latest.node.name,
+                kind=kind,
+                request={
+                    **request,
+                    "project": workload.project.name,
+                    "username": workload.username,
+                    "server": workload.server_name,
+                    "marker": workload.process_marker or "",
+                },
+                state="pending",
+                created_at=now,
+                updated_at=now,
+            )
+            session.add(row)
+            session.flush()
+            return _operation(row)
+
+    def node_operation(self, operation_id: int) -> Operation:
+        with self.read() as session:
+            row = session.get(NodeOperation, operation_id)
+            if row is None:
+                raise NotFound(f"there is no node operation {operation_id}")
+            return _operation(row)
+
+    def claim_node_operations(self, now: datetime, nodes: Sequence[str]) -> list[Operation]:
+        """The pending operations of ``nodes``, now ``running``: the caller runs them."""
+        if not nodes:
+            return []
+        with self._write(now) as session:
+            pending = session.scalars(
+                select(NodeOperation.id)
+                .where(NodeOperation.node.in_(list(nodes)), NodeOperation.state == "pending")
+                .order_by(NodeOperation.id)
+            ).all()
+            claimed = []
+            for operation_id in pending:
+                taken = session.execute(
+                    update(NodeOperation)
+                    .where(NodeOperation.id == operation_id, NodeOperation.state == "pending")
+                    .values(state="running", updated_at=now)
+                )
+                if taken.rowcount == 1:  # type: ignore[attr-defined]
+                    claimed.append(operation_id)
+            rows = session.scalars(select(NodeOperation).where(NodeOperation.id.in_(claimed))).all()
+            return [_operation(r) for r in sorted(rows, key=lambda r: r.id)]
+
+    def report_node_operation(
+        self,
+        now: datetime,
+        operation_id: int,
+        *,
+        state: str,
+        progress: Mapping[str, Any] | None = None,
+        result: Mapping[str, Any] | None = None,
+        error: str = "",
+    ) -> bool:
+        """What the agent says of a running operation (``running`` with progress, or its
+        end); whether it changed anything (an ended or unknown operation stays as it is)."""
+        if state not in ("running", *ENDED):
+            raise InvalidRequest(f"an operation is reported running, done or failed, not {state}")
+        values: dict[str, Any] = {"state": state, "updated_at": now}
+        if progress is not None:
+            values["progress"] = dict(progress)
+        if result is not None:
+            values["result"] = dict(result)
+        if error:
+            values["error"] = error
+        with self._write(now) as session:
+            changed = session.execute(
+                update(NodeOperation)
+                .where(NodeOperation.id == operation_id, NodeOperation.state == "running")
+                .values(**values)
+            )
+            return bool(changed.rowcount)  # type: ignore[attr-defined]
+
+    def abandon_node_operation(self, now: datetime, operation_id: int, error: str) -> bool:
+        """Fail an operation nobody claimed; False if an agent has claimed it meanwhile."""
+        with self._write(now) as session:
+            changed = session.execute(
+                update(NodeOperation)
+                .where(NodeOperation.id == operation_id, NodeOperation.state == "pending")
+                .values(state="failed", error=error, updated_at=now)
+            )
+            return bool(changed.rowcount)  # type: ignore[attr-defined]
