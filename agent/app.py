@@ -257,6 +257,13 @@ class NodeAgent(Application):
         "(Kubernetes sessions' volumes and container layers).",
     ).tag(config=True)
 
+    operation_nodes = List(
+        Unicode(),
+        help="The nodes whose snapshot passes and restores this agent runs. Default: the "
+        "nodes it reports, else node_name (a DaemonSet's pod: set node_name from the "
+        "downward API's spec.nodeName).",
+    ).tag(config=True)
+
     protected_ports = List(
         Integer(),
         help="Loopback ports only the platform's account may connect to (docs/containment.md): "
@@ -485,7 +492,8 @@ class NodeAgent(Application):
         """Claim the snapshot passes and restores asked of this agent's nodes and run them
         (agent/operations.py), reporting progress at most every ``PROGRESS_EVERY_S``
         while any runs; with none running, long-poll for the next."""
-        nodes = [n["name"] for n in self.inventory] or [self.node_name]
+        nodes = list(self.operation_nodes) or [n["name"] for n in self.inventory]
+        nodes = nodes or [self.node_name]
         settings = self.snapshot_settings()
         reports: dict[int, dict[str, Any]] = {}
         running: set[asyncio.Task[None]] = set()

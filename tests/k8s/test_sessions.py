@@ -8,7 +8,6 @@ themselves."""
 from __future__ import annotations
 
 import json
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,31 +16,17 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, BrowserContext, expect
 
-from gpufleet.spawner.kube_manifests import WORKLOAD_LABEL, priority_class
+from gpufleet.spawner.kube_manifests import WORKLOAD_LABEL
 
 from ..integration import browser as ui
 from ..integration.harness import Hub, run_in_kernel, wait_for
 from .control_plane import NAMESPACE, SPAWNER_RULES, ControlPlane
+from .hubs import WITHOUT_AGENT, make_kube_hub
 from .partition import Partition
 from .pki import KubeContext, write_kubeconfig
 from .tier import CLUSTER_A, CLUSTER_B
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
-
-KUBE_CONFIG = """
-c.JupyterHub.spawner_class = "gpufleet.spawner.kubernetes.KubeGPUSpawner"
-c.FleetController.clusters = {controller!r}
-c.KubeGPUSpawner.clusters = {spawner!r}
-c.KubeGPUSpawner.image = "gpufleet/session:test"  # the test kubelets run the base env
-c.KubeGPUSpawner.termination_grace_seconds = 5
-c.KubeGPUSpawner.lease_renew_interval = 1
-c.FleetController.cluster_probe_interval = 1
-c.FleetController.node_lost_grace_seconds = 2
-c.FleetController.cluster_unreachable_after = 3
-# The GPUs are the clusters' own: no node agent declares GPUs of this machine.
-c.JupyterHub.services = [s for s in c.JupyterHub.services if s["name"] != "gpufleet-agent"]
-c.JupyterHub.load_roles = [r for r in c.JupyterHub.load_roles if r["name"] != "gpufleet-agent"]
-"""
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +44,6 @@ def kube_hub(
     k8s_tier: ControlPlane, partition_b: Partition, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Hub]:
     """A hub whose sessions are pods on the tier's two clusters."""
-    for cluster in k8s_tier.clusters.values():
-        with cluster.rest() as api:
-            made = api.post(
-                "/apis/scheduling.k8s.io/v1/priorityclasses",
-                json=priority_class("gpufleet-session", 1000, "gpufleet sessions"),
-            )
-            assert made.status_code in (201, 409), made.text
     root = Path(tmp_path_factory.mktemp("kube-hub"))
     b = k8s_tier[CLUSTER_B]
     through = write_kubeconfig(
@@ -78,16 +56,7 @@ def kube_hub(
         {"name": CLUSTER_A, "kubeconfig": str(k8s_tier.kubeconfig), "context": CLUSTER_A},
         {"name": CLUSTER_B, "kubeconfig": str(through)},
     ]
-    spawner = [
-        {
-            "name": name,
-            "kubeconfig": str(k8s_tier[name].kubeconfig("spawner", NAMESPACE)),
-            "namespace": NAMESPACE,
-        }
-        for name in (CLUSTER_A, CLUSTER_B)
-    ]
-    config = textwrap.dedent(KUBE_CONFIG).format(controller=controller, spawner=spawner)
-    hub = Hub.create(root, config)
+    hub = make_kube_hub(k8s_tier, root, WITHOUT_AGENT, controller)
     hub.start()
     try:
         yield hub
