@@ -257,6 +257,18 @@ class NodeAgent(Application):
         "(Kubernetes sessions' volumes and container layers).",
     ).tag(config=True)
 
+    container_layer_roots = List(
+        Unicode(),
+        [
+            "/var/lib/containerd",
+            "/var/lib/containers/storage",
+            "/var/lib/docker",
+        ],
+        help="Where the container runtime keeps containers' layers, as this agent sees the "
+        "host: a layer the agent snapshots must be under one of them (and prove to be what "
+        "the container sees). containerd's, CRI-O's and Docker's by default.",
+    ).tag(config=True)
+
     operation_nodes = List(
         Unicode(),
         help="The nodes whose snapshot passes and restores this agent runs. Default: the "
@@ -512,7 +524,11 @@ class NodeAgent(Application):
 
             try:
                 result = await run_operation(
-                    operation["kind"], operation["request"], settings, progress
+                    operation["kind"],
+                    operation["request"],
+                    settings,
+                    progress,
+                    self.container_layer_roots,
                 )
                 reports[oid] = {"id": oid, "state": "done", "result": result}
             except Exception as e:  # noqa: BLE001 (said to the asker, who decides)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import posixpath
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,10 +89,26 @@ def container_layer(mounts: Sequence[OverlayMount]) -> str | None:
     return None
 
 
-def find_container_layer(marker: str, proc: Path = Path("/proc")) -> str | None:
+class LayerRefused(Exception):
+    """The mount table names an upper directory the agent will not read; says why."""
+
+
+def find_container_layer(
+    marker: str, roots: Sequence[str], proc: Path = Path("/proc")
+) -> str | None:
     """The upper directory of the container whose processes carry ``marker``, read from
     its first process's mount table; None when no such process runs here or its layer is
-    not an overlay."""
+    not an overlay. Raises :class:`LayerRefused` for a layer that is not provably that
+    container's own.
+
+    The mount table is the kernel's, but of the user's mount namespace: a user may mount
+    an overlay of their own (in a user namespace) whose ``upperdir`` names, as a string, a
+    path that on the host is someone else's (another container's layer, ``/etc``). Read
+    from the host, that path would put another's files into this user's snapshot. So the
+    upper directory is read only if, from the host's view, it is under ``roots`` (the
+    container runtime's directories) and really lies under what the container sees: a
+    probe file made there appears at the same place through the process's own root.
+    """
     if not marker:
         return None
     mine = [p for p in marked_process_details((), proc) if p.marker == marker]
@@ -102,7 +119,50 @@ def find_container_layer(marker: str, proc: Path = Path("/proc")) -> str | None:
         table = (proc / str(first.pid) / "mountinfo").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    return container_layer(overlay_mounts(table))
+    mounts = overlay_mounts(table)
+    layer = container_layer(mounts)
+    if layer is None:
+        return None
+    real = os.path.realpath(layer)
+    if not any(_is_under(real, root) for root in roots):
+        raise LayerRefused(
+            f"the container's upper directory {layer} is under none of the runtime's "
+            f"directories ({', '.join(roots) or 'none configured'}: "
+            "c.NodeAgent.container_layer_roots)"
+        )
+    probed = [m.mount_point for m in mounts if m.mount_point == "/"] or [
+        m.mount_point for m in mounts if posixpath.dirname(m.upper) == layer
+    ][:1]
+    root_of_process = proc / str(first.pid) / "root"
+    if not probed or not _shows_through(real, probed[0], root_of_process):
+        raise LayerRefused(
+            f"the upper directory {layer} named by the container's mount table is not what "
+            "the container sees"
+        )
+    return real
+
+
+def _is_under(path: str, root: str) -> bool:
+    root = os.path.realpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _shows_through(upper: str, mount_point: str, process_root: Path) -> bool:
+    """Whether a file made in ``upper`` (its part for ``mount_point``) shows at
+    ``mount_point`` through the process's root. Blocking."""
+    name = f".gpufleet-layer-probe-{secrets.token_hex(8)}"
+    part = upper if mount_point == "/" else os.path.join(upper, mount_point.lstrip("/"))
+    probe = os.path.join(part, name)
+    try:
+        descriptor = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return False
+    os.close(descriptor)
+    try:
+        seen = str(process_root) + mount_point.rstrip("/") + "/" + name
+        return os.path.lexists(seen)
+    finally:
+        os.unlink(probe)
 
 
 def prepare_volume(path: str, owner: Sequence[int] | None) -> None:
@@ -123,6 +183,7 @@ async def run_operation(
     request: Mapping[str, Any],
     settings: snapshots.SnapshotSettings,
     on_progress: Report,
+    layer_roots: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run one operation; its result. Raises ``snapshots.SnapshotFailed``."""
     project, user, server = request["project"], request["username"], request["server"]
@@ -146,13 +207,18 @@ async def run_operation(
     overlays: tuple[str, ...] = ()
     layer_note = ""
     if request.get("container"):
-        layer = await asyncio.to_thread(find_container_layer, str(request.get("marker", "")))
-        if layer is None:
+        try:
+            layer = await asyncio.to_thread(
+                find_container_layer, str(request.get("marker", "")), layer_roots
+            )
+        except LayerRefused as e:
+            layer, layer_note = None, f"the container's layer was not read: {e}"
+        if layer is not None:
+            overlays = (layer,)
+        elif not layer_note:
             layer_note = (
                 "the container's layer was not found on this node (not running, or not an overlay)"
             )
-        else:
-            overlays = (layer,)
     sources = snapshots.Sources(
         paths=tuple(present), overlays=overlays, exclude=tuple(request.get("exclude", ()))
     )

@@ -101,6 +101,8 @@ c.NodeAgent.declared_nodes = []
 c.NodeAgent.nvml = "off"
 c.NodeAgent.placement_interval = 0
 c.NodeAgent.operation_nodes = {nodes!r}
+# The test kubelets are the runtime: their containers' layers are under their directory.
+c.NodeAgent.container_layer_roots = [{str(k8s_tier.workdir / "kubelets")!r}]
 """
     hub = make_kube_hub(k8s_tier, Path(tmp_path_factory.mktemp("snapshot-hub")), config)
     hub.start()
