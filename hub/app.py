@@ -656,6 +656,7 @@ class FleetController(DatabaseMixin):
             self.log,
             self.now,
             pods=self.live_pod_markers,
+            delete_pods=self.kube.delete_pods_with_marker if self.kube is not None else None,
         )
         while True:
             await asyncio.sleep(self.reconcile_interval)

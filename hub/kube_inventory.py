@@ -510,31 +510,65 @@ class KubeInventory:
     async def live_pod_markers(self) -> frozenset[str] | None:
         """The process markers of every pod gpufleet made in any cluster (a pod on a node
         that does not answer may still run); None when a cluster cannot list its pods."""
+        markers: set[str] = set()
+        for watch in self.watches.values():
+            pods = await self._gpufleet_pods(watch)
+            if pods is None:
+                return None
+            markers.update(marker for marker, _namespace, _name in pods)
+        return frozenset(markers)
+
+    async def delete_pods_with_marker(self, marker: str) -> int:
+        """Delete gpufleet's pods carrying ``marker`` in every cluster that answers (the
+        reconciler's ``orphan-pods``), with their own grace period; how many."""
+        from kubernetes_asyncio import client
+
+        deleted = 0
+        for watch in self.watches.values():
+            for found, namespace, name in await self._gpufleet_pods(watch) or []:
+                if found != marker:
+                    continue
+                try:
+                    await client.CoreV1Api(watch.api).delete_namespaced_pod(
+                        name, namespace, _request_timeout=15
+                    )
+                    deleted += 1
+                except Exception as e:  # noqa: BLE001 - logged; the next pass tries again
+                    self.log.warning(
+                        "cluster %s: could not delete pod %s/%s: %s", watch.name, namespace, name, e
+                    )
+        return deleted
+
+    async def _gpufleet_pods(self, watch: ClusterWatch) -> list[tuple[str, str, str]] | None:
+        """(marker, namespace, name) of every pod gpufleet made in the cluster; None when it
+        cannot list them."""
         from kubernetes_asyncio import client
 
         from ..recovery.processes import workload_marker
         from ..spawner.kube_manifests import COMMON_LABELS, MARKER_LABEL
 
+        if not watch.reachability.reachable or watch.api is None:
+            return None
         selector = ",".join(f"{k}={v}" for k, v in sorted(COMMON_LABELS.items()))
-        markers: set[str] = set()
-        for watch in self.watches.values():
-            if not watch.reachability.reachable or watch.api is None:
-                return None
-            core: Any = client.CoreV1Api(watch.api)
-            try:
-                response: Any = await core.list_pod_for_all_namespaces(
-                    label_selector=selector, _preload_content=False, _request_timeout=15
+        core: Any = client.CoreV1Api(watch.api)
+        try:
+            response: Any = await core.list_pod_for_all_namespaces(
+                label_selector=selector, _preload_content=False, _request_timeout=15
+            )
+            async with response:
+                body = json.loads(await response.read())
+        except Exception as e:  # noqa: BLE001 - any failure means "cannot say"
+            self.log.warning("cluster %s: cannot list gpufleet's pods: %s", watch.name, e)
+            return None
+        pods = []
+        for pod in body.get("items", []):
+            metadata = pod.get("metadata") or {}
+            found = (metadata.get("annotations") or {}).get(MARKER_LABEL)
+            if found:
+                pods.append(
+                    (workload_marker(str(found)), metadata.get("namespace", ""), metadata["name"])
                 )
-                async with response:
-                    body = json.loads(await response.read())
-            except Exception as e:  # noqa: BLE001 - any failure means "cannot say"
-                self.log.warning("cluster %s: cannot list gpufleet's pods: %s", watch.name, e)
-                return None
-            for pod in body.get("items", []):
-                found = ((pod.get("metadata") or {}).get("annotations") or {}).get(MARKER_LABEL)
-                if found:
-                    markers.add(workload_marker(str(found)))
-        return frozenset(markers)
+        return pods
 
     async def cordon(self, node: str, cluster: str, cordoned: bool) -> None:
         """Set the node's ``spec.unschedulable`` in its cluster: the one truth of a cordon,

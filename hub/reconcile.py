@@ -16,13 +16,16 @@ The rules (the table with examples is in docs/reconciler.md):
 - ``server-without-gpus``: the hub runs a ready server for which no workload is open:
   stop it through the hub.
 - ``orphan-processes``: live processes carry the marker of an ended workload: end them.
+- ``orphan-pods``: a pod of an ended workload still exists in a Kubernetes cluster (its
+  hub lost track of it: a hub restored from an old state, a stop that never reached the
+  cluster): delete it, so that its processes stop using GPUs the scheduler gave others.
 
 Invariants:
 - No GPU is released while anything of its workload may still run: a workload is ended
   only when its process marker is known, no live process carries it and no pod of it
   exists in the fleet's Kubernetes clusters (``Observed.pods``: a pod on a node that
   does not answer may still run). A workload whose marker is unknown (recorded before
-  markers were) is never ended here. A pod of an ended workload is not deleted here.
+  markers were) is never ended here.
 - Only processes whose marker this database knows are touched. A marker it does not know
   belongs to another deployment on the same machine (or to a job rank before jobs are
   recorded) and is left alone.
@@ -69,6 +72,7 @@ class Rule(enum.StrEnum):
     stop_overdue = "stop-overdue"
     server_without_gpus = "server-without-gpus"
     orphan_processes = "orphan-processes"
+    orphan_pods = "orphan-pods"
 
 
 @dataclass(frozen=True)
@@ -147,7 +151,17 @@ class EndProcesses:
     reason: str
 
 
-Repair = EndWorkload | StopServer | EndProcesses
+@dataclass(frozen=True)
+class DeletePods:
+    """Delete every pod of gpufleet's carrying ``marker``, in every cluster."""
+
+    marker: str
+    workload_id: int
+    rule: Rule
+    reason: str
+
+
+Repair = EndWorkload | StopServer | EndProcesses | DeletePods
 
 
 def reconcile(
@@ -185,11 +199,25 @@ def reconcile(
     owner_of = {w.marker: w for w in ended if w.marker and w.marker not in open_markers}
     for marker, workload in sorted(owner_of.items(), key=lambda item: item[1].id):
         pids = tuple(sorted(pids_of.get(marker, ())))
-        if not pids or now - workload.since <= grace:
+        has_pod = marker in observed.pods
+        if not (pids or has_pod) or now - workload.since <= grace:
             continue
         key = _key(workload)
         if workload.kind == "session" and key in servers and key not in open_servers:
             continue  # the hub still lists its server: stopping that ends them
+        if has_pod:
+            repairs.append(
+                DeletePods(
+                    marker,
+                    workload.id,
+                    Rule.orphan_pods,
+                    f"a pod of workload {workload.id}, which ended "
+                    f"({workload.outcome or 'ended'}) {_seconds(now - workload.since)} ago, "
+                    "still exists; deleting it",
+                )
+            )
+        if not pids:
+            continue
         repairs.append(
             EndProcesses(
                 marker,

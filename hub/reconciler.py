@@ -60,6 +60,7 @@ from .hubapi import stop_server
 from .metrics import ControllerMetrics
 from .notifier import Notifier
 from .reconcile import (
+    DeletePods,
     EndProcesses,
     EndWorkload,
     HubServer,
@@ -102,10 +103,13 @@ class Reconciler:
         log: logging.Logger,
         clock: Callable[[], datetime],
         pods: Callable[[], Awaitable[frozenset[str] | None]] | None = None,
+        delete_pods: Callable[[str], Awaitable[int]] | None = None,
     ):
         """``pods``: the markers of the workloads that have a pod in the fleet's Kubernetes
-        clusters, None when some cluster cannot say (then the pass repairs nothing)."""
+        clusters, None when some cluster cannot say (then the pass repairs nothing);
+        ``delete_pods``: delete the pods carrying a marker, in every cluster (how many)."""
         self.pods = pods
+        self.delete_pods = delete_pods
         self.store = store
         self.metrics = metrics
         self.hub_api_url = hub_api_url.rstrip("/")
@@ -134,7 +138,7 @@ class Reconciler:
                 pid: processes.workload_marker(found)
                 for pid, found in (await asyncio.to_thread(processes.marked_processes)).items()
             }
-            recorded = recorded_workloads(self.store, set(marked.values()))
+            recorded = recorded_workloads(self.store, set(marked.values()) | pods)
             for username in sorted(_unseen_users(recorded, servers)):
                 found = await self._servers_of_user(client, username)
                 if found is None:
@@ -210,6 +214,8 @@ class Reconciler:
                 return self._end_workload(repair)
             if isinstance(repair, StopServer):
                 await self._stop_server(client, repair)
+            elif isinstance(repair, DeletePods):
+                await self._delete_pods(repair)
             else:
                 await self._end_processes(repair)
         except LeaseLost:
@@ -271,6 +277,21 @@ class Reconciler:
             rule=repair.rule.value,
             workload_id=repair.workload_id,
             data={"repair": "end-processes", "pids": list(repair.pids), "all_gone": gone},
+        )
+        self._count(repair)
+
+    async def _delete_pods(self, repair: DeletePods) -> None:
+        if self.delete_pods is None:
+            return
+        deleted = await self.delete_pods(repair.marker)
+        if not deleted:
+            return  # gone since it was observed
+        self.store.record_reconciled(
+            self.clock(),
+            repair.reason,
+            rule=repair.rule.value,
+            workload_id=repair.workload_id,
+            data={"repair": "delete-pods", "deleted": deleted},
         )
         self._count(repair)
 

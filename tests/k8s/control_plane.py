@@ -236,6 +236,10 @@ CONTROLLER_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "list"]},
 ]
+# In gpufleet's namespace only: the reconciler deletes pods of sessions that ended.
+CONTROLLER_NAMESPACE_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["delete"]},
+]
 SPAWNER_RULES: list[dict[str, Any]] = [
     {
         "apiGroups": [""],
@@ -593,6 +597,24 @@ def _bootstrap_objects(api: httpx.Client) -> None:
             "roleRef": {
                 "apiGroup": "rbac.authorization.k8s.io",
                 "kind": "ClusterRole",
+                "name": "gpufleet-controller",
+            },
+            "subjects": [{**user, "name": "gpufleet-controller"}],
+        },
+    )
+    _apply(
+        api,
+        f"{rbac}/namespaces/{NAMESPACE}/roles",
+        {"metadata": {"name": "gpufleet-controller"}, "rules": CONTROLLER_NAMESPACE_RULES},
+    )
+    _apply(
+        api,
+        f"{rbac}/namespaces/{NAMESPACE}/rolebindings",
+        {
+            "metadata": {"name": "gpufleet-controller"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
                 "name": "gpufleet-controller",
             },
             "subjects": [{**user, "name": "gpufleet-controller"}],

@@ -199,6 +199,39 @@ def test_a_session_that_stops_leaves_no_pod_and_frees_its_gpus(
     assert left_behind(k8s_tier, cluster, workload["id"]) == []
 
 
+def test_a_pod_left_behind_by_an_ended_session_is_deleted_by_the_reconciler(
+    kube_fleet: Hub, k8s_tier: ControlPlane
+) -> None:
+    spawn_api(kube_fleet, "bob", "", "vision", 1)
+    kube_fleet.wait_ready("bob", "", timeout=180)
+    workload = kube_fleet.workload_of("bob")
+    assert workload is not None
+    cluster = cluster_of(workload)
+    pod = pod_of(k8s_tier, workload)
+    assert kube_fleet.stop_server("bob").status_code in (202, 204)
+    kube_fleet.wait_ended(workload)
+    # The same pod again, as a hub restored from an old state (or a stale controller of
+    # another deployment) would make it: it carries the ended session's marker.
+    kept = {k: pod["metadata"][k] for k in ("name", "labels", "annotations")}
+    again = {"apiVersion": "v1", "kind": "Pod", "metadata": kept, "spec": pod["spec"]}
+    with k8s_tier[cluster].rest() as api:
+        made = api.post(f"/api/v1/namespaces/{NAMESPACE}/pods", json=again)
+        assert made.status_code == 201, made.text
+    wait_for(
+        lambda: objects_of(k8s_tier, cluster, workload["id"], "pods") == [],
+        60,
+        "the left-behind pod deleted",
+    )
+    events = kube_fleet.controller("GET", "/events", params={"workload_id": workload["id"]}).json()[
+        "items"
+    ]
+    (repair,) = [e for e in events if e["reason"] == "orphan-pods"]
+    assert "still exists; deleting it" in repair["message"]
+    # Its session stays ended, and nothing holds its GPUs.
+    ended = kube_fleet.workload_of("bob")
+    assert ended is None or ended["state"] == "ended"
+
+
 def test_a_gpu_type_no_cluster_has_is_refused_with_what_to_fix(kube_fleet: Hub) -> None:
     response = kube_fleet.spawn("alice", "", project="vision", gpu_type="H100-80GB", gpus=1)
     assert response.status_code == 400

@@ -6,6 +6,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from gpufleet.hub.reconcile import (
+    DeletePods,
     EndProcesses,
     EndWorkload,
     HubServer,
@@ -272,3 +273,26 @@ def test_a_workload_whose_pod_still_exists_keeps_its_gpus() -> None:
     assert reconcile([stopping], with_pod, NOW, GRACE) == ()
     # Gone from its cluster: the usual rule applies.
     assert reconcile([stopping], NOTHING, NOW, GRACE)[0].rule == Rule.stop_finished
+
+
+def test_a_pod_of_an_ended_workload_is_deleted_after_the_grace() -> None:
+    # The hub lost track of it (say, restored from an old state): its processes would use
+    # GPUs the scheduler has given others.
+    ended = replace(ALICE, state="ended", since=T0, outcome="lost")
+    with_pod = Observed(servers=(), processes=(), pods=frozenset({"m-alice"}))
+    assert reconcile([ended], with_pod, NOW, GRACE) == (
+        DeletePods(
+            "m-alice",
+            7,
+            Rule.orphan_pods,
+            "a pod of workload 7, which ended (lost) 100 s ago, still exists; deleting it",
+        ),
+    )
+    # Within the grace its spawner's own stop may still be deleting it.
+    assert reconcile([replace(ended, since=NOW - GRACE)], with_pod, NOW, GRACE) == ()
+    # The hub still lists the server: stopping that deletes the pod.
+    listed = replace(with_pod, servers=(ALICE_SERVER,))
+    assert [type(r) for r in reconcile([ended], listed, NOW, GRACE)] == [StopServer]
+    # A pod whose marker an open workload owns (a retried request) is that workload's.
+    reused = replace(ALICE, id=8)
+    assert reconcile([ended, reused], with_pod, NOW, GRACE) == ()
