@@ -22,6 +22,7 @@ from ..integration import browser as ui
 from ..integration.harness import Hub, run_in_kernel, wait_for
 from .control_plane import NAMESPACE, SPAWNER_RULES, ControlPlane
 from .hubs import WITHOUT_AGENT, make_kube_hub
+from .nodes import NodeSpec
 from .partition import Partition
 from .pki import KubeContext, write_kubeconfig
 from .tier import CLUSTER_A, CLUSTER_B
@@ -349,3 +350,47 @@ def test_a_cluster_cut_off_from_the_controller_is_on_the_admin_panel_and_takes_n
     finally:
         partition_b.heal()
     wait_for(lambda: health_of("b-gpu-1") == "ok", 60, "cluster-b's node back")
+
+
+def test_a_node_deleted_while_its_session_runs_ends_the_session_naming_the_node(
+    kube_fleet: Hub, k8s_tier: ControlPlane
+) -> None:
+    # A node of its own for the session: cluster-a's nodes are cordoned (through gpufleet)
+    # and cluster-b gets a new one beside b-gpu-1, which carol fills.
+    b = k8s_tier[CLUSTER_B]
+    name = b.spare_node_name()
+    a_nodes = sorted(k8s_tier[CLUSTER_A].nodes)
+    for node in a_nodes:
+        kube_fleet.controller("POST", f"/nodes/{node}/cordon").raise_for_status()
+    try:
+        spawn_api(kube_fleet, "carol", "", "nlp", 4)
+        kube_fleet.wait_ready("carol", "", timeout=180)
+        b.add_node(NodeSpec(name, "zone-c", gpus=4))
+        wait_for(
+            lambda: any(
+                n["name"] == name for n in kube_fleet.controller("GET", "/nodes").json()["items"]
+            ),
+            30,
+            "the new node in gpufleet's inventory",
+        )
+        spawn_api(kube_fleet, "bob", "", "vision", 2)
+        kube_fleet.wait_ready("bob", "", timeout=180)
+        workload = kube_fleet.workload_of("bob")
+        assert workload is not None and workload["allocations"][0]["node"] == name
+        with b.rest() as api:
+            api.delete(f"/api/v1/nodes/{name}").raise_for_status()
+        ended = kube_fleet.wait_ended(workload, timeout=120)
+        assert ended["allocations"] == []
+        events = kube_fleet.controller(
+            "GET", "/events", params={"workload_id": workload["id"]}
+        ).json()["items"]
+        lost = [e for e in events if e["kind"] == "node-lost-session"]
+        assert lost and lost[0]["node"] == name, events
+        assert f"node {name}" in lost[0]["message"] and "deleted" in lost[0]["message"]
+        # Released only once the pod was gone (pod garbage collection deletes it).
+        assert left_behind(k8s_tier, CLUSTER_B, workload["id"]) == []
+        kube_fleet.wait_gone("bob", timeout=60)
+    finally:
+        for node in a_nodes:
+            kube_fleet.controller("POST", f"/nodes/{node}/uncordon").raise_for_status()
+        b.remove_node(name)
