@@ -368,6 +368,16 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
+@dataclass(frozen=True)
+class _Write:
+    """What one cluster's flush writes: its reachability (reachable, why) if that changed;
+    its changed nodes, the names of its deleted ones and whether the listing is complete,
+    if any node changed."""
+
+    reach: tuple[bool, str] | None
+    nodes: tuple[list[ClusterNodeState], list[str], bool] | None
+
+
 class KubeInventory:
     """The watches of every configured cluster, written into the store by the leader."""
 
@@ -428,7 +438,7 @@ class KubeInventory:
                     watch.view.changed = set(watch.view.nodes)
                     watch.view.complete = watch.view.listed
             self._was_leader = leader
-            if leader and self.flush():
+            if leader and await self.flush_in_thread():
                 self.kick()
             if leader:
                 self.end_sessions_on_lost_nodes(time.monotonic())
@@ -436,37 +446,76 @@ class KubeInventory:
     def flush(self) -> bool:
         """Tell the store what changed; True if a node's record changed. A write that
         fails is retried whole (as a complete listing) at the next flush."""
-        any_changed = False
-        for watch in self.watches.values():
-            view = watch.view
+        return self._recorded([(w, self._take(w)) for w in self.watches.values()], None)
+
+    async def flush_in_thread(self) -> bool:
+        """``flush`` with the database writes in a thread: a first listing of hundreds of
+        nodes takes seconds to write, which the event loop (the watches, the API) must not
+        wait for. What to write is taken on the loop, where the watches change it."""
+        taken = [(w, self._take(w)) for w in self.watches.values()]
+        written = await asyncio.to_thread(self._write_all, taken)
+        return self._recorded(taken, written)
+
+    def _take(self, watch: ClusterWatch) -> _Write:
+        """What the store must hear of one cluster, taken out of its view. Runs on the
+        event loop."""
+        view = watch.view
+        reach = None
+        if view.reachability_changed:
+            reach = (watch.reachability.reachable, watch.reachability.why)
+            view.reachability_changed = False
+        if not watch.reachability.reachable or not (view.changed or view.gone):
+            return _Write(reach, None)
+        self._note_lost(view, time.monotonic())
+        changed, gone, complete = view.changed, view.gone, view.complete
+        view.changed, view.gone, view.complete = set(), set(), False
+        nodes = [view.nodes[n] for n in sorted(changed) if n in view.nodes]
+        return _Write(reach, (nodes, sorted(gone), complete))
+
+    def _write_all(self, taken: list[tuple[ClusterWatch, _Write]]) -> list[bool | None]:
+        """Per cluster: whether a node's record changed; None where the write failed."""
+        results: list[bool | None] = []
+        for watch, write in taken:
+            settings = watch.view.settings
+            changed = False
             try:
-                if view.reachability_changed:
-                    reach = watch.reachability
-                    any_changed |= self.store.set_cluster_reachable(
-                        self.now(), view.settings.name, reach.reachable, reach.why
+                if write.reach is not None:
+                    changed |= self.store.set_cluster_reachable(
+                        self.now(), settings.name, write.reach[0], write.reach[1]
                     )
-                    view.reachability_changed = False
-                if not watch.reachability.reachable or not (view.changed or view.gone):
-                    continue
-                self._note_lost(view, time.monotonic())
-                changed, gone, complete = view.changed, view.gone, view.complete
-                view.changed, view.gone, view.complete = set(), set(), False
-                written = self.store.sync_cluster_nodes(
-                    self.now(),
-                    view.settings.name,
-                    [view.nodes[n] for n in sorted(changed) if n in view.nodes],
-                    gone=sorted(gone),
-                    complete=complete,
-                    context=view.settings.context,
-                )
+                if write.nodes is not None:
+                    nodes, gone, complete = write.nodes
+                    changed |= bool(
+                        self.store.sync_cluster_nodes(
+                            self.now(),
+                            settings.name,
+                            nodes,
+                            gone=gone,
+                            complete=complete,
+                            context=settings.context,
+                        )
+                    )
             except (SQLAlchemyError, SchedulerError):
-                self.log.exception("could not record cluster %s's nodes", view.settings.name)
+                self.log.exception("could not record cluster %s's nodes", settings.name)
+                results.append(None)
+                continue
+            results.append(changed)
+        return results
+
+    def _recorded(
+        self, taken: list[tuple[ClusterWatch, _Write]], written: list[bool | None] | None
+    ) -> bool:
+        """After the writes (on the loop): a cluster whose write failed is written whole
+        at the next flush."""
+        if written is None:
+            written = self._write_all(taken)
+        for (watch, _write), result in zip(taken, written, strict=True):
+            if result is None:
+                view = watch.view
                 view.changed = set(view.nodes)
                 view.complete = view.listed
                 view.reachability_changed = True
-                continue
-            any_changed |= bool(written)
-        return any_changed
+        return any(bool(r) for r in written)
 
     def _note_lost(self, view: ClusterView, now: float) -> None:
         """Which of the cluster's nodes are lost to it (not Ready, or deleted), since when.
