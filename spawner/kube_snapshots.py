@@ -26,17 +26,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tornado import web
-from traitlets import Bool, Float, List, Unicode, default
-from traitlets.config import LoggingConfigurable
+from traitlets import Bool, Float, List, Unicode
 
 from ..culler import snapshots
-from ..snapshotter.envspec import home_excludes
 from .client import ControllerClient
 from .kube_manifests import Volume
-from .resume import restore_progress, restoring_message
+from .resume import SnapshotOptions, restore_progress, restoring_message
 
 
-class KubeSnapshotMixin(LoggingConfigurable):
+class KubeSnapshotMixin(SnapshotOptions):
     snapshot_volumes = List(
         Unicode(),
         help="Names of session_volumes (hostPath only) whose files are snapshotted when the "
@@ -51,24 +49,10 @@ class KubeSnapshotMixin(LoggingConfigurable):
         "upper directory, read by the node agent) when the session stops or is culled.",
     ).tag(config=True)
 
-    snapshot_excludes = List(
-        Unicode(),
-        help="Patterns left out of a volume's snapshot (caches). Default: pip, conda, "
-        "Hugging Face and torch caches, npm's cache, the trash.",
-    ).tag(config=True)
-
-    @default("snapshot_excludes")
-    def _default_snapshot_excludes(self) -> list[str]:
-        return list(home_excludes())
-
     node_agent_claim_seconds = Float(
         30.0,
         help="How long a snapshot or restore waits for the node agent of the session's node "
         "to take it; then it fails (a start fails, a stop keeps the GPUs and retries).",
-    ).tag(config=True)
-
-    final_snapshot_retry_seconds = Float(
-        60.0, help="Seconds between background retries of a failed final snapshot."
     ).tag(config=True)
 
     # Provided by the spawner this is mixed into (before GPUQueueSpawner, whose

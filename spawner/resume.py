@@ -42,7 +42,26 @@ RESTORE_SECONDS = Histogram(
 )
 
 
-class SnapshottingMixin(LoggingConfigurable):
+class SnapshotOptions(LoggingConfigurable):
+    """What every backend's snapshots share: what is left out, how a failed final pass is
+    retried."""
+
+    snapshot_excludes = List(
+        Unicode(),
+        help="Patterns left out of a home's snapshot (caches). Default: pip, conda, "
+        "Hugging Face and torch caches, npm's cache, the trash.",
+    ).tag(config=True)
+
+    @default("snapshot_excludes")
+    def _default_snapshot_excludes(self) -> list[str]:
+        return list(home_excludes())
+
+    final_snapshot_retry_seconds = Float(
+        60.0, help="Seconds between background retries of a failed final snapshot."
+    ).tag(config=True)
+
+
+class SnapshottingMixin(SnapshotOptions):
     snapshots_enabled = Bool(
         True,
         help="Snapshot a session's home, its container changes and its environments when it "
@@ -86,16 +105,6 @@ class SnapshottingMixin(LoggingConfigurable):
     def _default_snapshot_cache_dir(self) -> str:
         return os.path.join(_data_dir(), "statcache")
 
-    snapshot_excludes = List(
-        Unicode(),
-        help="Patterns left out of a home's snapshot (caches). Default: pip, conda, "
-        "Hugging Face and torch caches, npm's cache, the trash.",
-    ).tag(config=True)
-
-    @default("snapshot_excludes")
-    def _default_snapshot_excludes(self) -> list[str]:
-        return list(home_excludes())
-
     free_upper_after_snapshot = Bool(
         True,
         help="Empty the session's overlay upper directory once the final snapshot holds it "
@@ -104,10 +113,6 @@ class SnapshottingMixin(LoggingConfigurable):
 
     final_snapshot_attempts = Integer(
         3, help="Tries of the final snapshot at stop before it is retried in the background."
-    ).tag(config=True)
-
-    final_snapshot_retry_seconds = Float(
-        60.0, help="Seconds between background retries of a failed final snapshot."
     ).tag(config=True)
 
     # Provided by the spawner this is mixed into.

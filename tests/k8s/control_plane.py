@@ -582,60 +582,27 @@ def _apply(api: httpx.Client, collection: str, body: dict[str, Any]) -> None:
 def _bootstrap_objects(api: httpx.Client) -> None:
     """gpufleet's namespace and its identities' grants (the RBAC objects above)."""
     _apply(api, "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+    _grant(api, "gpufleet-controller", CONTROLLER_RULES)
+    _grant(api, "gpufleet-controller", CONTROLLER_NAMESPACE_RULES, NAMESPACE)
+    _grant(api, "gpufleet-spawner", SPAWNER_RULES, NAMESPACE)
+
+
+def _grant(
+    api: httpx.Client, user: str, rules: list[dict[str, Any]], namespace: str | None = None
+) -> None:
+    """A role named after ``user`` with ``rules``, bound to that user: a ClusterRole, or a
+    Role in ``namespace``."""
     rbac = "/apis/rbac.authorization.k8s.io/v1"
-    user = {"kind": "User", "apiGroup": "rbac.authorization.k8s.io"}
+    where = f"{rbac}/namespaces/{namespace}/" if namespace else f"{rbac}/cluster"
+    kind = "Role" if namespace else "ClusterRole"
+    _apply(api, f"{where}roles", {"metadata": {"name": user}, "rules": rules})
     _apply(
         api,
-        f"{rbac}/clusterroles",
-        {"metadata": {"name": "gpufleet-controller"}, "rules": CONTROLLER_RULES},
-    )
-    _apply(
-        api,
-        f"{rbac}/clusterrolebindings",
+        f"{where}rolebindings",
         {
-            "metadata": {"name": "gpufleet-controller"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "gpufleet-controller",
-            },
-            "subjects": [{**user, "name": "gpufleet-controller"}],
-        },
-    )
-    _apply(
-        api,
-        f"{rbac}/namespaces/{NAMESPACE}/roles",
-        {"metadata": {"name": "gpufleet-controller"}, "rules": CONTROLLER_NAMESPACE_RULES},
-    )
-    _apply(
-        api,
-        f"{rbac}/namespaces/{NAMESPACE}/rolebindings",
-        {
-            "metadata": {"name": "gpufleet-controller"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "Role",
-                "name": "gpufleet-controller",
-            },
-            "subjects": [{**user, "name": "gpufleet-controller"}],
-        },
-    )
-    _apply(
-        api,
-        f"{rbac}/namespaces/{NAMESPACE}/roles",
-        {"metadata": {"name": "gpufleet-spawner"}, "rules": SPAWNER_RULES},
-    )
-    _apply(
-        api,
-        f"{rbac}/namespaces/{NAMESPACE}/rolebindings",
-        {
-            "metadata": {"name": "gpufleet-spawner"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "Role",
-                "name": "gpufleet-spawner",
-            },
-            "subjects": [{**user, "name": "gpufleet-spawner"}],
+            "metadata": {"name": user},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": kind, "name": user},
+            "subjects": [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": user}],
         },
     )
 
