@@ -453,6 +453,8 @@ class KubeInventory:
         nodes takes seconds to write, which the event loop (the watches, the API) must not
         wait for. What to write is taken on the loop, where the watches change it."""
         taken = [(w, self._take(w)) for w in self.watches.values()]
+        if all(write.reach is None and write.nodes is None for _watch, write in taken):
+            return False  # the usual case between changes: no thread for nothing
         written = await asyncio.to_thread(self._write_all, taken)
         return self._recorded(taken, written)
 
