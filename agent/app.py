@@ -508,7 +508,7 @@ class NodeAgent(Application):
         nodes = nodes or [self.node_name]
         settings = self.snapshot_settings()
         reports: dict[int, dict[str, Any]] = {}
-        running: set[asyncio.Task[None]] = set()
+        running: dict[asyncio.Task[None], int] = {}
         wake = asyncio.Event()
 
         async def run(operation: dict[str, Any]) -> None:
@@ -537,7 +537,10 @@ class NodeAgent(Application):
             wake.set()
 
         while True:
-            sent = dict(reports)
+            # A running operation is reported on every round (its progress, or that it
+            # still runs): its asker gives up on one whose agent goes silent.
+            sent = {oid: {"id": oid, "state": "running"} for oid in running.values()}
+            sent.update(reports)
             wait = 0.0 if running or sent else OPERATION_POLL_S
             try:
                 response = await client.post(
@@ -561,8 +564,8 @@ class NodeAgent(Application):
                     operation["workload_id"],
                 )
                 task = asyncio.create_task(run(operation))
-                running.add(task)
-                task.add_done_callback(running.discard)
+                running[task] = operation["id"]
+                task.add_done_callback(lambda done: running.pop(done, None))
             if running:
                 wake.clear()
                 with contextlib.suppress(TimeoutError):

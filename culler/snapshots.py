@@ -244,15 +244,20 @@ async def on_node(
     *,
     what: str,
     claim_within: float,
+    silent_within: float = 60.0,
     on_progress: Progress | None = None,
     poll_s: float = 0.2,
 ) -> dict[str, Any]:
     """Ask a node agent for an operation (``store/operations.py``) and wait for its end:
-    its result. Raises :class:`SnapshotFailed` when it fails, or when no agent claims it
-    within ``claim_within`` seconds (it is abandoned, so no agent runs it later)."""
+    its result. Raises :class:`SnapshotFailed` when it fails, when no agent claims it
+    within ``claim_within`` seconds, or when its agent stops reporting on it for
+    ``silent_within`` seconds (it reports every half second while it runs: it died, or
+    lost the controller). An operation given up on is failed, so no agent runs it later
+    and a late report of it changes nothing."""
     operation = await request()
     oid, node = int(operation["id"]), operation["node"]
     claim_deadline = time.monotonic() + claim_within
+    last_report, heard_at = operation.get("updated_at"), time.monotonic()
     last_progress = None
     while True:
         state = operation["state"]
@@ -260,14 +265,26 @@ async def on_node(
             return dict(operation.get("result") or {})
         if state == "failed":
             raise SnapshotFailed(f"{what} on node {node} failed: {operation.get('error')}")
-        if state == "pending" and time.monotonic() > claim_deadline:
+        if operation.get("updated_at") != last_report:
+            last_report, heard_at = operation.get("updated_at"), time.monotonic()
+        now = time.monotonic()
+        if state == "pending" and now > claim_deadline:
+            why = (
+                f"no gpufleet node agent on node {node} took the {what} within "
+                f"{claim_within:.0f} s: is the agent running there (docs/kubernetes.md)?"
+            )
+        elif state == "running" and now - heard_at > silent_within:
+            why = (
+                f"the gpufleet node agent on node {node} stopped reporting on the {what} "
+                f"for {silent_within:.0f} s (did it restart, or lose the controller?)"
+            )
+        else:
+            why = ""
+        if why:
             operation = await abandon(oid)
             if operation["state"] == "failed":
-                raise SnapshotFailed(
-                    f"no gpufleet node agent on node {node} took the {what} within "
-                    f"{claim_within:.0f} s: is the agent running there (docs/kubernetes.md)?"
-                )
-            continue
+                raise SnapshotFailed(why)
+            continue  # it ended meanwhile
         progress = operation.get("progress")
         if progress and progress != last_progress and on_progress is not None:
             on_progress(progress)

@@ -11,6 +11,7 @@ while there is nothing.
 from __future__ import annotations
 
 import posixpath
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
@@ -70,6 +71,9 @@ class NodeOperationOut(BaseModel):
         "empty when nothing was missing)",
     )
     error: str = ""
+    updated_at: datetime = Field(
+        description="the agent's latest report (every half second while it runs)"
+    )
 
 
 class AgentOperationOut(NodeOperationOut):
@@ -108,6 +112,7 @@ def operation_out(operation: Operation) -> NodeOperationOut:
         progress=operation.progress,
         result=operation.result,
         error=operation.error,
+        updated_at=operation.updated_at,
     )
 
 
@@ -139,9 +144,7 @@ class NodeOperationAbandonHandler(APIHandler):
         oid = self.path_id(operation_id)
         with store_errors_as_http():
             store = self.controller.store
-            store.abandon_node_operation(
-                self.controller.now(), oid, "no node agent took it in time"
-            )
+            store.abandon_node_operation(self.controller.now(), oid, "its asker gave up on it")
             found = store.node_operation(oid)
         self.send(operation_out(found))
 

@@ -8,6 +8,10 @@ does (``agent/operations.py``). The life of one operation:
 
     pending --(agent claims)--> running --(agent reports)--> done | failed
     pending --(nobody claims in time: the asker gives up)--> failed
+    running --(the agent stops reporting: the asker gives up)--> failed
+
+While it runs, the agent reports on it every half second (``updated_at`` moves), so an
+agent that died mid-way is told from a long pass.
 
 Invariants: an operation is claimed at most once (the claim is a conditional update:
 two agents, or one agent asking twice, cannot both run it); an ended operation never
@@ -18,10 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 
 from ..errors import InvalidRequest, NotFound
 from .base import StoreBase, _get_workload
@@ -29,6 +33,7 @@ from .models import Allocation, NodeOperation, WorkloadKind
 
 KINDS = ("snapshot", "restore")
 ENDED = ("done", "failed")
+KEEP_ENDED = timedelta(days=7)
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class Operation:
     progress: dict[str, Any] | None
     result: dict[str, Any] | None
     error: str
+    updated_at: datetime
 
     @property
     def ended(self) -> bool:
@@ -59,6 +65,7 @@ def _operation(row: NodeOperation) -> Operation:
         row.progress,
         row.result,
         row.error,
+        row.updated_at,
     )
 
 
@@ -102,6 +109,14 @@ class NodeOperationStore(StoreBase):
                 updated_at=now,
             )
             session.add(row)
+            # Ended operations are kept a while for whoever looks at them (the result
+            # says which snapshot a pass made, the error why it failed), then forgotten.
+            session.execute(
+                delete(NodeOperation).where(
+                    NodeOperation.state.in_(ENDED),
+                    NodeOperation.updated_at < now - KEEP_ENDED,
+                )
+            )
             session.flush()
             return _operation(row)
 
@@ -164,11 +179,15 @@ class NodeOperationStore(StoreBase):
             return bool(changed.rowcount)  # type: ignore[attr-defined]
 
     def abandon_node_operation(self, now: datetime, operation_id: int, error: str) -> bool:
-        """Fail an operation nobody claimed; False if an agent has claimed it meanwhile."""
+        """Fail an operation its asker gave up on (nobody claimed it, or its agent stopped
+        reporting); False if it ended meanwhile. A later report of it changes nothing."""
         with self._write(now) as session:
             changed = session.execute(
                 update(NodeOperation)
-                .where(NodeOperation.id == operation_id, NodeOperation.state == "pending")
+                .where(
+                    NodeOperation.id == operation_id,
+                    NodeOperation.state.in_(("pending", "running")),
+                )
                 .values(state="failed", error=error, updated_at=now)
             )
             return bool(changed.rowcount)  # type: ignore[attr-defined]

@@ -30,6 +30,7 @@ from gpufleet.hub import scopes
 from gpufleet.hub.api.handlers import routes
 from gpufleet.hub.api.identity import Identity
 from gpufleet.hub.notifier import Notifier
+from gpufleet.scheduler.errors import NotFound
 from gpufleet.scheduler.snapshot import Policy
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.validation import SessionRequest
@@ -220,6 +221,80 @@ async def test_a_failed_operation_says_why_to_the_asker(api: Api) -> None:
         )
     await running
     await spawner.aclose()
+
+
+async def test_an_agent_that_stops_reporting_fails_the_operation_and_its_late_word_is_ignored(
+    api: Api,
+) -> None:
+    spawner = ControllerClient(api.url, "spawner")
+
+    async def agent_that_dies() -> int:
+        claimed: list[dict[str, Any]] = []
+        while not claimed:
+            claimed = await api.agent_sync(wait=5)
+        return int(claimed[0]["id"])  # and then nothing more
+
+    dying = asyncio.create_task(agent_that_dies())
+    with pytest.raises(SnapshotFailed) as failed:
+        await on_node(
+            lambda: spawner.request_node_operation(api.workload_id, snapshot_body()),
+            spawner.node_operation,
+            spawner.abandon_node_operation,
+            what="final snapshot",
+            claim_within=10,
+            silent_within=0.5,
+            poll_s=0.05,
+        )
+    assert "the gpufleet node agent on node a1 stopped reporting on the final snapshot" in str(
+        failed.value
+    )
+    oid = await dying
+    await api.agent_sync([{"id": oid, "state": "done", "result": {"id": "late"}}])
+    late = await spawner.node_operation(oid)
+    assert late["state"] == "failed" and late["result"] is None
+    await spawner.aclose()
+
+
+async def test_a_running_operation_that_reports_on_time_is_waited_for(api: Api) -> None:
+    spawner = ControllerClient(api.url, "spawner")
+
+    async def slow_agent() -> None:
+        claimed: list[dict[str, Any]] = []
+        while not claimed:
+            claimed = await api.agent_sync(wait=5)
+        oid = claimed[0]["id"]
+        for _ in range(8):  # 1.6 s of work, reported on every 0.2 s, with no progress
+            await asyncio.sleep(0.2)
+            await api.agent_sync([{"id": oid, "state": "running"}])
+        await api.agent_sync([{"id": oid, "state": "done", "result": {"id": "slow"}}])
+
+    working = asyncio.create_task(slow_agent())
+    result = await on_node(
+        lambda: spawner.request_node_operation(api.workload_id, snapshot_body()),
+        spawner.node_operation,
+        spawner.abandon_node_operation,
+        what="final snapshot",
+        claim_within=10,
+        silent_within=1.0,
+        poll_s=0.05,
+    )
+    await working
+    assert result == {"id": "slow"}
+    await spawner.aclose()
+
+
+def test_ended_operations_are_forgotten_after_a_week(api: Api) -> None:
+    store, wid = api.store, api.workload_id
+    now = datetime.now(UTC)
+    old = store.request_node_operation(now - timedelta(days=8), wid, "snapshot", {})
+    (claimed,) = store.claim_node_operations(now - timedelta(days=8), ["a1"])
+    store.report_node_operation(now - timedelta(days=8), claimed.id, state="done", result={})
+    recent = store.request_node_operation(now - timedelta(days=1), wid, "snapshot", {})
+    store.abandon_node_operation(now - timedelta(days=1), recent.id, "gave up")
+    store.request_node_operation(now, wid, "restore", {})
+    with pytest.raises(NotFound):
+        store.node_operation(old.id)
+    assert store.node_operation(recent.id).state == "failed"
 
 
 @pytest.mark.parametrize(
