@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tornado.httpserver import HTTPServer
+from tornado.netutil import bind_sockets
 from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
@@ -56,6 +58,7 @@ from .placements import (
     read_placements,
     served_uuids,
 )
+from .progress import progress_app
 
 # While operations run, their progress goes to the controller this often; with none,
 # the agent long-polls this long for the next.
@@ -255,6 +258,16 @@ class NodeAgent(Application):
         True,
         help="Run the snapshot passes and restores the controller asks of this agent's nodes "
         "(Kubernetes sessions' volumes and container layers).",
+    ).tag(config=True)
+
+    progress_port = Integer(
+        0,
+        help="Loopback port where job ranks report their progress (gpufleet.progress); 0: "
+        "any free port, told to the ranks in $GPUFLEET_PROGRESS_URL; -1: off.",
+    ).tag(config=True)
+
+    progress_ip = Unicode(
+        "127.0.0.1", help="Address of the ranks' progress endpoint (this machine's)."
     ).tag(config=True)
 
     container_layer_roots = List(
@@ -579,10 +592,25 @@ class NodeAgent(Application):
             guard = await asyncio.to_thread(self.loopback_guard)
         except GuardUnavailable as e:
             guard, sandbox = None, replace(sandbox, unavailable=str(e))
-        keeper = PodKeeper(Path(self.data_dir) / "jobs", self.log, os.environ, sandbox, guard)
+        sockets = []
+        progress_url = ""
+        if self.progress_port >= 0:
+            sockets = bind_sockets(self.progress_port, self.progress_ip)
+            port = sockets[0].getsockname()[1]
+            progress_url = f"http://{self.progress_ip}:{port}/progress"
+        keeper = PodKeeper(
+            Path(self.data_dir) / "jobs", self.log, os.environ, sandbox, guard, progress_url
+        )
+        server = None
+        if sockets:
+            server = HTTPServer(progress_app(keeper.pod_of_marker, keeper.note_progress))
+            server.add_sockets(sockets)
+            self.log.info("ranks report progress to %s", progress_url)
         try:
             await self._sync_pods(client, keeper)
         finally:
+            if server is not None:
+                server.stop()
             if guard is not None:
                 await asyncio.to_thread(guard.remove)
 
@@ -591,8 +619,15 @@ class NodeAgent(Application):
         while True:
             pods, chunks = keeper.report()
             known = keeper.known()
+            progress = keeper.take_progress()
             wait = 0.0 if keeper.busy() else (1.0 if known else self.job_poll_seconds)
-            body = {"nodes": nodes, "pods": pods, "logs": chunks, "known": known}
+            body = {
+                "nodes": nodes,
+                "pods": pods,
+                "logs": chunks,
+                "known": known,
+                "progress": progress,
+            }
             try:
                 response = await client.post(
                     f"{self.controller_api_url}/agent/pods",
@@ -602,6 +637,7 @@ class NodeAgent(Application):
                 response.raise_for_status()
             except httpx.HTTPError as e:
                 self.log.warning("could not sync job pods with the controller (%s)", e)
+                keeper.restore_progress(progress)
                 await asyncio.sleep(1.0)
                 continue
             keeper.acknowledged(len(chunks))

@@ -43,6 +43,7 @@ import socket
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -60,6 +61,7 @@ from ..snapshotter.sandbox import (
 )
 from .containment import OUTER_PATH, RankAccount, rank_command, rank_environment
 from .network_guard import GuardUnavailable, NetworkGuard
+from .progress import RankReport, merge
 from .runner import RankRunner, RankSpec, RankStatus, RunnerError, StopFailed
 
 INHERITED = ("LANG", "LC_ALL", "TZ")
@@ -101,6 +103,7 @@ class _Pod:
     reason: str = ""
     stopping: asyncio.Task[None] | None = None
     logs: dict[tuple[int, str], _LogFile] = field(default_factory=dict)
+    marker: str = ""  # its processes' marker: how its ranks' progress reports say who they are
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,10 @@ class PodKeeper:
         base_env: Mapping[str, str],
         sandbox: RankSandbox,
         guard: NetworkGuard | None = None,
+        progress_url: str = "",
     ):
+        self.progress_url = progress_url  # where ranks report progress (agent/progress.py)
+        self._progress: dict[tuple[int, int], dict[str, Any]] = {}
         self.jobs_dir = Path(jobs_dir)
         self.jobs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Resolved: every log path below it then has no link the agent put there, so
@@ -150,6 +156,49 @@ class PodKeeper:
     # ------------------------------------------------------------- the sync
     def known(self) -> list[tuple[int, int]]:
         return sorted(self._pods)
+
+    # ------------------------------------------------------------- progress
+    def pod_of_marker(self, marker: str) -> tuple[int, int] | None:
+        """The running pod whose processes carry ``marker``."""
+        if not marker:
+            return None
+        for key, pod in self._pods.items():
+            if pod.marker == marker and pod.state == "running":
+                return key
+        return None
+
+    def note_progress(self, key: tuple[int, int], report: RankReport, now: datetime) -> None:
+        self._progress[key] = merge(self._progress.get(key), report, now)
+
+    def take_progress(self) -> list[dict[str, Any]]:
+        """The progress to send with this sync (given back with ``restore_progress`` if the
+        sync fails)."""
+        taken = [
+            {"workload_id": wid, "pod_index": pod, **kept}
+            for (wid, pod), kept in sorted(self._progress.items())
+        ]
+        self._progress = {}
+        return taken
+
+    def restore_progress(self, taken: list[dict[str, Any]]) -> None:
+        for item in taken:
+            key = (int(item["workload_id"]), int(item["pod_index"]))
+            newer = self._progress.get(key)
+            kept = {k: v for k, v in item.items() if k not in ("workload_id", "pod_index")}
+            if newer is not None:  # what came since wins; what was saved is kept
+                kept["checkpoints_saved"] = [
+                    *kept.get("checkpoints_saved", []),
+                    *newer.get("checkpoints_saved", []),
+                ]
+                kept["step_times_s"] = [*kept["step_times_s"], *newer["step_times_s"]]
+                kept.update(
+                    {
+                        k: v
+                        for k, v in newer.items()
+                        if k not in ("checkpoints_saved", "step_times_s")
+                    }
+                )
+            self._progress[key] = kept
 
     def busy(self) -> bool:
         """Something to report now: a pod ended, or log chunks wait."""
@@ -240,6 +289,7 @@ class PodKeeper:
             first_rank=pod_index * per_pod,
             local_ranks=per_pod,
             grace_s=float(spec.get("grace_s", 30.0)),
+            marker=processes.part_marker(str(desired["marker"]), pod_index),
         )
         self._pods[workload_id, pod_index] = pod
         try:
@@ -372,6 +422,7 @@ class PodKeeper:
             "GPUFLEET_JOB_NAME": str(desired["name"]),
             "GPUFLEET_POD_INDEX": str(pod_index),
             "GPUFLEET_CHECKPOINT_URI": checkpoint,
+            **({"GPUFLEET_PROGRESS_URL": self.progress_url} if self.progress_url else {}),
             **_fake_nvml_env(sandbox.read_only),
         }
         chosen = {str(k): str(v) for k, v in dict(spec.get("env", {})).items()}

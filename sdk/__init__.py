@@ -5,7 +5,10 @@ are the subpackages ``gpufleet.hub``, ``gpufleet.scheduler``, ``gpufleet.spawner
 installed with the ``server`` extra.
 """
 
+from .reporting import checkpoint_saved, checkpoint_started, progress
+
 __version__ = "0.1.0"
+__all__ = ["checkpoint_saved", "checkpoint_started", "progress"]
 
 
 def load_ipython_extension(ipython: object) -> None:

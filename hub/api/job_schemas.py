@@ -65,6 +65,28 @@ class JobPodOut(BaseModel):
     ended_at: datetime | None
 
 
+class CheckpointOut(BaseModel):
+    uri: str
+    step: int
+    at: datetime | None
+
+
+class InFlightOut(BaseModel):
+    step: int
+    since: datetime | None
+
+
+class JobProgressOut(BaseModel):
+    last_step: int | None
+    last_step_at: datetime | None
+    step_time_p50_s: float | None
+    step_time_p99_s: float | None
+    metrics: dict[str, float]
+    checkpoint_in_flight: InFlightOut | None
+    last_checkpoint: CheckpointOut | None
+    updated_at: datetime
+
+
 class JobOut(WorkloadOut):
     name: str
     script_name: str
@@ -72,6 +94,11 @@ class JobOut(WorkloadOut):
     checkpoint_uri: str
     ranks: int
     pod_states: list[JobPodOut]
+    progress: JobProgressOut | None = Field(
+        default=None,
+        description="what its ranks reported (gpufleet.progress, checkpoint_saved); null "
+        "before any report",
+    )
 
 
 class JobList(BaseModel):
@@ -107,6 +134,30 @@ class LogChunkIn(Strict):
     data: str = Field(max_length=1 << 20)
 
 
+class StartedIn(Strict):
+    step: int = Field(ge=0, le=MAX_INT)
+    at: datetime
+
+
+class SavedIn(Strict):
+    uri: str = Field(max_length=2000)
+    step: int = Field(ge=0, le=MAX_INT)
+    at: datetime
+
+
+class PodProgressIn(Strict):
+    """One pod's progress since the agent's last sync (agent/progress.py)."""
+
+    workload_id: int = Field(ge=1, le=MAX_INT)
+    pod_index: int = Field(ge=0, le=MAX_PODS)
+    step: int | None = Field(default=None, ge=0, le=MAX_INT)
+    step_at: datetime | None = None
+    step_times_s: list[float] = Field(default_factory=list, max_length=512)
+    metrics: dict[str, float] = Field(default_factory=dict, max_length=32)
+    checkpoint_started: StartedIn | None = None
+    checkpoints_saved: list[SavedIn] = Field(default_factory=list, max_length=64)
+
+
 class AgentSyncIn(Strict):
     nodes: list[Name] = Field(max_length=10_000)
     pods: list[AgentPodIn] = Field(default_factory=list, max_length=10_000)
@@ -120,6 +171,7 @@ class AgentSyncIn(Strict):
         "only while these are exactly the pods the controller lists for its nodes",
     )
     wait: float = Field(default=0, ge=0, le=30)
+    progress: list[PodProgressIn] = Field(default_factory=list, max_length=10_000)
 
 
 class DesiredPodOut(BaseModel):

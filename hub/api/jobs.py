@@ -14,7 +14,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ...scheduler.store.jobs import DesiredPod, JobSpec, LogChunk, PodReport
-from ...scheduler.store.models import JobPod, Workload, WorkloadKind, WorkloadState
+from ...scheduler.store.models import JobPod, JobProgress, Workload, WorkloadKind, WorkloadState
+from ...scheduler.store.progress import ProgressReport, Saved, progress_json
 from ...scheduler.validation import JobRequest
 from ...snapshotter.sandbox import remove_tree
 from .. import scopes
@@ -29,7 +30,9 @@ if TYPE_CHECKING:
 MAX_LOG_READ = 1 << 20
 
 
-def job_out(workload: Workload, pods: list[JobPod]) -> js.JobOut:
+def job_out(
+    workload: Workload, pods: list[JobPod], progress: JobProgress | None = None
+) -> js.JobOut:
     base = workload_out(workload).model_dump()
     spec = workload.spec or {}
     reported = {p.pod_index: p for p in pods}
@@ -75,6 +78,7 @@ def job_out(workload: Workload, pods: list[JobPod]) -> js.JobOut:
         checkpoint_uri=str(spec.get("checkpoint_uri", "")),
         ranks=workload.pods * per_pod,
         pod_states=pod_states,
+        progress=None if progress is None else js.JobProgressOut(**progress_json(progress)),
     )
 
 
@@ -90,6 +94,11 @@ def load_job(session: Session, identity: Identity, workload_id: int) -> Workload
     ):
         raise NotFoundError(f"there is no job {workload_id}")
     return workload
+
+
+def _progress_of(session: Session, workload_ids: list[int]) -> dict[int, JobProgress]:
+    rows = session.scalars(select(JobProgress).where(JobProgress.workload_id.in_(workload_ids)))
+    return {row.workload_id: row for row in rows}
 
 
 def _pods_of(session: Session, workload_ids: list[int]) -> dict[int, list[JobPod]]:
@@ -116,7 +125,8 @@ class JobsHandler(APIHandler):
         with self.controller.store.read() as session:
             rows, total = page(session, query, offset, limit)
             pods = _pods_of(session, [w.id for w in rows])
-            items = [job_out(w, pods[w.id]) for w in rows]
+            progress = _progress_of(session, [w.id for w in rows])
+            items = [job_out(w, pods[w.id], progress.get(w.id)) for w in rows]
         self.send(js.JobList(items=items, total=total, offset=offset, limit=limit))
 
     async def post(self) -> None:
@@ -179,7 +189,9 @@ class JobHandler(APIHandler):
             await self.controller.notifier.wait_for_change(wid, wait)
         with self.controller.store.read() as session:
             workload = load_job(session, identity, wid)
-            self.send(job_out(workload, _pods_of(session, [wid])[wid]))
+            self.send(
+                job_out(workload, _pods_of(session, [wid])[wid], session.get(JobProgress, wid))
+            )
 
 
 class JobCancelHandler(APIHandler):
@@ -192,7 +204,9 @@ class JobCancelHandler(APIHandler):
             cancel_job(self.controller, wid, identity.name)
         with self.controller.store.read() as session:
             workload = load_job(session, identity, wid)
-            self.send(job_out(workload, _pods_of(session, [wid])[wid]))
+            self.send(
+                job_out(workload, _pods_of(session, [wid])[wid], session.get(JobProgress, wid))
+            )
 
 
 async def pin_environment(data_dir: str, upper: str) -> str:
@@ -293,8 +307,28 @@ class AgentPodsHandler(APIHandler):
             for p in body.pods
         ]
         chunks = [LogChunk(c.workload_id, c.rank, c.stream, c.offset, c.data) for c in body.logs]
+        progress = [
+            ProgressReport(
+                p.workload_id,
+                p.pod_index,
+                p.step,
+                p.step_at,
+                p.step_times_s,
+                p.metrics,
+                None
+                if p.checkpoint_started is None
+                else (
+                    p.checkpoint_started.step,
+                    p.checkpoint_started.at,
+                ),
+                [Saved(c.uri, c.step, c.at) for c in p.checkpoints_saved],
+            )
+            for p in body.progress
+        ]
         with store_errors_as_http():
-            result = controller.store.agent_sync(controller.now(), body.nodes, reports, chunks)
+            result = controller.store.agent_sync(
+                controller.now(), body.nodes, reports, chunks, progress
+            )
         for outcome in result.ended:
             controller.metrics.ended.labels("job", outcome).inc()
         if result.changed:

@@ -45,6 +45,7 @@ from .models import (
     WorkloadKind,
     WorkloadState,
 )
+from .progress import ProgressReport, record_progress
 
 ACTIVE = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
 POD_STATES = ("running", "exited", "stopped", "failed")
@@ -232,13 +233,17 @@ class JobStore(CatalogueStore, AccountStore):
         node_names: Sequence[str],
         reports: Iterable[PodReport],
         chunks: Iterable[LogChunk],
+        progress: Iterable[ProgressReport] = (),
     ) -> SyncResult:
-        """Record an agent's pod reports and log chunks; answer the pods of its nodes."""
+        """Record an agent's pod reports, log chunks and its ranks' progress (before the
+        pods' ends: the last checkpoint of an attempt that ends now counts); answer the
+        pods of its nodes."""
         nodes = set(node_names)
         changed: set[int] = set()
         ended: list[str] = []
         with self._write(now) as session:
             _store_chunks(session, now, chunks)
+            changed |= record_progress(session, now, progress)
             by_workload: dict[int, list[PodReport]] = defaultdict(list)
             for report in reports:
                 by_workload[report.workload_id].append(report)

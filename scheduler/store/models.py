@@ -422,6 +422,27 @@ class NodeOperation(Base):
     updated_at: Mapped[datetime]
 
 
+class JobProgress(Base):
+    """What a job's ranks last said of their progress (``gpufleet.progress``,
+    ``checkpoint_started``, ``checkpoint_saved``), through their node agents: one row per
+    job, the pods' reports merged (the highest step; every step time, of the most recent
+    ``step_times`` kept; the latest metrics)."""
+
+    __tablename__ = "job_progress"
+
+    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"), primary_key=True)
+    last_step: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    last_step_at: Mapped[datetime | None] = mapped_column(default=None)
+    step_times: Mapped[list[float]] = mapped_column(JSON, default=list)  # seconds per step
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    checkpoint_started_step: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    checkpoint_started_at: Mapped[datetime | None] = mapped_column(default=None)
+    last_checkpoint_uri: Mapped[str] = mapped_column(Text, default="")
+    last_checkpoint_step: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    last_checkpoint_at: Mapped[datetime | None] = mapped_column(default=None)
+    updated_at: Mapped[datetime]
+
+
 class JobLog(Base):
     """A chunk of one rank's stdout or stderr, as the node agent sent it.
 

@@ -71,6 +71,47 @@ def test_a_two_rank_job_all_reduces_and_keeps_each_ranks_output(fleet: Hub, alic
     assert not job.allocations  # every GPU went back
 
 
+PROGRESS = textwrap.dedent(
+    """
+    import os, pathlib, time
+    import gpufleet
+
+    rank = int(os.environ["RANK"])
+    checkpoints = pathlib.Path(os.environ["GPUFLEET_CHECKPOINT_URI"])
+    for step in range(1, 31):
+        time.sleep(0.02)
+        gpufleet.progress(step, loss=1.0 / step)
+        if step % 10 == 0:
+            gpufleet.checkpoint_started(step)
+            out = checkpoints / f"step-{step}.txt"
+            if rank == 0:
+                out.write_text(f"checkpoint of step {step}")
+            gpufleet.checkpoint_saved(str(out), step)
+    print(f"rank {rank} trained")
+    """
+)
+
+
+def test_a_job_reports_its_steps_and_checkpoints_through_its_node_agent(
+    fleet: Hub, alice: Client
+) -> None:
+    job_id = submit(alice, PROGRESS, name="progress")
+    job = alice.wait(job_id, timeout=120)
+    assert job.outcome == "succeeded", job.reason
+    progress = job.progress
+    assert progress is not None
+    assert progress.last_step == 30
+    assert progress.metrics == {"loss": 1.0 / 30}
+    assert progress.step_time_p50_s is not None and 0.01 < progress.step_time_p50_s < 1
+    assert progress.checkpoint_in_flight is None
+    assert progress.last_checkpoint is not None and progress.last_checkpoint.step == 30
+    assert Path(progress.last_checkpoint.uri).read_text() == "checkpoint of step 30"
+    saved = [
+        e.message for e in alice.events(workload_id=job_id) if e.kind == "job-checkpoint-saved"
+    ]
+    assert [m.split("step ")[1].split(" ")[0] for m in saved] == ["10", "20", "30"]
+
+
 def test_a_gang_of_two_pods_is_one_world(fleet: Hub, alice: Client) -> None:
     job_id = submit(alice, ALL_REDUCE, gpus=2, gpus_per_pod=1)
     job = alice.wait(job_id, timeout=120)

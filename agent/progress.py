@@ -1,0 +1,125 @@
+"""The node agent's side of job progress: ranks report to it on loopback
+(``gpufleet.progress``, sdk/reporting.py), it forwards to the controller with its pods' sync.
+
+A rank holds no platform token. It proves which pod it is by its process marker (the
+``X-Gpufleet-Marker`` header): a random string only that pod's processes carry, which the
+agent knows as that pod's. A report of an unknown marker is refused (403). Ages in a report
+become times on the agent's clock when it arrives, so the rank's clock never counts.
+
+``merge`` is pure: what the agent keeps for one pod between two syncs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tornado import web
+
+MARKER_HEADER = "X-Gpufleet-Marker"
+MAX_BODY_BYTES = 256 * 1024
+MAX_STEP_TIMES = 512
+MAX_SAVED = 64
+
+Seconds = Annotated[float, Field(ge=0, le=10 * 365 * 86400)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StartedIn(_Strict):
+    step: int = Field(ge=0, le=2**53)
+    age_s: Seconds
+
+
+class SavedIn(_Strict):
+    uri: str = Field(max_length=2000)
+    step: int = Field(ge=0, le=2**53)
+    age_s: Seconds
+
+
+class RankReport(_Strict):
+    """What sdk/reporting.py sends."""
+
+    step: int | None = Field(default=None, ge=0, le=2**53)
+    step_age_s: Seconds | None = None
+    step_times_s: list[Seconds] = Field(default_factory=list, max_length=MAX_STEP_TIMES)
+    metrics: dict[Annotated[str, Field(max_length=64)], float] = Field(
+        default_factory=dict, max_length=32
+    )
+    checkpoint_started: StartedIn | None = None
+    checkpoints_saved: list[SavedIn] = Field(default_factory=list, max_length=MAX_SAVED)
+
+
+def _at(now: datetime, age_s: float) -> str:
+    return (now - timedelta(seconds=age_s)).isoformat()
+
+
+def merge(kept: dict[str, Any] | None, report: RankReport, now: datetime) -> dict[str, Any]:
+    """What the agent sends for a pod: the latest step, every step time and saved
+    checkpoint since the last sync (the most recent ones, within bounds), the checkpoint
+    in flight (one saved after it ends it), the latest metrics."""
+    merged: dict[str, Any] = dict(kept or {})
+    if report.step is not None:
+        merged["step"] = report.step
+        merged["step_at"] = _at(now, report.step_age_s or 0.0)
+    times = [*merged.get("step_times_s", []), *report.step_times_s]
+    merged["step_times_s"] = times[-MAX_STEP_TIMES:]
+    merged["metrics"] = {**merged.get("metrics", {}), **report.metrics}
+    saved = [
+        *merged.get("checkpoints_saved", []),
+        *(
+            {"uri": c.uri, "step": c.step, "at": _at(now, c.age_s)}
+            for c in report.checkpoints_saved
+        ),
+    ]
+    merged["checkpoints_saved"] = saved[-MAX_SAVED:]
+    if report.checkpoint_started is not None:
+        started = report.checkpoint_started
+        merged["checkpoint_started"] = {"step": started.step, "at": _at(now, started.age_s)}
+    elif report.checkpoints_saved:
+        merged["checkpoint_started"] = None
+    else:
+        merged.setdefault("checkpoint_started", None)
+    return merged
+
+
+class ProgressHandler(web.RequestHandler):
+    """``POST /progress`` from a rank of this machine."""
+
+    def initialize(
+        self,
+        pod_of: Callable[[str], tuple[int, int] | None],
+        note: Callable[[tuple[int, int], RankReport, datetime], None],
+    ) -> None:
+        self.pod_of = pod_of
+        self.note = note
+
+    def check_xsrf_cookie(self) -> None:
+        return  # no cookies here: a marker header, from a rank
+
+    def post(self) -> None:
+        pod = self.pod_of(self.request.headers.get(MARKER_HEADER, ""))
+        if pod is None:
+            raise web.HTTPError(403, "no pod of this machine carries that marker")
+        if len(self.request.body) > MAX_BODY_BYTES:
+            raise web.HTTPError(413, f"a report is at most {MAX_BODY_BYTES} bytes")
+        try:
+            report = RankReport.model_validate_json(self.request.body)
+        except ValidationError as e:
+            raise web.HTTPError(400, f"not a progress report: {e.errors()[:3]}") from e
+        self.note(pod, report, datetime.now(UTC))
+        self.set_status(204)
+
+
+def progress_app(
+    pod_of: Callable[[str], tuple[int, int] | None],
+    note: Callable[[tuple[int, int], RankReport, datetime], None],
+) -> web.Application:
+    return web.Application(
+        [(r"/progress", ProgressHandler, {"pod_of": pod_of, "note": note})],
+        max_body_size=MAX_BODY_BYTES,
+    )
