@@ -273,6 +273,7 @@ class CpuWindow:
 
 # --------------------------------------------------------------------- the bench
 GPUFLEET, WATCHER, AIOHTTP_WATCHER = "gpufleet", "bare watcher", "bare watcher (aiohttp)"
+THREADED_WATCHER = "bare watcher (thread)"
 
 
 @dataclass
@@ -499,8 +500,14 @@ def run(args: argparse.Namespace) -> None:
         children.append(controller)
         sides = {GPUFLEET: controller}
         watched = [{k: c[k] for k in ("name", "server", "ca", "token")} for c in clusters]
-        for side, client in ((WATCHER, "httpx"), (AIOHTTP_WATCHER, "aiohttp")):
-            if client == "aiohttp" and not args.aiohttp_watcher:
+        for side, client in (
+            (WATCHER, "httpx"),
+            (AIOHTTP_WATCHER, "aiohttp"),
+            (THREADED_WATCHER, "thread"),
+        ):
+            if (client == "aiohttp" and not args.aiohttp_watcher) or (
+                client == "thread" and not args.threaded_watcher
+            ):
                 continue
             config = _config(work / f"{client}.json", {"client": client, "clusters": watched})
             sides[side] = Child(
@@ -752,6 +759,11 @@ def main(argv: list[str] | None = None) -> None:
         "--aiohttp-watcher",
         action="store_true",
         help="a second baseline: the bare watcher over aiohttp (gpufleet's transport)",
+    )
+    parser.add_argument(
+        "--threaded-watcher",
+        action="store_true",
+        help="another baseline: the bare watcher reading in a thread (http.client, no event loop)",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(

@@ -23,12 +23,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import cProfile
+import http.client
 import json
 import logging
 import signal
 import ssl
 import sys
+import threading
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
@@ -197,10 +200,37 @@ async def _watch_aiohttp(cluster: Mapping[str, Any], events: Counter[str]) -> No
                     changes.event(line)
 
 
+def _watch_threaded(cluster: Mapping[str, Any], events: Counter[str]) -> None:
+    """The same with blocking reads in a thread (http.client over the ssl module): no
+    event loop and no Python TLS layer per chunk."""
+    host, _, port = str(cluster["server"]).removeprefix("https://").partition(":")
+    context = ssl.create_default_context(cafile=str(cluster["ca"]))
+    headers = {"Authorization": f"Bearer {cluster['token']}"}
+    connection = http.client.HTTPSConnection(host, int(port or 443), context=context)
+    connection.request("GET", "/api/v1/nodes", headers=headers)
+    listed = connection.getresponse()
+    changes = NodeChanges(str(cluster["name"]), json.loads(listed.read()), events)
+    while True:
+        query = urllib.parse.urlencode(changes.params())
+        connection.request("GET", f"/api/v1/nodes?{query}", headers=headers)
+        response = connection.getresponse()
+        while line := response.readline():
+            changes.event(line)
+
+
 def watcher(config: Mapping[str, Any]) -> None:
     """List, then watch ``/api/v1/nodes`` on every cluster (with ``config["client"]``:
     httpx or aiohttp); a line when a node's cordon or GPU count differs from the last one
     seen."""
+    if config["client"] == "thread":
+        threads = [
+            threading.Thread(target=_watch_threaded, args=(c, Counter()), daemon=True)
+            for c in config["clusters"]
+        ]
+        for thread in threads:
+            thread.start()
+        threading.Event().wait()  # SIGTERM ends the process
+        return
     watch = _watch_aiohttp if config["client"] == "aiohttp" else _watch_httpx
 
     async def serve() -> None:

@@ -26,6 +26,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -38,6 +39,7 @@ from ..scheduler.store.clusters import ClusterNodeState
 from ..scheduler.store.cycle import Stop
 from ..scheduler.store.fleet import FleetStore
 from ..spawner.clusters import ClusterSettings, api_client
+from .node_stream import Endpoint, NodeStream, WatchExpired
 
 _SUFFIXES = {
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
@@ -161,10 +163,6 @@ class Reachability:
         return False
 
 
-class WatchExpired(Exception):
-    """The watch's resourceVersion is too old (410 Gone): list again."""
-
-
 @dataclass
 class ClusterView:
     """One cluster's nodes as last seen, and what the store has not been told yet."""
@@ -223,6 +221,10 @@ class ClusterWatch:
         self.listings = 0  # complete listings read: the first, then one per watch lost
         self._tasks: list[asyncio.Task[None]] = []
         self._watch_task: asyncio.Task[None] | None = None
+        # The watch is read in a thread of its own (hub/node_stream.py); a reading it
+        # delivers counts only while its stream is the current one.
+        self._reader: ThreadPoolExecutor | None = None
+        self._stream: NodeStream | None = None
 
     @property
     def name(self) -> str:
@@ -230,6 +232,7 @@ class ClusterWatch:
 
     async def start(self) -> None:
         self.api = await api_client(self.view.settings)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"watch-{self.name}")
         self._watch_task = asyncio.create_task(self._watch_forever())
         self._tasks.append(asyncio.create_task(self._probe_forever()))
 
@@ -239,6 +242,10 @@ class ClusterWatch:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+        if self._stream is not None:
+            self._stream.close()
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
         if self.api is not None:
             await self.api.close()
 
@@ -312,8 +319,44 @@ class ClusterWatch:
         return str(body["metadata"]["resourceVersion"])
 
     async def _watch(self, version: str) -> str:
-        """Follow changes from ``version`` until the server ends the watch; returns the
-        last version seen."""
+        """Follow changes from ``version`` until the server ends the watch, in the
+        watch's own thread; returns the last version seen."""
+        try:
+            endpoint = await Endpoint.of(self.api.configuration)
+        except ValueError:
+            return await self._watch_on_loop(version)
+        query = {"labelSelector": s} if (s := self._selector().get("label_selector")) else {}
+        stream = self._stream = NodeStream(endpoint, query, self.watch_timeout)
+        loop = asyncio.get_running_loop()
+        settings = self.view.settings
+
+        def seen(name: str, state: ClusterNodeState | None) -> None:
+            if self._stream is stream and self.view.seen(name, state):
+                self._changed()
+
+        def deliver(name: str, state: ClusterNodeState | None) -> None:
+            loop.call_soon_threadsafe(seen, name, state)
+
+        def observe(node: Mapping[str, Any]) -> ClusterNodeState | None:
+            return observe_node(node, settings)
+
+        try:
+            return await loop.run_in_executor(
+                self._reader,
+                stream.follow,
+                version,
+                dict(self.view.nodes),
+                observe,
+                deliver,
+            )
+        finally:
+            stream.close()  # a cancelled watch's thread stops reading
+            if self._stream is stream:
+                self._stream = None
+
+    async def _watch_on_loop(self, version: str) -> str:
+        """The watch through the event loop (``kubernetes_asyncio``), for a configuration
+        the thread's reader cannot follow."""
         from kubernetes_asyncio import client
 
         core: Any = client.CoreV1Api(self.api)
