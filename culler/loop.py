@@ -279,6 +279,16 @@ class IdleCuller:
                     )
                     return
                 self.log.warning("session %s: live snapshot failed (%s); stopping anyway", s, e)
+        # The hub knows servers by user and name, not by workload: one whose session ended
+        # while its live pass ran (the user stopped it) may be starting again, and that
+        # new start is not this cull's to stop.
+        if not await asyncio.to_thread(self.store.is_running, s.workload_id):
+            self.log.info(
+                "session %s of %s ended during its cull; its server is left alone",
+                s.workload_id,
+                s.username,
+            )
+            return
         async with httpx.AsyncClient(timeout=30, headers=self.headers) as client:
             response = await stop_server(client, self.hub_api_url, s.username, s.server_name)
         if response.status_code >= 400 and response.status_code != 404:

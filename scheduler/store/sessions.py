@@ -183,6 +183,12 @@ class SessionActivityStore(StoreBase):
         with self._write(now) as session:
             _activity(session, workload_id).notice = _notice(now, level, message, None)
 
+    def is_running(self, workload_id: int) -> bool:
+        """Whether the workload is running now (not stopping, not ended)."""
+        with self.read() as session:
+            workload = session.get(Workload, workload_id)
+            return workload is not None and workload.state == WorkloadState.running
+
     def last_cull(self, workload_id: int) -> tuple[datetime, str] | None:
         """When and why the culler stopped this server's previous session, if it did."""
         with self.read() as session:

@@ -200,8 +200,9 @@ class Cluster:
         return self.spare_node_names[0]
 
     def remove_node(self, name: str) -> None:
-        """Stops the node's renewer and deletes its Node (its Lease follows by owner); its
-        name is spare again."""
+        """Stops the node's renewer and deletes its Node (its Lease follows by owner). Its
+        name is not offered again: the node-lifecycle controller remembers a node's health
+        by name for a while, so a new node of that name could be found NotReady at once."""
         node = self.nodes.pop(name)
         kubelet = self.kubelets.pop(name, None)
         if kubelet is not None:
@@ -211,7 +212,6 @@ class Cluster:
             r = api.delete(f"/api/v1/nodes/{name}")
             if r.status_code not in (200, 404):
                 r.raise_for_status()
-        self.spare_node_names.append(name)
 
     def stop(self) -> None:
         try:
@@ -276,7 +276,7 @@ class ControlPlane:
         cls,
         binaries: Binaries,
         nodes: dict[str, Sequence[NodeSpec]],
-        spare_kubelets: int = 2,
+        spare_kubelets: int = 4,
         kubelets: bool = True,
     ) -> ControlPlane:
         """Starts one cluster per key of ``nodes`` with those fake nodes registered and
