@@ -74,6 +74,8 @@ class Endpoint:
         return cls(url.hostname or "", port, context, headers)
 
 
+CONNECT_TIMEOUT_S = 10.0
+
 Observe = Callable[[Mapping[str, Any]], ClusterNodeState | None]
 Deliver = Callable[[str, ClusterNodeState | None], None]
 
@@ -85,7 +87,7 @@ class NodeStream:
         self.endpoint = endpoint
         self.query = query
         self.timeout_s = timeout_s
-        self._connection: http.client.HTTPConnection | None = None
+        self._guard: socket.socket | None = None  # a copy of the socket, for ``close``
         self._closed = threading.Event()
 
     def follow(
@@ -99,20 +101,32 @@ class NodeStream:
         differs from ``known`` (which it updates). Returns the last version seen. Raises
         :class:`WatchExpired` (410) or :class:`WatchFailed`."""
         endpoint = self.endpoint
-        if endpoint.context is None:
-            connection: http.client.HTTPConnection = http.client.HTTPConnection(
-                endpoint.host, endpoint.port, timeout=self.timeout_s + 30
+        connection = http.client.HTTPConnection(
+            endpoint.host, endpoint.port, timeout=self.timeout_s + 30
+        )
+        try:
+            raw = socket.create_connection(
+                (endpoint.host, endpoint.port), timeout=CONNECT_TIMEOUT_S
             )
-        else:
-            connection = http.client.HTTPSConnection(
-                endpoint.host,
-                endpoint.port,
-                timeout=self.timeout_s + 30,
-                context=endpoint.context,
-            )
-        self._connection = connection
+        except OSError as e:
+            raise WatchFailed(f"{type(e).__name__}: {e}") from e
+        # ``close`` shuts this copy down: wrapping the socket in TLS detaches its
+        # descriptor from the object it came from, and a handshake the server never
+        # answers must end too.
+        self._guard = raw.dup()
         if self._closed.is_set():
+            self._release(raw)
             return version
+        raw.settimeout(self.timeout_s + 30)
+        try:
+            if endpoint.context is not None:
+                raw = endpoint.context.wrap_socket(raw, server_hostname=endpoint.host)
+        except OSError as e:
+            self._release(raw)
+            if self._closed.is_set():
+                return version
+            raise WatchFailed(f"{type(e).__name__}: {e}") from e
+        connection.sock = raw
         query = {
             **self.query,
             "watch": "1",
@@ -154,13 +168,20 @@ class NodeStream:
             raise WatchFailed(f"{type(e).__name__}: {e}") from e
         finally:
             connection.close()
+            self._release(None)
         return version
 
+    def _release(self, sock: socket.socket | None) -> None:
+        for held in (sock, self._guard):
+            if held is not None:
+                with contextlib.suppress(OSError):
+                    held.close()
+        self._guard = None
+
     def close(self) -> None:
-        """End ``follow`` from another thread: its blocking read returns."""
+        """End ``follow`` from another thread: its blocking handshake or read returns."""
         self._closed.set()
-        connection = self._connection
-        sock = getattr(connection, "sock", None)
-        if sock is not None:
+        guard = self._guard
+        if guard is not None:
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+                guard.shutdown(socket.SHUT_RDWR)

@@ -6,6 +6,8 @@ status; ``close`` from another thread ends a blocked read."""
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -156,3 +158,30 @@ def test_close_from_another_thread_ends_a_blocked_read(api: ApiServer) -> None:
     stream.close()
     reader.join(10)
     assert not reader.is_alive() and result == ["7"]
+
+
+def test_close_ends_a_tls_handshake_the_server_never_answers() -> None:
+    # A server behind a dead link: the connection is accepted and nothing ever comes back.
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def hold() -> None:
+        connection = listener.accept()[0]
+        connection.recv(1, socket.MSG_PEEK)  # the client's hello: it is in the handshake
+        held.append(connection)
+
+    threading.Thread(target=hold, daemon=True).start()
+    endpoint = Endpoint("127.0.0.1", listener.getsockname()[1], ssl.create_default_context(), {})
+    stream = NodeStream(endpoint, {}, timeout_s=300)
+    result: list[str] = []
+    reader = threading.Thread(
+        target=lambda: result.append(stream.follow("9", {}, lambda o: None, lambda n, s: None))
+    )
+    reader.start()
+    deadline = time.monotonic() + 10
+    while not held and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stream.close()
+    reader.join(10)
+    assert not reader.is_alive() and result == ["9"]
+    listener.close()
