@@ -109,6 +109,16 @@ def snapshot_body(**extra: Any) -> dict[str, Any]:
     return {"kind": "snapshot", "paths": [HOME], "container": True, "tags": ["live"], **extra}
 
 
+async def ask(spawner: ControllerClient, api: Api, **waiting: Any) -> dict[str, Any]:
+    """The spawner's side: a snapshot asked for alice's session, waited for by on_node."""
+    return await on_node(
+        lambda: spawner.request_node_operation(api.workload_id, snapshot_body()),
+        spawner.node_operation,
+        spawner.abandon_node_operation,
+        **{"poll_s": 0.05, **waiting},
+    )
+
+
 async def test_the_agent_of_the_sessions_node_claims_runs_and_reports_what_the_spawner_asked(
     api: Api,
 ) -> None:
@@ -165,14 +175,12 @@ async def test_on_node_waits_for_the_result_and_shows_progress_on_the_way(api: A
         await api.agent_sync([{"id": oid, "state": "done", "result": {"id": "f00d"}}])
 
     running = asyncio.create_task(agent())
-    result = await on_node(
-        lambda: spawner.request_node_operation(api.workload_id, snapshot_body()),
-        spawner.node_operation,
-        spawner.abandon_node_operation,
+    result = await ask(
+        spawner,
+        api,
         what="live snapshot",
         claim_within=10,
         on_progress=shown.append,
-        poll_s=0.05,
     )
     await running
     assert result == {"id": "f00d"}
@@ -185,13 +193,11 @@ async def test_an_operation_no_agent_takes_fails_with_what_to_check_and_is_never
 ) -> None:
     spawner = ControllerClient(api.url, "spawner")
     with pytest.raises(SnapshotFailed) as failed:
-        await on_node(
-            lambda: spawner.request_node_operation(api.workload_id, snapshot_body()),
-            spawner.node_operation,
-            spawner.abandon_node_operation,
+        await ask(
+            spawner,
+            api,
             what="restore",
             claim_within=0.3,
-            poll_s=0.05,
         )
     assert "no gpufleet node agent on node a1 took the restore within 0 s" in str(failed.value)
     assert "is the agent running there" in str(failed.value)
@@ -211,13 +217,11 @@ async def test_a_failed_operation_says_why_to_the_asker(api: Api) -> None:
 
     running = asyncio.create_task(agent())
     with pytest.raises(SnapshotFailed, match="live snapshot on node a1 failed: disk full"):
-        await on_node(
-            lambda: spawner.request_node_operation(api.workload_id, snapshot_body()),
-            spawner.node_operation,
-            spawner.abandon_node_operation,
+        await ask(
+            spawner,
+            api,
             what="live snapshot",
             claim_within=10,
-            poll_s=0.05,
         )
     await running
     await spawner.aclose()
@@ -236,14 +240,12 @@ async def test_an_agent_that_stops_reporting_fails_the_operation_and_its_late_wo
 
     dying = asyncio.create_task(agent_that_dies())
     with pytest.raises(SnapshotFailed) as failed:
-        await on_node(
-            lambda: spawner.request_node_operation(api.workload_id, snapshot_body()),
-            spawner.node_operation,
-            spawner.abandon_node_operation,
+        await ask(
+            spawner,
+            api,
             what="final snapshot",
             claim_within=10,
             silent_within=0.5,
-            poll_s=0.05,
         )
     assert "the gpufleet node agent on node a1 stopped reporting on the final snapshot" in str(
         failed.value
@@ -269,14 +271,12 @@ async def test_a_running_operation_that_reports_on_time_is_waited_for(api: Api) 
         await api.agent_sync([{"id": oid, "state": "done", "result": {"id": "slow"}}])
 
     working = asyncio.create_task(slow_agent())
-    result = await on_node(
-        lambda: spawner.request_node_operation(api.workload_id, snapshot_body()),
-        spawner.node_operation,
-        spawner.abandon_node_operation,
+    result = await ask(
+        spawner,
+        api,
         what="final snapshot",
         claim_within=10,
         silent_within=1.0,
-        poll_s=0.05,
     )
     await working
     assert result == {"id": "slow"}
