@@ -489,7 +489,8 @@ class KubeInventory:
     def flush(self) -> bool:
         """Tell the store what changed; True if a node's record changed. A write that
         fails is retried whole (as a complete listing) at the next flush."""
-        return self._recorded([(w, self._take(w)) for w in self.watches.values()], None)
+        taken = [(w, self._take(w)) for w in self.watches.values()]
+        return self._recorded(taken, self._write_all(taken))
 
     async def flush_in_thread(self) -> bool:
         """``flush`` with the database writes in a thread: a first listing of hundreds of
@@ -548,12 +549,10 @@ class KubeInventory:
         return results
 
     def _recorded(
-        self, taken: list[tuple[ClusterWatch, _Write]], written: list[bool | None] | None
+        self, taken: list[tuple[ClusterWatch, _Write]], written: list[bool | None]
     ) -> bool:
         """After the writes (on the loop): a cluster whose write failed is written whole
         at the next flush."""
-        if written is None:
-            written = self._write_all(taken)
         for (watch, _write), result in zip(taken, written, strict=True):
             if result is None:
                 view = watch.view

@@ -434,7 +434,9 @@ class GPUQueueSpawner(_SpawnerBase):
     # -------------------------------------------------------------- final snapshot
     async def _final_snapshot(self) -> str:
         """The backend's final snapshot pass once nothing of the session runs; what it did
-        (for the workload's end event). Raises ``SnapshotFailed``."""
+        (for the workload's end event). Raises ``SnapshotFailed``. Every backend overrides
+        it (LocalGPUSpawner; KubeGPUSpawner through KubeSnapshotMixin, before this class in
+        its bases); only a backend that calls ``_save_then_release`` needs it."""
         raise NotImplementedError
 
     async def _save_then_release(self) -> None:
