@@ -239,11 +239,23 @@ class Facts:
         return self.before[key] + request.gpus > self.guarantee(*key)
 
     def within_caps(self, request: Pending) -> bool:
-        """No cap on the request's path stopped it whenever it was decided."""
+        """No cap on the request's path stopped it whenever it was decided. A request
+        within its guarantee that an enclosing cap refused, and that waits for it, may
+        have kept the rest under that cap for itself (``_claim_caps``)."""
         own = self.kept_gpus.get(request.id, 0)
+        causes = {w.workload_id: w.cause for w in self.result.waiting}
         return all(
             self.claimed[(name, request.gpu_type)] - own + request.gpus
             <= self.tree.cap(name, request.gpu_type)
+            and not any(
+                q.id != request.id
+                and causes.get(q.id) is WaitCause.QUOTA
+                and q.gpu_type == request.gpu_type
+                and name in self.tree.path(q.project)[1:]
+                and self.before[(q.project, q.gpu_type)] + q.gpus
+                <= self.guarantee(q.project, q.gpu_type)
+                for q in self.snapshot.queue
+            )
             for name in self.tree.path(request.project)
         )
 
@@ -497,6 +509,20 @@ def check_protection(f: Facts) -> None:
         if victim.idle_reclaimable:
             continue
         until = protected_until(victim, f.min_run)
+        request = f.queue[p.for_workload_id]
+        if f.now < until and victim.preemptions == 0 and victim.started_at >= request.created_at:
+            # Backfill of the zone the request holds leaves at once: only there.
+            lands = {
+                (f.nodes[pod.node].cluster, f.nodes[pod.node].zone)
+                for k in f.result.kept
+                if k.workload_id == request.id
+                for pod in k.pods
+            }
+            assert lands == {(victim.cluster, victim.zone)}, (
+                f"L5: {victim.id} ran less than its protection, preempted for "
+                f"{request.id} outside the zone {request.id} lands in"
+            )
+            continue
         assert f.now >= until, (
             f"L5: {victim.id} (preempted {victim.preemptions} time(s) before, started "
             f"{victim.started_at}, checkpoints every {victim.checkpoint_interval_s}) is "
@@ -532,11 +558,12 @@ def check_reservations(f: Facts) -> None:
                 f.before[(holder.project, t)] + holder.gpus <= f.guarantee(holder.project, t),
                 f.surely_within(holder),
             }
-            lower = PREEMPTIBLE.get(other.priority, False) and f.rank(other.priority) < f.rank(
-                holder.priority
-            )
+            preemptible = PREEMPTIBLE.get(other.priority, False)
+            rank, holder_rank = f.rank(other.priority), f.rank(holder.priority)
             if not any(
-                _backfill_allowed(other.project == holder.project, aw, hw, lower)
+                _backfill_allowed(
+                    other.project == holder.project, aw, hw, preemptible, rank, holder_rank
+                )
                 for aw in a_within
                 for hw in h_within
             ):
@@ -548,12 +575,22 @@ def check_reservations(f: Facts) -> None:
                 )
 
 
-def _backfill_allowed(same_project: bool, a_within: bool, h_within: bool, lower: bool) -> bool:
+def _backfill_allowed(
+    same_project: bool,
+    a_within: bool,
+    h_within: bool,
+    preemptible: bool,
+    rank: int,
+    holder_rank: int,
+) -> bool:
+    """Who may enter a held zone: one within its guarantee when the holder borrows; of
+    the holder's project, preemptible and lower; of another, borrowing, with the holder
+    within its guarantee or preemptible and lower."""
     if a_within and not h_within:
         return True
     if same_project:
-        return lower
-    return not a_within and (h_within or lower)
+        return preemptible and rank < holder_rank
+    return not a_within and (h_within or (preemptible and rank < holder_rank))
 
 
 def _surely_after(f: Facts, other: Pending, holder: Pending, other_usage: int) -> bool:
