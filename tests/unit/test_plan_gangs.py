@@ -509,20 +509,6 @@ def check_protection(f: Facts) -> None:
         if victim.idle_reclaimable:
             continue
         until = protected_until(victim, f.min_run)
-        request = f.queue[p.for_workload_id]
-        if f.now < until and victim.preemptions == 0 and victim.started_at >= request.created_at:
-            # Backfill of the zone the request holds leaves at once: only there.
-            lands = {
-                (f.nodes[pod.node].cluster, f.nodes[pod.node].zone)
-                for k in f.result.kept
-                if k.workload_id == request.id
-                for pod in k.pods
-            }
-            assert lands == {(victim.cluster, victim.zone)}, (
-                f"L5: {victim.id} ran less than its protection, preempted for "
-                f"{request.id} outside the zone {request.id} lands in"
-            )
-            continue
         assert f.now >= until, (
             f"L5: {victim.id} (preempted {victim.preemptions} time(s) before, started "
             f"{victim.started_at}, checkpoints every {victim.checkpoint_interval_s}) is "
@@ -558,12 +544,11 @@ def check_reservations(f: Facts) -> None:
                 f.before[(holder.project, t)] + holder.gpus <= f.guarantee(holder.project, t),
                 f.surely_within(holder),
             }
-            preemptible = PREEMPTIBLE.get(other.priority, False)
-            rank, holder_rank = f.rank(other.priority), f.rank(holder.priority)
+            lower = PREEMPTIBLE.get(other.priority, False) and f.rank(other.priority) < f.rank(
+                holder.priority
+            )
             if not any(
-                _backfill_allowed(
-                    other.project == holder.project, aw, hw, preemptible, rank, holder_rank
-                )
+                _backfill_allowed(other.project == holder.project, aw, hw, lower)
                 for aw in a_within
                 for hw in h_within
             ):
@@ -575,22 +560,12 @@ def check_reservations(f: Facts) -> None:
                 )
 
 
-def _backfill_allowed(
-    same_project: bool,
-    a_within: bool,
-    h_within: bool,
-    preemptible: bool,
-    rank: int,
-    holder_rank: int,
-) -> bool:
-    """Who may enter a held zone: one within its guarantee when the holder borrows; of
-    the holder's project, preemptible and lower; of another, borrowing, with the holder
-    within its guarantee or preemptible and lower."""
+def _backfill_allowed(same_project: bool, a_within: bool, h_within: bool, lower: bool) -> bool:
     if a_within and not h_within:
         return True
     if same_project:
-        return preemptible and rank < holder_rank
-    return not a_within and (h_within or (preemptible and rank < holder_rank))
+        return lower
+    return not a_within and (h_within or lower)
 
 
 def _surely_after(f: Facts, other: Pending, holder: Pending, other_usage: int) -> bool:

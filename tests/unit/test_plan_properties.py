@@ -666,8 +666,6 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
             for name in tree.path(r.project):
                 leaving_before[(name, r.gpu_type)] += r.gpus
     by_preemptor: dict[int, list[Running]] = defaultdict(list)
-    # Victims taken only because they backfill the zone the preemptor holds.
-    young_victims: dict[int, list[Running]] = defaultdict(list)
     victims_seen: set[int] = set()
     for p in result.preemptions:
         assert p.victim_id not in victims_seen, f"{p.victim_id} preempted twice"
@@ -683,14 +681,9 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
             assert p.cause is PreemptionCause.IDLE, f"{p}"
             continue
         assert p.cause is not PreemptionCause.IDLE, f"{p}: victim not idle"
-        if victim.started_at + snapshot.policy.min_run_time_s > now:
-            # Only backfill of a zone the request holds leaves before its minimum run
-            # time: it started while the request waited, and was never preempted (its
-            # zone is checked with the kept placement's below).
-            assert victim.started_at >= request.created_at and victim.preemptions == 0, (
-                f"{p}: victim ran less than min_run_time_s"
-            )
-            young_victims[p.for_workload_id].append(victim)
+        assert victim.started_at + snapshot.policy.min_run_time_s <= now, (
+            f"{p}: victim ran less than min_run_time_s"
+        )
         lower = RANKS[victim.priority] < RANKS[request.priority]
         if victim.project == request.project and p.cause is PreemptionCause.BACKFILL:
             # Its backfill: a borrower of its project that started while it waited,
@@ -738,9 +731,6 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
         assert wid in kept_zone, f"{wid} preempts, yet nothing is kept for it"
         cluster, zone = kept_zone[wid]
         zones = {(cluster, zone)}
-        assert all((v.cluster, v.zone) == (cluster, zone) for v in young_victims[wid]), (
-            f"backfill of {wid} taken back outside the zone it lands in"
-        )
         elsewhere = [v for v in victims if (v.cluster, v.zone) != (cluster, zone)]
         assert all(v.project == request.project for v in elsewhere), (
             f"victims of {wid} outside the zone it lands in: {elsewhere}"
@@ -786,7 +776,7 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
         # not make room yet, keeps the rest under that cap for the cycle (``_claim_caps``):
         # a later one must free all it asks there.
         must_free = [
-            (name, request.gpus - leaving_before.get((name, request.gpu_type), 0))
+            (name, max(gpus, request.gpus - leaving_before.get((name, request.gpu_type), 0)))
             if any(
                 causes.get(q.id) is WaitCause.QUOTA
                 and q.gpu_type == request.gpu_type
