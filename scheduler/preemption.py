@@ -27,7 +27,7 @@ import bisect
 import heapq
 import itertools
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -190,6 +190,19 @@ class Candidates:
             for pod in workload.pods:
                 on[pod.node] = on.get(pod.node, 0) + len(pod.gpus)
         return found
+
+    def young_in(self, zone_key: ZoneKey) -> list[Running]:
+        """The would-be candidates of the zone still within their protection."""
+        found: dict[int, Running] = {}
+        for _, wid in self._later:
+            if wid in found or wid in self._member:
+                continue
+            workload = self._tracked(wid)
+            if workload is not None and (
+                (workload.cluster, workload.zone, workload.gpu_type) == zone_key
+            ):
+                found[wid] = workload
+        return list(found.values())
 
     def _tracked(self, wid: int) -> Running | None:
         key = self._where.get(wid)
@@ -401,6 +414,8 @@ class VictimIndex:
         quotas: tuple[tuple[frozenset[str] | None, int], ...] = (),
         own_project: bool = False,
         excluded: ZoneKey | None = None,
+        held: ZoneKey | None = None,
+        young: Sequence[Running] = (),
         chosen: set[int],
     ) -> tuple[ZoneKey, Victims] | None:
         """The zone and the victims with the fewest evicted GPUs (ties: the least lost
@@ -412,6 +427,14 @@ class VictimIndex:
         (``ran_ahead``). Those free its project's quota wherever they run, so victims
         elsewhere may join the ones in the zone where the gang lands; every other search
         stops victims in that zone only.
+
+        ``held``: the zone the request holds (it is the first of its GPU type that found
+        no room). There ``young`` — preemptible work still within its minimum run time
+        that started while the request waited and was never preempted, which the request
+        may evict — is its backfill and leaves as soon as the holder fits; a workload preempted
+        before keeps its protection (``protected_until``), and a request preempted
+        before evicts no backfill early (what started while it waited may be what
+        stopped it).
 
         Zones are looked at from the one needing the fewest GPUs freed; the search stops
         once a set costs no more than the next zone could need at least."""
@@ -439,16 +462,33 @@ class VictimIndex:
             ]
         else:
             searched = [(zone_key, zone) for zone_key, zone in self.zones.items()]
+            if held is not None and young and held not in self.zones:
+                searched.append((held, Zone()))
+        leaving = (
+            [
+                v
+                for v in young
+                if v.preemptible
+                and v.preemptions == 0
+                and v.started_at >= request.created_at
+                and not v.stopping
+            ]
+            if held is not None and request.preemptions == 0
+            else []
+        )
         zones: list[tuple[int, ZoneKey, Zone]] = []
         for zone_key, zone in searched:
             if zone_key[2] != t or zone_key == excluded or zone_key not in capacity.buckets:
                 continue
             here = zone.gpus_by_project.get(request.project, 0)
             ceiling = zone.idle_gpus + here + (0 if own_project else zone.borrowed_gpus)
+            if zone_key == held:
+                ceiling += sum(v.gpus for v in leaving)
             if capacity.zone_free[zone_key] + ceiling < request.gpus:
                 continue  # even evicting every candidate here would not make room
             if (
                 not own_project
+                and not (zone_key == held and leaving)
                 and request.project not in zone.preemptible_projects
                 and self.pods_at_most(zone_key, zone, capacity, k, within, rank) < pods
             ):
@@ -469,7 +509,8 @@ class VictimIndex:
                 eligible = own
             else:
                 eligible = []
-                for victim in zone.members.values():
+                members = zone.members.values()
+                for victim in itertools.chain(members, leaving) if zone_key == held else members:
                     if victim.id in chosen:
                         continue
                     cause = self.cause(victim, request, rank, within)

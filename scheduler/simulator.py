@@ -743,6 +743,7 @@ class _Replay:
             job.lost_gpu_s += running.gpus * (now - running.started_at - done)
         job.remaining -= done
         job.preemptions += 1
+        job.pending = replace(job.pending, preemptions=job.preemptions)
         self._enqueue(job)
 
     # ----------------------------------------------------------------- results

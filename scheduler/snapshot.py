@@ -98,6 +98,10 @@ class Pending:
     # victims' GPUs and the free ones it counted on. Producers keep it from the plan until
     # the workload is admitted; the core admits it there as soon as all of it is free.
     promised: tuple[Pod, ...] = ()
+    # How often it was preempted before (it is back in the queue): such a request does not
+    # evict backfill before its minimum run time (``VictimIndex.find``), so that it never
+    # stops at once the work that just stopped it.
+    preemptions: int = 0
 
     @cached_property
     def gpus(self) -> int:

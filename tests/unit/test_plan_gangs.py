@@ -509,6 +509,26 @@ def check_protection(f: Facts) -> None:
         if victim.idle_reclaimable:
             continue
         until = protected_until(victim, f.min_run)
+        request = f.queue[p.for_workload_id]
+        if (
+            f.now < until
+            and victim.preemptible
+            and victim.preemptions == 0
+            and request.preemptions == 0
+            and victim.started_at >= request.created_at
+        ):
+            # Backfill of the zone the request holds leaves at once: only there.
+            lands = {
+                (f.nodes[pod.node].cluster, f.nodes[pod.node].zone)
+                for k in f.result.kept
+                if k.workload_id == request.id
+                for pod in k.pods
+            }
+            assert lands == {(victim.cluster, victim.zone)}, (
+                f"L5: {victim.id} ran less than its protection, preempted for "
+                f"{request.id} outside the zone {request.id} lands in"
+            )
+            continue
         assert f.now >= until, (
             f"L5: {victim.id} (preempted {victim.preemptions} time(s) before, started "
             f"{victim.started_at}, checkpoints every {victim.checkpoint_interval_s}) is "

@@ -316,8 +316,10 @@ class World:
             host = self.hosts[pod.node]
             if host.schedulable:
                 host.free |= {gpu_index(g) for g in pod.gpus}
-        if requeue:
-            self.queue[wid] = self.requests[wid]
+        if requeue:  # preempted: back in the queue, and it says so (``Pending.preemptions``)
+            request = self.requests[wid]
+            request = self.requests[wid] = replace(request, preemptions=request.preemptions + 1)
+            self.queue[wid] = request
 
     def begin(self, cycle: Cycle) -> None:
         if cycle.events:
@@ -666,6 +668,8 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
             for name in tree.path(r.project):
                 leaving_before[(name, r.gpu_type)] += r.gpus
     by_preemptor: dict[int, list[Running]] = defaultdict(list)
+    # Victims taken before their minimum run time: backfill of the zone the preemptor holds.
+    young_victims: dict[int, list[Running]] = defaultdict(list)
     victims_seen: set[int] = set()
     for p in result.preemptions:
         assert p.victim_id not in victims_seen, f"{p.victim_id} preempted twice"
@@ -681,9 +685,17 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
             assert p.cause is PreemptionCause.IDLE, f"{p}"
             continue
         assert p.cause is not PreemptionCause.IDLE, f"{p}: victim not idle"
-        assert victim.started_at + snapshot.policy.min_run_time_s <= now, (
-            f"{p}: victim ran less than min_run_time_s"
-        )
+        if victim.started_at + snapshot.policy.min_run_time_s > now:
+            # Only backfill of a zone the request holds leaves before its minimum run
+            # time: it started while the request waited, neither was preempted before
+            # (the zone is checked with the kept placement's below).
+            assert (
+                victim.preemptible
+                and victim.started_at >= request.created_at
+                and victim.preemptions == 0
+                and request.preemptions == 0
+            ), f"{p}: victim ran less than min_run_time_s"
+            young_victims[p.for_workload_id].append(victim)
         lower = RANKS[victim.priority] < RANKS[request.priority]
         if victim.project == request.project and p.cause is PreemptionCause.BACKFILL:
             # Its backfill: a borrower of its project that started while it waited,
@@ -731,6 +743,9 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
         assert wid in kept_zone, f"{wid} preempts, yet nothing is kept for it"
         cluster, zone = kept_zone[wid]
         zones = {(cluster, zone)}
+        assert all((v.cluster, v.zone) == (cluster, zone) for v in young_victims[wid]), (
+            f"backfill of {wid} taken back outside the zone it lands in"
+        )
         elsewhere = [v for v in victims if (v.cluster, v.zone) != (cluster, zone)]
         assert all(v.project == request.project for v in elsewhere), (
             f"victims of {wid} outside the zone it lands in: {elsewhere}"
