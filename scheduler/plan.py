@@ -732,12 +732,12 @@ class _Planner(Reasons, CapRoom, HeldZones):
         young: list[Running] = []
         if holder is not None and holder[1] != request.id and not self._outranks(request, holder):
             excluded = holder[0]
-        elif holder is None and not own_project:
+        elif holder is None and not own_project and not request.preemptions:
             # The first of its type to find no room: it holds a zone if it cannot make
             # room, and there its backfill leaves as soon as it fits (``VictimIndex.find``).
             held = self._zone_to_hold(request, within)
             if held is not None:
-                young = self.memo.candidates.young_in(held)
+                young = self.memo.candidates.young_in(held, request.created_at)
         memo = (
             p,
             t,

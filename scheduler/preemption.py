@@ -191,15 +191,20 @@ class Candidates:
                 on[pod.node] = on.get(pod.node, 0) + len(pod.gpus)
         return found
 
-    def young_in(self, zone_key: ZoneKey) -> list[Running]:
-        """The would-be candidates of the zone still within their protection."""
+    def young_in(self, zone_key: ZoneKey, since: float) -> list[Running]:
+        """The zone's preemptible would-be candidates still within their protection that
+        started at ``since`` or later and were never preempted (``VictimIndex.find``)."""
         found: dict[int, Running] = {}
         for _, wid in self._later:
             if wid in found or wid in self._member:
                 continue
             workload = self._tracked(wid)
-            if workload is not None and (
-                (workload.cluster, workload.zone, workload.gpu_type) == zone_key
+            if (
+                workload is not None
+                and workload.preemptible
+                and workload.preemptions == 0
+                and workload.started_at >= since
+                and (workload.cluster, workload.zone, workload.gpu_type) == zone_key
             ):
                 found[wid] = workload
         return list(found.values())
@@ -429,9 +434,10 @@ class VictimIndex:
         stops victims in that zone only.
 
         ``held``: the zone the request holds (it is the first of its GPU type that found
-        no room). There ``young`` — preemptible work still within its minimum run time
-        that started while the request waited and was never preempted, which the request
-        may evict — is its backfill and leaves as soon as the holder fits; a workload preempted
+        no room). There ``young`` (``Candidates.young_in``) — preemptible work still
+        within its minimum run time that started while the request waited and was never
+        preempted — is, where the request may evict it, its backfill and leaves as soon
+        as the holder fits; a workload preempted
         before keeps its protection (``protected_until``), and a request preempted
         before evicts no backfill early (what started while it waited may be what
         stopped it).
@@ -464,33 +470,26 @@ class VictimIndex:
             searched = [(zone_key, zone) for zone_key, zone in self.zones.items()]
             if held is not None and young and held not in self.zones:
                 searched.append((held, Zone()))
-        leaving = (
-            [
-                v
-                for v in young
-                if v.preemptible
-                and v.preemptions == 0
-                and v.started_at >= request.created_at
-                and not v.stopping
-            ]
-            if held is not None and request.preemptions == 0
-            else []
-        )
+        leaving = list(young) if held is not None and request.preemptions == 0 else []
         zones: list[tuple[int, ZoneKey, Zone]] = []
         for zone_key, zone in searched:
             if zone_key[2] != t or zone_key == excluded or zone_key not in capacity.buckets:
                 continue
             here = zone.gpus_by_project.get(request.project, 0)
             ceiling = zone.idle_gpus + here + (0 if own_project else zone.borrowed_gpus)
+            # The held zone's young backfill: each node gains at most its GPUs' whole
+            # pods and one more from what they complete.
+            young_gpus = young_pods = 0
             if zone_key == held:
-                ceiling += sum(v.gpus for v in leaving)
-            if capacity.zone_free[zone_key] + ceiling < request.gpus:
+                for victim in leaving:
+                    young_gpus += victim.gpus
+                    young_pods += sum(len(pod.gpus) // k + 1 for pod in victim.pods)
+            if capacity.zone_free[zone_key] + ceiling + young_gpus < request.gpus:
                 continue  # even evicting every candidate here would not make room
             if (
                 not own_project
-                and not (zone_key == held and leaving)
                 and request.project not in zone.preemptible_projects
-                and self.pods_at_most(zone_key, zone, capacity, k, within, rank) < pods
+                and self.pods_at_most(zone_key, zone, capacity, k, within, rank) + young_pods < pods
             ):
                 continue  # no node mix of candidates here could hold the gang
             if pods == 1:
