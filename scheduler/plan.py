@@ -750,6 +750,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
             excluded,
             held,
             tuple(v.id for v in young),
+            request.preempted_by,
         )
         if memo in self.failed_searches:
             return None

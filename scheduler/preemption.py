@@ -390,6 +390,8 @@ class VictimIndex:
         while it waited, behind it in the queue, ran as its backfill."""
         if victim.idle_reclaimable:
             return PreemptionCause.IDLE
+        if victim.id in request.preempted_by and not within:
+            return None  # it stopped the request: only a guarantee takes it back
         victim_rank = self.ranks.get(victim.priority, 0)
         if victim.project == request.project:
             if victim.preemptible and victim_rank < rank:

@@ -743,7 +743,12 @@ class _Replay:
             job.lost_gpu_s += running.gpus * (now - running.started_at - done)
         job.remaining -= done
         job.preemptions += 1
-        job.pending = replace(job.pending, preemptions=job.preemptions)
+        stopped_for = () if running.stopping_for is None else (running.stopping_for,)
+        job.pending = replace(
+            job.pending,
+            preemptions=job.preemptions,
+            preempted_by=job.pending.preempted_by.union(stopped_for),
+        )
         self._enqueue(job)
 
     # ----------------------------------------------------------------- results

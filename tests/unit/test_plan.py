@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from gpufleet.scheduler.memo import PlanMemo
@@ -267,6 +268,23 @@ def test_backfill_in_the_held_zone_leaves_as_soon_as_the_holder_fits() -> None:
             assert result.preemptions[0].cause is PreemptionCause.GUARANTEE
         else:
             assert result.waiting[0].cause is WaitCause.RESERVED
+
+
+def test_a_request_does_not_stop_by_its_class_the_work_that_stopped_it() -> None:
+    # b's opportunistic borrower once stopped a's standard one (a since back in the
+    # queue). Borrowing beyond its guarantee, a does not stop it in turn for its class;
+    # within its guarantee it takes the GPUs back.
+    borrower = running(9, "b", {"n1": range(8)}, priority="opportunistic", started=0.0)
+    request = pending(1, "a", 8, at=NOW - 600, preempted_by=frozenset([9]), preemptions=1)
+    over = plan(snap([node("n1", free=[])], [request], [borrower], projects(a=0, b=0)), NOW)
+    assert over.preemptions == ()
+    within = plan(snap([node("n1", free=[])], [request], [borrower], projects(a=8, b=0)), NOW)
+    assert [(p.victim_id, p.cause) for p in within.preemptions] == [(9, PreemptionCause.GUARANTEE)]
+    fresh = replace(request, preempted_by=frozenset())
+    again = plan(snap([node("n1", free=[])], [fresh], [borrower], projects(a=0, b=0)), NOW)
+    assert [(p.victim_id, p.cause) for p in again.preemptions] == [
+        (9, PreemptionCause.BORROWER_PRIORITY)
+    ]
 
 
 # ---------------------------------------------------------------------- quota

@@ -318,7 +318,12 @@ class World:
                 host.free |= {gpu_index(g) for g in pod.gpus}
         if requeue:  # preempted: back in the queue, and it says so (``Pending.preemptions``)
             request = self.requests[wid]
-            request = self.requests[wid] = replace(request, preemptions=request.preemptions + 1)
+            stopped_for = () if workload.stopping_for is None else (workload.stopping_for,)
+            request = self.requests[wid] = replace(
+                request,
+                preemptions=request.preemptions + 1,
+                preempted_by=request.preempted_by.union(stopped_for),
+            )
             self.queue[wid] = request
 
     def begin(self, cycle: Cycle) -> None:
