@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from gpufleet.scheduler.eviction import EXACT_LIMIT, Need, cheapest_victims, lost_work
@@ -33,10 +33,12 @@ def _cost(victims: list[Running]) -> tuple[int, float]:
 
 
 @st.composite
-def zones(draw: st.DrawFn, most: int = EXACT_LIMIT) -> tuple[dict, list[Running], Need]:
+def zones(
+    draw: st.DrawFn, most: int = EXACT_LIMIT, most_nodes: int = 6
+) -> tuple[dict, list[Running], Need]:
     """A zone of 8-GPU nodes partly held by candidate victims (single pods or gangs of
     whole nodes), and a request of one pod or a gang of whole-node pods."""
-    nodes = draw(st.integers(1, 6))
+    nodes = draw(st.integers(1, most_nodes))
     used = {f"n{i}": 0 for i in range(nodes)}
     victims: list[Running] = []
     for wid in range(draw(st.integers(0, most))):
@@ -128,6 +130,56 @@ def test_on_large_zones_the_greedy_evicts_at_most_twice_a_single_victim_that_suf
         assert not _fits(free, [v for v in chosen if v is not victim], need), (
             f"victim {victim.id} is not needed"
         )
+
+
+def _feasible_below(
+    free: dict, victims: list[Running], need: Need, limit: int, budget: int
+) -> tuple[list[Running] | None, bool]:
+    """A feasible set of fewer than ``limit`` GPUs, and whether the search was complete
+    (within ``budget`` checks). Feasibility only grows with more victims, so only the
+    sets no further victim can join under the limit are checked."""
+    ordered = sorted(victims, key=lambda v: (v.gpus, v.id))
+    left = [budget]
+
+    def search(start: int, chosen: list[Running], gpus: int) -> list[Running] | None:
+        grew = False
+        for i in range(start, len(ordered)):
+            if gpus + ordered[i].gpus >= limit:
+                break
+            grew = True
+            found = search(i + 1, [*chosen, ordered[i]], gpus + ordered[i].gpus)
+            if found is not None or left[0] <= 0:
+                return found
+        if not grew:
+            left[0] -= 1
+            if _fits(free, chosen, need):
+                return chosen
+        return None
+
+    found = search(0, [], 0)
+    return found, found is not None or left[0] > 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(zones(most=40, most_nodes=24))
+def test_on_large_zones_no_set_of_half_the_gpus_would_do(zone: tuple) -> None:
+    """Beyond the exhaustive search's reach (docs/scheduler.md, "Right-sized eviction"):
+    the greedy's set evicts at most twice the GPUs of the cheapest feasible set, checked
+    by a search for a feasible set of fewer than half its GPUs."""
+    free, victims, need = zone
+    fitting = sum(c // need.per_pod for c in free.values())
+    found = cheapest_victims(victims, free, T, need, fitting, NOW)
+    if found is None:
+        return
+    (gpus, _), chosen = found
+    if not chosen:
+        return  # it fits as things are
+    half, complete = _feasible_below(free, victims, need, (gpus + 1) // 2, budget=20_000)
+    event("complete search" if complete else "search budget spent")
+    assert half is None, (
+        f"evicts {gpus} GPUs ({[v.id for v in chosen]}); "
+        f"{[v.id for v in half or ()]} free {sum(v.gpus for v in half or ())} and make room"
+    )
 
 
 def _job(wid: int, project: str, node: str, first: int, gpus: int, zone: str = "z") -> Running:
