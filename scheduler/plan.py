@@ -228,6 +228,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
             tuple(self.preemptions),
             Waits(self.waiting),
             tuple(self.kept),
+            {hold.zone: hold.holder for hold in self.reserved.values()},
         )
 
     def _promised_zone(self, request: Pending) -> ZoneKey | None:

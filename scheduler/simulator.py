@@ -86,6 +86,7 @@ from .snapshot import (
     Plan,
     Pod,
     Policy,
+    PreemptionCause,
     Running,
     SchedulingSnapshot,
 )
@@ -575,6 +576,18 @@ class _Replay:
         where = self.nodes[own[0].node] if own else victims[0]  # where it lands
         cluster, zone = where.cluster, where.zone
         free = sum(free_in.get((cluster, zone), {}).values())
+        # Zones kept for another request (the plan's held zones) are not the preemptor's
+        # to use; a victim taken back as backfill was asked for by a cap on its path.
+        usable = {
+            key: per_node
+            for key, per_node in free_in.items()
+            if plan.held.get((*key, job.gpu_type), job.wid) == job.wid
+        }
+        for_a_cap = any(
+            p.cause is PreemptionCause.BACKFILL
+            for p in plan.preemptions
+            if p.for_workload_id == job.wid
+        )
         evicted = sum(v.gpus for v in victims)
         quota_need = self._quota_need(job, victims, plan)
         need = max(
@@ -599,9 +612,10 @@ class _Replay:
             need_gpus=need,
             evicted_gpus=evicted,
             fitted=quota_need <= 0
+            and not for_a_cap
             and any(
                 gang_fits(per_node.values(), job.gpus_per_pod, job.pods)
-                for per_node in free_in.values()
+                for per_node in usable.values()
             ),
         )
         self.decisions.append(decision)

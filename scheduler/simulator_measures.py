@@ -174,9 +174,10 @@ class PreemptionDecision:
     any preemption for it had to free — for room, in the zone of its type where that is
     least (``pod_need``: whole pods on one node each, victims' sizes not counted), or
     under the caps on its project's path, whichever is more; ``fitted``:
-    no cap asked anything of its victims and its gang (whole pods) already fitted the
-    free GPUs of some zone of its type, so the preemption was not needed for room (it
-    may still have been needed for free GPUs that lend limits keep back).
+    no cap asked anything of its victims (none taken back as backfill) and its gang
+    (whole pods) already fitted the free GPUs of some zone of its type not held for
+    another request, so the preemption was not needed for room (it may still have been
+    needed for free GPUs that lend limits keep back).
     """
 
     at_s: float

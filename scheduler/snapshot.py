@@ -243,3 +243,7 @@ class Plan:
     # it builds only when read.
     waiting: Sequence[Waiting] = ()
     kept: tuple[Kept, ...] = ()
+    # The zones held at the end of the cycle: (cluster, zone, GPU type) -> the workload
+    # it is kept for (docs/scheduler.md, "Held zones"). What the waiting reasons already
+    # say, for measures: not one of the plan's decisions, so plans compare without it.
+    held: Mapping[tuple[str, str, str], int] = field(default_factory=dict, compare=False)
