@@ -439,10 +439,9 @@ class VictimIndex:
         no room). There ``young`` (``Candidates.young_in``) — preemptible work still
         within its minimum run time that started while the request waited and was never
         preempted — is, where the request may evict it, its backfill and leaves as soon
-        as the holder fits; a workload preempted
-        before keeps its protection (``protected_until``), and a request preempted
-        before evicts no backfill early (what started while it waited may be what
-        stopped it).
+        as the holder fits. A workload preempted before keeps its protection
+        (``protected_until``), and a request preempted before evicts no backfill early
+        (what started while it waited may be what stopped it).
 
         Zones are looked at from the one needing the fewest GPUs freed; the search stops
         once a set costs no more than the next zone could need at least."""

@@ -68,11 +68,6 @@ class Running:
     # (None: unknown, or a session): after a preemption a workload is protected for
     # longer (``protected_until``), so that nobody loses all of their work over and over.
     preemptions: int = 0
-    # The workloads it was stopped for: it never stops one of them in turn for its class
-    # (``VictimIndex.cause``; only a guarantee reclaims from them), so that two workloads
-    # whose borrowing changes with their projects' admissions do not evict each other
-    # back and forth.
-    preempted_by: frozenset[int] = frozenset()
     checkpoint_interval_s: float | None = None
     # When its request was queued (the first time, across preemptions; None: unknown):
     # work that started while an earlier request of its project waited for the
