@@ -49,7 +49,6 @@ class HeldZones:
     capacity: Capacity
     backfill_left: int
     victims: VictimIndex | None
-    zone_choices: dict[int, ZoneKey | None]
 
     def _outranks(self, request: Pending, hold: Hold) -> bool:
         """A request within its guarantee goes before a holder that borrows: it may use
@@ -90,12 +89,6 @@ class HeldZones:
         the work it may evict there is gone, so that backfill coming and going (once it
         has run the minimum run time) does not move the hold; without preemption, the
         most of its pods fit now."""
-        if request.id in self.zone_choices:  # nothing it read changes while it decides
-            return self.zone_choices[request.id]
-        zone = self.zone_choices[request.id] = self._closest_to_holding(request, within)
-        return zone
-
-    def _closest_to_holding(self, request: Pending, within: bool) -> ZoneKey | None:
         t, k = request.gpu_type, request.gpus_per_pod
         if self.mode is not Mode.GPUFLEET:
             closest = self.capacity.closest_zone(t, k)

@@ -164,7 +164,6 @@ class _Planner(Reasons, CapRoom, HeldZones):
             memo.quota_limits,
         )
         self.reserved: dict[str, Hold] = {}  # GPU type -> the zone held, and for whom
-        self.zone_choices: dict[int, ZoneKey | None] = {}  # request -> ``_zone_to_hold``
         # (type, per pod, may use the held zone) -> the fewest pods that failed to fit
         self.failed_shapes: dict[tuple[str, int, bool], int] = {}
         self.subtrees: dict[str, frozenset[str]] = {}
@@ -729,16 +728,9 @@ class _Planner(Reasons, CapRoom, HeldZones):
         if usable < request.gpus:
             quotas = (*quotas, (None, request.gpus - usable))
         holder = self.reserved.get(t)
-        excluded = held = None
-        young: list[Running] = []
+        excluded = None
         if holder is not None and holder[1] != request.id and not self._outranks(request, holder):
             excluded = holder[0]
-        elif holder is None and not own_project and not request.preemptions:
-            # The first of its type to find no room: it holds a zone if it cannot make
-            # room, and there its backfill leaves as soon as it fits (``VictimIndex.find``).
-            held = self._zone_to_hold(request, within)
-            if held is not None:
-                young = self.memo.candidates.young_in(held, request.created_at)
         memo = (
             p,
             t,
@@ -749,8 +741,6 @@ class _Planner(Reasons, CapRoom, HeldZones):
             quotas,
             own_project,
             excluded,
-            held,
-            tuple(v.id for v in young),
             request.preempted_by,
         )
         if memo in self.failed_searches:
@@ -766,8 +756,6 @@ class _Planner(Reasons, CapRoom, HeldZones):
             quotas=quotas,
             own_project=own_project,
             excluded=excluded,
-            held=held,
-            young=young,
             chosen=self.chosen,
         )
         if found is None:

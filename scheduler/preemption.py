@@ -27,7 +27,7 @@ import bisect
 import heapq
 import itertools
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -190,24 +190,6 @@ class Candidates:
             for pod in workload.pods:
                 on[pod.node] = on.get(pod.node, 0) + len(pod.gpus)
         return found
-
-    def young_in(self, zone_key: ZoneKey, since: float) -> list[Running]:
-        """The zone's preemptible would-be candidates still within their protection that
-        started at ``since`` or later and were never preempted (``VictimIndex.find``)."""
-        found: dict[int, Running] = {}
-        for _, wid in self._later:
-            if wid in found or wid in self._member:
-                continue
-            workload = self._tracked(wid)
-            if (
-                workload is not None
-                and workload.preemptible
-                and workload.preemptions == 0
-                and workload.started_at >= since
-                and (workload.cluster, workload.zone, workload.gpu_type) == zone_key
-            ):
-                found[wid] = workload
-        return list(found.values())
 
     def _tracked(self, wid: int) -> Running | None:
         key = self._where.get(wid)
@@ -421,8 +403,6 @@ class VictimIndex:
         quotas: tuple[tuple[frozenset[str] | None, int], ...] = (),
         own_project: bool = False,
         excluded: ZoneKey | None = None,
-        held: ZoneKey | None = None,
-        young: Sequence[Running] = (),
         chosen: set[int],
     ) -> tuple[ZoneKey, Victims] | None:
         """The zone and the victims with the fewest evicted GPUs (ties: the least lost
@@ -434,14 +414,6 @@ class VictimIndex:
         (``ran_ahead``). Those free its project's quota wherever they run, so victims
         elsewhere may join the ones in the zone where the gang lands; every other search
         stops victims in that zone only.
-
-        ``held``: the zone the request holds (it is the first of its GPU type that found
-        no room). There ``young`` (``Candidates.young_in``) — preemptible work still
-        within its minimum run time that started while the request waited and was never
-        preempted — is, where the request may evict it, its backfill and leaves as soon
-        as the holder fits. A workload preempted before keeps its protection
-        (``protected_until``), and a request preempted before evicts no backfill early
-        (what started while it waited may be what stopped it).
 
         Zones are looked at from the one needing the fewest GPUs freed; the search stops
         once a set costs no more than the next zone could need at least."""
@@ -469,28 +441,18 @@ class VictimIndex:
             ]
         else:
             searched = [(zone_key, zone) for zone_key, zone in self.zones.items()]
-            if held is not None and young and held not in self.zones:
-                searched.append((held, Zone()))
-        leaving = list(young) if held is not None and request.preemptions == 0 else []
         zones: list[tuple[int, ZoneKey, Zone]] = []
         for zone_key, zone in searched:
             if zone_key[2] != t or zone_key == excluded or zone_key not in capacity.buckets:
                 continue
             here = zone.gpus_by_project.get(request.project, 0)
             ceiling = zone.idle_gpus + here + (0 if own_project else zone.borrowed_gpus)
-            # The held zone's young backfill: each node gains at most its GPUs' whole
-            # pods and one more from what they complete.
-            young_gpus = young_pods = 0
-            if zone_key == held:
-                for victim in leaving:
-                    young_gpus += victim.gpus
-                    young_pods += sum(len(pod.gpus) // k + 1 for pod in victim.pods)
-            if capacity.zone_free[zone_key] + ceiling + young_gpus < request.gpus:
+            if capacity.zone_free[zone_key] + ceiling < request.gpus:
                 continue  # even evicting every candidate here would not make room
             if (
                 not own_project
                 and request.project not in zone.preemptible_projects
-                and self.pods_at_most(zone_key, zone, capacity, k, within, rank) + young_pods < pods
+                and self.pods_at_most(zone_key, zone, capacity, k, within, rank) < pods
             ):
                 continue  # no node mix of candidates here could hold the gang
             if pods == 1:
@@ -509,8 +471,7 @@ class VictimIndex:
                 eligible = own
             else:
                 eligible = []
-                members = zone.members.values()
-                for victim in itertools.chain(members, leaving) if zone_key == held else members:
+                for victim in zone.members.values():
                     if victim.id in chosen:
                         continue
                     cause = self.cause(victim, request, rank, within)

@@ -540,6 +540,7 @@ class _Replay:
                 raise PlanConflict(f"kept workload {kept.workload_id} is not in the queue")
             self.queue[kept.workload_id] = replace(waiting, promised=kept.pods)
         victims_for: dict[int, list[Running]] = defaultdict(list)
+        for_caps: set[int] = set()  # preemptors a cap asked victims of (their backfill)
         for preemption in plan.preemptions:
             victim = self.running.get(preemption.victim_id)
             if victim is None:
@@ -551,6 +552,8 @@ class _Replay:
                 victim, stopping=True, stopping_for=preemption.for_workload_id
             )
             victims_for[preemption.for_workload_id].append(victim)
+            if preemption.cause is PreemptionCause.BACKFILL:
+                for_caps.add(preemption.for_workload_id)
             job.stop_began = now
             delay = (
                 self.options.session_snapshot_s
@@ -559,13 +562,16 @@ class _Replay:
             )
             self._push(now + delay, STOPPED, job.wid, job.attempt)
         for preemptor, victims in victims_for.items():
-            self._measure_preemption(self.jobs[preemptor], victims, plan, now)
+            self._measure_preemption(
+                self.jobs[preemptor], victims, plan, now, for_a_cap=preemptor in for_caps
+            )
 
     def _measure_preemption(
-        self, job: _Job, victims: list[Running], plan: Plan, now: float
+        self, job: _Job, victims: list[Running], plan: Plan, now: float, for_a_cap: bool
     ) -> None:
         """One decision's figures (``PreemptionDecision``), on the fleet as the plan left
-        it. A gang's victims share one zone; the first victim's is the one measured."""
+        it. A gang's victims share one zone; the first victim's is the one measured.
+        ``for_a_cap``: a cap on its path asked for victims (backfill taken back)."""
         others_kept = [pod for k in plan.kept if k.workload_id != job.wid for pod in k.pods]
         free_in: dict[tuple[str, str], dict[str, int]] = {}
         for (gpu_type, cluster, zone), names in self.zone_nodes.items():
@@ -576,18 +582,12 @@ class _Replay:
         where = self.nodes[own[0].node] if own else victims[0]  # where it lands
         cluster, zone = where.cluster, where.zone
         free = sum(free_in.get((cluster, zone), {}).values())
-        # Zones kept for another request (the plan's held zones) are not the preemptor's
-        # to use; a victim taken back as backfill was asked for by a cap on its path.
+        # Zones kept for another request (the plan's held zones) are not the preemptor's.
         usable = {
             key: per_node
             for key, per_node in free_in.items()
             if plan.held.get((*key, job.gpu_type), job.wid) == job.wid
         }
-        for_a_cap = any(
-            p.cause is PreemptionCause.BACKFILL
-            for p in plan.preemptions
-            if p.for_workload_id == job.wid
-        )
         evicted = sum(v.gpus for v in victims)
         quota_need = self._quota_need(job, victims, plan)
         need = max(
@@ -758,11 +758,7 @@ class _Replay:
         job.remaining -= done
         job.preemptions += 1
         stopped_for = () if running.stopping_for is None else (running.stopping_for,)
-        job.pending = replace(
-            job.pending,
-            preemptions=job.preemptions,
-            preempted_by=job.pending.preempted_by.union(stopped_for),
-        )
+        job.pending = replace(job.pending, preempted_by=job.pending.preempted_by.union(stopped_for))
         self._enqueue(job)
 
     # ----------------------------------------------------------------- results

@@ -98,10 +98,6 @@ class Pending:
     # victims' GPUs and the free ones it counted on. Producers keep it from the plan until
     # the workload is admitted; the core admits it there as soon as all of it is free.
     promised: tuple[Pod, ...] = ()
-    # How often it was preempted before (it is back in the queue): such a request does not
-    # evict backfill before its minimum run time (``VictimIndex.find``), so that it never
-    # stops at once the work that just stopped it.
-    preemptions: int = 0
     # The workloads it was stopped for: it never stops one of them in turn for its class
     # (``VictimIndex.cause``; only a guarantee reclaims from them), so that two workloads
     # whose borrowing changes with their projects' admissions do not evict each other

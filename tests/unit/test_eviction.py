@@ -4,6 +4,7 @@ on zones too large to search whole."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -132,8 +133,11 @@ def test_on_large_zones_the_greedy_evicts_at_most_twice_a_single_victim_that_suf
         )
 
 
-def _feasible_below(
-    free: dict, victims: list[Running], need: Need, limit: int, budget: int
+def feasible_below(
+    victims: Sequence[Running],
+    limit: int,
+    feasible: Callable[[list[Running]], bool],
+    budget: int,
 ) -> tuple[list[Running] | None, bool]:
     """A feasible set of fewer than ``limit`` GPUs, and whether the search was complete
     (within ``budget`` checks). Feasibility only grows with more victims, so only the
@@ -145,14 +149,14 @@ def _feasible_below(
         grew = False
         for i in range(start, len(ordered)):
             if gpus + ordered[i].gpus >= limit:
-                break
+                break  # sorted: no later one fits under the limit either
             grew = True
             found = search(i + 1, [*chosen, ordered[i]], gpus + ordered[i].gpus)
             if found is not None or left[0] <= 0:
                 return found
         if not grew:
             left[0] -= 1
-            if _fits(free, chosen, need):
+            if feasible(chosen):
                 return chosen
         return None
 
@@ -174,7 +178,9 @@ def test_on_large_zones_no_set_of_half_the_gpus_would_do(zone: tuple) -> None:
     (gpus, _), chosen = found
     if not chosen:
         return  # it fits as things are
-    half, complete = _feasible_below(free, victims, need, (gpus + 1) // 2, budget=20_000)
+    half, complete = feasible_below(
+        victims, (gpus + 1) // 2, lambda subset: _fits(free, subset, need), budget=20_000
+    )
     event("complete search" if complete else "search budget spent")
     assert half is None, (
         f"evicts {gpus} GPUs ({[v.id for v in chosen]}); "

@@ -226,48 +226,10 @@ def test_the_zone_held_for_a_guarantee_is_the_one_its_protected_borrowers_will_f
         running(8, "c", {"a1": range(8)}, started=0.0),
         running(9, "b", {"b1": range(8)}, zone="z2", started=NOW - 60),
     ]
-    # The request came after b started: b is not its backfill, and keeps its protection.
-    request = pending(1, "a", 6, at=NOW - 30)
-    result = plan(snap(nodes, [request], run, projects(a=8, b=0, c=8)), NOW)
+    result = plan(snap(nodes, [pending(1, "a", 6)], run, projects(a=8, b=0, c=8)), NOW)
     assert result.preemptions == ()
     assert result.waiting[0].cause is WaitCause.RESERVED
     assert result.waiting[0].reason.endswith("z2 is kept for you as GPUs free up")
-
-
-def test_backfill_in_the_held_zone_leaves_as_soon_as_the_holder_fits() -> None:
-    # b's preemptible borrower started while a waited (after a arrived), in the zone a
-    # holds: it ran as a's backfill and goes at once, minimum run time or not. It keeps
-    # its protection, and a holds z2 meanwhile, when it was preempted before (no
-    # thrashing), when a was (what started while a waited may be what stopped it), and
-    # when it is not preemptible (a may turn borrower and be stopped by it in turn).
-    nodes = [node("a1", zone="z1", free=[]), node("b1", zone="z2", free=[])]
-    tree = projects(a=8, b=0, c=8)
-    cases = (
-        ("opportunistic", 0, 0, (9,)),
-        ("opportunistic", 1, 0, ()),
-        ("opportunistic", 0, 1, ()),
-        ("standard", 0, 0, ()),
-    )
-    for priority, preempted_before, requeued, expected in cases:
-        run = [
-            running(8, "c", {"a1": range(8)}, started=0.0),
-            running(
-                9,
-                "b",
-                {"b1": range(8)},
-                priority=priority,
-                zone="z2",
-                started=NOW - 60,
-                preemptions=preempted_before,
-            ),
-        ]
-        request = pending(1, "a", 6, at=NOW - 600, preemptions=requeued)
-        result = plan(snap(nodes, [request], run, tree), NOW)
-        assert tuple(p.victim_id for p in result.preemptions) == expected
-        if expected:
-            assert result.preemptions[0].cause is PreemptionCause.GUARANTEE
-        else:
-            assert result.waiting[0].cause is WaitCause.RESERVED
 
 
 def test_a_request_does_not_stop_by_its_class_the_work_that_stopped_it() -> None:
@@ -275,7 +237,7 @@ def test_a_request_does_not_stop_by_its_class_the_work_that_stopped_it() -> None
     # queue). Borrowing beyond its guarantee, a does not stop it in turn for its class;
     # within its guarantee it takes the GPUs back.
     borrower = running(9, "b", {"n1": range(8)}, priority="opportunistic", started=0.0)
-    request = pending(1, "a", 8, at=NOW - 600, preempted_by=frozenset([9]), preemptions=1)
+    request = pending(1, "a", 8, at=NOW - 600, preempted_by=frozenset([9]))
     over = plan(snap([node("n1", free=[])], [request], [borrower], projects(a=0, b=0)), NOW)
     assert over.preemptions == ()
     within = plan(snap([node("n1", free=[])], [request], [borrower], projects(a=8, b=0)), NOW)
@@ -617,11 +579,9 @@ def test_idle_sessions_go_first_and_the_minimum_run_time_protects_new_work() -> 
         NOW,
     )
     assert [p.victim_id for p in result.preemptions] == [7]
-    # The request came after young started (else young would have run as its backfill).
-    request = pending(1, "a", 8, at=NOW - 5)
-    no_idle = plan(snap([node("n1", free=[])], [request], [young, old], tree), NOW)
+    no_idle = plan(snap([node("n1", free=[])], [pending(1, "a", 8)], [young, old], tree), NOW)
     assert no_idle.preemptions == ()  # young is protected, old alone does not make room
-    later = plan(snap([node("n1", free=[])], [request], [young, old], tree), NOW + 300)
+    later = plan(snap([node("n1", free=[])], [pending(1, "a", 8)], [young, old], tree), NOW + 300)
     assert {p.victim_id for p in later.preemptions} == {8, 9}
 
 

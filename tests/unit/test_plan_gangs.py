@@ -58,7 +58,7 @@ import math
 import os
 import re
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -86,6 +86,7 @@ from gpufleet.scheduler.snapshot import (
     Waiting,
 )
 
+from .test_eviction import feasible_below
 from .test_plan_properties import (
     CLASSES,
     MAX_STEP,
@@ -100,6 +101,7 @@ from .test_plan_properties import (
     World,
     _node,
     _running,
+    cap_kept_for_a_guarantee,
     check_plan,
     fits,
     reclaim_within_the_bound,
@@ -250,14 +252,8 @@ class Facts:
         return all(
             self.claimed[(name, request.gpu_type)] - own + request.gpus
             <= self.tree.cap(name, request.gpu_type)
-            and not any(
-                q.id != request.id
-                and causes.get(q.id) is WaitCause.QUOTA
-                and q.gpu_type == request.gpu_type
-                and name in self.tree.path(q.project)[1:]
-                and self.before[(q.project, q.gpu_type)] + q.gpus
-                <= self.guarantee(q.project, q.gpu_type)
-                for q in self.snapshot.queue
+            and not cap_kept_for_a_guarantee(
+                name, request, self.snapshot.queue, causes, self.tree, self.before
             )
             for name in self.tree.path(request.project)
         )
@@ -424,37 +420,6 @@ def _witnesses(
 HALF_BUDGET = 4_000
 
 
-def _feasible_below(
-    candidates: Sequence[Running],
-    limit: int,
-    names: set[str],
-    feasible: Callable[[Sequence[Running], set[str]], bool],
-) -> list[Running] | None:
-    """A feasible victim set of fewer than ``limit`` GPUs, if the search finds one within
-    ``HALF_BUDGET`` checks. Feasibility only grows with more victims, so only sets no
-    further candidate can join under the limit are checked."""
-    ordered = sorted(candidates, key=lambda v: (v.gpus, v.id))
-    budget = [HALF_BUDGET]
-
-    def search(start: int, chosen: list[Running], gpus: int) -> list[Running] | None:
-        grew = False
-        for i in range(start, len(ordered)):
-            victim = ordered[i]
-            if gpus + victim.gpus >= limit:
-                break  # sorted: no later one fits under the limit either
-            grew = True
-            found = search(i + 1, [*chosen, victim], gpus + victim.gpus)
-            if found is not None or budget[0] <= 0:
-                return found
-        if not grew and chosen:
-            budget[0] -= 1
-            if feasible(chosen, names):
-                return chosen
-        return None
-
-    return search(0, [], 0)
-
-
 def check_right_sized(f: Facts) -> None:
     """L3: a preemptor's victims are a feasible set with the fewest GPUs, then the least
     lost work, among all it could have chosen in any zone it may use."""
@@ -508,7 +473,12 @@ def check_right_sized(f: Facts) -> None:
                         f"(needs {need} GPUs there)"
                     )
             else:
-                half = _feasible_below(candidates, (chosen[0] + 1) // 2, names, feasible)
+                half, _ = feasible_below(
+                    candidates,
+                    (chosen[0] + 1) // 2,
+                    lambda subset, names=names: feasible(subset, names),
+                    HALF_BUDGET,
+                )
                 if half is not None:
                     raise AssertionError(
                         f"L3: {wid} ({pods} x {k} {t}) evicts {chosen[0]} GPUs "
@@ -554,26 +524,6 @@ def check_protection(f: Facts) -> None:
         if victim.idle_reclaimable:
             continue
         until = protected_until(victim, f.min_run)
-        request = f.queue[p.for_workload_id]
-        if (
-            f.now < until
-            and victim.preemptible
-            and victim.preemptions == 0
-            and request.preemptions == 0
-            and victim.started_at >= request.created_at
-        ):
-            # Backfill of the zone the request holds leaves at once: only there.
-            lands = {
-                (f.nodes[pod.node].cluster, f.nodes[pod.node].zone)
-                for k in f.result.kept
-                if k.workload_id == request.id
-                for pod in k.pods
-            }
-            assert lands == {(victim.cluster, victim.zone)}, (
-                f"L5: {victim.id} ran less than its protection, preempted for "
-                f"{request.id} outside the zone {request.id} lands in"
-            )
-            continue
         assert f.now >= until, (
             f"L5: {victim.id} (preempted {victim.preemptions} time(s) before, started "
             f"{victim.started_at}, checkpoints every {victim.checkpoint_interval_s}) is "

@@ -316,13 +316,11 @@ class World:
             host = self.hosts[pod.node]
             if host.schedulable:
                 host.free |= {gpu_index(g) for g in pod.gpus}
-        if requeue:  # preempted: back in the queue, and it says so (``Pending.preemptions``)
+        if requeue:  # preempted: back in the queue, and it says for whom
             request = self.requests[wid]
             stopped_for = () if workload.stopping_for is None else (workload.stopping_for,)
             request = self.requests[wid] = replace(
-                request,
-                preemptions=request.preemptions + 1,
-                preempted_by=request.preempted_by.union(stopped_for),
+                request, preempted_by=request.preempted_by.union(stopped_for)
             )
             self.queue[wid] = request
 
@@ -481,6 +479,28 @@ class World:
 
 
 # ------------------------------------------------------------------------------ laws
+
+
+def cap_kept_for_a_guarantee(
+    name: str,
+    request: Pending,
+    queue: Iterable[Pending],
+    causes: Mapping[int, WaitCause],
+    tree: Tree,
+    before: Mapping[tuple[str, str], int],
+) -> bool:
+    """Whether another request within its guarantee, of a project under ``name`` (not
+    ``name`` itself) and of ``request``'s type, waits refused by a cap: it may have kept
+    the rest under ``name``'s cap for the cycle (``_claim_caps``), so that a later request
+    there had to free all it asked for. ``before``: usage per tree node and type."""
+    return any(
+        q.id != request.id
+        and causes.get(q.id) is WaitCause.QUOTA
+        and q.gpu_type == request.gpu_type
+        and name in tree.path(q.project)[1:]
+        and before.get((q.project, q.gpu_type), 0) + q.gpus <= tree.guarantee(q.project, q.gpu_type)
+        for q in queue
+    )
 
 
 def within_guarantee(snapshot: SchedulingSnapshot, tree: Tree) -> set[int]:
@@ -673,8 +693,6 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
             for name in tree.path(r.project):
                 leaving_before[(name, r.gpu_type)] += r.gpus
     by_preemptor: dict[int, list[Running]] = defaultdict(list)
-    # Victims taken before their minimum run time: backfill of the zone the preemptor holds.
-    young_victims: dict[int, list[Running]] = defaultdict(list)
     victims_seen: set[int] = set()
     for p in result.preemptions:
         assert p.victim_id not in victims_seen, f"{p.victim_id} preempted twice"
@@ -690,17 +708,9 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
             assert p.cause is PreemptionCause.IDLE, f"{p}"
             continue
         assert p.cause is not PreemptionCause.IDLE, f"{p}: victim not idle"
-        if victim.started_at + snapshot.policy.min_run_time_s > now:
-            # Only backfill of a zone the request holds leaves before its minimum run
-            # time: it started while the request waited, neither was preempted before
-            # (the zone is checked with the kept placement's below).
-            assert (
-                victim.preemptible
-                and victim.started_at >= request.created_at
-                and victim.preemptions == 0
-                and request.preemptions == 0
-            ), f"{p}: victim ran less than min_run_time_s"
-            young_victims[p.for_workload_id].append(victim)
+        assert victim.started_at + snapshot.policy.min_run_time_s <= now, (
+            f"{p}: victim ran less than min_run_time_s"
+        )
         lower = RANKS[victim.priority] < RANKS[request.priority]
         if victim.project == request.project and p.cause is PreemptionCause.BACKFILL:
             # Its backfill: a borrower of its project that started while it waited,
@@ -748,9 +758,6 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
         assert wid in kept_zone, f"{wid} preempts, yet nothing is kept for it"
         cluster, zone = kept_zone[wid]
         zones = {(cluster, zone)}
-        assert all((v.cluster, v.zone) == (cluster, zone) for v in young_victims[wid]), (
-            f"backfill of {wid} taken back outside the zone it lands in"
-        )
         elsewhere = [v for v in victims if (v.cluster, v.zone) != (cluster, zone)]
         assert all(v.project == request.project for v in elsewhere), (
             f"victims of {wid} outside the zone it lands in: {elsewhere}"
@@ -797,14 +804,7 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
         # a later one must free all it asks there.
         must_free = [
             (name, max(gpus, request.gpus - leaving_before.get((name, request.gpu_type), 0)))
-            if any(
-                causes.get(q.id) is WaitCause.QUOTA
-                and q.gpu_type == request.gpu_type
-                and name in tree.path(q.project)[1:]
-                and before.get((q.project, q.gpu_type), 0) + q.gpus
-                <= tree.guarantee(q.project, q.gpu_type)
-                for q in snapshot.queue
-            )
+            if cap_kept_for_a_guarantee(name, request, snapshot.queue, causes, tree, before)
             else (name, gpus)
             for name, gpus in must_free
         ]
