@@ -104,6 +104,7 @@ class _Pod:
     stopping: asyncio.Task[None] | None = None
     logs: dict[tuple[int, str], _LogFile] = field(default_factory=dict)
     marker: str = ""  # its processes' marker: how its ranks' progress reports say who they are
+    attempt: int = 1  # the job's attempt it belongs to (its reports and chunks say so)
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ class PodKeeper:
                 "exit_code": pod.exit_code,
                 "signal": pod.signal,
                 "reason": pod.reason[:2000],
+                "attempt": pod.attempt,
             }
             for pod in self._pods.values()
         ]
@@ -241,6 +243,10 @@ class PodKeeper:
             key = (int(pod["workload_id"]), int(pod["pod_index"]))
             wanted.add(key)
             known = self._pods.get(key)
+            attempt = int(pod.get("attempt", 1))
+            if known is not None and known.attempt < attempt and known.state != "running":
+                self._forget(known)  # the pod of an ended attempt: the new one starts anew
+                known = None
             if pod["run"] and known is None:
                 if pod["started"]:
                     await self._lost(pod)
@@ -278,18 +284,22 @@ class PodKeeper:
 
     def _start(self, desired: Mapping[str, Any], pinned: Path | str | None = None) -> None:
         workload_id, pod_index = int(desired["workload_id"]), int(desired["pod_index"])
+        attempt = int(desired.get("attempt", 1))
         spec = desired["spec"]
-        pod_dir = self.jobs_dir / str(workload_id) / f"pod-{pod_index}"
+        # Each attempt has directories of its own: its logs start empty.
+        suffix = "" if attempt == 1 else f"-attempt-{attempt}"
+        pod_dir = self.jobs_dir / str(workload_id) / f"pod-{pod_index}{suffix}"
         per_pod = int(desired["gpus_per_pod"])
         pod = _Pod(
             workload_id,
             pod_index,
-            f"{workload_id}-{pod_index}",
+            f"{workload_id}-{pod_index}{suffix}",
             pod_dir,
             first_rank=pod_index * per_pod,
             local_ranks=per_pod,
             grace_s=float(spec.get("grace_s", 30.0)),
             marker=processes.part_marker(str(desired["marker"]), pod_index),
+            attempt=attempt,
         )
         self._pods[workload_id, pod_index] = pod
         try:
@@ -422,6 +432,8 @@ class PodKeeper:
             "GPUFLEET_JOB_NAME": str(desired["name"]),
             "GPUFLEET_POD_INDEX": str(pod_index),
             "GPUFLEET_CHECKPOINT_URI": checkpoint,
+            "GPUFLEET_ATTEMPT": str(pod.attempt),
+            "GPUFLEET_RESUME_FROM": str(desired.get("resume_from") or ""),
             **({"GPUFLEET_PROGRESS_URL": self.progress_url} if self.progress_url else {}),
             **_fake_nvml_env(sandbox.read_only),
         }
@@ -467,7 +479,7 @@ class PodKeeper:
 
     def _placeholder(self, desired: Mapping[str, Any]) -> _Pod:
         workload_id, pod_index = int(desired["workload_id"]), int(desired["pod_index"])
-        pod = _Pod(workload_id, pod_index, "", Path(), 0, 0)
+        pod = _Pod(workload_id, pod_index, "", Path(), 0, 0, attempt=int(desired.get("attempt", 1)))
         self._pods[workload_id, pod_index] = pod
         return pod
 
@@ -542,7 +554,7 @@ class PodKeeper:
                 chunk = _read_new(tail, path)
                 if chunk is None:
                     break
-                chunks.append({"workload_id": pod.workload_id, **chunk})
+                chunks.append({"workload_id": pod.workload_id, "attempt": pod.attempt, **chunk})
             else:
                 return chunks, False
         return chunks, True

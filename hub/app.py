@@ -32,6 +32,7 @@ from ..agent.lifecycle import until_stopped
 from ..culler.errors import PolicyError
 from ..culler.loop import IdleCuller
 from ..culler.snapshots import SnapshotSettings
+from ..recovery.attempts import RetryPolicy
 from ..scheduler.errors import InputError, LeaseLost, NotFound, SchedulerError, SchemaMismatch
 from ..scheduler.model import project_tree
 from ..scheduler.snapshot import Policy
@@ -251,6 +252,29 @@ class FleetController(DatabaseMixin):
         "exit) and SIGKILL when the job is cancelled or preempted.",
     ).tag(config=True)
 
+    job_fault_budget = Integer(
+        3,
+        min=0,
+        help="Infrastructure faults a job restarts from (docs/recovery.md): a GPU, node or "
+        "unexplained failure sends it back to the queue as its next attempt, resuming from "
+        "its last checkpoint, until this many were spent; the next one ends it. The job's "
+        "own errors are never retried; preemptions and drains restart it without spending "
+        "any.",
+    ).tag(config=True)
+
+    job_restart_backoff_seconds = Float(
+        10.0,
+        min=0,
+        help="Seconds a job's next attempt waits after its first infrastructure fault; "
+        "doubled after each further one, up to job_restart_backoff_max_seconds.",
+    ).tag(config=True)
+
+    job_restart_backoff_max_seconds = Float(
+        600.0,
+        min=0,
+        help="The longest wait before a job's next attempt after a fault.",
+    ).tag(config=True)
+
     user_mode = Enum(
         ["sandbox", "system"],
         "sandbox",
@@ -346,6 +370,14 @@ class FleetController(DatabaseMixin):
             self.engine, holder, lease_ttl=timedelta(seconds=self.db_lease_seconds)
         )
         self._configure_accounts()
+        try:
+            self.store.retry_policy = RetryPolicy(
+                self.job_fault_budget,
+                self.job_restart_backoff_seconds,
+                self.job_restart_backoff_max_seconds,
+            )
+        except ValueError as e:
+            self.exit_with(f"job restarts: {e}", code=2)
         self.metrics = ControllerMetrics(self.store)
         self.culler = IdleCuller(
             self.store,

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from tornado import web
 
 from ..scheduler.errors import InvalidRequest
-from ..scheduler.store.models import Workload, WorkloadKind
+from ..scheduler.store.models import Event, Workload, WorkloadKind
 from .api.job_schemas import JobOut
 from .api.jobs import cancel_job, job_out, load_job
 from .api.views import WORKLOAD_DETAILS
@@ -23,6 +23,18 @@ from .pages import PageHandler, project_names
 
 LOG_TAIL = 64 * 1024
 REFRESH_S = 3
+TIMELINE_EVENTS = (
+    "requested",
+    "admitted",
+    "started",
+    "job-fault",
+    "job-failed",
+    "job-restarting",
+    "job-checkpoint-saved",
+    "job-cancelled",
+    "preempting",
+    "ended",
+)
 
 
 class JobsPage(PageHandler):
@@ -64,6 +76,7 @@ class JobPage(PageHandler):
         gpu_chart = job_chart(store, job_id, self.controller.now())
         with store.read() as session:
             names = display_names(session)
+            events = timeline(session, job_id)
         self.render_page(
             "gpufleet-job.html",
             title=f"Job {job.id}: {job.name}",
@@ -84,6 +97,7 @@ class JobPage(PageHandler):
             error=error,
             gpu_chart=gpu_chart,
             project_names=names,
+            timeline=events,
         )
 
     def _job(self, job_id: int) -> JobOut:
@@ -109,10 +123,24 @@ class JobCancelForm(JobPage):
 
 
 def shown_state(job: JobOut) -> str:
-    """How it ended, or where it stands (with its place in the queue)."""
+    """How it ended, or where it stands (with its place in the queue), and which attempt."""
     if job.state == "ended":
-        return job.outcome or "ended"
-    return f"{job.state} (#{job.queue_position})" if job.queue_position else job.state
+        state = job.outcome or "ended"
+    else:
+        state = f"{job.state} (#{job.queue_position})" if job.queue_position else job.state
+    return f"{state}, attempt {job.attempt}" if job.attempt > 1 else state
+
+
+def timeline(session: Any, job_id: int) -> list[Event]:
+    """The job's life as its events tell it, oldest first: attempts, faults, checkpoints."""
+    return list(
+        session.scalars(
+            select(Event)
+            .where(Event.workload_id == job_id, Event.kind.in_(TIMELINE_EVENTS))
+            .order_by(Event.id)
+            .limit(500)
+        )
+    )
 
 
 def display_names(session: Any) -> dict[str, str]:

@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
+from ..recovery.classify import FaultClass
 from ..scheduler.snapshot import PreemptionCause
 from ..scheduler.store.models import (
     WORKLOAD_OUTCOMES,
@@ -116,6 +117,15 @@ class ControllerMetrics:
         for kind in WorkloadKind:  # every series exists from the start
             for outcome in WORKLOAD_OUTCOMES:
                 self.ended.labels(kind.value, outcome)
+        self.job_restarts = Counter(
+            "gpufleet_job_restarts_total",
+            "Jobs that went back to the queue as their next attempt, by the class of what "
+            "ended the attempt (docs/recovery.md)",
+            ["reason"],
+            registry=self.registry,
+        )
+        for fault in FaultClass:  # every series exists from the start
+            self.job_restarts.labels(fault.value)
         self.repairs = Counter(
             "gpufleet_reconciler_repairs_total",
             "Repairs the reconciler made, by rule (docs/reconciler.md)",

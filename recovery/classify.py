@@ -27,7 +27,8 @@ The rules (docs/recovery.md has them as a table):
   any rank fails, and a GPU fault shows up in the rank as a CUDA error and exit 1. Without
   one: disruptions (preemption, drain, ``DisruptionTarget``) restart without spending the
   budget; the user's own errors (a Python exception in their code, CUDA out of memory,
-  ``OOMKilled``, exit 2, 126, 127) are not retried, and the verdict says why; an NCCL
+  ``OOMKilled``, exit 2, 126, 127, a pod that could not start as the job asks, e.g. a
+  checkpoint location it may not use) are not retried, and the verdict says why; an NCCL
   watchdog timeout restarts; anything else (exit 1 with no rank error, a SIGKILL from
   nowhere) restarts and spends the budget: an exit code alone is weak evidence.
 - **Hangs**: no progress report for ``max(hang_factor × p99 step time, hang_floor_s)``,
@@ -536,6 +537,13 @@ def _outcome(signal: PodOutcome, earlier: Sequence[Signal], policy: RecoveryPoli
             FaultClass.DISRUPTION,
             f"the pod was stopped ({signal.reason}): the job restarts without spending its "
             "retry budget",
+            evidence=[signal],
+        )
+    if signal.reason == "StartFailed":
+        return _verdict(
+            FaultClass.USER,
+            "the pod could not start as the job asks: not retried; the job's reason says "
+            "what to change",
             evidence=[signal],
         )
     error = signal.rank_error

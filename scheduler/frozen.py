@@ -358,7 +358,7 @@ class FrozenTails:
             shape = request.shape
             outcome = said.get(shape)
             if outcome is None or request.id in in_flight:
-                if request.node_selector or request.id in in_flight:
+                if request.particular or request.id in in_flight:
                     self.p.positions[key] = position
                     decided = self.p._decide(request)
                     position = self.p.positions[key]

@@ -260,7 +260,7 @@ class PlanMemo:
         self.pod_sizes[r.gpu_type][r.gpus_per_pod] += 1
         self.shapes[r.gpu_type][(r.gpus_per_pod, r.pods > 1)] += 1
         self.sizes[r.gpu_type][r.gpus] += 1
-        if r.node_selector:
+        if r.particular:
             self.selectors[r.gpu_type] += 1
         if r.promised:
             self.promised.add(r.id)
@@ -280,7 +280,7 @@ class PlanMemo:
         _count_down(self.pod_sizes[r.gpu_type], r.gpus_per_pod)
         _count_down(self.shapes[r.gpu_type], (r.gpus_per_pod, r.pods > 1))
         _count_down(self.sizes[r.gpu_type], r.gpus)
-        if r.node_selector:
+        if r.particular:
             _count_down(self.selectors, r.gpu_type)
         self.promised.discard(r.id)
 

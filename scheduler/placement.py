@@ -14,6 +14,7 @@ cycles, once those are gone): a shape that failed stays failed for the rest of t
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from itertools import compress
@@ -289,18 +290,33 @@ class Capacity:
         return tuple(placed)
 
     def place_selected(
-        self, gpu_type: str, per_pod: int, pods: int, selector: Mapping[str, str]
+        self,
+        gpu_type: str,
+        per_pod: int,
+        pods: int,
+        selector: Mapping[str, str],
+        avoid_nodes: frozenset[str] = frozenset(),
+        avoid_gpus: frozenset[str] = frozenset(),
     ) -> tuple[ZoneKey, tuple[Pod, ...]] | None:
-        """The slow path for a workload with a node selector: only matching nodes count."""
+        """The slow path for a particular workload: only nodes that match its selector and
+        that it need not avoid count, and only the GPUs it need not avoid on them."""
         by_zone: dict[ZoneKey, list[tuple[str, str]]] = defaultdict(list)
         for key, node in self.nodes.items():
-            if node.gpu_type == gpu_type and all(
-                node.labels.get(k) == v for k, v in selector.items()
+            if (
+                node.gpu_type == gpu_type
+                and node.name not in avoid_nodes
+                and all(node.labels.get(k) == v for k, v in selector.items())
             ):
                 by_zone[self.zone_of[key]].append(key)
+
+        def usable(key: tuple[str, str]) -> int:
+            free = self.free.get(key)
+            gpus = free if free is not None else self.nodes[key].free
+            return len(gpus) - len(avoid_gpus.intersection(gpus)) if avoid_gpus else len(gpus)
+
         best: tuple[ZoneKey, list[tuple[str, str]]] | None = None
         for zone, keys in sorted(by_zone.items()):
-            if sum(self.free_count(k) // per_pod for k in keys) >= pods and (
+            if sum(usable(k) // per_pod for k in keys) >= pods and (
                 best is None or self.zone_free[zone] < self.zone_free[best[0]]
             ):
                 best = (zone, keys)
@@ -309,11 +325,8 @@ class Capacity:
         zone, keys = best
         placed = []
         for _ in range(pods):
-            key = min(
-                (k for k in keys if self.free_count(k) >= per_pod),
-                key=lambda k: (self.free_count(k), k),
-            )
-            placed.append(Pod(key[0], self.take(key, per_pod)))
+            key = min((k for k in keys if usable(k) >= per_pod), key=lambda k: (usable(k), k))
+            placed.append(Pod(key[0], self.take(key, per_pod, avoid_gpus)))
         return zone, tuple(placed)
 
     def hold_for_gang(
@@ -366,14 +379,22 @@ class Capacity:
         free = self.free.get(key)
         return gpu in (free if free is not None else self.nodes[key].free)
 
-    def take(self, key: tuple[str, str], gpus: int) -> tuple[str, ...]:
+    def take(
+        self, key: tuple[str, str], gpus: int, avoid: frozenset[str] = frozenset()
+    ) -> tuple[str, ...]:
+        """The first ``gpus`` free GPUs of the node, in device order, but none in ``avoid``
+        (the caller checked that enough others are free)."""
         free = self.free.get(key)
         if free is None:
             free = self.free[key] = list(self.nodes[key].free)
         zone = self.zone_of[key]
         before = len(free)
-        taken = tuple(free[:gpus])
-        del free[:gpus]
+        if avoid:
+            taken = tuple(itertools.islice((g for g in free if g not in avoid), gpus))
+            free[:] = [g for g in free if g not in taken]
+        else:
+            taken = tuple(free[:gpus])
+            del free[:gpus]
         buckets = self._taking_from(zone)
         del buckets[before][key]
         buckets[before - gpus][key] = None

@@ -520,7 +520,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
         for later in itertools.islice(requests, head, None):
             if blocked_users and (project, later.user) in blocked_users:
                 break
-            if later.node_selector or later.id in in_flight:
+            if later.particular or later.id in in_flight:
                 break  # too particular to repeat a refusal (``_signature``)
             signature = (*later.shape, later.user) if per_user else later.shape
             if signature is not last_signature:
@@ -567,7 +567,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
 
     def _signature(self, request: Pending) -> tuple[Any, ...] | None:
         """What a decision depends on besides the cycle's state; None: too particular."""
-        if request.node_selector or request.id in self.in_flight:
+        if request.particular or request.id in self.in_flight:
             return None
         if request.project in self.capped:
             return (*request.shape, request.user)
@@ -648,8 +648,10 @@ class _Planner(Reasons, CapRoom, HeldZones):
         withheld = self.book.withheld_from(request.project, t) if self.mode is not Mode.FIFO else 0
         if self.capacity.free_by_type[t] - withheld < request.gpus:
             return None
-        if request.node_selector:
-            return self.capacity.place_selected(t, k, pods, request.node_selector)
+        if request.particular:
+            return self.capacity.place_selected(
+                t, k, pods, request.node_selector, request.avoid_nodes, request.avoid_gpus
+            )
         holder = self.reserved.get(t)
         holds = holder is not None and holder.holder == request.id
         enters = holds or holder is None or self._enters(request, holder)
@@ -696,7 +698,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
         if reason is None:
             reason = self.no_room_reasons[said] = self._no_room_reason(request, block, within)
         holder = self.reserved.get(t)
-        if holder is None and block is not None and not request.node_selector:
+        if holder is None and block is not None and not request.particular:
             closest = self._zone_to_hold(request, within)
             if closest is not None:
                 rank = self.ranks.get(request.priority, 0)
@@ -720,7 +722,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
         t, p = request.gpu_type, request.project
         rank = self.ranks.get(request.priority, 0)
         within = self.book.within_guarantee(p, t, request.gpus)
-        if self.searches_left <= 0 or request.node_selector:
+        if self.searches_left <= 0 or request.particular:
             return None
         # Lend limits hold here too: free GPUs other subtrees keep back do not count, so
         # the victims must free what they would have had to give.

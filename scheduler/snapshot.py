@@ -103,10 +103,21 @@ class Pending:
     # whose borrowing changes with their projects' admissions do not evict each other
     # back and forth.
     preempted_by: frozenset[int] = frozenset()
+    # Nodes and GPUs it must not land on: a job's next attempt after a fault blamed them
+    # (recovery/attempts.py). Like a node selector, they make the request particular.
+    avoid_nodes: frozenset[str] = frozenset()
+    avoid_gpus: frozenset[str] = frozenset()
 
     @cached_property
     def gpus(self) -> int:
         return self.pods * self.gpus_per_pod
+
+    @cached_property
+    def particular(self) -> bool:
+        """Only some nodes or GPUs will do: it takes the slow path (``place_selected``),
+        neither holds a zone nor preempts, and no refusal of another request stands for
+        it (its chances are its own)."""
+        return bool(self.node_selector or self.avoid_nodes or self.avoid_gpus)
 
     @cached_property
     def shape(self) -> tuple[str, str, int, int, str]:

@@ -12,7 +12,7 @@ import sys
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from .output import print_json, tree_order
+from .output import job_state, print_json, tree_order
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -133,16 +133,16 @@ def _jobs(client: Client, args: argparse.Namespace, console: Console) -> int:
     table = Table("id", "name", "user", "project", "GPUs", "state", "age", "what happened last")
     now = datetime.now(UTC)
     for job in found:
-        state = job.outcome if job.state == "ended" else job.state
+        state = job_state(job)
         if job.state == "pending" and job.queue_position:
-            state = f"pending (#{job.queue_position})"
+            state = f"{state} #{job.queue_position}"
         table.add_row(
             str(job.id),
             job.name,
             job.username,
             job.project,
             f"{job.gpus} × {job.gpu_type}" + (f" ({job.pods} pods)" if job.pods > 1 else ""),
-            state or "",
+            state,
             _age(now - job.created_at),
             job.reason,
         )

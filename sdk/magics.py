@@ -29,6 +29,7 @@ from IPython.display import DisplayHandle, display
 
 from .client import Client, GpufleetError
 from .hub.api.job_schemas import JobOut
+from .output import job_state
 
 
 class JobStatus:
@@ -40,10 +41,9 @@ class JobStatus:
 
     def rows(self) -> list[tuple[str, str]]:
         job = self.job
-        state = job.outcome if job.state == "ended" else job.state
         rows = [
             ("job", f"{job.id} ({job.name}) · {job.gpus} × {job.gpu_type} in {job.project}"),
-            ("state", state or ""),
+            ("state", job_state(job)),
         ]
         if job.state == "pending":
             place = f"#{job.queue_position} " if job.queue_position else ""
@@ -127,10 +127,9 @@ class FleetMagics(Magics):
             print("no jobs yet: submit one with %%train")
             return
         for job in found:
-            state = job.outcome if job.state == "ended" else job.state
             print(
-                f"{job.id:>6}  {job.name:<24} {job.gpus:>3} × {job.gpu_type:<12} {state}: "
-                f"{job.reason}"
+                f"{job.id:>6}  {job.name:<24} {job.gpus:>3} × {job.gpu_type:<12} "
+                f"{job_state(job)}: {job.reason}"
             )
 
     @magic_arguments()

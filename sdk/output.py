@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
+    from .hub.api.job_schemas import JobOut
     from .hub.api.schemas import ProjectUsageOut
+
+
+def job_state(job: JobOut) -> str:
+    """A job's state in a word or two: its outcome once ended, its attempt after a restart."""
+    state = (job.outcome if job.state == "ended" else job.state) or ""
+    return f"{state} (attempt {job.attempt})" if job.attempt > 1 else state
 
 
 def print_json(items: Sequence[BaseModel]) -> int:

@@ -31,6 +31,8 @@ from typing import Any
 URL_VARIABLE = "GPUFLEET_PROGRESS_URL"
 MARKER_VARIABLE = "GPUFLEET_SESSION_MARKER"
 INTERVAL_VARIABLE = "GPUFLEET_PROGRESS_INTERVAL"
+RESUME_VARIABLE = "GPUFLEET_RESUME_FROM"  # set by the node agent for a job's later attempts
+ATTEMPT_VARIABLE = "GPUFLEET_ATTEMPT"
 MARKER_HEADER = "X-Gpufleet-Marker"
 MAX_STEP_TIMES = 256  # per report: the most recent steps' durations
 MAX_METRICS = 32
@@ -196,3 +198,17 @@ def checkpoint_started(step: int) -> None:
 def checkpoint_saved(uri: str, step: int) -> None:
     """The checkpoint of ``step`` is complete at ``uri``: a restart resumes from it."""
     _the_reporter().checkpoint_saved(uri, step)
+
+
+def resume_from() -> str | None:
+    """The checkpoint this attempt of the job should load (the newest any earlier attempt
+    saved: ``GPUFLEET_RESUME_FROM``), or None for a fresh start and outside gpufleet."""
+    return os.environ.get(RESUME_VARIABLE) or None
+
+
+def attempt() -> int:
+    """Which run of the job this is: 1, and one more after each restart."""
+    try:
+        return max(1, int(os.environ.get(ATTEMPT_VARIABLE, "1")))
+    except ValueError:
+        return 1

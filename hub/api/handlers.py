@@ -249,8 +249,11 @@ def node_rows(session: Session) -> list[schemas.NodeOut]:
                 health=n.health.value,
                 cordoned=n.cordoned,
                 gpus=len(present),
-                free_gpus=sum(1 for g in present if not g.lost and g.uuid not in taken),
+                free_gpus=sum(
+                    1 for g in present if not (g.lost or g.cordoned) and g.uuid not in taken
+                ),
                 last_heartbeat_at=n.last_heartbeat_at,
+                cordoned_gpus=[g.uuid for g in present if g.cordoned],
             )
         )
     return rows
@@ -355,6 +358,13 @@ class AgentXidHandler(APIHandler):
             )
         if not known:
             raise NotFoundError(f"there is no GPU {body.uuid}; register its node first")
+        # The recovery loop's first step, at once: the job on the GPU stops and the GPU or
+        # its node leaves service as the fault's verdict says (docs/recovery.md).
+        with store_errors_as_http():
+            changed = self.controller.store.act_on_xid(self.controller.now(), body.uuid, body.xid)
+        if changed:
+            self.controller.notifier.changed(changed)  # the node agents stop its ranks
+        self.controller.kick()
         self.send({"recorded": True}, status=202)
 
 

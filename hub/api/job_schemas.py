@@ -99,6 +99,16 @@ class JobOut(WorkloadOut):
         description="what its ranks reported (gpufleet.progress, checkpoint_saved); null "
         "before any report",
     )
+    attempt: int = Field(
+        default=1, description="which run of the job this is: 1, then one more per restart"
+    )
+    faults: int = Field(default=0, description="infrastructure faults it restarted from")
+    restarts_at: datetime | None = Field(
+        default=None, description="a waiting attempt's back-off ends then (null: none)"
+    )
+    avoids: list[str] = Field(
+        default_factory=list, description="nodes and GPUs earlier faults blamed: never used"
+    )
 
 
 class JobList(BaseModel):
@@ -124,14 +134,16 @@ class AgentPodIn(Strict):
     exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31)
     signal: int | None = Field(default=None, ge=0, le=255)
     reason: str = Field(default="", max_length=2000)
+    attempt: int = Field(default=1, ge=1, le=MAX_INT, description="the job's attempt")
 
 
 class LogChunkIn(Strict):
     workload_id: int = Field(ge=1, le=MAX_INT)
     rank: int = Field(ge=-MAX_PODS, le=MAX_PODS * 1024)
     stream: Literal["stdout", "stderr"]
-    offset: int = Field(ge=0, le=MAX_INT)
+    offset: int = Field(ge=0, le=MAX_INT, description="bytes into the attempt's stream")
     data: str = Field(max_length=1 << 20)
+    attempt: int = Field(default=1, ge=1, le=MAX_INT, description="the job's attempt")
 
 
 class StartedIn(Strict):
@@ -189,6 +201,10 @@ class DesiredPodOut(BaseModel):
     spec: dict[str, object]
     account: dict[str, object] | None = Field(
         default=None, description="uid, gid and mode: whom the pod's ranks run as"
+    )
+    attempt: int = Field(default=1, description="the job's attempt this pod belongs to")
+    resume_from: str = Field(
+        default="", description="the checkpoint the attempt resumes from (GPUFLEET_RESUME_FROM)"
     )
 
 

@@ -79,6 +79,13 @@ def job_out(
         ranks=workload.pods * per_pod,
         pod_states=pod_states,
         progress=None if progress is None else js.JobProgressOut(**progress_json(progress)),
+        attempt=workload.attempt,
+        faults=workload.faults,
+        restarts_at=workload.not_before if workload.state == WorkloadState.pending else None,
+        avoids=[
+            *(workload.recovery or {}).get("avoid_nodes", ()),
+            *(workload.recovery or {}).get("avoid_gpus", ()),
+        ],
     )
 
 
@@ -303,10 +310,15 @@ class AgentPodsHandler(APIHandler):
         body = self.body(js.AgentSyncIn)
         controller = self.controller
         reports = [
-            PodReport(p.workload_id, p.pod_index, p.state, p.exit_code, p.signal, p.reason)
+            PodReport(
+                p.workload_id, p.pod_index, p.state, p.exit_code, p.signal, p.reason, p.attempt
+            )
             for p in body.pods
         ]
-        chunks = [LogChunk(c.workload_id, c.rank, c.stream, c.offset, c.data) for c in body.logs]
+        chunks = [
+            LogChunk(c.workload_id, c.rank, c.stream, c.offset, c.data, c.attempt)
+            for c in body.logs
+        ]
         progress = [
             ProgressReport(
                 p.workload_id,
@@ -331,6 +343,8 @@ class AgentPodsHandler(APIHandler):
             )
         for outcome in result.ended:
             controller.metrics.ended.labels("job", outcome).inc()
+        for fault in result.restarted:
+            controller.metrics.job_restarts.labels(fault).inc()
         if result.changed:
             controller.notifier.changed(result.changed)
             controller.kick()  # GPUs may have been released
@@ -358,6 +372,8 @@ def _desired_out(pod: DesiredPod) -> js.DesiredPodOut:
         name=pod.name,
         spec=pod.spec,
         account=pod.account,
+        attempt=pod.attempt,
+        resume_from=pod.resume_from,
     )
 
 

@@ -344,6 +344,10 @@ class NodeOut(BaseModel):
     gpus: int
     free_gpus: int
     last_heartbeat_at: datetime | None
+    cordoned_gpus: list[str] = Field(
+        default_factory=list,
+        description="GPUs the recovery loop took out of service; uncordoning the node returns them",
+    )
 
 
 class ProfileOut(BaseModel):

@@ -74,12 +74,14 @@ class SchedulingStore(StoreBase):
         # same without it); dropped with the mirror.
         self.plan_memo = PlanMemo()
 
-    def refresh_mirror(self) -> None:
-        """Bring the mirror up to date with what committed since it was last."""
+    def refresh_mirror(self, now: datetime) -> None:
+        """Bring the mirror up to date with what committed since it was last, and with the
+        back-offs that ended by ``now``."""
         dirty = self.tracker.take()
-        if dirty:
+        moment = now.timestamp()
+        if dirty or any(until <= moment for until in self.mirror.backing_off.values()):
             with self.read() as session:
-                self.mirror.refresh(session, dirty)
+                self.mirror.refresh(session, dirty, moment)
 
     def forget_mirror(self) -> None:
         """Rebuild from the database next cycle (another controller may have written)."""
@@ -91,7 +93,7 @@ class SchedulingStore(StoreBase):
             return self._cycle(now, policy)
 
     def _cycle(self, now: datetime, policy: Policy) -> CycleResult:
-        self.refresh_mirror()
+        self.refresh_mirror(now)
         moment = now.timestamp()
         decided = plan(self.mirror.snapshot(policy), moment, self.plan_memo)
         shown = self._to_show(decided.waiting, moment)

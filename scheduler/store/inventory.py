@@ -240,9 +240,12 @@ class InventoryStore(StoreBase):
             node = session.scalar(select(Node).where(Node.name == node_name))
             if node is None:
                 raise NotFound(f"there is no node {node_name!r}")
-            if node.cordoned == cordoned:
+            blamed = [g for g in node.gpus if g.cordoned] if not cordoned else []
+            if node.cordoned == cordoned and not blamed:
                 return False
             node.cordoned = cordoned
+            for gpu in blamed:  # an admin's uncordon returns the node's every GPU
+                gpu.cordoned = False
             verb = "cordoned" if cordoned else "uncordoned"
             _event(
                 session,

@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session, selectinload
 from ..errors import InvalidRequest
 from ..validation import JobRequest, validate_job_request
 from .accounts import AccountStore
+from .attempts import AttemptStore, log_offset, verdict_json
 from .base import _event, _get_workload, _preemptible
 from .catalogue import CatalogueStore
 from .models import (
@@ -97,6 +98,7 @@ class PodReport:
     exit_code: int | None = None
     signal: int | None = None
     reason: str = ""  # for an ended pod: what went wrong, in words (the last error line)
+    attempt: int = 1  # the job's attempt it is a pod of: an earlier one's report is stale
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,9 @@ class LogChunk:
     workload_id: int
     rank: int  # a global rank; negative: pod ``-1 - rank``'s launcher
     stream: str  # "stdout" or "stderr"
-    offset: int  # bytes of the stream before this chunk
+    offset: int  # bytes of the stream before this chunk (in its attempt's files)
     data: str
+    attempt: int = 1
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ class DesiredPod:
     name: str
     spec: dict[str, Any]
     account: dict[str, Any] | None = None  # uid, gid, mode: whom its ranks run as
+    attempt: int = 1
+    resume_from: str = ""  # the checkpoint the attempt resumes from (GPUFLEET_RESUME_FROM)
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,7 @@ class SyncResult:
     desired: list[DesiredPod]
     changed: list[int]  # workloads whose visible state changed (for long-polling readers)
     ended: list[str]  # the outcome of each job that ended in this sync
+    restarted: list[str] = field(default_factory=list)  # the fault class of each restart
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,7 @@ class LogSlice:
     next_offset: int
 
 
-class JobStore(CatalogueStore, AccountStore):
+class JobStore(AttemptStore, CatalogueStore, AccountStore):
     def open_job(self, now: datetime, request: JobRequest, spec: JobSpec) -> Workload:
         """Validate and queue a job; nothing is recorded for a request that cannot run."""
         if len(spec.script.encode()) > MAX_SCRIPT_BYTES:
@@ -241,6 +247,7 @@ class JobStore(CatalogueStore, AccountStore):
         nodes = set(node_names)
         changed: set[int] = set()
         ended: list[str] = []
+        restarted: list[str] = []
         with self._write(now) as session:
             _store_chunks(session, now, chunks)
             changed |= record_progress(session, now, progress)
@@ -251,12 +258,15 @@ class JobStore(CatalogueStore, AccountStore):
                 workload = session.get(Workload, workload_id)
                 if workload is None or workload.kind != WorkloadKind.job:
                     continue
-                if self._apply_reports(session, now, workload, pod_reports, nodes):
+                visible, fault = self._apply_reports(session, now, workload, pod_reports, nodes)
+                if visible:
                     changed.add(workload.id)
                     if workload.state == WorkloadState.ended:
                         ended.append(workload.outcome or "")
+                if fault is not None:
+                    restarted.append(fault)
             desired = _desired_pods(session, nodes)
-        return SyncResult(desired, sorted(changed), ended)
+        return SyncResult(desired, sorted(changed), ended, restarted)
 
     def _apply_reports(
         self,
@@ -265,9 +275,11 @@ class JobStore(CatalogueStore, AccountStore):
         workload: Workload,
         reports: list[PodReport],
         nodes: set[str],
-    ) -> bool:
+    ) -> tuple[bool, str | None]:
+        """Apply an agent's reports of the job's pods; whether anything visible changed,
+        and the fault class when the job went back to the queue as its next attempt."""
         if workload.state not in ACTIVE:
-            return False
+            return False, None
         placed = {a.pod_index: a.node.name for a in workload.allocations if a.closed_at is None}
         rows = {p.pod_index: p for p in _pods(session, workload.id)}
         visible = False
@@ -275,6 +287,8 @@ class JobStore(CatalogueStore, AccountStore):
             node = placed.get(report.pod_index)
             if node is None or node not in nodes or report.state not in POD_STATES:
                 continue  # not a pod of this agent's nodes: not its to report
+            if report.attempt != workload.attempt:
+                continue  # of an attempt that has ended
             row = rows.get(report.pod_index)
             if row is None:
                 row = JobPod(
@@ -310,6 +324,10 @@ class JobStore(CatalogueStore, AccountStore):
                 report.state == "exited" and report.exit_code != 0
             )
             if failed and workload.state != WorkloadState.stopping:
+                # Classified now, while the evidence is fresh and before the other pods'
+                # stop adds endings of its own (``store/attempts.py``).
+                verdict = self._classify_pod(session, now, workload, row)
+                workload.recovery = {**(workload.recovery or {}), "fault": verdict_json(verdict)}
                 workload.state = WorkloadState.stopping
                 workload.outcome = "failed"
                 workload.reason = f"pod {report.pod_index} on {node} {_pod_ending(row)}"
@@ -319,15 +337,18 @@ class JobStore(CatalogueStore, AccountStore):
                     now,
                     "job-failed",
                     f"{workload.reason}; stopping the other pods",
+                    reason=verdict.fault.value,
                     workload=workload,
+                    data={"attempt": workload.attempt, "verdict": verdict.reason},
                 )
+        fault = None
         ended = [rows.get(i) for i in range(workload.pods)]
         if all(row is not None and row.state in ENDED_POD_STATES for row in ended):
-            self._end(session, now, workload, *_job_ending(workload, ended))
+            fault = self._attempt_ended(session, now, workload, *_job_ending(workload, ended))
             visible = True
         if visible:
             workload.version += 1
-        return visible
+        return visible, fault
 
     def desired_pods(self, node_names: Sequence[str]) -> list[DesiredPod]:
         with self.read() as session:
@@ -401,11 +422,28 @@ def _pods(session: Session, workload_id: int) -> Sequence[JobPod]:
 
 def _store_chunks(session: Session, now: datetime, chunks: Iterable[LogChunk]) -> None:
     """Append chunks, each once: a chunk at a (rank, stream, offset) already stored is the
-    same chunk sent again."""
+    same chunk sent again. An attempt's chunks continue the job's streams where that
+    attempt's output begins (``attempts.log_offset``); an earlier attempt's are dropped."""
+    arrived = [c for c in chunks if c.stream in LOG_STREAMS and c.offset >= 0 and c.data]
+    if not arrived:
+        return
+    jobs = {
+        w.id: w
+        for w in session.scalars(
+            select(Workload).where(
+                Workload.id.in_({c.workload_id for c in arrived}),
+                Workload.kind == WorkloadKind.job,
+            )
+        )
+    }
     fresh: dict[tuple[int, int, str, int], LogChunk] = {}
-    for chunk in chunks:
-        if chunk.stream in LOG_STREAMS and chunk.offset >= 0 and chunk.data:
-            fresh[chunk.workload_id, chunk.rank, chunk.stream, chunk.offset] = chunk
+    for chunk in arrived:
+        workload = jobs.get(chunk.workload_id)
+        if workload is None:
+            continue
+        offset = log_offset(workload, chunk.attempt, chunk.rank, chunk.stream, chunk.offset)
+        if offset is not None:
+            fresh[chunk.workload_id, chunk.rank, chunk.stream, offset] = chunk
     if not fresh:
         return
     known = {
@@ -417,21 +455,14 @@ def _store_chunks(session: Session, now: datetime, chunks: Iterable[LogChunk]) -
             )
         )
     }
-    jobs = set(
-        session.scalars(
-            select(Workload.id).where(
-                Workload.id.in_({key[0] for key in fresh}), Workload.kind == WorkloadKind.job
-            )
-        )
-    )
     for key, chunk in fresh.items():
-        if key not in known and chunk.workload_id in jobs:
+        if key not in known:
             session.add(
                 JobLog(
                     workload_id=chunk.workload_id,
                     rank=chunk.rank,
                     stream=chunk.stream,
-                    offset=chunk.offset,
+                    offset=key[3],
                     data=chunk.data,
                     at=now,
                 )
@@ -489,6 +520,8 @@ def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
                 name=workload.name,
                 spec=dict(workload.spec or {}),
                 account=_account_json(accounts.get(workload.username)),
+                attempt=workload.attempt,
+                resume_from=str((workload.recovery or {}).get("resume_from") or ""),
             )
         )
     return desired

@@ -150,6 +150,9 @@ class Mirror:
         self.stream = ChangeStream()
         self.running = self.stream.running
         self.pending = self.stream.queue
+        # Jobs whose next attempt waits out its back-off: out of the queue until then.
+        self.backing_off: dict[int, float] = {}
+        self.now = 0.0
         self.project_ids: dict[str, int] = {}
         self.shown: dict[int, Shown] = {}
         self.server_names: dict[int, str] = {}
@@ -159,8 +162,11 @@ class Mirror:
         self.preemptible: dict[str, bool] = {}
 
     # --------------------------------------------------------------- reading
-    def refresh(self, session: Session, dirty: set[tuple[str, int]]) -> None:
-        """Re-read what changed (everything, when ``EVERYTHING`` is among it)."""
+    def refresh(self, session: Session, dirty: set[tuple[str, int]], now: float) -> None:
+        """Re-read what changed (everything, when ``EVERYTHING`` is among it), and the
+        jobs whose back-off ended by ``now``."""
+        self.now = now
+        dirty = dirty | {("workload", w) for w, until in self.backing_off.items() if until <= now}
         if EVERYTHING in dirty:
             self._clear()
             self._read_tree(session)
@@ -213,7 +219,7 @@ class Mirror:
             .join(Cluster, Zone.cluster_id == Cluster.id)
         )
         gpus = select(Gpu.node_id, Gpu.uuid, Gpu.gpu_type).where(
-            Gpu.present.is_(True), Gpu.lost.is_(False)
+            Gpu.present.is_(True), Gpu.lost.is_(False), Gpu.cordoned.is_(False)
         )
         if ids is not None:
             nodes = nodes.where(Node.id.in_(ids))
@@ -258,7 +264,11 @@ class Mirror:
                 continue
             self.server_names[workload.id] = workload.server_name
             if workload.state == WorkloadState.pending:
-                self.pending[workload.id] = _pending(workload)
+                until = workload.not_before.timestamp() if workload.not_before else None
+                if until is not None and until > self.now:
+                    self.backing_off[workload.id] = until
+                else:
+                    self.pending[workload.id] = _pending(workload)
                 continue
             held = pods.get(workload.id, {})
             for (_, node_id), uuids in held.items():
@@ -270,6 +280,7 @@ class Mirror:
 
     def _forget(self, workload_id: int) -> set[int]:
         self.pending.pop(workload_id, None)
+        self.backing_off.pop(workload_id, None)
         self.shown.pop(workload_id, None)
         self.server_names.pop(workload_id, None)
         old = self.running.pop(workload_id, None)
@@ -388,6 +399,8 @@ _WORKLOAD_COLUMNS = (
     Workload.last_snapshot_at,
     Workload.preempted_for_id,
     Workload.promised,
+    Workload.not_before,
+    Workload.recovery,
 )
 
 
@@ -412,6 +425,8 @@ class _Row(NamedTuple):
     last_snapshot_at: datetime | None
     preempted_for_id: int | None
     promised: dict[str, Any] | None
+    not_before: datetime | None
+    recovery: dict[str, Any] | None
     project: str
 
 
@@ -427,6 +442,8 @@ def _pending(workload: _Row) -> Pending:
         priority=workload.priority_class,
         created_at=workload.created_at.timestamp(),
         promised=promised_pods(workload.promised),
+        avoid_nodes=frozenset((workload.recovery or {}).get("avoid_nodes", ())),
+        avoid_gpus=frozenset((workload.recovery or {}).get("avoid_gpus", ())),
     )
 
 

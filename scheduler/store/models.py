@@ -272,6 +272,8 @@ class Gpu(Base):
     present: Mapped[bool] = mapped_column(Boolean, default=True)
     # NVML says the GPU fell off the bus: it receives no new work until it is back.
     lost: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # The recovery loop blamed it for a fault: no new work until its node is uncordoned.
+    cordoned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     sampled_at: Mapped[datetime | None] = mapped_column(default=None)
     # The latest sample as the node agent sent it (utilisation, memory, ECC, processes...).
     last_sample: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")
@@ -334,6 +336,17 @@ class Workload(Base):
     # A job's launch: {"script", "script_name", "args", "python", "cwd", "env",
     # "checkpoint_uri"} (``store.jobs.JobSpec``); None for a session.
     spec: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    # A job runs as attempts (recovery/attempts.py): the one running or waiting now, the
+    # infrastructure faults spent so far, and no admission before ``not_before`` (the
+    # back-off after a fault).
+    attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    faults: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    not_before: Mapped[datetime | None] = mapped_column(default=None)
+    # {"avoid_nodes": [...], "avoid_gpus": [...]} (blamed by earlier faults),
+    # "resume_from" (the checkpoint this attempt resumes from), "fault" (the verdict that
+    # stops the running attempt, when the recovery loop stopped it), "log_bases" (where
+    # each rank stream of this attempt starts in the job's log: {"rank:stream": bytes}).
+    recovery: Mapped[dict[str, Any] | None] = mapped_column(default=None)
 
     project: Mapped[Project] = relationship()
     allocations: Mapped[list[Allocation]] = relationship(back_populates="workload")

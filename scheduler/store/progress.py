@@ -4,7 +4,8 @@
 one ``JobProgress`` row per job, the pods' reports merged. A saved checkpoint is also the
 workload's ``last_checkpoint_at`` (the scheduler's protection of a preempted job counts
 from it) and a ``job-checkpoint-saved`` event on the job's timeline. Only a job that is
-running records anything: a late report of an ended attempt changes nothing.
+running or stopping records anything: a late report of an ended attempt changes
+nothing.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def record_progress(session: Session, now: datetime, reports: Iterable[ProgressR
         if (
             workload is None
             or workload.kind is not WorkloadKind.job
-            or workload.state is not WorkloadState.running
+            # A stopping attempt still counts: its ranks save a checkpoint on SIGTERM,
+            # and its next attempt resumes from it.
+            or workload.state not in (WorkloadState.running, WorkloadState.stopping)
         ):
             continue
         row = session.get(JobProgress, workload.id)

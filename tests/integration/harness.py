@@ -84,6 +84,8 @@ c.FleetController.request_lease_seconds = 6
 c.FleetController.log_style = "text"
 c.FleetController.reconcile_interval = 1
 c.FleetController.reconcile_grace = 3
+c.FleetController.job_restart_backoff_seconds = 1
+c.FleetController.job_restart_backoff_max_seconds = 4
 c.LocalGPUSpawner.lease_renew_interval = 1
 c.NodeAgent.heartbeat_interval = 1
 c.NodeAgent.sample_interval = 0.5
@@ -290,6 +292,10 @@ class Hub:
             60,
             "every workload ended",
         )
+        # What a test's faults took out of service comes back for the next test.
+        for node in self.controller("GET", "/nodes").json()["items"]:
+            if node["cordoned"] or node["cordoned_gpus"]:
+                self.controller("POST", f"/nodes/{node['name']}/uncordon")
 
     def service_pid(self, script: str) -> int | None:
         """The pid of this hub's ``gpufleet-controller`` or ``gpufleet-agent``."""

@@ -328,7 +328,7 @@ def test_the_jobs_pages_show_a_researchers_job_its_output_and_cancel_it(
         assert job_id not in [j.id for j in bob.jobs()]
 
 
-def test_a_borrowing_job_is_preempted_for_a_guarantee_and_checkpoints_first(
+def test_a_borrowing_job_is_preempted_for_a_guarantee_checkpoints_and_comes_back(
     fleet: Hub, alice: Client
 ) -> None:
     # nlp's guarantee is 4 and it may borrow vision's idle 4: two 4-GPU nlp jobs fill the
@@ -348,9 +348,11 @@ def test_a_borrowing_job_is_preempted_for_a_guarantee_and_checkpoints_first(
     fleet.wait_ready("bob", timeout=180)
 
     jobs = {j: alice.job(j) for j in (first, second)}
-    preempted = [j for j in jobs.values() if j.outcome == "preempted"]
-    assert len(preempted) == 1, {j.id: (j.state, j.outcome) for j in jobs.values()}
+    # The victim is back in the queue as its next attempt, with nothing spent.
+    preempted = [j for j in jobs.values() if j.attempt == 2]
+    assert len(preempted) == 1, {j.id: (j.state, j.attempt) for j in jobs.values()}
     victim = preempted[0]
+    assert (victim.state, victim.faults) == ("pending", 0), victim.reason
     survivor = next(j for j in jobs.values() if j.id != victim.id)
     assert survivor.state == "running"
     # Its ranks got the checkpoint signal before they were stopped.
@@ -362,6 +364,17 @@ def test_a_borrowing_job_is_preempted_for_a_guarantee_and_checkpoints_first(
     assert {a["uuid"] for a in bob["allocations"]}.isdisjoint(
         {a.uuid for a in survivor.allocations}
     )
+    # Once bob's GPUs are free again it runs again by itself, and its log says why.
+    fleet.stop_server("bob", "")
+    wait_for(
+        lambda: "".join(alice.logs(victim.id)).count("training") == 2,
+        120,
+        "the preempted job training again",
+    )
+    again = alice.job(victim.id)
+    assert (again.state, again.attempt) == ("running", 2)
+    output = "".join(alice.logs(victim.id))
+    assert "--- gpufleet: attempt 2: the pod was stopped (Preempted)" in output, output
 
 
 def test_a_jobs_page_charts_each_of_its_gpus_from_the_agents_samples(

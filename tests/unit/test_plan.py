@@ -194,6 +194,21 @@ def test_a_node_selector_restricts_placement_to_labelled_nodes() -> None:
     assert result.admissions == (Admission(1, "c1", "z1", (Pod("ib", ids("ib", 0, 1)),)),)
 
 
+def test_a_next_attempt_avoids_the_nodes_and_gpus_a_fault_blamed() -> None:
+    nodes = [node("best", free=[0, 1, 2]), node("blamed", free=[0, 1]), node("other")]
+    avoiding = replace(pending(1, "vision", 2), avoid_nodes=frozenset({"blamed"}))
+    result = plan(snap(nodes, [avoiding], tree=projects(vision=8)), NOW)
+    assert result.admissions == (Admission(1, "c1", "z1", (Pod("best", ids("best", 0, 1)),)),)
+    # A blamed GPU is left out and its node's others still serve.
+    bad_gpu = replace(pending(2, "vision", 2), avoid_gpus=frozenset(ids("best", 0)))
+    result = plan(snap(nodes, [bad_gpu], tree=projects(vision=8)), NOW)
+    assert result.admissions == (Admission(2, "c1", "z1", (Pod("best", ids("best", 1, 2)),)),)
+    # With only the blamed node free it waits rather than land there again.
+    only_blamed = [node("blamed", free=[0, 1]), node("full", free=[])]
+    result = plan(snap(only_blamed, [avoiding], tree=projects(vision=8)), NOW)
+    assert result.admissions == () and result.waiting[0].workload_id == 1
+
+
 def test_a_request_no_zone_could_ever_hold_is_told_so() -> None:
     result = plan(snap([node("n1"), node("n2", zone="z2")], [pending(1, "v", 8, pods=2)]), NOW)
     assert result.waiting == (

@@ -231,6 +231,12 @@ ROWS: list[tuple[str, Signal, list[Signal], tuple[Any, ...]]] = [
     ("exit 2", pod(2), [], (F.USER, J.FAIL, H.NONE, False, (), ())),
     ("exit 126", pod(126), [], (F.USER, J.FAIL, H.NONE, False, (), ())),
     ("exit 127", pod(127), [], (F.USER, J.FAIL, H.NONE, False, (), ())),
+    (
+        "could not start",
+        pod(None, reason="StartFailed"),
+        [],
+        (F.USER, J.FAIL, H.NONE, False, (), ()),
+    ),
     # pod outcomes: disruptions spend nothing
     (
         "preempted",

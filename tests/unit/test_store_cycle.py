@@ -190,5 +190,5 @@ def test_the_mirror_followed_through_random_changes_equals_one_read_afresh(
             cycle(store, now)
             fresh = Mirror()
             with store.read() as session:
-                fresh.refresh(session, {EVERYTHING})
+                fresh.refresh(session, {EVERYTHING}, now.timestamp())
             assert _world(store.mirror.snapshot(NOW_POLICY)) == _world(fresh.snapshot(NOW_POLICY))

@@ -1,0 +1,381 @@
+"""A job's attempts in the store: what a fault on a running job does at once, and what
+follows when an attempt has ended (``recovery/attempts.py`` decides; this carries it out).
+
+The invariants:
+
+- an attempt is classified once, when it first goes wrong: the verdict is kept in
+  ``workloads.recovery["fault"]`` while its pods stop, so that the SIGTERM the stop
+  itself causes is never mistaken for the fault;
+- a job goes back to the queue only once every pod of the ended attempt is reported
+  ended (its GPUs are released then, as at any end) and under a new process marker, so
+  nothing of the old attempt can be taken for the new one; reports and log chunks of an
+  earlier attempt change nothing;
+- it keeps its id, name and submission time (its place in the queue), and each rank's log
+  continues the same stream: an attempt's output starts after a line that says which
+  attempt begins and why (``log_bases``);
+- a fault that ends a job says so in its reason, and every restart is a
+  ``job-restarting`` event with the attempt, the fault's class and the evidence.
+
+Mixed into ``FleetStore`` through ``JobStore``; every write is fenced by the lease.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ...recovery.attempts import AttemptRecord, GiveUp, Resume, RetryPolicy, next_attempt
+from ...recovery.classify import (
+    FaultClass,
+    GpuLost,
+    HardwareAction,
+    JobAction,
+    PodOutcome,
+    RankError,
+    RecoveryPolicy,
+    Signal,
+    Verdict,
+    Xid,
+    classify,
+)
+from .base import StoreBase, _event
+from .models import (
+    Allocation,
+    Event,
+    Gpu,
+    JobLog,
+    JobPod,
+    JobProgress,
+    Workload,
+    WorkloadKind,
+    WorkloadState,
+)
+
+# What the agent reports of a failed rank: "rank 1: ValueError: bad learning rate".
+_RANK_ERROR = re.compile(r"^rank (\d+): ([A-Za-z_][\w.]*): (.*)$", re.DOTALL)
+HARDWARE_EVENTS = ("gpu-xid", "gpu-lost")
+NODE_ACTIONS = frozenset({HardwareAction.RECYCLE_NODE, HardwareAction.CORDON_NODE})
+GPU_ACTIONS = frozenset(
+    {
+        HardwareAction.DIAGNOSE_GPU,
+        HardwareAction.DRAIN_AND_RESET_GPU,
+        HardwareAction.LEMON_GPU,
+        HardwareAction.DIAGNOSE_LINK,
+    }
+)
+
+
+class AttemptStore(StoreBase):
+    # Set by the controller from its configuration (``hub/app.py``).
+    retry_policy = RetryPolicy()
+    recovery_policy = RecoveryPolicy()
+
+    # ------------------------------------------------------------ classify
+    def _classify_pod(
+        self, session: Session, now: datetime, workload: Workload, row: JobPod
+    ) -> Verdict:
+        """The verdict on a pod that ended badly, given the hardware signals seen lately on
+        its job's GPUs and nodes."""
+        gpus, nodes = _placement(workload)
+        error = _RANK_ERROR.match(row.reason or "")
+        outcome = PodOutcome(
+            exit_code=row.exit_code,
+            signal=row.signal,
+            reason="StartFailed" if (row.reason or "").startswith("could not start") else "",
+            rank_error=(
+                RankError(int(error.group(1)), error.group(2), error.group(3).strip())
+                if error
+                else None
+            ),
+            gpus=gpus,
+            nodes=nodes,
+            at=now.timestamp(),
+        )
+        history = _hardware_history(session, now, gpus, nodes, self.recovery_policy)
+        return classify(outcome, history, self.recovery_policy)
+
+    def _fault_stops(
+        self, session: Session, now: datetime, workload: Workload, verdict: Verdict
+    ) -> None:
+        """Stop a running attempt for ``verdict`` (kept until its pods are gone)."""
+        workload.recovery = {**(workload.recovery or {}), "fault": verdict_json(verdict)}
+        if workload.state == WorkloadState.stopping:
+            return
+        workload.state = WorkloadState.stopping
+        workload.outcome = "failed"
+        workload.reason = verdict.reason
+        workload.version += 1
+
+    def act_on_xid(self, now: datetime, gpu_uuid: str, xid: int) -> list[int]:
+        """What an XID recorded on a GPU does at once: the job holding it stops for the
+        verdict (its next attempt follows once its pods are gone), and the GPU or its node
+        is taken out of service as the verdict says. Returns the workloads changed."""
+        with self._write(now) as session:
+            gpu = session.get(Gpu, gpu_uuid)
+            if gpu is None:
+                return []
+            node = gpu.node.name
+            signal = Xid(xid, gpu_uuid, node, now.timestamp())
+            history = _hardware_history(session, now, (gpu_uuid,), (node,), self.recovery_policy)
+            verdict = classify(signal, history, self.recovery_policy)
+            changed: list[int] = []
+            holder = held_by(session, gpu_uuid)
+            if (
+                holder is not None
+                and holder.kind == WorkloadKind.job
+                and holder.state in (WorkloadState.admitted, WorkloadState.running)
+                and verdict.job is not JobAction.KEEP
+            ):
+                self._fault_stops(session, now, holder, verdict)
+                _event(
+                    session,
+                    now,
+                    "job-fault",
+                    f"attempt {holder.attempt}: {verdict.reason}; stopping every rank",
+                    reason=verdict.fault.value,
+                    workload=holder,
+                    node=node,
+                    data={"attempt": holder.attempt, "gpu": gpu_uuid, "xid": xid},
+                )
+                changed.append(holder.id)
+            _take_out_of_service(session, now, gpu, verdict)
+            return changed
+
+    # ---------------------------------------------------------- an ending
+    def _attempt_ended(
+        self, session: Session, now: datetime, workload: Workload, outcome: str, message: str
+    ) -> str | None:
+        """Every pod of the attempt has ended: end the job, or queue its next attempt.
+        Returns the fault class of a restart, None when the job ended."""
+        verdict = self._ending_verdict(workload, outcome)
+        if verdict is None:
+            self._end(session, now, workload, outcome, message)
+            return None
+        record = AttemptRecord(
+            attempt=workload.attempt,
+            faults=workload.faults,
+            avoid_nodes=frozenset((workload.recovery or {}).get("avoid_nodes", ())),
+            avoid_gpus=frozenset((workload.recovery or {}).get("avoid_gpus", ())),
+            checkpoint=_last_checkpoint(session, workload.id),
+        )
+        step = next_attempt(record, verdict, self.retry_policy)
+        if isinstance(step, GiveUp):
+            # The pod's own ending, then the verdict, unless the verdict is what stopped it.
+            said = (
+                step.message if step.message.startswith(message) else f"{message}; {step.message}"
+            )
+            self._end(session, now, workload, "failed", said)
+            return None
+        self._requeue(session, now, workload, verdict, step)
+        return verdict.fault.value
+
+    def _ending_verdict(self, workload: Workload, outcome: str) -> Verdict | None:
+        """Why the attempt ended, when the job may run again; None when it simply ended."""
+        if outcome in ("succeeded", "cancelled"):
+            return None
+        fault = (workload.recovery or {}).get("fault")
+        if fault is not None:
+            return _verdict_of(fault)
+        if workload.preempted_for_id is not None:
+            return classify(PodOutcome(None, None, "Preempted", None, (), (), 0.0))
+        return None
+
+    def _requeue(
+        self, session: Session, now: datetime, workload: Workload, verdict: Verdict, step: Resume
+    ) -> None:
+        for allocation in workload.allocations:
+            if allocation.closed_at is None:
+                allocation.closed_at = now
+        for row in session.scalars(select(JobPod).where(JobPod.workload_id == workload.id)):
+            session.delete(row)  # the attempt's pods live on as job-pod-ended events
+        line = f"--- gpufleet: attempt {step.attempt}: {step.message} ---\n"
+        workload.recovery = {
+            "avoid_nodes": sorted(step.avoid_nodes),
+            "avoid_gpus": sorted(step.avoid_gpus),
+            "resume_from": step.resume_from,
+            "log_bases": _continue_logs(session, now, workload.id, line),
+        }
+        workload.attempt = step.attempt
+        workload.faults = step.faults
+        workload.not_before = now + timedelta(seconds=step.delay_s) if step.delay_s else None
+        workload.state = WorkloadState.pending
+        workload.outcome = None
+        workload.preempted_for_id = None
+        workload.promised = None
+        workload.admitted_at = workload.started_at = None
+        workload.queue_position = None
+        # A new marker: whatever is left of the old attempt is never taken for the new one.
+        workload.process_marker = uuid.uuid4().hex
+        progress = session.get(JobProgress, workload.id)
+        if progress is not None:  # a checkpoint the old attempt began will never be saved
+            progress.checkpoint_started_step = progress.checkpoint_started_at = None
+        workload.reason = (
+            f"attempt {step.attempt} waits for its back-off ({step.delay_s:.0f} s)"
+            if step.delay_s
+            else f"attempt {step.attempt} waits for the next admission cycle"
+        )
+        workload.version += 1
+        _event(
+            session,
+            now,
+            "job-restarting",
+            step.message,
+            reason=verdict.fault.value,
+            workload=workload,
+            data={
+                "attempt": step.attempt,
+                "fault": verdict.fault.value,
+                "spends_budget": verdict.spends_budget,
+                "faults": step.faults,
+                "delay_s": step.delay_s,
+                "resume_from": step.resume_from,
+                "avoid_nodes": sorted(step.avoid_nodes),
+                "avoid_gpus": sorted(step.avoid_gpus),
+            },
+        )
+
+
+# ------------------------------------------------------------------ helpers
+def _take_out_of_service(session: Session, now: datetime, gpu: Gpu, verdict: Verdict) -> None:
+    """A node fault cordons the node; a GPU's hardware or repeated fault cordons the GPU.
+    Both take no new work until an admin uncordons the node (docs/recovery.md)."""
+    node = gpu.node
+    if verdict.hardware in NODE_ACTIONS and not node.cordoned:
+        node.cordoned = True
+        _event(
+            session,
+            now,
+            "node-cordoned",
+            f"node {node.name} cordoned by the recovery loop: {verdict.reason}; it receives "
+            "no new work",
+            reason=verdict.fault.value,
+            node=node.name,
+            cause="recovery",
+        )
+    elif verdict.hardware in GPU_ACTIONS and not gpu.cordoned:
+        gpu.cordoned = True
+        _event(
+            session,
+            now,
+            "gpu-cordoned",
+            f"GPU {gpu.uuid} (index {gpu.index}) of node {node.name} cordoned by the recovery "
+            f"loop: {verdict.reason}; it receives no new work until the node is uncordoned",
+            reason=verdict.fault.value,
+            node=node.name,
+            cause="recovery",
+            data={"uuid": gpu.uuid, "index": gpu.index},
+        )
+
+
+def _placement(workload: Workload) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The GPUs and nodes the running attempt holds."""
+    held = [a for a in workload.allocations if a.closed_at is None]
+    return (
+        tuple(sorted(a.gpu_uuid for a in held)),
+        tuple(sorted({a.node.name for a in held})),
+    )
+
+
+def _hardware_history(
+    session: Session,
+    now: datetime,
+    gpus: Sequence[str],
+    nodes: Sequence[str],
+    policy: RecoveryPolicy,
+) -> list[Signal]:
+    """The XIDs and lost GPUs recorded on these nodes within the classifier's windows."""
+    since = now - timedelta(seconds=max(policy.repeat_window_s, policy.blame_window_s))
+    rows = session.scalars(
+        select(Event).where(
+            Event.kind.in_(HARDWARE_EVENTS), Event.at >= since, Event.node.in_(nodes)
+        )
+    )
+    signals: list[Signal] = []
+    for event in rows:
+        data = event.data or {}
+        gpu, node, at = str(data.get("uuid", "")), event.node or "", event.at.timestamp()
+        if event.kind == "gpu-xid":
+            signals.append(Xid(int(data.get("xid", 0)), gpu, node, at))
+        elif gpu in gpus:
+            signals.append(GpuLost(gpu, node, at))
+    return signals
+
+
+def _last_checkpoint(session: Session, workload_id: int) -> str | None:
+    row = session.get(JobProgress, workload_id)
+    return row.last_checkpoint_uri or None if row is not None else None
+
+
+def _continue_logs(session: Session, now: datetime, workload_id: int, line: str) -> dict[str, int]:
+    """End each of the job's log streams with ``line``; where each one continues."""
+    ends = session.execute(
+        select(JobLog.rank, JobLog.stream, func.max(JobLog.offset))
+        .where(JobLog.workload_id == workload_id)
+        .group_by(JobLog.rank, JobLog.stream)
+    ).all()
+    bases: dict[str, int] = {}
+    for rank, stream, last in ends:
+        data = session.scalar(
+            select(JobLog.data).where(
+                JobLog.workload_id == workload_id,
+                JobLog.rank == rank,
+                JobLog.stream == stream,
+                JobLog.offset == last,
+            )
+        )
+        size = last + len((data or "").encode())
+        session.add(
+            JobLog(
+                workload_id=workload_id, rank=rank, stream=stream, offset=size, data=line, at=now
+            )
+        )
+        bases[f"{rank}:{stream}"] = size + len(line.encode())
+    return bases
+
+
+def log_offset(workload: Workload, attempt: int, rank: int, stream: str, offset: int) -> int | None:
+    """Where a chunk an agent sent lands in the job's log; None for one of an earlier
+    attempt (stored already: an attempt ends only once its logs were read whole)."""
+    if attempt != workload.attempt:
+        return None
+    bases = (workload.recovery or {}).get("log_bases") or {}
+    return int(bases.get(f"{rank}:{stream}", 0)) + offset
+
+
+def verdict_json(verdict: Verdict) -> dict[str, Any]:
+    return {
+        "fault": verdict.fault.value,
+        "job": verdict.job.value,
+        "hardware": verdict.hardware.value,
+        "spends_budget": verdict.spends_budget,
+        "reason": verdict.reason,
+        "gpus": list(verdict.gpus),
+        "nodes": list(verdict.nodes),
+    }
+
+
+def _verdict_of(data: dict[str, Any]) -> Verdict:
+    return Verdict(
+        FaultClass(data["fault"]),
+        JobAction(data["job"]),
+        HardwareAction(data["hardware"]),
+        bool(data["spends_budget"]),
+        str(data["reason"]),
+        tuple(data.get("gpus", ())),
+        tuple(data.get("nodes", ())),
+    )
+
+
+def held_by(session: Session, gpu_uuid: str) -> Workload | None:
+    """The workload holding a GPU now, if any."""
+    return session.scalar(
+        select(Workload)
+        .join(Allocation, Allocation.workload_id == Workload.id)
+        .where(Allocation.gpu_uuid == gpu_uuid, Allocation.closed_at.is_(None))
+    )

@@ -1,0 +1,156 @@
+"""The recovery loop end to end on the local backend: a fault written to the fake NVML
+library reaches the controller, which stops the job on that GPU and takes the node out of
+service at once; the job comes back by itself as its next attempt on healthy GPUs and
+resumes from the checkpoint it saved (CPU PyTorch, gloo, the real agent and controller)."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from gpufleet.agent.gpus import declared_fake_gpus
+from gpufleet.client import Client
+from gpufleet.recovery.fake_nvml import FakeGpu, write_control
+
+from .harness import Hub, wait_for
+from .test_agent import DECLARED, events
+
+pytestmark = pytest.mark.integration
+
+STEPS = 200
+TRAINS_AND_CHECKPOINTS = textwrap.dedent(
+    f"""
+    import os, pathlib, signal, sys, time
+    import torch, torch.distributed as dist
+    import gpufleet
+
+    def stop(signum, frame):
+        print(f"rank {{os.environ['RANK']}} SIGTERM at {{time.time():.3f}}", flush=True)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    resume = gpufleet.resume_from()
+    start = int(pathlib.Path(resume).read_text()) + 1 if resume else 0
+    print(f"rank {{rank}} attempt {{gpufleet.attempt()}} starts at step {{start}} at "
+          f"{{time.time():.3f}}", flush=True)
+    for step in range(start, {STEPS}):
+        total = torch.tensor([1.0])
+        dist.all_reduce(total)
+        print(f"rank {{rank}} step {{step}}", flush=True)
+        gpufleet.progress(step)
+        if rank == 0 and step % 10 == 9:
+            saved = pathlib.Path(os.environ["GPUFLEET_CHECKPOINT_URI"]) / f"step-{{step}}"
+            saved.write_text(str(step))
+            gpufleet.checkpoint_saved(str(saved), step)
+        time.sleep(0.05)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.fixture
+def alice(fleet: Hub) -> Iterator[Client]:
+    with Client(fleet.controller_api, fleet.user_token("alice")) as client:
+        yield client
+
+
+@pytest.fixture
+def gpus(fleet: Hub) -> Iterator[list[FakeGpu]]:
+    devices = declared_fake_gpus(DECLARED)
+    yield devices
+    write_control(fleet.fake_nvml_control, devices)
+
+
+def test_an_xid_79_stops_the_job_at_once_and_it_resumes_elsewhere_from_its_checkpoint(
+    fleet: Hub, alice: Client, gpus: list[FakeGpu]
+) -> None:
+    job = alice.submit(
+        TRAINS_AND_CHECKPOINTS,
+        gpus=2,
+        gpus_per_pod=1,
+        gpu_type="A100-80GB",
+        project="vision",
+        name="survivor",
+    )
+    checkpoint = wait_for(
+        lambda: (p := alice.job(job.id).progress) and p.last_checkpoint,
+        120,
+        "the job's first checkpoint",
+        interval=0.1,
+    )
+    first = alice.job(job.id)
+    held = {a.uuid: a.node for a in first.allocations}
+    [node] = set(held.values())  # a gang of two in one zone: one node here
+    victim = next(g for g in gpus if g.uuid in held)
+
+    faulted_at = time.time()
+    write_control(
+        fleet.fake_nvml_control, [replace(g, xid_events=[79]) if g is victim else g for g in gpus]
+    )
+    fault = wait_for(
+        lambda: next((e for e in events(fleet, "job-fault") if e["workload_id"] == job.id), None),
+        10,
+        "the job-fault event",
+        interval=0.05,
+    )
+    assert str(fault["message"]).startswith(f"attempt 1: XID 79 on GPU {victim.uuid}")
+    cordoned = wait_for(
+        lambda: next(
+            (
+                n
+                for n in fleet.controller("GET", "/nodes").json()["items"]
+                if n["name"] == node and n["cordoned"]
+            ),
+            None,
+        ),
+        10,
+        "the node cordoned",
+    )
+    assert cordoned["cordoned"]
+
+    def sigterms() -> list[float] | None:
+        found = [
+            re.findall(r"SIGTERM at ([\d.]+)", "".join(alice.logs(job.id, rank=rank)))
+            for rank in (0, 1)
+        ]
+        return [float(f[0]) for f in found] if all(found) else None
+
+    stopped = wait_for(sigterms, 30, "both ranks' SIGTERM in their logs")
+    # Fault to action: the cordon event and every rank's SIGTERM within 5 s of the XID.
+    fault_event = _controller_time(fault["at"])
+    assert fault_event - faulted_at <= 5.0, fault_event - faulted_at
+    assert max(stopped) - faulted_at <= 5.0, max(stopped) - faulted_at
+
+    ended = alice.wait(job.id, timeout=180)
+    assert (ended.outcome, ended.attempt, ended.faults) == ("succeeded", 2, 1), ended.reason
+    assert node in ended.avoids
+    assert {p.node for p in ended.pod_states} == {n["name"] for n in DECLARED} - {node}
+    restarted = [e for e in events(fleet, "job-restarting") if e["workload_id"] == job.id]
+    assert [e["data"]["attempt"] for e in restarted] == [2]
+    data = restarted[0]["data"]
+    assert data["fault"] == "node" and data["avoid_nodes"] == [node]
+    resumed_from = int(str(data["resume_from"]).rsplit("step-", 1)[1])
+    assert resumed_from >= checkpoint.step  # the newest checkpoint attempt 1 saved
+    output = "".join(alice.logs(job.id, rank=0))
+    before, _, after = output.partition("--- gpufleet: attempt 2: ")
+    assert after, output[-2000:]
+    assert f"rank 0 step {resumed_from}\n" in before
+    # Attempt 2 starts from that checkpoint, on the other node, and runs to the end.
+    resumed = re.search(r"rank 0 attempt 2 starts at step (\d+) at ([\d.]+)", after)
+    assert resumed is not None and int(resumed.group(1)) == resumed_from + 1, after[:500]
+    steps = [int(s) for s in re.findall(r"rank 0 step (\d+)", after)]
+    assert steps == list(range(resumed_from + 1, STEPS))
+    print(f"fault to first step after resume: {float(resumed.group(2)) - faulted_at:.1f} s")
+
+
+def _controller_time(at: object) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(str(at)).timestamp()

@@ -1,0 +1,96 @@
+"""What follows an ended attempt (recovery/attempts.py), with literal rows: the verdict of
+the classifier on a real signal, the job's record, and the next attempt or the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufleet.recovery.attempts import AttemptRecord, GiveUp, Resume, RetryPolicy, next_attempt
+from gpufleet.recovery.classify import PodOutcome, RankError, Xid, classify
+
+T = 10_000.0
+POLICY = RetryPolicy(fault_budget=2, backoff_s=10.0, backoff_max_s=15.0)
+CKPT = "s3://ckpt/ann/resnet/step-300"
+
+
+def ended(
+    exit_code: int | None = 1, reason: str = "", error: RankError | None = None
+) -> PodOutcome:
+    return PodOutcome(exit_code, None, reason, error, ("GPU-a-0", "GPU-a-1"), ("a",), T)
+
+
+XID_79 = Xid(79, "GPU-a-0", "a", T - 5)  # the node's GPU fell off the bus just before
+XID_13 = Xid(13, "GPU-a-1", "a", T - 5)
+
+
+def test_a_disruption_restarts_at_once_anywhere_and_spends_nothing() -> None:
+    verdict = classify(ended(None, "Preempted"))
+    step = next_attempt(AttemptRecord(attempt=1, faults=2, checkpoint=CKPT), verdict, POLICY)
+    assert step == Resume(
+        attempt=2,
+        faults=2,
+        delay_s=0.0,
+        avoid_nodes=frozenset(),
+        avoid_gpus=frozenset(),
+        resume_from=CKPT,
+        message=(
+            "the pod was stopped (Preempted): the job restarts without spending its retry "
+            f"budget; attempt 2, resumes from {CKPT}, no fault counted"
+        ),
+    )
+
+
+def test_a_node_fault_avoids_the_node_and_backs_off() -> None:
+    verdict = classify(ended(1), [XID_79])
+    step = next_attempt(AttemptRecord(attempt=1), verdict, POLICY)
+    assert isinstance(step, Resume)
+    assert (step.attempt, step.faults, step.delay_s) == (2, 1, 10.0)
+    assert step.avoid_nodes == {"a"} and step.resume_from is None
+    assert step.message.endswith(
+        "attempt 2, starts from the beginning (no checkpoint was saved), after 10 s of "
+        "back-off, infrastructure fault 1 of 2 allowed, not on a"
+    )
+
+
+def test_exclusions_add_up_and_back_off_doubles_up_to_its_limit() -> None:
+    earlier = AttemptRecord(attempt=2, faults=1, avoid_nodes=frozenset({"b"}), checkpoint=CKPT)
+    step = next_attempt(earlier, classify(ended(1), [XID_79]), POLICY)
+    assert isinstance(step, Resume)
+    assert step.avoid_nodes == {"a", "b"} and step.delay_s == 15.0  # 20 s, capped at 15
+
+
+def test_a_restart_in_place_keeps_the_gpus_and_the_exclusions_it_had() -> None:
+    earlier = AttemptRecord(attempt=1, avoid_gpus=frozenset({"GPU-b-3"}))
+    step = next_attempt(earlier, classify(ended(1), [XID_13]), POLICY)
+    assert isinstance(step, Resume)
+    assert step.avoid_gpus == {"GPU-b-3"} and step.avoid_nodes == frozenset()
+
+
+def test_the_fault_past_the_budget_ends_the_job_saying_why() -> None:
+    spent = AttemptRecord(attempt=4, faults=2, checkpoint=CKPT)
+    step = next_attempt(spent, classify(ended(1), [XID_79]), POLICY)
+    assert isinstance(step, GiveUp)
+    assert step.message.endswith(
+        "not retried: this is infrastructure fault 3 of the job, and it restarts from at most 2"
+    )
+    # A disruption still restarts a job whose budget is spent.
+    assert isinstance(next_attempt(spent, classify(ended(None, "Drained")), POLICY), Resume)
+
+
+def test_a_users_error_is_never_retried() -> None:
+    error = RankError(1, "ValueError", "bad learning rate")
+    step = next_attempt(AttemptRecord(attempt=1), classify(ended(1, error=error)), POLICY)
+    assert step == GiveUp(
+        "rank 1 raised ValueError: bad learning rate in the job's code: not retried; fix "
+        "the error and submit again"
+    )
+
+
+def test_a_verdict_that_keeps_the_job_running_is_not_an_ended_attempt() -> None:
+    with pytest.raises(ValueError, match="keeps the job running"):
+        next_attempt(AttemptRecord(attempt=1), classify(Xid(63, "GPU-a-0", "a", T)), POLICY)
+
+
+def test_a_policy_that_cannot_work_is_refused() -> None:
+    with pytest.raises(ValueError, match="backoff_s <= backoff_max_s"):
+        RetryPolicy(backoff_s=60.0, backoff_max_s=10.0)

@@ -1,0 +1,204 @@
+"""A job's attempts in the store against real databases (SQLite and PostgreSQL): a fault
+or a preemption sends the job back to the queue as its next attempt, with its place, its
+exclusions, its checkpoint and its log; an XID stops the job on the GPU at once. The
+fleet is test_store.py's: a1 (4 A100), a2 (2 A100), h1 (2 H100); carol is in nlp (4 A100
+guaranteed), alice in vision (2)."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import Engine, select
+
+from gpufleet.recovery.attempts import RetryPolicy
+from gpufleet.scheduler.snapshot import Policy
+from gpufleet.scheduler.store.fleet import FleetStore
+from gpufleet.scheduler.store.jobs import LogChunk, PodReport
+from gpufleet.scheduler.store.models import Allocation, Event, WorkloadState
+from gpufleet.scheduler.store.progress import ProgressReport, Saved
+from gpufleet.scheduler.validation import JobRequest
+
+from .test_store import ask, events, make_store, t, workload
+from .test_store_jobs import NODES, SPEC, open_allocations, report
+
+NOW_POLICY = Policy(min_run_time_s=0)
+CHECKPOINT = "/ckpt/carol/train/step-40"
+
+
+@pytest.fixture
+def store(engine: Engine) -> FleetStore:
+    return make_store(engine)
+
+
+def submit(store: FleetStore, at: float, gpus: int = 4, per_pod: int = 2) -> int:
+    request = JobRequest("carol", "nlp", "A100", gpus, per_pod, None, "train")
+    job = store.open_job(t(at), request, SPEC).id
+    store.scheduling_cycle(t(at + 1), NOW_POLICY)
+    return job
+
+
+def running(store: FleetStore, at: float, job: int, pods: int = 2, attempt: int = 1) -> None:
+    report(store, at, *(PodReport(job, p, "running", attempt=attempt) for p in range(pods)))
+    assert workload(store, job).state == WorkloadState.running
+
+
+def checkpointed(store: FleetStore, at: float, job: int) -> None:
+    saved = Saved(CHECKPOINT, 40, t(at))
+    store.agent_sync(t(at), NODES, [], [], [ProgressReport(job, 0, checkpoints_saved=[saved])])
+
+
+def placed_on(store: FleetStore, job: int) -> set[str]:
+    return {p.node for p in store.desired_pods(NODES) if p.workload_id == job}
+
+
+def test_an_unexplained_failure_comes_back_as_the_next_attempt_after_its_back_off(
+    store: FleetStore,
+) -> None:
+    job = submit(store, 10)
+    first = workload(store, job)
+    running(store, 12, job)
+    checkpointed(store, 13, job)
+    store.agent_sync(t(13), NODES, [], [LogChunk(job, 0, "stdout", 0, "step 40\n")])
+    report(store, 14, PodReport(job, 1, "exited", exit_code=1, reason="rank 3: Killed"))
+    assert workload(store, job).state == WorkloadState.stopping
+    assert open_allocations(store, job) == 4  # pod 0 may still run
+    result = store.agent_sync(t(15), NODES, [PodReport(job, 0, "stopped", signal=15)], [])
+    assert result.restarted == ["unknown"] and result.ended == []
+
+    again = workload(store, job)
+    assert (again.state, again.attempt, again.faults) == (WorkloadState.pending, 2, 1)
+    assert again.created_at == first.created_at  # its place in the queue
+    assert again.process_marker != first.process_marker
+    assert again.not_before == t(25)  # 10 s of back-off after the first fault
+    assert open_allocations(store, job) == 0 and store.job_pods(job) == []
+    [restarting] = events(store, "job-restarting")
+    assert restarting.endswith(
+        f"attempt 2, resumes from {CHECKPOINT}, after 10 s of back-off, infrastructure "
+        "fault 1 of 3 allowed"
+    )
+
+    # It waits out its back-off, then starts again from its checkpoint.
+    store.scheduling_cycle(t(20), NOW_POLICY)
+    assert workload(store, job).state == WorkloadState.pending
+    assert workload(store, job).reason == "attempt 2 waits for its back-off (10 s)"
+    store.scheduling_cycle(t(26), NOW_POLICY)
+    assert workload(store, job).state == WorkloadState.admitted
+    desired = store.desired_pods(NODES)
+    assert {(p.attempt, p.resume_from, p.started) for p in desired} == {(2, CHECKPOINT, False)}
+
+    # What comes late from the first attempt changes nothing.
+    report(store, 27, PodReport(job, 0, "exited", exit_code=1, attempt=1))
+    assert workload(store, job).state == WorkloadState.admitted
+    store.agent_sync(t(27), NODES, [], [LogChunk(job, 0, "stdout", 8, "stale\n", attempt=1)])
+    # The log goes on where the first attempt's ended, after a line that says why.
+    running(store, 28, job, attempt=2)
+    store.agent_sync(t(29), NODES, [], [LogChunk(job, 0, "stdout", 0, "step 41\n", attempt=2)])
+    log = store.read_log(job, 0, "stdout", 0, 1 << 20).data
+    assert log.startswith("step 40\n--- gpufleet: attempt 2: the pod ended (exit 1)")
+    assert log.endswith("fault 1 of 3 allowed ---\nstep 41\n") and "stale" not in log
+
+
+def test_the_fault_past_the_budget_ends_the_job_saying_why(store: FleetStore) -> None:
+    store.retry_policy = RetryPolicy(fault_budget=0)
+    job = submit(store, 10, gpus=2)
+    running(store, 12, job, pods=1)
+    report(store, 13, PodReport(job, 0, "exited", exit_code=1, reason="rank 1: Killed"))
+    ended = workload(store, job)
+    assert (ended.state, ended.outcome) == (WorkloadState.ended, "failed")
+    assert ended.reason == (
+        "pod 0 on a2 exited with code 1: rank 1: Killed; the pod ended (exit 1) with nothing "
+        "to explain it: the job restarts and spends one attempt of its retry budget; not "
+        "retried: this is infrastructure fault 1 of the job, and it restarts from at most 0"
+    )
+
+
+def test_a_users_error_is_not_retried_and_the_reason_says_what_to_fix(store: FleetStore) -> None:
+    job = submit(store, 10)
+    running(store, 12, job)
+    failure = PodReport(job, 1, "exited", exit_code=1, reason="rank 3: ValueError: lr < 0")
+    report(store, 13, failure, PodReport(job, 0, "stopped", signal=15))
+    ended = workload(store, job)
+    assert (ended.state, ended.outcome, ended.attempt) == (WorkloadState.ended, "failed", 1)
+    assert ended.reason.endswith(
+        "rank 3 raised ValueError: lr < 0 in the job's code: not retried; fix the error and "
+        "submit again"
+    )
+    assert events(store, "job-restarting") == []
+
+
+def test_a_preempted_job_comes_back_by_itself_spending_nothing(store: FleetStore) -> None:
+    # carol holds nlp's guarantee with a session; her job borrows a2 beyond it.
+    ask(store, t(1), "carol", project="nlp", gpus=4)
+    job = submit(store, 2, gpus=2)
+    assert placed_on(store, job) == {"a2"}
+    running(store, 4, job, pods=1)
+    checkpointed(store, 5, job)
+    alice = ask(store, t(6), "alice", gpus=2)  # within vision's guarantee: a2 is reclaimed
+    store.scheduling_cycle(t(7), NOW_POLICY)
+    assert workload(store, job).preempted_for_id == alice
+    report(store, 8, PodReport(job, 0, "stopped", signal=15))
+
+    back = workload(store, job)
+    assert (back.state, back.attempt, back.faults, back.not_before) == (
+        WorkloadState.pending,
+        2,
+        0,
+        None,
+    )
+    assert events(store, "job-restarting")[0].endswith(
+        f"attempt 2, resumes from {CHECKPOINT}, no fault counted"
+    )
+    store.scheduling_cycle(t(9), NOW_POLICY)
+    assert workload(store, alice).state == WorkloadState.admitted
+    assert workload(store, job).state == WorkloadState.pending  # no room while alice runs
+    store.end(t(10), alice, "stopped", "the server stopped")
+    store.scheduling_cycle(t(11), NOW_POLICY)
+    assert workload(store, job).state == WorkloadState.admitted
+    assert {p.resume_from for p in store.desired_pods(NODES)} == {CHECKPOINT}
+
+
+def test_an_xid_79_stops_the_job_at_once_cordons_the_node_and_the_restart_avoids_it(
+    store: FleetStore,
+) -> None:
+    job = submit(store, 10, gpus=2)
+    assert placed_on(store, job) == {"a2"}
+    running(store, 12, job, pods=1)
+    assert store.record_xid(t(13), "agent-1", "GPU-a2-0", 79)
+    assert store.act_on_xid(t(13), "GPU-a2-0", 79) == [job]
+    stopping = workload(store, job)
+    assert stopping.state == WorkloadState.stopping
+    assert stopping.reason.startswith("XID 79 on GPU GPU-a2-0")
+    assert [p.run for p in store.desired_pods(NODES)] == [False]  # the agent stops its ranks
+    assert events(store, "node-cordoned")[-1].startswith(
+        "node a2 cordoned by the recovery loop: XID 79"
+    )
+    report(store, 14, PodReport(job, 0, "stopped", signal=15))
+    back = workload(store, job)
+    assert (back.state, back.attempt, back.faults) == (WorkloadState.pending, 2, 1)
+    assert back.recovery is not None and back.recovery["avoid_nodes"] == ["a2"]
+    # An admin's uncordon returns a2, but this job's attempts still keep off it.
+    store.set_cordoned(t(15), "a2", False, by="admin")
+    store.scheduling_cycle(t(30), NOW_POLICY)
+    assert workload(store, job).state == WorkloadState.admitted
+    assert placed_on(store, job) == {"a1"}
+
+
+def test_a_gpu_hardware_xid_cordons_the_gpu_alone(store: FleetStore) -> None:
+    job = submit(store, 10, gpus=2)
+    running(store, 12, job, pods=1)
+    store.record_xid(t(13), "agent-1", "GPU-a2-1", 48)
+    assert store.act_on_xid(t(13), "GPU-a2-1", 48) == [job]
+    report(store, 14, PodReport(job, 0, "stopped", signal=15))
+    assert workload(store, job).recovery["avoid_gpus"] == ["GPU-a2-1"]  # type: ignore[index]
+    # a2 keeps one usable GPU, nobody gets GPU-a2-1, and a 1-GPU session lands on a2.
+    session = ask(store, t(30), "carol", server="one", project="nlp", gpus=1)
+    store.scheduling_cycle(t(31), NOW_POLICY)
+    with store.read() as read:
+        held = read.scalars(select(Allocation.gpu_uuid).where(Allocation.workload_id == session))
+        assert list(held) == ["GPU-a2-0"]
+        fault_events = read.scalars(select(Event.kind).where(Event.workload_id == job)).all()
+    assert "job-fault" in fault_events
+    assert events(store, "gpu-cordoned")[0].startswith("GPU GPU-a2-1 (index 1) of node a2")
+    # An XID on a GPU nobody holds still takes it out of service, and changes no workload.
+    assert store.act_on_xid(t(40), "GPU-a1-3", 79) == []
+    assert events(store, "node-cordoned")[-1].startswith("node a1 cordoned by the recovery")
+    assert store.act_on_xid(t(40), "GPU-nowhere", 79) == []
