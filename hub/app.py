@@ -32,7 +32,6 @@ from ..agent.lifecycle import until_stopped
 from ..culler.errors import PolicyError
 from ..culler.loop import IdleCuller
 from ..culler.snapshots import SnapshotSettings
-from ..recovery.attempts import RetryPolicy
 from ..scheduler.errors import InputError, LeaseLost, NotFound, SchedulerError, SchemaMismatch
 from ..scheduler.model import project_tree
 from ..scheduler.snapshot import Policy
@@ -56,6 +55,7 @@ from .metrics import ControllerMetrics
 from .notifier import Notifier
 from .pages import page_routes
 from .reconciler import Reconciler
+from .recovery_options import RecoveryOptions
 from .secrets import SecretFileError, check_secret_file
 from .victims import VictimStopper
 
@@ -71,7 +71,7 @@ DEFAULT_PRIORITY_CLASSES = [
 ]
 
 
-class FleetController(DatabaseMixin):
+class FleetController(RecoveryOptions, DatabaseMixin):
     name = "gpufleet-controller"
     version = __version__
     description = "The gpufleet fleet controller (a JupyterHub service)."
@@ -252,29 +252,6 @@ class FleetController(DatabaseMixin):
         "exit) and SIGKILL when the job is cancelled or preempted.",
     ).tag(config=True)
 
-    job_fault_budget = Integer(
-        3,
-        min=0,
-        help="Infrastructure faults a job restarts from (docs/recovery.md): a GPU, node or "
-        "unexplained failure sends it back to the queue as its next attempt, resuming from "
-        "its last checkpoint, until this many were spent; the next one ends it. The job's "
-        "own errors are never retried; preemptions and drains restart it without spending "
-        "any.",
-    ).tag(config=True)
-
-    job_restart_backoff_seconds = Float(
-        10.0,
-        min=0,
-        help="Seconds a job's next attempt waits after its first infrastructure fault; "
-        "doubled after each further one, up to job_restart_backoff_max_seconds.",
-    ).tag(config=True)
-
-    job_restart_backoff_max_seconds = Float(
-        600.0,
-        min=0,
-        help="The longest wait before a job's next attempt after a fault.",
-    ).tag(config=True)
-
     user_mode = Enum(
         ["sandbox", "system"],
         "sandbox",
@@ -371,11 +348,7 @@ class FleetController(DatabaseMixin):
         )
         self._configure_accounts()
         try:
-            self.store.retry_policy = RetryPolicy(
-                self.job_fault_budget,
-                self.job_restart_backoff_seconds,
-                self.job_restart_backoff_max_seconds,
-            )
+            self.store.retry_policy, self.store.recovery_policy = self.recovery_policies()
         except ValueError as e:
             self.exit_with(f"job restarts: {e}", code=2)
         self.metrics = ControllerMetrics(self.store)
@@ -676,6 +649,21 @@ class FleetController(DatabaseMixin):
         """Read the snapshot store into the index soon (a session ended)."""
         self._index_wanted.set()
 
+    async def _recovery_loop(self) -> None:
+        """Stop the jobs that stopped progressing; they come back as their next attempt."""
+        while True:
+            await asyncio.sleep(self.hang_check_interval)
+            if not self.is_leader:
+                continue
+            try:
+                stopped = self.store.stop_hung_jobs(self.now())
+            except (SQLAlchemyError, SchedulerError):
+                self.log.exception("recovery: looking for hung jobs failed; retrying")
+                continue
+            if stopped:
+                self.log.warning("recovery: stopping hung job(s) %s", stopped)
+                self.notifier.changed(stopped)  # the node agents stop their ranks
+
     async def _reconcile_loop(self) -> None:
         if not self.hub_api_url:
             self.log.warning("no hub API ($JUPYTERHUB_API_URL): the reconciler is off")
@@ -764,6 +752,7 @@ class FleetController(DatabaseMixin):
             self._watch_nodes,
             self._sync_memberships,
             self._reconcile_loop,
+            self._recovery_loop,
             self._snapshot_index_loop,
             self._culler_loop,
         ):

@@ -43,7 +43,9 @@ from ...recovery.classify import (
     Verdict,
     Xid,
     classify,
+    hang_of,
 )
+from ...recovery.classify import JobProgress as JobProgressSeen
 from .base import StoreBase, _event
 from .models import (
     Allocation,
@@ -56,6 +58,7 @@ from .models import (
     WorkloadKind,
     WorkloadState,
 )
+from .progress import percentile
 
 # What the agent reports of a failed rank: "rank 1: ValueError: bad learning rate".
 _RANK_ERROR = re.compile(r"^rank (\d+): ([A-Za-z_][\w.]*): (.*)$", re.DOTALL)
@@ -101,16 +104,31 @@ class AttemptStore(StoreBase):
         return classify(outcome, history, self.recovery_policy)
 
     def _fault_stops(
-        self, session: Session, now: datetime, workload: Workload, verdict: Verdict
+        self,
+        session: Session,
+        now: datetime,
+        workload: Workload,
+        verdict: Verdict,
+        node: str | None = None,
+        **data: Any,
     ) -> None:
-        """Stop a running attempt for ``verdict`` (kept until its pods are gone)."""
+        """Stop a running attempt for ``verdict`` (kept until its pods are gone), with a
+        ``job-fault`` event that carries ``data``."""
         workload.recovery = {**(workload.recovery or {}), "fault": verdict_json(verdict)}
-        if workload.state == WorkloadState.stopping:
-            return
         workload.state = WorkloadState.stopping
         workload.outcome = "failed"
         workload.reason = verdict.reason
         workload.version += 1
+        _event(
+            session,
+            now,
+            "job-fault",
+            f"attempt {workload.attempt}: {verdict.reason}; stopping every rank",
+            reason=verdict.fault.value,
+            workload=workload,
+            node=node,
+            data={"attempt": workload.attempt, **data},
+        )
 
     def act_on_xid(self, now: datetime, gpu_uuid: str, xid: int) -> list[int]:
         """What an XID recorded on a GPU does at once: the job holding it stops for the
@@ -132,20 +150,32 @@ class AttemptStore(StoreBase):
                 and holder.state in (WorkloadState.admitted, WorkloadState.running)
                 and verdict.job is not JobAction.KEEP
             ):
-                self._fault_stops(session, now, holder, verdict)
-                _event(
-                    session,
-                    now,
-                    "job-fault",
-                    f"attempt {holder.attempt}: {verdict.reason}; stopping every rank",
-                    reason=verdict.fault.value,
-                    workload=holder,
-                    node=node,
-                    data={"attempt": holder.attempt, "gpu": gpu_uuid, "xid": xid},
-                )
+                self._fault_stops(session, now, holder, verdict, node, gpu=gpu_uuid, xid=xid)
                 changed.append(holder.id)
             _take_out_of_service(session, now, gpu, verdict)
             return changed
+
+    def stop_hung_jobs(self, now: datetime) -> list[int]:
+        """Stop every running job that stopped progressing (``classify.hang_of``): no step
+        for longer than its limit, a checkpoint that never finished, or — a job that never
+        reports progress — no output while its GPUs idle. Each restarts as a hang (its next
+        attempt follows once its pods are gone). Returns the workloads stopped."""
+        moment = now.timestamp()
+        stopped: list[int] = []
+        with self._write(now) as session:
+            jobs = session.scalars(
+                select(Workload).where(
+                    Workload.kind == WorkloadKind.job, Workload.state == WorkloadState.running
+                )
+            ).all()
+            for workload in jobs:
+                hang = hang_of(_progress_of(session, workload), moment, self.recovery_policy)
+                if hang is None:
+                    continue
+                verdict = classify(hang, (), self.recovery_policy)
+                self._fault_stops(session, now, workload, verdict, hang=hang.kind)
+                stopped.append(workload.id)
+        return stopped
 
     # ---------------------------------------------------------- an ending
     def _attempt_ended(
@@ -305,6 +335,36 @@ def _hardware_history(
         elif gpu in gpus:
             signals.append(GpuLost(gpu, node, at))
     return signals
+
+
+def _progress_of(session: Session, workload: Workload) -> JobProgressSeen:
+    """What the hang rules read of a running attempt. Until the attempt's own first step
+    its steps are not judged (starting, loading a checkpoint): it is judged as a job that
+    reports nothing, by its output and its GPUs."""
+    started = (workload.started_at or workload.created_at).timestamp()
+    row = session.get(JobProgress, workload.id)
+    last_step_at = p99 = checkpoint_started_at = None
+    if row is not None and row.last_step_at is not None and row.last_step_at.timestamp() >= started:
+        last_step_at = row.last_step_at.timestamp()
+        p99 = percentile(row.step_times, 0.99)
+    if row is not None and row.checkpoint_started_at is not None:
+        checkpoint_started_at = row.checkpoint_started_at.timestamp()
+    last_output = session.scalar(
+        select(func.max(JobLog.at)).where(JobLog.workload_id == workload.id)
+    )
+    busy = session.scalar(
+        select(func.max(Gpu.busy_at))
+        .join(Allocation, Allocation.gpu_uuid == Gpu.uuid)
+        .where(Allocation.workload_id == workload.id, Allocation.closed_at.is_(None))
+    )
+    return JobProgressSeen(
+        started_at=started,
+        last_step_at=last_step_at,
+        p99_step_s=p99,
+        checkpoint_started_at=checkpoint_started_at,
+        last_output_at=max(last_output.timestamp(), started) if last_output else None,
+        gpus_idle_since=max(busy.timestamp(), started) if busy else started,
+    )
 
 
 def _last_checkpoint(session: Session, workload_id: int) -> str | None:

@@ -24,13 +24,15 @@ pytestmark = pytest.mark.integration
 
 STEPS = 200
 TRAINS_AND_CHECKPOINTS = textwrap.dedent(
-    f"""
+    """
     import os, pathlib, signal, sys, time
     import torch, torch.distributed as dist
     import gpufleet
 
+    STEPS, HANGS_AT = 200, None
+
     def stop(signum, frame):
-        print(f"rank {{os.environ['RANK']}} SIGTERM at {{time.time():.3f}}", flush=True)
+        print(f"rank {os.environ['RANK']} SIGTERM at {time.time():.3f}", flush=True)
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
@@ -38,21 +40,31 @@ TRAINS_AND_CHECKPOINTS = textwrap.dedent(
     rank = dist.get_rank()
     resume = gpufleet.resume_from()
     start = int(pathlib.Path(resume).read_text()) + 1 if resume else 0
-    print(f"rank {{rank}} attempt {{gpufleet.attempt()}} starts at step {{start}} at "
-          f"{{time.time():.3f}}", flush=True)
-    for step in range(start, {STEPS}):
+    print(f"rank {rank} attempt {gpufleet.attempt()} starts at step {start} at "
+          f"{time.time():.3f}", flush=True)
+    for step in range(start, STEPS):
+        if HANGS_AT == step and rank == 1 and gpufleet.attempt() == 1:
+            time.sleep(3600)  # alive, and no step any more
         total = torch.tensor([1.0])
         dist.all_reduce(total)
-        print(f"rank {{rank}} step {{step}}", flush=True)
+        print(f"rank {rank} step {step}", flush=True)
         gpufleet.progress(step)
         if rank == 0 and step % 10 == 9:
-            saved = pathlib.Path(os.environ["GPUFLEET_CHECKPOINT_URI"]) / f"step-{{step}}"
+            saved = pathlib.Path(os.environ["GPUFLEET_CHECKPOINT_URI"]) / f"step-{step}"
             saved.write_text(str(step))
             gpufleet.checkpoint_saved(str(saved), step)
         time.sleep(0.05)
     dist.destroy_process_group()
     """
 )
+
+
+def training(steps: int = STEPS, hangs_at: int | None = None) -> str:
+    """The training script, running ``steps`` steps; rank 1 of attempt 1 hangs at
+    ``hangs_at`` (alive, stepping no more)."""
+    return TRAINS_AND_CHECKPOINTS.replace(
+        "STEPS, HANGS_AT = 200, None", f"STEPS, HANGS_AT = {steps}, {hangs_at}"
+    )
 
 
 @pytest.fixture
@@ -72,12 +84,13 @@ def test_an_xid_79_stops_the_job_at_once_and_it_resumes_elsewhere_from_its_check
     fleet: Hub, alice: Client, gpus: list[FakeGpu]
 ) -> None:
     job = alice.submit(
-        TRAINS_AND_CHECKPOINTS,
+        training(),
         gpus=2,
         gpus_per_pod=1,
         gpu_type="A100-80GB",
         project="vision",
         name="survivor",
+        env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"},
     )
     checkpoint = wait_for(
         lambda: (p := alice.job(job.id).progress) and p.last_checkpoint,
@@ -154,3 +167,27 @@ def _controller_time(at: object) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(str(at)).timestamp()
+
+
+def test_a_rank_that_hangs_is_found_stopped_and_the_job_resumes(fleet: Hub, alice: Client) -> None:
+    job = alice.submit(
+        training(steps=40, hangs_at=15),
+        gpus=2,
+        gpus_per_pod=1,
+        gpu_type="A100-80GB",
+        project="vision",
+        name="hangs",
+        env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"},
+    )
+    fault = wait_for(
+        lambda: next((e for e in events(fleet, "job-fault") if e["workload_id"] == job.id), None),
+        90,
+        "the hang found",
+    )
+    assert fault["reason"] == "hang" and fault["data"]["hang"] == "step"
+    assert "no step reported for" in str(fault["message"])
+    ended = alice.wait(job.id, timeout=120)
+    assert (ended.outcome, ended.attempt, ended.faults) == ("succeeded", 2, 1), ended.reason
+    after = "".join(alice.logs(job.id, rank=0)).partition("--- gpufleet: attempt 2: ")[2]
+    assert "rank 0 attempt 2 starts at step 10" in after, after[:500]
+    assert [int(s) for s in re.findall(r"rank 0 step (\d+)", after)] == list(range(10, 40))

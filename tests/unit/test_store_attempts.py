@@ -202,3 +202,23 @@ def test_a_gpu_hardware_xid_cordons_the_gpu_alone(store: FleetStore) -> None:
     assert store.act_on_xid(t(40), "GPU-a1-3", 79) == []
     assert events(store, "node-cordoned")[-1].startswith("node a1 cordoned by the recovery")
     assert store.act_on_xid(t(40), "GPU-nowhere", 79) == []
+
+
+def test_a_job_that_stops_stepping_is_stopped_as_hung_and_its_restart_is_not_judged_by_steps(
+    store: FleetStore,
+) -> None:
+    job = submit(store, 10, gpus=2)
+    running(store, 12, job, pods=1)
+    step = ProgressReport(job, 0, step=5, step_at=t(20), step_times_s=[1.0] * 20)
+    store.agent_sync(t(20), NODES, [], [], [step])
+    assert store.stop_hung_jobs(t(619)) == []  # 599 s without a step: within the floor
+    assert store.stop_hung_jobs(t(621)) == [job]
+    hung = workload(store, job)
+    assert hung.state == WorkloadState.stopping
+    assert hung.reason == "no step reported for 601 s (limit 600 s): the job is killed and restarts"
+    report(store, 622, PodReport(job, 0, "stopped", signal=15))
+    assert (workload(store, job).attempt, workload(store, job).faults) == (2, 1)
+    store.scheduling_cycle(t(700), NOW_POLICY)
+    running(store, 701, job, pods=1, attempt=2)
+    # No step of its own yet: an attempt loading its checkpoint is not hung after 600 s.
+    assert store.stop_hung_jobs(t(1400)) == []

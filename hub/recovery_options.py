@@ -1,0 +1,82 @@
+"""The controller's options for the recovery loop (docs/recovery.md): how often a job
+restarts from infrastructure faults and how long it waits between attempts, and when a
+job that stopped progressing counts as hung. Mixed into ``FleetController``, so they are
+set as ``c.FleetController.<name>``."""
+
+from __future__ import annotations
+
+from traitlets import Float, Integer
+from traitlets.config import Configurable
+
+from ..recovery.attempts import RetryPolicy
+from ..recovery.classify import RecoveryPolicy
+
+
+class RecoveryOptions(Configurable):
+    job_fault_budget = Integer(
+        3,
+        min=0,
+        help="Infrastructure faults a job restarts from: a GPU, node, hang or unexplained "
+        "failure sends it back to the queue as its next attempt, resuming from its last "
+        "checkpoint, until this many were spent; the next one ends it. The job's own errors "
+        "are never retried; preemptions and drains restart it without spending any.",
+    ).tag(config=True)
+
+    job_restart_backoff_seconds = Float(
+        10.0,
+        min=0,
+        help="Seconds a job's next attempt waits after its first infrastructure fault; "
+        "doubled after each further one, up to job_restart_backoff_max_seconds.",
+    ).tag(config=True)
+
+    job_restart_backoff_max_seconds = Float(
+        600.0, min=0, help="The longest wait before a job's next attempt after a fault."
+    ).tag(config=True)
+
+    job_hang_factor = Float(
+        10.0,
+        min=1,
+        help="A job that reports progress (gpufleet.progress) is hung after no step for "
+        "this many times its p99 step time, and at least job_hang_floor_seconds.",
+    ).tag(config=True)
+
+    job_hang_floor_seconds = Float(
+        600.0,
+        min=0,
+        help="The shortest silence between steps that counts as a hang (NCCL's own "
+        "collective timeout is 10 minutes). Before an attempt's first step (starting, "
+        "loading its checkpoint) it is judged by job_silent_idle_seconds instead.",
+    ).tag(config=True)
+
+    job_checkpoint_limit_seconds = Float(
+        1800.0,
+        min=0,
+        help="A checkpoint started (gpufleet.checkpoint_started) and not saved within this "
+        "long is a hang.",
+    ).tag(config=True)
+
+    job_silent_idle_seconds = Float(
+        1800.0,
+        min=0,
+        help="A job that never reports progress is hung after no output for this long "
+        "while its GPUs idle.",
+    ).tag(config=True)
+
+    hang_check_interval = Float(
+        5.0, min=0.1, help="Seconds between the recovery loop's looks for hung jobs."
+    ).tag(config=True)
+
+    def recovery_policies(self) -> tuple[RetryPolicy, RecoveryPolicy]:
+        """The policies the store applies; ValueError names what cannot work."""
+        retry = RetryPolicy(
+            self.job_fault_budget,
+            self.job_restart_backoff_seconds,
+            self.job_restart_backoff_max_seconds,
+        )
+        recovery = RecoveryPolicy(
+            hang_factor=self.job_hang_factor,
+            hang_floor_s=self.job_hang_floor_seconds,
+            checkpoint_limit_s=self.job_checkpoint_limit_seconds,
+            silent_idle_s=self.job_silent_idle_seconds,
+        )
+        return retry, recovery
