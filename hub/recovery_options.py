@@ -16,10 +16,19 @@ class RecoveryOptions(Configurable):
     job_fault_budget = Integer(
         3,
         min=0,
-        help="Infrastructure faults a job restarts from: a GPU, node, hang or unexplained "
-        "failure sends it back to the queue as its next attempt, resuming from its last "
-        "checkpoint, until this many were spent; the next one ends it. The job's own errors "
-        "are never retried; preemptions and drains restart it without spending any.",
+        help="Infrastructure faults a job restarts from within job_fault_window_seconds: a "
+        "GPU, node, hang or unexplained failure sends it back to the queue as its next "
+        "attempt, resuming from its last checkpoint; the fault past this many ends it. "
+        "The job's own errors are never retried; preemptions and drains restart it "
+        "without spending any.",
+    ).tag(config=True)
+
+    job_fault_window_seconds = Float(
+        86400.0,
+        min=0,
+        help="The window job_fault_budget counts faults in: a rate, because a large job "
+        "meets several faults a day and must survive each; 0 counts them over the job's "
+        "whole life.",
     ).tag(config=True)
 
     job_restart_backoff_seconds = Float(
@@ -70,6 +79,7 @@ class RecoveryOptions(Configurable):
         """The policies the store applies; ValueError names what cannot work."""
         retry = RetryPolicy(
             self.job_fault_budget,
+            self.job_fault_window_seconds or None,
             self.job_restart_backoff_seconds,
             self.job_restart_backoff_max_seconds,
         )

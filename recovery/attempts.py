@@ -12,9 +12,10 @@ The rules (docs/recovery.md, "Attempts"):
 - a disruption (a preemption, a drain) restarts at once and spends nothing: the
   scheduler's no-thrashing rule is what bounds how often that can happen;
 - every other fault spends one unit of the job's budget of infrastructure faults
-  (``fault_budget``); the fault after the last unit ends the job, saying what it met;
-- the restart after a fault waits ``backoff_s``, doubled for each fault spent before
-  (at most ``backoff_max_s``): a fault that repeats at once does not spin;
+  (``fault_budget`` within ``fault_window_s``: a rate, since a large job meets several
+  faults a day); the fault past the budget ends the job, saying what it met;
+- the restart after a fault waits ``backoff_s``, doubled for each other fault that still
+  counts (at most ``backoff_max_s``): a fault that repeats at once does not spin;
 - a restart "elsewhere" never lands on the GPUs and nodes blamed, for the rest of the
   job's life; a restart "in place" may use the same GPUs again;
 - the next attempt resumes from the newest checkpoint any attempt saved.
@@ -29,25 +30,39 @@ from .classify import FaultClass, JobAction, Verdict
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    fault_budget: int = 3  # infrastructure faults a job restarts from
-    backoff_s: float = 10.0  # wait before the restart after the first fault ...
-    backoff_max_s: float = 600.0  # ... doubled for each later one, up to this
+    fault_budget: int = 3  # infrastructure faults a job restarts from ...
+    # ... within this long (None: over its whole life). A rate, not a lifetime count: a
+    # 16,384-GPU job meets several faults a day and must survive every one of them.
+    fault_window_s: float | None = 86400.0
+    backoff_s: float = 10.0  # wait before the restart after a fault ...
+    backoff_max_s: float = 600.0  # ... doubled for each other fault in the window, up to this
 
     def __post_init__(self) -> None:
-        if self.fault_budget < 0 or self.backoff_s < 0 or self.backoff_max_s < self.backoff_s:
+        if (
+            self.fault_budget < 0
+            or self.backoff_s < 0
+            or self.backoff_max_s < self.backoff_s
+            or (self.fault_window_s is not None and self.fault_window_s <= 0)
+        ):
             raise ValueError(
-                "a retry policy needs fault_budget >= 0 and 0 <= backoff_s <= backoff_max_s, "
-                f"not {self}"
+                "a retry policy needs fault_budget >= 0, a fault window over 0 s and "
+                f"0 <= backoff_s <= backoff_max_s, not {self}"
             )
+
+    def window(self) -> str:
+        if self.fault_window_s is None:
+            return ""
+        hours = self.fault_window_s / 3600
+        return f" within {hours:g} h" if hours >= 1 else f" within {self.fault_window_s:g} s"
 
 
 @dataclass(frozen=True)
 class AttemptRecord:
-    """A job as its attempt ends: which attempt, the faults it spent before this one,
-    what earlier faults blamed, and the newest checkpoint saved by any attempt."""
+    """A job as its attempt ends: which attempt, when its earlier infrastructure faults
+    happened, what they blamed, and the newest checkpoint saved by any attempt."""
 
     attempt: int
-    faults: int = 0
+    fault_times: tuple[float, ...] = ()
     avoid_nodes: frozenset[str] = frozenset()
     avoid_gpus: frozenset[str] = frozenset()
     checkpoint: str | None = None
@@ -58,7 +73,7 @@ class Resume:
     """The job goes back to the queue as ``attempt``, not before ``delay_s`` from now."""
 
     attempt: int
-    faults: int  # spent, this one included
+    fault_times: tuple[float, ...]  # the faults that still count, this one included
     delay_s: float
     avoid_nodes: frozenset[str]
     avoid_gpus: frozenset[str]
@@ -71,16 +86,22 @@ class GiveUp:
     message: str  # why it is not retried, in words that say what to change
 
 
-def next_attempt(record: AttemptRecord, verdict: Verdict, policy: RetryPolicy) -> Resume | GiveUp:
+def next_attempt(
+    record: AttemptRecord, verdict: Verdict, policy: RetryPolicy, now: float
+) -> Resume | GiveUp:
     if verdict.job is JobAction.KEEP:
         raise ValueError(f"a {verdict.fault} verdict keeps the job running: no attempt ended")
     if verdict.job is JobAction.FAIL:
         return GiveUp(verdict.reason)
-    faults = record.faults + (1 if verdict.spends_budget else 0)
+    window = policy.fault_window_s
+    counted = tuple(t for t in record.fault_times if window is None or now - t < window)
+    if verdict.spends_budget:
+        counted = (*counted, now)
+    faults = len(counted)
     if faults > policy.fault_budget:
         return GiveUp(
             f"{verdict.reason}; not retried: this is infrastructure fault {faults} of the "
-            f"job, and it restarts from at most {policy.fault_budget}"
+            f"job{policy.window()}, and it restarts from at most {policy.fault_budget}"
         )
     avoid_nodes, avoid_gpus = record.avoid_nodes, record.avoid_gpus
     if verdict.job is JobAction.RESTART_ELSEWHERE:
@@ -98,7 +119,9 @@ def next_attempt(record: AttemptRecord, verdict: Verdict, policy: RetryPolicy) -
     if delay:
         parts.append(f"after {delay:.0f} s of back-off")
     if verdict.spends_budget:
-        parts.append(f"infrastructure fault {faults} of {policy.fault_budget} allowed")
+        parts.append(
+            f"infrastructure fault {faults} of {policy.fault_budget} allowed{policy.window()}"
+        )
     elif verdict.fault is FaultClass.DISRUPTION:
         parts.append("no fault counted")
     blamed = sorted(frozenset(verdict.nodes) | frozenset(verdict.gpus))
@@ -106,7 +129,7 @@ def next_attempt(record: AttemptRecord, verdict: Verdict, policy: RetryPolicy) -
         parts.append(f"not on {', '.join(blamed)}")
     return Resume(
         attempt=attempt,
-        faults=faults,
+        fault_times=counted,
         delay_s=delay,
         avoid_nodes=avoid_nodes,
         avoid_gpus=avoid_gpus,

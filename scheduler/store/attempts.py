@@ -189,12 +189,12 @@ class AttemptStore(StoreBase):
             return None
         record = AttemptRecord(
             attempt=workload.attempt,
-            faults=workload.faults,
+            fault_times=tuple((workload.recovery or {}).get("fault_times", ())),
             avoid_nodes=frozenset((workload.recovery or {}).get("avoid_nodes", ())),
             avoid_gpus=frozenset((workload.recovery or {}).get("avoid_gpus", ())),
             checkpoint=_last_checkpoint(session, workload.id),
         )
-        step = next_attempt(record, verdict, self.retry_policy)
+        step = next_attempt(record, verdict, self.retry_policy, now.timestamp())
         if isinstance(step, GiveUp):
             # The pod's own ending, then the verdict, unless the verdict is what stopped it.
             said = (
@@ -230,9 +230,10 @@ class AttemptStore(StoreBase):
             "avoid_gpus": sorted(step.avoid_gpus),
             "resume_from": step.resume_from,
             "log_bases": _continue_logs(session, now, workload.id, line),
+            "fault_times": list(step.fault_times),
         }
         workload.attempt = step.attempt
-        workload.faults = step.faults
+        workload.faults += 1 if verdict.spends_budget else 0
         workload.not_before = now + timedelta(seconds=step.delay_s) if step.delay_s else None
         workload.state = WorkloadState.pending
         workload.outcome = None
@@ -262,7 +263,7 @@ class AttemptStore(StoreBase):
                 "attempt": step.attempt,
                 "fault": verdict.fault.value,
                 "spends_budget": verdict.spends_budget,
-                "faults": step.faults,
+                "faults": workload.faults,
                 "delay_s": step.delay_s,
                 "resume_from": step.resume_from,
                 "avoid_nodes": sorted(step.avoid_nodes),

@@ -9,7 +9,7 @@ from gpufleet.recovery.attempts import AttemptRecord, GiveUp, Resume, RetryPolic
 from gpufleet.recovery.classify import PodOutcome, RankError, Xid, classify
 
 T = 10_000.0
-POLICY = RetryPolicy(fault_budget=2, backoff_s=10.0, backoff_max_s=15.0)
+POLICY = RetryPolicy(fault_budget=2, fault_window_s=3600.0, backoff_s=10.0, backoff_max_s=15.0)
 CKPT = "s3://ckpt/ann/resnet/step-300"
 
 
@@ -25,10 +25,12 @@ XID_13 = Xid(13, "GPU-a-1", "a", T - 5)
 
 def test_a_disruption_restarts_at_once_anywhere_and_spends_nothing() -> None:
     verdict = classify(ended(None, "Preempted"))
-    step = next_attempt(AttemptRecord(attempt=1, faults=2, checkpoint=CKPT), verdict, POLICY)
+    step = next_attempt(
+        AttemptRecord(attempt=1, fault_times=(T - 60, T - 30), checkpoint=CKPT), verdict, POLICY, T
+    )
     assert step == Resume(
         attempt=2,
-        faults=2,
+        fault_times=(T - 60, T - 30),
         delay_s=0.0,
         avoid_nodes=frozenset(),
         avoid_gpus=frozenset(),
@@ -42,44 +44,51 @@ def test_a_disruption_restarts_at_once_anywhere_and_spends_nothing() -> None:
 
 def test_a_node_fault_avoids_the_node_and_backs_off() -> None:
     verdict = classify(ended(1), [XID_79])
-    step = next_attempt(AttemptRecord(attempt=1), verdict, POLICY)
+    step = next_attempt(AttemptRecord(attempt=1), verdict, POLICY, T)
     assert isinstance(step, Resume)
-    assert (step.attempt, step.faults, step.delay_s) == (2, 1, 10.0)
+    assert (step.attempt, step.fault_times, step.delay_s) == (2, (T,), 10.0)
     assert step.avoid_nodes == {"a"} and step.resume_from is None
     assert step.message.endswith(
         "attempt 2, starts from the beginning (no checkpoint was saved), after 10 s of "
-        "back-off, infrastructure fault 1 of 2 allowed, not on a"
+        "back-off, infrastructure fault 1 of 2 allowed within 1 h, not on a"
     )
 
 
 def test_exclusions_add_up_and_back_off_doubles_up_to_its_limit() -> None:
-    earlier = AttemptRecord(attempt=2, faults=1, avoid_nodes=frozenset({"b"}), checkpoint=CKPT)
-    step = next_attempt(earlier, classify(ended(1), [XID_79]), POLICY)
+    earlier = AttemptRecord(
+        attempt=2, fault_times=(T - 100,), avoid_nodes=frozenset({"b"}), checkpoint=CKPT
+    )
+    step = next_attempt(earlier, classify(ended(1), [XID_79]), POLICY, T)
     assert isinstance(step, Resume)
     assert step.avoid_nodes == {"a", "b"} and step.delay_s == 15.0  # 20 s, capped at 15
 
 
 def test_a_restart_in_place_keeps_the_gpus_and_the_exclusions_it_had() -> None:
     earlier = AttemptRecord(attempt=1, avoid_gpus=frozenset({"GPU-b-3"}))
-    step = next_attempt(earlier, classify(ended(1), [XID_13]), POLICY)
+    step = next_attempt(earlier, classify(ended(1), [XID_13]), POLICY, T)
     assert isinstance(step, Resume)
     assert step.avoid_gpus == {"GPU-b-3"} and step.avoid_nodes == frozenset()
 
 
 def test_the_fault_past_the_budget_ends_the_job_saying_why() -> None:
-    spent = AttemptRecord(attempt=4, faults=2, checkpoint=CKPT)
-    step = next_attempt(spent, classify(ended(1), [XID_79]), POLICY)
+    spent = AttemptRecord(attempt=4, fault_times=(T - 600, T - 300), checkpoint=CKPT)
+    step = next_attempt(spent, classify(ended(1), [XID_79]), POLICY, T)
     assert isinstance(step, GiveUp)
     assert step.message.endswith(
-        "not retried: this is infrastructure fault 3 of the job, and it restarts from at most 2"
+        "not retried: this is infrastructure fault 3 of the job within 1 h, and it restarts "
+        "from at most 2"
     )
+    # Faults older than the window no longer count: a long job survives a fault a day.
+    old = AttemptRecord(attempt=4, fault_times=(T - 7200, T - 300), checkpoint=CKPT)
+    step = next_attempt(old, classify(ended(1), [XID_79]), POLICY, T)
+    assert isinstance(step, Resume) and step.fault_times == (T - 300, T)
     # A disruption still restarts a job whose budget is spent.
-    assert isinstance(next_attempt(spent, classify(ended(None, "Drained")), POLICY), Resume)
+    assert isinstance(next_attempt(spent, classify(ended(None, "Drained")), POLICY, T), Resume)
 
 
 def test_a_users_error_is_never_retried() -> None:
     error = RankError(1, "ValueError", "bad learning rate")
-    step = next_attempt(AttemptRecord(attempt=1), classify(ended(1, error=error)), POLICY)
+    step = next_attempt(AttemptRecord(attempt=1), classify(ended(1, error=error)), POLICY, T)
     assert step == GiveUp(
         "rank 1 raised ValueError: bad learning rate in the job's code: not retried; fix "
         "the error and submit again"
@@ -88,7 +97,7 @@ def test_a_users_error_is_never_retried() -> None:
 
 def test_a_verdict_that_keeps_the_job_running_is_not_an_ended_attempt() -> None:
     with pytest.raises(ValueError, match="keeps the job running"):
-        next_attempt(AttemptRecord(attempt=1), classify(Xid(63, "GPU-a-0", "a", T)), POLICY)
+        next_attempt(AttemptRecord(attempt=1), classify(Xid(63, "GPU-a-0", "a", T)), POLICY, T)
 
 
 def test_a_policy_that_cannot_work_is_refused() -> None:

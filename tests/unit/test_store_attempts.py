@@ -73,7 +73,7 @@ def test_an_unexplained_failure_comes_back_as_the_next_attempt_after_its_back_of
     [restarting] = events(store, "job-restarting")
     assert restarting.endswith(
         f"attempt 2, resumes from {CHECKPOINT}, after 10 s of back-off, infrastructure "
-        "fault 1 of 3 allowed"
+        "fault 1 of 3 allowed within 24 h"
     )
 
     # It waits out its back-off, then starts again from its checkpoint.
@@ -94,7 +94,7 @@ def test_an_unexplained_failure_comes_back_as_the_next_attempt_after_its_back_of
     store.agent_sync(t(29), NODES, [], [LogChunk(job, 0, "stdout", 0, "step 41\n", attempt=2)])
     log = store.read_log(job, 0, "stdout", 0, 1 << 20).data
     assert log.startswith("step 40\n--- gpufleet: attempt 2: the pod ended (exit 1)")
-    assert log.endswith("fault 1 of 3 allowed ---\nstep 41\n") and "stale" not in log
+    assert log.endswith("allowed within 24 h ---\nstep 41\n") and "stale" not in log
 
 
 def test_the_fault_past_the_budget_ends_the_job_saying_why(store: FleetStore) -> None:
@@ -107,7 +107,8 @@ def test_the_fault_past_the_budget_ends_the_job_saying_why(store: FleetStore) ->
     assert ended.reason == (
         "pod 0 on a2 exited with code 1: rank 1: Killed; the pod ended (exit 1) with nothing "
         "to explain it: the job restarts and spends one attempt of its retry budget; not "
-        "retried: this is infrastructure fault 1 of the job, and it restarts from at most 0"
+        "retried: this is infrastructure fault 1 of the job within 24 h, and it restarts from at "
+        "most 0"
     )
 
 
