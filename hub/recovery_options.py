@@ -16,7 +16,8 @@ class RecoveryOptions(Configurable):
     job_fault_budget = Integer(
         3,
         min=0,
-        help="Infrastructure faults a job restarts from within job_fault_window_seconds: a "
+        help="Infrastructure faults a job of up to 1,024 GPUs restarts from within "
+        "job_fault_window_seconds (a larger job: as many per 1,024 GPUs): a "
         "GPU, node, hang or unexplained failure sends it back to the queue as its next "
         "attempt, resuming from its last checkpoint; the fault past this many ends it. "
         "The job's own errors are never retried; preemptions and drains restart it "
@@ -34,8 +35,9 @@ class RecoveryOptions(Configurable):
     job_restart_backoff_seconds = Float(
         10.0,
         min=0,
-        help="Seconds a job's next attempt waits after its first infrastructure fault; "
-        "doubled after each further one, up to job_restart_backoff_max_seconds.",
+        help="Seconds a job's next attempt waits after an infrastructure fault; doubled "
+        "for each further fault in a row whose attempt ran less than 10 minutes, up to "
+        "job_restart_backoff_max_seconds.",
     ).tag(config=True)
 
     job_restart_backoff_max_seconds = Float(

@@ -14,8 +14,11 @@ The rules (docs/recovery.md, "Attempts"):
 - every other fault spends one unit of the job's budget of infrastructure faults
   (``fault_budget`` within ``fault_window_s``: a rate, since a large job meets several
   faults a day); the fault past the budget ends the job, saying what it met;
-- the restart after a fault waits ``backoff_s``, doubled for each other fault that still
-  counts (at most ``backoff_max_s``): a fault that repeats at once does not spin;
+- the budget grows with the job: ``fault_budget`` per ``budget_gpus`` GPUs, since faults
+  come per GPU;
+- the restart after a fault waits ``backoff_s``, doubled for each fault in a row that
+  came within ``backoff_reset_s`` of its attempt's start (at most ``backoff_max_s``): a
+  fault that repeats at once does not spin, and a job that ran well starts afresh;
 - a restart "elsewhere" never lands on the GPUs and nodes blamed, for the rest of the
   job's life; a restart "in place" may use the same GPUs again;
 - the next attempt resumes from the newest checkpoint any attempt saved.
@@ -35,7 +38,13 @@ class RetryPolicy:
     # 16,384-GPU job meets several faults a day and must survive every one of them.
     fault_window_s: float | None = 86400.0
     backoff_s: float = 10.0  # wait before the restart after a fault ...
-    backoff_max_s: float = 600.0  # ... doubled for each other fault in the window, up to this
+    backoff_max_s: float = 600.0  # ... doubled for each fault in a row that came quickly
+    # An attempt that ran this long before its fault ends the row: the back-off starts
+    # again from backoff_s (as Kubernetes' crash-loop back-off does).
+    backoff_reset_s: float = 600.0
+    # The budget is per this many GPUs of the job (at least fault_budget): faults come
+    # per GPU, so a job 16 times larger meets 16 times as many.
+    budget_gpus: int = 1024
 
     def __post_init__(self) -> None:
         if (
@@ -43,11 +52,15 @@ class RetryPolicy:
             or self.backoff_s < 0
             or self.backoff_max_s < self.backoff_s
             or (self.fault_window_s is not None and self.fault_window_s <= 0)
+            or self.budget_gpus < 1
         ):
             raise ValueError(
                 "a retry policy needs fault_budget >= 0, a fault window over 0 s and "
                 f"0 <= backoff_s <= backoff_max_s, not {self}"
             )
+
+    def budget_for(self, gpus: int) -> int:
+        return max(self.fault_budget, -(-self.fault_budget * gpus // self.budget_gpus))
 
     def window(self) -> str:
         if self.fault_window_s is None:
@@ -66,6 +79,9 @@ class AttemptRecord:
     avoid_nodes: frozenset[str] = frozenset()
     avoid_gpus: frozenset[str] = frozenset()
     checkpoint: str | None = None
+    gpus: int = 1
+    ran_s: float = 0.0  # how long the ending attempt ran
+    quick_faults: int = 0  # faults in a row before it, each after a short run
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,7 @@ class Resume:
 
     attempt: int
     fault_times: tuple[float, ...]  # the faults that still count, this one included
+    quick_faults: int  # the row of quick faults this one continues (0: none)
     delay_s: float
     avoid_nodes: frozenset[str]
     avoid_gpus: frozenset[str]
@@ -97,19 +114,20 @@ def next_attempt(
     counted = tuple(t for t in record.fault_times if window is None or now - t < window)
     if verdict.spends_budget:
         counted = (*counted, now)
-    faults = len(counted)
-    if faults > policy.fault_budget:
+    faults, budget = len(counted), policy.budget_for(record.gpus)
+    if faults > budget:
         return GiveUp(
             f"{verdict.reason}; not retried: this is infrastructure fault {faults} of the "
-            f"job{policy.window()}, and it restarts from at most {policy.fault_budget}"
+            f"job{policy.window()}, and it restarts from at most {budget}"
         )
     avoid_nodes, avoid_gpus = record.avoid_nodes, record.avoid_gpus
     if verdict.job is JobAction.RESTART_ELSEWHERE:
         avoid_nodes |= frozenset(verdict.nodes)
         avoid_gpus |= frozenset(verdict.gpus)
-    delay = 0.0
+    delay, quick = 0.0, 0
     if verdict.spends_budget:
-        delay = min(policy.backoff_s * 2 ** (faults - 1), policy.backoff_max_s)
+        quick = record.quick_faults + 1 if record.ran_s < policy.backoff_reset_s else 0
+        delay = min(policy.backoff_s * 2 ** max(0, quick - 1), policy.backoff_max_s)
     attempt = record.attempt + 1
     parts = [f"attempt {attempt}"]
     if record.checkpoint:
@@ -119,9 +137,7 @@ def next_attempt(
     if delay:
         parts.append(f"after {delay:.0f} s of back-off")
     if verdict.spends_budget:
-        parts.append(
-            f"infrastructure fault {faults} of {policy.fault_budget} allowed{policy.window()}"
-        )
+        parts.append(f"infrastructure fault {faults} of {budget} allowed{policy.window()}")
     elif verdict.fault is FaultClass.DISRUPTION:
         parts.append("no fault counted")
     blamed = sorted(frozenset(verdict.nodes) | frozenset(verdict.gpus))
@@ -130,6 +146,7 @@ def next_attempt(
     return Resume(
         attempt=attempt,
         fault_times=counted,
+        quick_faults=quick,
         delay_s=delay,
         avoid_nodes=avoid_nodes,
         avoid_gpus=avoid_gpus,

@@ -193,6 +193,9 @@ class AttemptStore(StoreBase):
             avoid_nodes=frozenset((workload.recovery or {}).get("avoid_nodes", ())),
             avoid_gpus=frozenset((workload.recovery or {}).get("avoid_gpus", ())),
             checkpoint=_last_checkpoint(session, workload.id),
+            gpus=workload.gpus,
+            ran_s=(now - workload.started_at).total_seconds() if workload.started_at else 0.0,
+            quick_faults=int((workload.recovery or {}).get("quick_faults", 0)),
         )
         step = next_attempt(record, verdict, self.retry_policy, now.timestamp())
         if isinstance(step, GiveUp):
@@ -231,6 +234,7 @@ class AttemptStore(StoreBase):
             "resume_from": step.resume_from,
             "log_bases": _continue_logs(session, now, workload.id, line),
             "fault_times": list(step.fault_times),
+            "quick_faults": step.quick_faults,
         }
         workload.attempt = step.attempt
         workload.faults += 1 if verdict.spends_budget else 0

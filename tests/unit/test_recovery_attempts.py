@@ -3,6 +3,8 @@ the classifier on a real signal, the job's record, and the next attempt or the e
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gpufleet.recovery.attempts import AttemptRecord, GiveUp, Resume, RetryPolicy, next_attempt
@@ -31,6 +33,7 @@ def test_a_disruption_restarts_at_once_anywhere_and_spends_nothing() -> None:
     assert step == Resume(
         attempt=2,
         fault_times=(T - 60, T - 30),
+        quick_faults=0,
         delay_s=0.0,
         avoid_nodes=frozenset(),
         avoid_gpus=frozenset(),
@@ -56,11 +59,27 @@ def test_a_node_fault_avoids_the_node_and_backs_off() -> None:
 
 def test_exclusions_add_up_and_back_off_doubles_up_to_its_limit() -> None:
     earlier = AttemptRecord(
-        attempt=2, fault_times=(T - 100,), avoid_nodes=frozenset({"b"}), checkpoint=CKPT
+        attempt=2,
+        fault_times=(T - 100,),
+        avoid_nodes=frozenset({"b"}),
+        checkpoint=CKPT,
+        ran_s=30.0,
+        quick_faults=1,
     )
     step = next_attempt(earlier, classify(ended(1), [XID_79]), POLICY, T)
     assert isinstance(step, Resume)
-    assert step.avoid_nodes == {"a", "b"} and step.delay_s == 15.0  # 20 s, capped at 15
+    assert step.avoid_nodes == {"a", "b"} and step.quick_faults == 2
+    assert step.delay_s == 15.0  # 20 s, capped at 15
+    # An attempt that ran past backoff_reset_s ends the row: the back-off starts afresh.
+    ran_well = replace(earlier, ran_s=POLICY.backoff_reset_s)
+    step = next_attempt(ran_well, classify(ended(1), [XID_79]), POLICY, T)
+    assert isinstance(step, Resume) and (step.quick_faults, step.delay_s) == (0, 10.0)
+
+
+def test_the_budget_grows_with_the_job() -> None:
+    assert [POLICY.budget_for(g) for g in (1, 1024, 2048, 16384)] == [2, 2, 4, 32]
+    many = AttemptRecord(attempt=9, fault_times=tuple(T - i for i in range(1, 31)), gpus=16384)
+    assert isinstance(next_attempt(many, classify(ended(1), [XID_79]), POLICY, T), Resume)
 
 
 def test_a_restart_in_place_keeps_the_gpus_and_the_exclusions_it_had() -> None:
