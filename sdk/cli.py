@@ -1,7 +1,8 @@
 """The ``gpufleet`` command: the queue, quotas, the nodes, cordon and uncordon, and
 training jobs (submit, jobs, logs, cancel, projects) through the SDK ``gpufleet.client``
 (``fleet_cli.py``, ``job_cli.py``), the what-if simulator (``gpufleet simulate``,
-docs/simulator.md) and snapshots (``gpufleet snapshot``, ``snapshot_cli.py``,
+docs/simulator.md), the fault-injection model (``gpufleet simulate-faults``,
+``faults_cli.py``) and snapshots (``gpufleet snapshot``, ``snapshot_cli.py``,
 docs/snapshots.md).
 
 Exit codes: 0 done; 1 a part of gpufleet this install lacks; 2 bad input (arguments,
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__, fleet_cli, snapshot_cli
+from . import __version__, faults_cli, fleet_cli, snapshot_cli
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -60,6 +61,7 @@ def _main(argv: list[str] | None) -> int:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     fleet_cli.add_fleet_commands(commands)
     _add_simulate(commands)
+    faults_cli.add_simulate_faults(commands)
     snapshot_cli.add_snapshot(commands)
     args = parser.parse_args(argv)
     if args.command in fleet_cli.COMMANDS:
@@ -68,6 +70,8 @@ def _main(argv: list[str] | None) -> int:
         return fleet_cli.fleet_command(args, Console(), Console(stderr=True))
     if args.command == "simulate":
         return simulate_command(args)
+    if args.command == "simulate-faults":
+        return faults_cli.simulate_faults_command(args)
     if args.command == "snapshot":
         from rich.console import Console
 
