@@ -489,6 +489,15 @@ class FleetController(RecoveryOptions, DatabaseMixin):
             await self.kube.cordon(node, cluster, cordoned)
         return self.store.set_cordoned(self.now(), node, cordoned, by)
 
+    async def drain(self, node: str, by: str, why: str) -> None:
+        """Cordon ``node`` and stop what runs there: jobs restart elsewhere, sessions are
+        snapshotted and stopped (docs/recovery.md, "Drain")."""
+        await self.cordon(node, True, by)
+        drained = self.store.drain_node(self.now(), node, by, why)
+        self.victims.stop(drained.sessions)
+        self.notifier.changed(drained.changed)  # the node agents stop the jobs' ranks
+        self.kick()
+
     def _stop_sessions_of_lost_nodes(self, stops: list[Stop]) -> None:
         self.victims.stop(stops)
         self.notifier.changed([s.workload_id for s in stops])

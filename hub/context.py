@@ -59,3 +59,7 @@ class ControllerContext(Protocol):
 
     async def cordon(self, node: str, cordoned: bool, by: str) -> bool:
         """Cordon or uncordon a node wherever it lives; whether anything changed."""
+
+    async def drain(self, node: str, by: str, why: str) -> None:
+        """Cordon a node and stop what runs there (jobs restart elsewhere, sessions are
+        snapshotted and stopped)."""

@@ -207,6 +207,15 @@ OPERATIONS = (
     ),
     Operation(
         "post",
+        "/nodes/{node_name}/drain",
+        "Drain a node: cordon it; its jobs stop with the checkpoint signal and restart "
+        "elsewhere, its sessions are snapshotted and stopped (admins)",
+        (scopes.ADMIN,),
+        schemas.DrainIn,
+        schemas.NodeOut,
+    ),
+    Operation(
+        "post",
         "/jobs",
         "Submit a training job (a gang of pods, each running the script under torchrun)",
         (scopes.USE,),

@@ -212,6 +212,11 @@ def _cordon(node: str, cordoned: bool) -> Steps[NodeOut]:
     return NodeOut.model_validate(answer)
 
 
+def _drain(node: str, reason: str) -> Steps[NodeOut]:
+    answer = yield _Request("POST", f"/nodes/{node}/drain", json={"reason": reason})
+    return NodeOut.model_validate(answer)
+
+
 def _events(limit: int, workload_id: int | None) -> Steps[list[EventOut]]:
     params: dict[str, Any] = {"limit": limit}
     if workload_id is not None:
@@ -455,6 +460,11 @@ class Client(_Common):
     def uncordon(self, node: str) -> NodeOut:
         return self._run(_cordon(node, False))
 
+    def drain(self, node: str, reason: str = "") -> NodeOut:
+        """Cordon ``node`` and stop what runs there (admins): jobs restart elsewhere,
+        sessions are snapshotted and stopped."""
+        return self._run(_drain(node, reason))
+
     def events(self, limit: int = 100, workload_id: int | None = None) -> list[EventOut]:
         return self._run(_events(limit, workload_id))
 
@@ -569,6 +579,9 @@ class AsyncClient(_Common):
 
     async def uncordon(self, node: str) -> NodeOut:
         return await self._run(_cordon(node, False))
+
+    async def drain(self, node: str, reason: str = "") -> NodeOut:
+        return await self._run(_drain(node, reason))
 
     async def events(self, limit: int = 100, workload_id: int | None = None) -> list[EventOut]:
         return await self._run(_events(limit, workload_id))

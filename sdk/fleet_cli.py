@@ -54,6 +54,14 @@ def add_fleet_commands(commands: Any) -> None:
     for verb, what in (("cordon", "no new work on"), ("uncordon", "new work again on")):
         command = commands.add_parser(verb, parents=[connection], help=f"{what} a node (admins)")
         command.add_argument("node", help="the node's name, as `gpufleet nodes` shows it")
+    drain = commands.add_parser(
+        "drain",
+        parents=[connection],
+        help="cordon a node and stop what runs there: jobs restart elsewhere, sessions are "
+        "snapshotted and stopped (admins)",
+    )
+    drain.add_argument("node", help="the node's name, as `gpufleet nodes` shows it")
+    drain.add_argument("--reason", default="", help="why, for the events people read")
     add_job_commands(commands, connection)
 
 
@@ -225,12 +233,25 @@ def _cordon(client: Client, args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _drain(client: Client, args: argparse.Namespace, console: Console) -> int:
+    node = client.drain(args.node, args.reason)
+    if args.json:
+        return print_json([node])
+    console.print(
+        f"{node.name} is draining: cordoned, its jobs restart elsewhere and its sessions "
+        f"are snapshotted and stop ({node.gpus - node.free_gpus} of {node.gpus} GPUs still "
+        f"in use). Undo the cordon: gpufleet uncordon {node.name}"
+    )
+    return 0
+
+
 _COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Console], int]] = {
     "queue": _queue,
     "quota": _quota,
     "nodes": _nodes,
     "cordon": _cordon,
     "uncordon": _cordon,
+    "drain": _drain,
     **JOB_COMMANDS,
 }
 COMMANDS = tuple(_COMMANDS)

@@ -348,6 +348,21 @@ class AgentSamplesHandler(APIHandler):
         self.send({"unknown": unknown})
 
 
+class NodeDrainHandler(APIHandler):
+    """POST ``/nodes/<name>/drain`` (admins): cordon the node and stop what runs there —
+    each job with the checkpoint signal and its grace, restarting elsewhere as its next
+    attempt; each session snapshotted and stopped. Answers the node as ``GET /nodes``."""
+
+    async def post(self, node_name: str) -> None:
+        identity = self.require(scopes.ADMIN)
+        body = self.body(schemas.DrainIn) if self.request.body else schemas.DrainIn()
+        with store_errors_as_http():
+            await self.controller.drain(node_name, identity.name, body.reason)
+        with self.controller.store.read() as session:
+            (row,) = [n for n in node_rows(session) if n.name == node_name]
+        self.send(row.model_dump(mode="json"))
+
+
 class AgentXidHandler(APIHandler):
     async def post(self) -> None:
         identity = self.require(scopes.AGENT)
@@ -447,6 +462,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/users/([^/]+)/spawn-options", SpawnOptionsHandler),
         (rf"{api}/nodes", NodesHandler),
         (rf"{api}/nodes/([^/]+)/(cordon|uncordon)", NodeCordonHandler),
+        (rf"{api}/nodes/([^/]+)/drain", NodeDrainHandler),
         (rf"{api}/agent/register", AgentRegisterHandler),
         (rf"{api}/agent/heartbeat", AgentHeartbeatHandler),
         (rf"{api}/agent/samples", AgentSamplesHandler),

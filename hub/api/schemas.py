@@ -350,6 +350,10 @@ class NodeOut(BaseModel):
     )
 
 
+class DrainIn(Strict):
+    reason: str = Field(default="", max_length=500, description="why, for the events")
+
+
 class ProfileOut(BaseModel):
     name: str
     display_name: str

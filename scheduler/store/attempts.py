@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -46,7 +47,9 @@ from ...recovery.classify import (
     hang_of,
 )
 from ...recovery.classify import JobProgress as JobProgressSeen
+from ..errors import NotFound
 from .base import StoreBase, _event
+from .cycle import Stop
 from .models import (
     Allocation,
     Event,
@@ -54,6 +57,7 @@ from .models import (
     JobLog,
     JobPod,
     JobProgress,
+    Node,
     Workload,
     WorkloadKind,
     WorkloadState,
@@ -63,6 +67,14 @@ from .progress import percentile
 # What the agent reports of a failed rank: "rank 1: ValueError: bad learning rate".
 _RANK_ERROR = re.compile(r"^rank (\d+): ([A-Za-z_][\w.]*): (.*)$", re.DOTALL)
 HARDWARE_EVENTS = ("gpu-xid", "gpu-lost")
+
+
+@dataclass(frozen=True)
+class DrainStops:
+    sessions: tuple[Stop, ...]  # for the backend to snapshot and stop
+    changed: tuple[int, ...]  # every workload the drain stops
+
+
 NODE_ACTIONS = frozenset({HardwareAction.RECYCLE_NODE, HardwareAction.CORDON_NODE})
 GPU_ACTIONS = frozenset(
     {
@@ -176,6 +188,48 @@ class AttemptStore(StoreBase):
                 self._fault_stops(session, now, workload, verdict, hang=hang.kind)
                 stopped.append(workload.id)
         return stopped
+
+    def drain_node(self, now: datetime, node_name: str, by: str, why: str) -> DrainStops:
+        """Empty ``node_name``: it is cordoned, each job with a pod there stops as drained
+        (the checkpoint signal and its grace; it restarts elsewhere at once, spending no
+        fault), and each session there becomes stopping (its backend snapshots and stops
+        it, as the culler's stop does). GPUs are released only as each ends. Returns the
+        sessions the backend must stop and every workload changed; NotFound for an
+        unknown node."""
+        said = f"node {node_name} drained by {by}" + (f": {why}" if why else "")
+        with self._write(now) as session:
+            node = session.scalar(select(Node).where(Node.name == node_name))
+            if node is None:
+                raise NotFound(f"there is no node {node_name!r}")
+            node.cordoned = True
+            _event(session, now, "node-drained", said, node=node_name, cause=by)
+            held = select(Allocation.workload_id).where(
+                Allocation.node_id == node.id, Allocation.closed_at.is_(None)
+            )
+            workloads = session.scalars(
+                select(Workload)
+                .where(
+                    Workload.id.in_(held),
+                    Workload.state.in_((WorkloadState.admitted, WorkloadState.running)),
+                )
+                .order_by(Workload.id)
+            ).all()
+            stops: list[Stop] = []
+            for workload in workloads:
+                if workload.kind == WorkloadKind.job:
+                    drained = PodOutcome(None, None, "Drained", None, (), (node_name,), 0.0)
+                    verdict = classify(drained, (), self.recovery_policy)
+                    verdict = replace(verdict, reason=f"{said}; {verdict.reason}")
+                    self._fault_stops(session, now, workload, verdict, node_name, drained=by)
+                    continue
+                workload.state = WorkloadState.stopping
+                workload.reason = f"{said}; the session is snapshotted and stops"
+                workload.version += 1
+                _event(session, now, "session-drained", workload.reason, workload=workload)
+                stops.append(
+                    Stop(workload.id, "session", workload.username, workload.server_name, said)
+                )
+            return DrainStops(tuple(stops), tuple(w.id for w in workloads))
 
     # ---------------------------------------------------------- an ending
     def _attempt_ended(

@@ -191,3 +191,44 @@ def test_a_rank_that_hangs_is_found_stopped_and_the_job_resumes(fleet: Hub, alic
     after = "".join(alice.logs(job.id, rank=0)).partition("--- gpufleet: attempt 2: ")[2]
     assert "rank 0 attempt 2 starts at step 10" in after, after[:500]
     assert [int(s) for s in re.findall(r"rank 0 step (\d+)", after)] == list(range(10, 40))
+
+
+def test_a_drain_snapshots_and_stops_the_session_and_the_job_resumes_elsewhere(
+    fleet: Hub, alice: Client
+) -> None:
+    fleet.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=1)
+    fleet.wait_ready("alice", timeout=180)
+    session = fleet.workload_of("alice")
+    assert session is not None
+    [node] = {a["node"] for a in session["allocations"]}
+    # Best fit: the 2-GPU job goes where 3 GPUs are free, beside the session.
+    job = alice.submit(
+        training(steps=120),
+        gpus=2,
+        gpus_per_pod=1,
+        gpu_type="A100-80GB",
+        project="vision",
+        name="drained",
+        env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"},
+    )
+    checkpoint = wait_for(
+        lambda: (p := alice.job(job.id).progress) and p.last_checkpoint,
+        120,
+        "the job's first checkpoint",
+    )
+    assert {a.node for a in alice.job(job.id).allocations} == {node}
+
+    drained = fleet.controller(
+        "POST", f"/nodes/{node}/drain", json={"reason": "firmware update"}
+    ).json()
+    assert drained["cordoned"]
+    ended = fleet.wait_ended(session, 120)
+    assert ended["outcome"] == "stopped" and "final snapshot" in ended["reason"], ended
+    finished = alice.wait(job.id, timeout=180)
+    assert (finished.outcome, finished.attempt, finished.faults) == ("succeeded", 2, 0)
+    assert {p.node for p in finished.pod_states} == {n["name"] for n in DECLARED} - {node}
+    restarted = [e for e in events(fleet, "job-restarting") if e["workload_id"] == job.id]
+    assert restarted[0]["message"].startswith(f"node {node} drained by ")
+    assert int(str(restarted[0]["data"]["resume_from"]).rsplit("step-", 1)[1]) >= checkpoint.step
+    drained_events = [e for e in events(fleet, "node-drained") if e["node"] == node]
+    assert drained_events and str(drained_events[0]["message"]).endswith("firmware update")

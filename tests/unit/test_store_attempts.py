@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import Engine, select
 
 from gpufleet.recovery.attempts import RetryPolicy
+from gpufleet.scheduler.errors import NotFound
 from gpufleet.scheduler.snapshot import Policy
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.jobs import LogChunk, PodReport
@@ -223,3 +224,36 @@ def test_a_job_that_stops_stepping_is_stopped_as_hung_and_its_restart_is_not_jud
     running(store, 701, job, pods=1, attempt=2)
     # No step of its own yet: an attempt loading its checkpoint is not hung after 600 s.
     assert store.stop_hung_jobs(t(1400)) == []
+
+
+def test_a_drain_cordons_the_node_stops_its_sessions_and_restarts_its_jobs_elsewhere(
+    store: FleetStore,
+) -> None:
+    # Best fit puts both on a2 (2 A100): carol's 1-GPU session and her 1-GPU job.
+    session = ask(store, t(1), "carol", project="nlp", gpus=1)
+    job = submit(store, 2, gpus=1, per_pod=1)
+    assert placed_on(store, job) == {"a2"}
+    running(store, 4, job, pods=1)
+    store.mark_running(t(4), session)
+    drained = store.drain_node(t(5), "a2", "admin", "firmware update")
+    said = "node a2 drained by admin: firmware update"
+    assert events(store, "node-drained") == [said]
+    assert set(drained.changed) == {job, session}
+    assert [(s.workload_id, s.reason) for s in drained.sessions] == [(session, said)]
+    assert workload(store, session).state == WorkloadState.stopping
+    assert workload(store, session).reason == f"{said}; the session is snapshotted and stops"
+    stopping = workload(store, job)
+    assert stopping.state == WorkloadState.stopping and stopping.reason.startswith(said)
+    # The job restarts at once, spending nothing, and not on the cordoned node.
+    report(store, 6, PodReport(job, 0, "stopped", signal=15))
+    back = workload(store, job)
+    assert (back.state, back.attempt, back.faults, back.not_before) == (
+        WorkloadState.pending,
+        2,
+        0,
+        None,
+    )
+    store.scheduling_cycle(t(7), NOW_POLICY)
+    assert placed_on(store, job) == {"a1"}
+    with pytest.raises(NotFound, match="there is no node 'nowhere'"):
+        store.drain_node(t(8), "nowhere", "admin", "")
