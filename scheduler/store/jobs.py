@@ -225,7 +225,9 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 )
             if workload.state == WorkloadState.pending:
                 self._end(session, now, workload, "cancelled", f"cancelled by {by} while waiting")
-            elif workload.state in (WorkloadState.admitted, WorkloadState.running):
+            elif workload.state in ACTIVE and workload.outcome != "cancelled":
+                # A job stopping for a fault or a drain is cancelled too: it then ends
+                # rather than coming back as its next attempt.
                 workload.state = WorkloadState.stopping
                 workload.outcome = "cancelled"
                 workload.reason = f"cancelled by {by}; stopping every rank"

@@ -22,7 +22,7 @@ from .test_agent import DECLARED, events
 
 pytestmark = pytest.mark.integration
 
-STEPS = 200
+STEPS = 100
 TRAINS_AND_CHECKPOINTS = textwrap.dedent(
     """
     import os, pathlib, signal, sys, time

@@ -257,3 +257,23 @@ def test_a_drain_cordons_the_node_stops_its_sessions_and_restarts_its_jobs_elsew
     assert placed_on(store, job) == {"a1"}
     with pytest.raises(NotFound, match="there is no node 'nowhere'"):
         store.drain_node(t(8), "nowhere", "admin", "")
+
+
+def test_a_job_cancelled_while_it_stops_for_a_fault_ends_instead_of_coming_back(
+    store: FleetStore,
+) -> None:
+    job = submit(store, 10, gpus=2)
+    running(store, 12, job, pods=1)
+    store.record_xid(t(13), "agent-1", "GPU-a2-0", 79)
+    store.act_on_xid(t(13), "GPU-a2-0", 79)
+    store.cancel_job(t(14), job, "carol")
+    report(store, 15, PodReport(job, 0, "stopped", signal=15))
+    ended = workload(store, job)
+    assert (ended.state, ended.outcome, ended.attempt) == (WorkloadState.ended, "cancelled", 1)
+    # And one waiting out its back-off ends at once.
+    again = submit(store, 20, gpus=2)
+    running(store, 22, again, pods=1)
+    report(store, 23, PodReport(again, 0, "exited", exit_code=1))
+    assert workload(store, again).state == WorkloadState.pending
+    store.cancel_job(t(24), again, "carol")
+    assert workload(store, again).outcome == "cancelled"
