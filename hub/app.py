@@ -348,7 +348,10 @@ class FleetController(RecoveryOptions, DatabaseMixin):
         )
         self._configure_accounts()
         try:
-            self.store.retry_policy, self.store.recovery_policy = self.recovery_policies()
+            policies = self.recovery_policies()
+            self.store.retry_policy, self.store.recovery_policy, self.store.breaker_policy = (
+                policies
+            )
         except ValueError as e:
             self.exit_with(f"job restarts: {e}", code=2)
         self.metrics = ControllerMetrics(self.store)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
@@ -19,6 +19,7 @@ from ..scheduler.snapshot import PreemptionCause
 from ..scheduler.store.models import (
     WORKLOAD_OUTCOMES,
     Allocation,
+    Event,
     Gpu,
     Node,
     Project,
@@ -36,7 +37,7 @@ class FleetCollector(Collector):
     def __init__(self, store: FleetStore):
         self.store = store
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         queued = GaugeMetricFamily(
             "gpufleet_queue_workloads",
             "Workloads waiting for GPUs",
@@ -72,9 +73,30 @@ class FleetCollector(Collector):
                 .group_by(Gpu.gpu_type, Node.health)
             ):
                 capacity.add_metric([gpu_type, health.value], count)
+        breakers = GaugeMetricFamily(
+            "gpufleet_recovery_breaker_open",
+            "1 while a cluster's breaker keeps the recovery loop from cordoning its nodes",
+            labels=["cluster"],
+        )
+        for cluster, tripped_at in self.store.breakers().items():
+            breakers.add_metric([cluster], 0 if tripped_at is None else 1)
+        cordons = CounterMetricFamily(
+            "gpufleet_recovery_cordons",
+            "Nodes and GPUs the recovery loop cordoned, by the class of the fault",
+            labels=["what", "cause"],
+        )
+        with self.store.read() as session:
+            for event_kind, cause, count in session.execute(
+                select(Event.kind, Event.reason, func.count())
+                .where(Event.kind.in_(("node-cordoned", "gpu-cordoned")), Event.cause == "recovery")
+                .group_by(Event.kind, Event.reason)
+            ):
+                cordons.add_metric([event_kind.removesuffix("-cordoned"), cause], count)
         yield queued
         yield allocated
         yield capacity
+        yield breakers
+        yield cordons
 
 
 class ControllerMetrics:

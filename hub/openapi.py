@@ -215,6 +215,19 @@ OPERATIONS = (
         schemas.NodeOut,
     ),
     Operation(
+        "get",
+        "/recovery/breakers",
+        "Each cluster's breaker on the recovery loop's automated cordons (admins)",
+        (scopes.ADMIN,),
+    ),
+    Operation(
+        "post",
+        "/recovery/breakers/{cluster}/reset",
+        "Close a cluster's recovery breaker: the recovery loop cordons faulty nodes there "
+        "again (admins)",
+        (scopes.ADMIN,),
+    ),
+    Operation(
         "post",
         "/jobs",
         "Submit a training job (a gang of pods, each running the script under torchrun)",

@@ -9,6 +9,7 @@ from traitlets import Float, Integer
 from traitlets.config import Configurable
 
 from ..recovery.attempts import RetryPolicy
+from ..recovery.breaker import BreakerPolicy
 from ..recovery.classify import RecoveryPolicy
 
 
@@ -73,11 +74,25 @@ class RecoveryOptions(Configurable):
         "while its GPUs idle.",
     ).tag(config=True)
 
+    recovery_breaker_share = Float(
+        0.5,
+        min=0.01,
+        max=1.0,
+        help="The recovery loop stops cordoning a cluster's nodes once those it cordoned "
+        "within recovery_breaker_window_seconds would pass this share of the cluster; it "
+        "cordons none there again until an admin resets the breaker (gpufleet "
+        "reset-breaker CLUSTER).",
+    ).tag(config=True)
+
+    recovery_breaker_window_seconds = Float(
+        300.0, min=1, help="The window recovery_breaker_share counts cordons in."
+    ).tag(config=True)
+
     hang_check_interval = Float(
         5.0, min=0.1, help="Seconds between the recovery loop's looks for hung jobs."
     ).tag(config=True)
 
-    def recovery_policies(self) -> tuple[RetryPolicy, RecoveryPolicy]:
+    def recovery_policies(self) -> tuple[RetryPolicy, RecoveryPolicy, BreakerPolicy]:
         """The policies the store applies; ValueError names what cannot work."""
         retry = RetryPolicy(
             self.job_fault_budget,
@@ -91,4 +106,5 @@ class RecoveryOptions(Configurable):
             checkpoint_limit_s=self.job_checkpoint_limit_seconds,
             silent_idle_s=self.job_silent_idle_seconds,
         )
-        return retry, recovery
+        breaker = BreakerPolicy(self.recovery_breaker_share, self.recovery_breaker_window_seconds)
+        return retry, recovery, breaker

@@ -36,6 +36,7 @@ import httpx
 
 from .hub.api.job_schemas import JobOut, LogOut
 from .hub.api.schemas import (
+    BreakerOut,
     EventOut,
     NodeOut,
     ProjectUsageOut,
@@ -215,6 +216,11 @@ def _cordon(node: str, cordoned: bool) -> Steps[NodeOut]:
 def _drain(node: str, reason: str) -> Steps[NodeOut]:
     answer = yield _Request("POST", f"/nodes/{node}/drain", json={"reason": reason})
     return NodeOut.model_validate(answer)
+
+
+def _reset_breaker(cluster: str) -> Steps[list[BreakerOut]]:
+    answer = yield _Request("POST", f"/recovery/breakers/{cluster}/reset")
+    return [BreakerOut.model_validate(b) for b in answer["items"]]
 
 
 def _events(limit: int, workload_id: int | None) -> Steps[list[EventOut]]:
@@ -465,6 +471,10 @@ class Client(_Common):
         sessions are snapshotted and stopped."""
         return self._run(_drain(node, reason))
 
+    def reset_breaker(self, cluster: str) -> list[BreakerOut]:
+        """Let the recovery loop cordon faulty nodes of ``cluster`` again (admins)."""
+        return self._run(_reset_breaker(cluster))
+
     def events(self, limit: int = 100, workload_id: int | None = None) -> list[EventOut]:
         return self._run(_events(limit, workload_id))
 
@@ -582,6 +592,9 @@ class AsyncClient(_Common):
 
     async def drain(self, node: str, reason: str = "") -> NodeOut:
         return await self._run(_drain(node, reason))
+
+    async def reset_breaker(self, cluster: str) -> list[BreakerOut]:
+        return await self._run(_reset_breaker(cluster))
 
     async def events(self, limit: int = 100, workload_id: int | None = None) -> list[EventOut]:
         return await self._run(_events(limit, workload_id))

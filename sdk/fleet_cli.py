@@ -62,6 +62,13 @@ def add_fleet_commands(commands: Any) -> None:
     )
     drain.add_argument("node", help="the node's name, as `gpufleet nodes` shows it")
     drain.add_argument("--reason", default="", help="why, for the events people read")
+    reset = commands.add_parser(
+        "reset-breaker",
+        parents=[connection],
+        help="let the recovery loop cordon faulty nodes of a cluster again, once the cause "
+        "of its many cordons is understood (admins)",
+    )
+    reset.add_argument("cluster", help="the cluster's name, as `gpufleet nodes` shows it")
     add_job_commands(commands, connection)
 
 
@@ -245,6 +252,14 @@ def _drain(client: Client, args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _reset_breaker(client: Client, args: argparse.Namespace, console: Console) -> int:
+    breakers = client.reset_breaker(args.cluster)
+    if args.json:
+        return print_json(breakers)
+    console.print(f"The recovery loop cordons faulty nodes of {args.cluster} again.")
+    return 0
+
+
 _COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Console], int]] = {
     "queue": _queue,
     "quota": _quota,
@@ -252,6 +267,7 @@ _COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Console], int]] = {
     "cordon": _cordon,
     "uncordon": _cordon,
     "drain": _drain,
+    "reset-breaker": _reset_breaker,
     **JOB_COMMANDS,
 }
 COMMANDS = tuple(_COMMANDS)

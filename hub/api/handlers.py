@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
@@ -31,6 +31,9 @@ from .node_operations import node_operation_routes
 from .projects import project_routes
 from .sessions import session_routes
 from .views import MAX_WAIT_SECONDS, listing, load_workload, page, workload_out
+
+if TYPE_CHECKING:
+    from ..context import ControllerContext
 
 
 class InfoHandler(APIHandler):
@@ -363,6 +366,28 @@ class NodeDrainHandler(APIHandler):
         self.send(row.model_dump(mode="json"))
 
 
+class BreakersHandler(APIHandler):
+    """GET ``/recovery/breakers``: each cluster's breaker on automated cordons; POST
+    ``/recovery/breakers/<cluster>/reset`` (admins) closes one (docs/recovery.md)."""
+
+    async def get(self) -> None:
+        self.require(scopes.ADMIN)
+        self.send({"items": _breakers(self.controller)})
+
+    async def post(self, cluster: str) -> None:
+        identity = self.require(scopes.ADMIN)
+        with store_errors_as_http():
+            self.controller.store.reset_breaker(self.controller.now(), cluster, identity.name)
+        self.send({"items": _breakers(self.controller)})
+
+
+def _breakers(controller: ControllerContext) -> list[dict[str, Any]]:
+    return [
+        schemas.BreakerOut(cluster=name, open=at is not None, tripped_at=at).model_dump(mode="json")
+        for name, at in sorted(controller.store.breakers().items())
+    ]
+
+
 class AgentXidHandler(APIHandler):
     async def post(self) -> None:
         identity = self.require(scopes.AGENT)
@@ -463,6 +488,8 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/nodes", NodesHandler),
         (rf"{api}/nodes/([^/]+)/(cordon|uncordon)", NodeCordonHandler),
         (rf"{api}/nodes/([^/]+)/drain", NodeDrainHandler),
+        (rf"{api}/recovery/breakers", BreakersHandler),
+        (rf"{api}/recovery/breakers/([^/]+)/reset", BreakersHandler),
         (rf"{api}/agent/register", AgentRegisterHandler),
         (rf"{api}/agent/heartbeat", AgentHeartbeatHandler),
         (rf"{api}/agent/samples", AgentSamplesHandler),

@@ -350,6 +350,12 @@ class NodeOut(BaseModel):
     )
 
 
+class BreakerOut(BaseModel):
+    cluster: str
+    open: bool = Field(description="the recovery loop cordons none of its nodes until reset")
+    tripped_at: datetime | None
+
+
 class DrainIn(Strict):
     reason: str = Field(default="", max_length=500, description="why, for the events")
 

@@ -32,6 +32,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ...recovery.attempts import AttemptRecord, GiveUp, Resume, RetryPolicy, next_attempt
+from ...recovery.breaker import BreakerPolicy, may_cordon
 from ...recovery.classify import (
     FaultClass,
     GpuLost,
@@ -52,6 +53,7 @@ from .base import StoreBase, _event
 from .cycle import Stop
 from .models import (
     Allocation,
+    Cluster,
     Event,
     Gpu,
     JobLog,
@@ -61,6 +63,7 @@ from .models import (
     Workload,
     WorkloadKind,
     WorkloadState,
+    Zone,
 )
 from .progress import percentile
 
@@ -90,6 +93,7 @@ class AttemptStore(StoreBase):
     # Set by the controller from its configuration (``hub/app.py``).
     retry_policy = RetryPolicy()
     recovery_policy = RecoveryPolicy()
+    breaker_policy = BreakerPolicy()
 
     # ------------------------------------------------------------ classify
     def _classify_pod(
@@ -164,8 +168,115 @@ class AttemptStore(StoreBase):
             ):
                 self._fault_stops(session, now, holder, verdict, node, gpu=gpu_uuid, xid=xid)
                 changed.append(holder.id)
-            _take_out_of_service(session, now, gpu, verdict)
+            self._take_out_of_service(session, now, gpu, verdict)
             return changed
+
+    def _take_out_of_service(
+        self, session: Session, now: datetime, gpu: Gpu, verdict: Verdict
+    ) -> None:
+        """A node fault cordons the node — unless the cluster's breaker is open or this
+        cordon would open it (``recovery/breaker.py``); a GPU's hardware or repeated fault
+        cordons the GPU. Either takes no new work until an admin uncordons the node."""
+        node = gpu.node
+        if verdict.hardware in NODE_ACTIONS and not node.cordoned:
+            if self._breaker_holds(session, now, node, verdict):
+                return
+            node.cordoned = True
+            node.recovery_cordoned_at = now
+            _event(
+                session,
+                now,
+                "node-cordoned",
+                f"node {node.name} cordoned by the recovery loop: {verdict.reason}; it "
+                "receives no new work",
+                reason=verdict.fault.value,
+                node=node.name,
+                cause="recovery",
+            )
+        elif verdict.hardware in GPU_ACTIONS and not gpu.cordoned:
+            gpu.cordoned = True
+            _event(
+                session,
+                now,
+                "gpu-cordoned",
+                f"GPU {gpu.uuid} (index {gpu.index}) of node {node.name} cordoned by the "
+                f"recovery loop: {verdict.reason}; it receives no new work until the node "
+                "is uncordoned",
+                reason=verdict.fault.value,
+                node=node.name,
+                cause="recovery",
+                data={"uuid": gpu.uuid, "index": gpu.index},
+            )
+
+    def _breaker_holds(self, session: Session, now: datetime, node: Node, verdict: Verdict) -> bool:
+        """Whether the cluster's breaker keeps ``node`` in service (opening it if this
+        cordon would pass its share), with an event that says so."""
+        cluster = node.zone.cluster
+        if cluster.breaker_tripped_at is None:
+            in_cluster = select(Node).join(Zone).where(Zone.cluster_id == cluster.id)
+            nodes = session.scalar(select(func.count()).select_from(in_cluster.subquery()))
+            since = now - timedelta(seconds=self.breaker_policy.window_s)
+            recent = session.scalar(
+                select(func.count()).select_from(
+                    in_cluster.where(
+                        Node.cordoned.is_(True), Node.recovery_cordoned_at >= since
+                    ).subquery()
+                )
+            )
+            if may_cordon(recent or 0, nodes or 0, self.breaker_policy):
+                return False
+            cluster.breaker_tripped_at = now
+            _event(
+                session,
+                now,
+                "recovery-breaker-tripped",
+                f"the recovery loop stops cordoning nodes of cluster {cluster.name}: {recent} "
+                f"of its {nodes} node(s) were cordoned by it within "
+                f"{self.breaker_policy.window_s:.0f} s, and one more would pass "
+                f"{self.breaker_policy.share:.0%}; an admin resets the breaker when the "
+                f"cause is understood (gpufleet reset-breaker {cluster.name})",
+                node=node.name,
+                cause="recovery",
+                data={"cluster": cluster.name, "recent": recent, "nodes": nodes},
+            )
+        _event(
+            session,
+            now,
+            "recovery-cordon-withheld",
+            f"node {node.name} stays in service: the recovery breaker of cluster "
+            f"{cluster.name} is open; the fault: {verdict.reason}",
+            reason=verdict.fault.value,
+            node=node.name,
+            cause="recovery",
+            data={"cluster": cluster.name},
+        )
+        return True
+
+    def reset_breaker(self, now: datetime, cluster_name: str, by: str) -> bool:
+        """Close a cluster's breaker: automated cordons resume. Whether it was open;
+        NotFound for an unknown cluster."""
+        with self._write(now) as session:
+            cluster = session.scalar(select(Cluster).where(Cluster.name == cluster_name))
+            if cluster is None:
+                raise NotFound(f"there is no cluster {cluster_name!r}")
+            if cluster.breaker_tripped_at is None:
+                return False
+            cluster.breaker_tripped_at = None
+            _event(
+                session,
+                now,
+                "recovery-breaker-reset",
+                f"{by} reset the recovery breaker of cluster {cluster_name}: the recovery "
+                "loop cordons faulty nodes again",
+                cause=by,
+                data={"cluster": cluster_name},
+            )
+            return True
+
+    def breakers(self) -> dict[str, datetime | None]:
+        """Each cluster's breaker: when it opened, None while closed."""
+        with self.read() as session:
+            return dict(session.execute(select(Cluster.name, Cluster.breaker_tripped_at)).all())
 
     def stop_hung_jobs(self, now: datetime) -> list[int]:
         """Stop every running job that stopped progressing (``classify.hang_of``): no step
@@ -331,37 +442,6 @@ class AttemptStore(StoreBase):
 
 
 # ------------------------------------------------------------------ helpers
-def _take_out_of_service(session: Session, now: datetime, gpu: Gpu, verdict: Verdict) -> None:
-    """A node fault cordons the node; a GPU's hardware or repeated fault cordons the GPU.
-    Both take no new work until an admin uncordons the node (docs/recovery.md)."""
-    node = gpu.node
-    if verdict.hardware in NODE_ACTIONS and not node.cordoned:
-        node.cordoned = True
-        _event(
-            session,
-            now,
-            "node-cordoned",
-            f"node {node.name} cordoned by the recovery loop: {verdict.reason}; it receives "
-            "no new work",
-            reason=verdict.fault.value,
-            node=node.name,
-            cause="recovery",
-        )
-    elif verdict.hardware in GPU_ACTIONS and not gpu.cordoned:
-        gpu.cordoned = True
-        _event(
-            session,
-            now,
-            "gpu-cordoned",
-            f"GPU {gpu.uuid} (index {gpu.index}) of node {node.name} cordoned by the recovery "
-            f"loop: {verdict.reason}; it receives no new work until the node is uncordoned",
-            reason=verdict.fault.value,
-            node=node.name,
-            cause="recovery",
-            data={"uuid": gpu.uuid, "index": gpu.index},
-        )
-
-
 def _placement(workload: Workload) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The GPUs and nodes the running attempt holds."""
     held = [a for a in workload.allocations if a.closed_at is None]

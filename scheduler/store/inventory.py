@@ -244,6 +244,7 @@ class InventoryStore(StoreBase):
             if node.cordoned == cordoned and not blamed:
                 return False
             node.cordoned = cordoned
+            node.recovery_cordoned_at = None  # a person decided: the loop's cordon is over
             for gpu in blamed:  # an admin's uncordon returns the node's every GPU
                 gpu.cordoned = False
             verb = "cordoned" if cordoned else "uncordoned"

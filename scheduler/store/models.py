@@ -223,6 +223,9 @@ class Cluster(Base):
     reachable: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     status_message: Mapped[str] = mapped_column(Text, default="", server_default="")
     status_since: Mapped[datetime | None] = mapped_column(default=None)
+    # The recovery loop's breaker on automated cordons opened then (recovery/breaker.py):
+    # it cordons no node of this cluster until an admin resets it (None: closed).
+    breaker_tripped_at: Mapped[datetime | None] = mapped_column(default=None)
 
     zones: Mapped[list[Zone]] = relationship(back_populates="cluster")
 
@@ -251,6 +254,8 @@ class Node(Base):
     labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
     health: Mapped[NodeHealth] = mapped_column(_enum(NodeHealth), default=NodeHealth.unknown)
     cordoned: Mapped[bool] = mapped_column(Boolean, default=False)
+    # When the recovery loop cordoned it (None: it did not, or the node was uncordoned).
+    recovery_cordoned_at: Mapped[datetime | None] = mapped_column(default=None)
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
     agent: Mapped[str | None] = mapped_column(String(255), default=None)
 

@@ -298,6 +298,9 @@ class Hub:
         for node in self.controller("GET", "/nodes").json()["items"]:
             if node["cordoned"] or node["cordoned_gpus"]:
                 self.controller("POST", f"/nodes/{node['name']}/uncordon")
+        for breaker in self.controller("GET", "/recovery/breakers").json()["items"]:
+            if breaker["open"]:
+                self.controller("POST", f"/recovery/breakers/{breaker['cluster']}/reset")
 
     def service_pid(self, script: str) -> int | None:
         """The pid of this hub's ``gpufleet-controller`` or ``gpufleet-agent``."""

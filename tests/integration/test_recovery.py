@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+import httpx
 import pytest
 
 from gpufleet.agent.gpus import declared_fake_gpus
@@ -232,3 +233,27 @@ def test_a_drain_snapshots_and_stops_the_session_and_the_job_resumes_elsewhere(
     assert int(str(restarted[0]["data"]["resume_from"]).rsplit("step-", 1)[1]) >= checkpoint.step
     drained_events = [e for e in events(fleet, "node-drained") if e["node"] == node]
     assert drained_events and str(drained_events[0]["message"]).endswith("firmware update")
+
+
+def test_faults_on_most_of_a_cluster_open_the_breaker_and_it_says_so(
+    fleet: Hub, gpus: list[FakeGpu]
+) -> None:
+    # The two declared nodes are one cluster: the loop may cordon one of them (half).
+    by_node: dict[str, FakeGpu] = {}
+    for gpu, spec in zip(gpus, [d for d in DECLARED for _ in range(d["gpus"])], strict=True):
+        by_node.setdefault(str(spec["name"]), gpu)
+    write_control(
+        fleet.fake_nvml_control,
+        [replace(g, xid_events=[79]) if g in by_node.values() else g for g in gpus],
+    )
+    tripped = wait_for(lambda: events(fleet, "recovery-breaker-tripped"), 15, "the breaker tripped")
+    assert "stops cordoning nodes of cluster" in str(tripped[0]["message"])
+    nodes = {n["name"]: n for n in fleet.controller("GET", "/nodes").json()["items"]}
+    assert sorted(n["cordoned"] for n in nodes.values()) == [False, True]
+    withheld = events(fleet, "recovery-cordon-withheld")
+    assert withheld and not nodes[str(withheld[0]["node"])]["cordoned"]
+    breakers = fleet.controller("GET", "/recovery/breakers").json()["items"]
+    assert [b["open"] for b in breakers] == [True]
+    exported = httpx.get(f"{fleet.url}/services/gpufleet/metrics", timeout=10).text
+    assert f'gpufleet_recovery_breaker_open{{cluster="{breakers[0]["cluster"]}"}} 1.0' in exported
+    assert 'gpufleet_recovery_cordons_total{cause="node",what="node"}' in exported

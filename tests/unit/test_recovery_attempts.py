@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from gpufleet.recovery.attempts import AttemptRecord, GiveUp, Resume, RetryPolicy, next_attempt
+from gpufleet.recovery.breaker import BreakerPolicy, may_cordon
 from gpufleet.recovery.classify import PodOutcome, RankError, Xid, classify
 
 T = 10_000.0
@@ -122,3 +123,16 @@ def test_a_verdict_that_keeps_the_job_running_is_not_an_ended_attempt() -> None:
 def test_a_policy_that_cannot_work_is_refused() -> None:
     with pytest.raises(ValueError, match="backoff_s <= backoff_max_s"):
         RetryPolicy(backoff_s=60.0, backoff_max_s=10.0)
+
+
+@pytest.mark.parametrize(
+    ("recent", "nodes", "allowed"),
+    [(0, 2, True), (1, 2, False), (0, 3, True), (1, 3, False), (4, 10, True), (5, 10, False)],
+)
+def test_the_breaker_stops_cordons_past_its_share(recent: int, nodes: int, allowed: bool) -> None:
+    assert may_cordon(recent, nodes, BreakerPolicy(share=0.5, window_s=300)) is allowed
+
+
+def test_a_breaker_that_cannot_work_is_refused() -> None:
+    with pytest.raises(ValueError, match="0 < share <= 1"):
+        BreakerPolicy(share=0)

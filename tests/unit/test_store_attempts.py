@@ -14,7 +14,7 @@ from gpufleet.scheduler.errors import NotFound
 from gpufleet.scheduler.snapshot import Policy
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.jobs import LogChunk, PodReport
-from gpufleet.scheduler.store.models import Allocation, Event, WorkloadState
+from gpufleet.scheduler.store.models import Allocation, Event, Node, WorkloadState
 from gpufleet.scheduler.store.progress import ProgressReport, Saved
 from gpufleet.scheduler.validation import JobRequest
 
@@ -277,3 +277,37 @@ def test_a_job_cancelled_while_it_stops_for_a_fault_ends_instead_of_coming_back(
     assert workload(store, again).state == WorkloadState.pending
     store.cancel_job(t(24), again, "carol")
     assert workload(store, again).outcome == "cancelled"
+
+
+def test_the_breaker_stops_automated_cordons_past_half_the_cluster_until_reset(
+    store: FleetStore,
+) -> None:
+    # a1, a2 and h1 are the cluster "local": the loop may cordon one of them (1.5 is half).
+    assert store.act_on_xid(t(10), "GPU-a1-0", 79) == []
+    assert workload_node(store, "a1").cordoned
+    store.act_on_xid(t(20), "GPU-a2-0", 79)
+    assert not workload_node(store, "a2").cordoned
+    [tripped] = events(store, "recovery-breaker-tripped")
+    assert tripped.startswith(
+        "the recovery loop stops cordoning nodes of cluster local: 1 of its 3 node(s) were "
+        "cordoned by it within 300 s, and one more would pass 50%"
+    )
+    assert store.breakers() == {"local": t(20)}
+    store.act_on_xid(t(30), "GPU-h1-0", 79)  # open: held back, said again
+    assert not workload_node(store, "h1").cordoned
+    assert len(events(store, "recovery-cordon-withheld")) == 2
+    # People still cordon; an admin's reset and uncordon let the loop act again.
+    assert store.set_cordoned(t(40), "a1", False, by="admin")
+    assert store.reset_breaker(t(41), "local", "admin") and store.breakers() == {"local": None}
+    assert not store.reset_breaker(t(42), "local", "admin")
+    store.act_on_xid(t(43), "GPU-a2-0", 79)
+    assert workload_node(store, "a2").cordoned
+    with pytest.raises(NotFound, match="there is no cluster 'elsewhere'"):
+        store.reset_breaker(t(44), "elsewhere", "admin")
+
+
+def workload_node(store: FleetStore, name: str) -> Node:
+    with store.read() as session:
+        found = session.scalar(select(Node).where(Node.name == name))
+        assert found is not None
+        return found
