@@ -148,6 +148,13 @@ class ControllerMetrics:
         )
         for fault in FaultClass:  # every series exists from the start
             self.job_restarts.labels(fault.value)
+        self.job_resume = Histogram(
+            "gpufleet_job_resume_seconds",
+            "From what ended a job's attempt (a fault, a preemption, a drain) to the first "
+            "step of its next attempt",
+            buckets=(5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600),
+            registry=self.registry,
+        )
         self.repairs = Counter(
             "gpufleet_reconciler_repairs_total",
             "Repairs the reconciler made, by rule (docs/reconciler.md)",

@@ -345,6 +345,8 @@ class AgentPodsHandler(APIHandler):
             controller.metrics.ended.labels("job", outcome).inc()
         for fault in result.restarted:
             controller.metrics.job_restarts.labels(fault).inc()
+        for seconds in result.resumed_after_s:
+            controller.metrics.job_resume.observe(seconds)
         if result.changed:
             controller.notifier.changed(result.changed)
             controller.kick()  # GPUs may have been released

@@ -130,7 +130,11 @@ class AttemptStore(StoreBase):
     ) -> None:
         """Stop a running attempt for ``verdict`` (kept until its pods are gone), with a
         ``job-fault`` event that carries ``data``."""
-        workload.recovery = {**(workload.recovery or {}), "fault": verdict_json(verdict)}
+        workload.recovery = {
+            **(workload.recovery or {}),
+            "fault": verdict_json(verdict),
+            "fault_at": now.isoformat(),
+        }
         workload.state = WorkloadState.stopping
         workload.outcome = "failed"
         workload.reason = verdict.reason
@@ -400,6 +404,8 @@ class AttemptStore(StoreBase):
             "log_bases": _continue_logs(session, now, workload.id, line),
             "fault_times": list(step.fault_times),
             "quick_faults": step.quick_faults,
+            # Disruptions too: the time to resume counts from whatever ended the attempt.
+            "fault_at": (workload.recovery or {}).get("fault_at") or now.isoformat(),
         }
         workload.attempt = step.attempt
         workload.faults += 1 if verdict.spends_budget else 0

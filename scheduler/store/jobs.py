@@ -140,6 +140,8 @@ class SyncResult:
     changed: list[int]  # workloads whose visible state changed (for long-polling readers)
     ended: list[str]  # the outcome of each job that ended in this sync
     restarted: list[str] = field(default_factory=list)  # the fault class of each restart
+    # Seconds from a fault to the first step of the attempt after it, one per job resumed.
+    resumed_after_s: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,8 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
         restarted: list[str] = []
         with self._write(now) as session:
             _store_chunks(session, now, chunks)
-            changed |= record_progress(session, now, progress)
+            resumed: list[float] = []
+            changed |= record_progress(session, now, progress, resumed)
             by_workload: dict[int, list[PodReport]] = defaultdict(list)
             for report in reports:
                 by_workload[report.workload_id].append(report)
@@ -268,7 +271,7 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 if fault is not None:
                     restarted.append(fault)
             desired = _desired_pods(session, nodes)
-        return SyncResult(desired, sorted(changed), ended, restarted)
+        return SyncResult(desired, sorted(changed), ended, restarted, resumed)
 
     def _apply_reports(
         self,
@@ -329,7 +332,11 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 # Classified now, while the evidence is fresh and before the other pods'
                 # stop adds endings of its own (``store/attempts.py``).
                 verdict = self._classify_pod(session, now, workload, row)
-                workload.recovery = {**(workload.recovery or {}), "fault": verdict_json(verdict)}
+                workload.recovery = {
+                    **(workload.recovery or {}),
+                    "fault": verdict_json(verdict),
+                    "fault_at": now.isoformat(),
+                }
                 workload.state = WorkloadState.stopping
                 workload.outcome = "failed"
                 workload.reason = f"pod {report.pod_index} on {node} {_pod_ending(row)}"

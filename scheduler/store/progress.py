@@ -45,8 +45,11 @@ class ProgressReport:
     checkpoints_saved: Sequence[Saved] = ()
 
 
-def record_progress(session: Session, now: datetime, reports: Iterable[ProgressReport]) -> set[int]:
-    """Record the reports; the jobs whose progress changed."""
+def record_progress(
+    session: Session, now: datetime, reports: Iterable[ProgressReport], resumed: list[float]
+) -> set[int]:
+    """Record the reports; the jobs whose progress changed. For each attempt that steps for
+    the first time after a fault, the seconds from the fault are appended to ``resumed``."""
     changed: set[int] = set()
     for report in reports:
         workload = session.get(Workload, report.workload_id)
@@ -62,15 +65,33 @@ def record_progress(session: Session, now: datetime, reports: Iterable[ProgressR
         if row is None:
             row = JobProgress(workload_id=workload.id, step_times=[], metrics={}, updated_at=now)
             session.add(row)
-        _apply(session, now, workload, row, report)
+        # The first step of a new attempt counts whatever its number: the attempt resumed
+        # from a checkpoint older than the steps its predecessor reported.
+        started = workload.started_at
+        first = report.step is not None and (
+            row.last_step_at is None or (started is not None and row.last_step_at < started)
+        )
+        fault_at = (workload.recovery or {}).get("fault_at")
+        if first and fault_at and workload.attempt > 1:
+            at = report.step_at or now
+            resumed.append((at - datetime.fromisoformat(fault_at)).total_seconds())
+            workload.recovery = {
+                k: v for k, v in (workload.recovery or {}).items() if k != "fault_at"
+            }
+        _apply(session, now, workload, row, report, first)
         changed.add(workload.id)
     return changed
 
 
 def _apply(
-    session: Session, now: datetime, workload: Workload, row: JobProgress, report: ProgressReport
+    session: Session,
+    now: datetime,
+    workload: Workload,
+    row: JobProgress,
+    report: ProgressReport,
+    first: bool,
 ) -> None:
-    if report.step is not None and (row.last_step is None or report.step >= row.last_step):
+    if report.step is not None and (first or row.last_step is None or report.step >= row.last_step):
         row.last_step = report.step
         row.last_step_at = report.step_at or now
     if report.step_times_s:

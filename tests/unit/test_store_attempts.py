@@ -14,7 +14,7 @@ from gpufleet.scheduler.errors import NotFound
 from gpufleet.scheduler.snapshot import Policy
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.jobs import LogChunk, PodReport
-from gpufleet.scheduler.store.models import Allocation, Event, Node, WorkloadState
+from gpufleet.scheduler.store.models import Allocation, Event, JobProgress, Node, WorkloadState
 from gpufleet.scheduler.store.progress import ProgressReport, Saved
 from gpufleet.scheduler.validation import JobRequest
 
@@ -58,6 +58,7 @@ def test_an_unexplained_failure_comes_back_as_the_next_attempt_after_its_back_of
     first = workload(store, job)
     running(store, 12, job)
     checkpointed(store, 13, job)
+    store.agent_sync(t(13), NODES, [], [], [ProgressReport(job, 0, step=45, step_at=t(13))])
     store.agent_sync(t(13), NODES, [], [LogChunk(job, 0, "stdout", 0, "step 40\n")])
     report(store, 14, PodReport(job, 1, "exited", exit_code=1, reason="rank 3: Killed"))
     assert workload(store, job).state == WorkloadState.stopping
@@ -92,6 +93,13 @@ def test_an_unexplained_failure_comes_back_as_the_next_attempt_after_its_back_of
     store.agent_sync(t(27), NODES, [], [LogChunk(job, 0, "stdout", 8, "stale\n", attempt=1)])
     # The log goes on where the first attempt's ended, after a line that says why.
     running(store, 28, job, attempt=2)
+    # Its first step counts though the checkpoint it resumed from is older than the steps
+    # attempt 1 reported; and how long the job took from the fault to it is measured.
+    first_step = ProgressReport(job, 0, step=41, step_at=t(30))
+    result = store.agent_sync(t(30), NODES, [], [], [first_step])
+    assert result.resumed_after_s == [16.0]  # the pod failed at t(14)
+    with store.read() as session:
+        assert session.get(JobProgress, job).last_step == 41  # type: ignore[union-attr]
     store.agent_sync(t(29), NODES, [], [LogChunk(job, 0, "stdout", 0, "step 41\n", attempt=2)])
     log = store.read_log(job, 0, "stdout", 0, 1 << 20).data
     assert log.startswith("step 40\n--- gpufleet: attempt 2: the pod ended (exit 1)")
