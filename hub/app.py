@@ -57,6 +57,7 @@ from .pages import page_routes
 from .reconciler import Reconciler
 from .recovery_options import RecoveryOptions
 from .secrets import SecretFileError, check_secret_file
+from .timed import TimedWork
 from .victims import VictimStopper
 
 DEFAULT_PRIORITY_CLASSES = [
@@ -355,6 +356,7 @@ class FleetController(RecoveryOptions, DatabaseMixin):
         except ValueError as e:
             self.exit_with(f"job restarts: {e}", code=2)
         self.metrics = ControllerMetrics(self.store)
+        self.timed = TimedWork(self, self.engine)
         self.culler = IdleCuller(
             self.store,
             self.idle_policies,
@@ -534,6 +536,8 @@ class FleetController(RecoveryOptions, DatabaseMixin):
             elif not held:
                 self.log.info("another controller holds the database lease; standing by")
             self.is_leader = held
+            if held != was_leader:
+                (self.timed.lead if held else self.timed.follow)()
             if held:
                 self._became_leader.set()
                 if not was_leader:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .api.identity import Identity
     from .metrics import ControllerMetrics
     from .notifier import Notifier
+    from .timed import TimedWork
 
 
 class ControllerContext(Protocol):
@@ -59,6 +60,8 @@ class ControllerContext(Protocol):
 
     async def cordon(self, node: str, cordoned: bool, by: str) -> bool:
         """Cordon or uncordon a node wherever it lives; whether anything changed."""
+
+    timed: TimedWork
 
     async def drain(self, node: str, by: str, why: str) -> None:
         """Cordon a node and stop what runs there (jobs restart elsewhere, sessions are

@@ -209,10 +209,22 @@ OPERATIONS = (
         "post",
         "/nodes/{node_name}/drain",
         "Drain a node: cordon it; its jobs stop with the checkpoint signal and restart "
-        "elsewhere, its sessions are snapshotted and stopped (admins)",
+        "elsewhere, its sessions are snapshotted and stopped (admins); with `at`, later",
         (scopes.ADMIN,),
         schemas.DrainIn,
         schemas.NodeOut,
+    ),
+    Operation(
+        "get",
+        "/timed",
+        "The timed jobs: drains scheduled for later (admins)",
+        (scopes.ADMIN,),
+    ),
+    Operation(
+        "delete",
+        "/timed/{job_id}",
+        "Cancel a timed job (admins)",
+        (scopes.ADMIN,),
     ),
     Operation(
         "get",

@@ -41,6 +41,7 @@ from .hub.api.schemas import (
     NodeOut,
     ProjectUsageOut,
     SnapshotOut,
+    TimedJobOut,
     WeekUsageOut,
     WorkloadOut,
 )
@@ -216,6 +217,11 @@ def _cordon(node: str, cordoned: bool) -> Steps[NodeOut]:
 def _drain(node: str, reason: str) -> Steps[NodeOut]:
     answer = yield _Request("POST", f"/nodes/{node}/drain", json={"reason": reason})
     return NodeOut.model_validate(answer)
+
+
+def _drain_at(node: str, reason: str, at: str) -> Steps[TimedJobOut]:
+    answer = yield _Request("POST", f"/nodes/{node}/drain", json={"reason": reason, "at": at})
+    return TimedJobOut.model_validate(answer)
 
 
 def _reset_breaker(cluster: str) -> Steps[list[BreakerOut]]:
@@ -470,6 +476,10 @@ class Client(_Common):
         """Cordon ``node`` and stop what runs there (admins): jobs restart elsewhere,
         sessions are snapshotted and stopped."""
         return self._run(_drain(node, reason))
+
+    def drain_at(self, node: str, at: str, reason: str = "") -> TimedJobOut:
+        """Drain ``node`` later (admins): ``at`` is HH:MM (UTC) or an ISO date and time."""
+        return self._run(_drain_at(node, reason, at))
 
     def reset_breaker(self, cluster: str) -> list[BreakerOut]:
         """Let the recovery loop cordon faulty nodes of ``cluster`` again (admins)."""

@@ -62,6 +62,9 @@ def add_fleet_commands(commands: Any) -> None:
     )
     drain.add_argument("node", help="the node's name, as `gpufleet nodes` shows it")
     drain.add_argument("--reason", default="", help="why, for the events people read")
+    drain.add_argument(
+        "--at", help="drain later: HH:MM (the next such time, UTC) or an ISO date and time"
+    )
     reset = commands.add_parser(
         "reset-breaker",
         parents=[connection],
@@ -241,6 +244,13 @@ def _cordon(client: Client, args: argparse.Namespace, console: Console) -> int:
 
 
 def _drain(client: Client, args: argparse.Namespace, console: Console) -> int:
+    if args.at:
+        job = client.drain_at(args.node, args.at, args.reason)
+        if args.json:
+            return print_json([job])
+        at = job.at.isoformat(timespec="minutes") if job.at else "?"
+        console.print(f"{args.node} will be drained at {at} (timed job {job.id}).")
+        return 0
     node = client.drain(args.node, args.reason)
     if args.json:
         return print_json([node])

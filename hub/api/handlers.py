@@ -23,6 +23,7 @@ from ...scheduler.validation import SessionRequest
 from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
 from ..reconciler import settle_before_start
+from ..timed import TimedJob, when
 from . import schemas
 from .accounts import account_routes
 from .base import APIHandler, store_errors_as_http
@@ -359,11 +360,42 @@ class NodeDrainHandler(APIHandler):
     async def post(self, node_name: str) -> None:
         identity = self.require(scopes.ADMIN)
         body = self.body(schemas.DrainIn) if self.request.body else schemas.DrainIn()
+        with self.controller.store.read() as session:
+            rows = [n for n in node_rows(session) if n.name == node_name]
+        if not rows:
+            raise NotFoundError(f"there is no node {node_name!r}")
+        if body.at is not None:
+            try:
+                at = when(body.at, self.controller.now())
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+            job = self.controller.timed.schedule_drain(node_name, identity.name, body.reason, at)
+            self.send(_timed_out(job).model_dump(mode="json"), status=202)
+            return
         with store_errors_as_http():
             await self.controller.drain(node_name, identity.name, body.reason)
         with self.controller.store.read() as session:
             (row,) = [n for n in node_rows(session) if n.name == node_name]
         self.send(row.model_dump(mode="json"))
+
+
+class TimedHandler(APIHandler):
+    """GET ``/timed``: the timed jobs (admins); DELETE ``/timed/<id>`` cancels one."""
+
+    async def get(self) -> None:
+        self.require(scopes.ADMIN)
+        jobs = self.controller.timed.jobs()
+        self.send({"items": [_timed_out(j).model_dump(mode="json") for j in jobs]})
+
+    async def delete(self, job_id: str) -> None:
+        self.require(scopes.ADMIN)
+        if not self.controller.timed.cancel(job_id):
+            raise NotFoundError(f"there is no timed job {job_id!r}")
+        self.send({"cancelled": job_id})
+
+
+def _timed_out(job: TimedJob) -> schemas.TimedJobOut:
+    return schemas.TimedJobOut(id=job.id, what=job.what, at=job.at)
 
 
 class BreakersHandler(APIHandler):
@@ -489,6 +521,8 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/nodes/([^/]+)/(cordon|uncordon)", NodeCordonHandler),
         (rf"{api}/nodes/([^/]+)/drain", NodeDrainHandler),
         (rf"{api}/recovery/breakers", BreakersHandler),
+        (rf"{api}/timed", TimedHandler),
+        (rf"{api}/timed/([^/]+)", TimedHandler),
         (rf"{api}/recovery/breakers/([^/]+)/reset", BreakersHandler),
         (rf"{api}/agent/register", AgentRegisterHandler),
         (rf"{api}/agent/heartbeat", AgentHeartbeatHandler),

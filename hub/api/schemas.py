@@ -358,6 +358,18 @@ class BreakerOut(BaseModel):
 
 class DrainIn(Strict):
     reason: str = Field(default="", max_length=500, description="why, for the events")
+    at: str | None = Field(
+        default=None,
+        max_length=64,
+        description="drain later: HH:MM (the next such time, UTC) or an ISO date and time; "
+        "the drain is then a timed job (GET /timed)",
+    )
+
+
+class TimedJobOut(BaseModel):
+    id: str
+    what: str
+    at: datetime | None
 
 
 class ProfileOut(BaseModel):

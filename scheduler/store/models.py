@@ -20,16 +20,20 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Column,
     DateTime,
     Enum,
     Float,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
+    Table,
     Text,
     TypeDecorator,
+    Unicode,
     UniqueConstraint,
     false,
     text,
@@ -580,3 +584,14 @@ class ControllerLease(Base):
     epoch: Mapped[int] = mapped_column(Integer)
     acquired_at: Mapped[datetime]
     expires_at: Mapped[datetime]
+
+
+# APScheduler's job store (hub/timed.py): its own table, made by a migration as every
+# other; APScheduler reads and writes it with a Table of the same shape.
+apscheduler_jobs = Table(
+    "apscheduler_jobs",
+    Base.metadata,
+    Column("id", Unicode(191), primary_key=True),
+    Column("next_run_time", Float(25), index=True),
+    Column("job_state", LargeBinary, nullable=False),
+)

@@ -10,6 +10,8 @@ import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import httpx
 import pytest
@@ -257,3 +259,29 @@ def test_faults_on_most_of_a_cluster_open_the_breaker_and_it_says_so(
     exported = httpx.get(f"{fleet.url}/services/gpufleet/metrics", timeout=10).text
     assert f'gpufleet_recovery_breaker_open{{cluster="{breakers[0]["cluster"]}"}} 1.0' in exported
     assert 'gpufleet_recovery_cordons_total{cause="node",what="node"}' in exported
+
+
+def test_a_drain_scheduled_for_later_runs_then_from_the_database(fleet: Hub) -> None:
+    at = datetime.now(UTC) + timedelta(seconds=4)
+    node = DECLARED[1]["name"]
+    answer = fleet.controller(
+        "POST", f"/nodes/{node}/drain", json={"reason": "rack move", "at": at.isoformat()}
+    )
+    assert answer.status_code == 202, answer.text
+    job = answer.json()
+    assert job["what"] == f"drain {node} (rack move), asked by test-admin"
+    listed = fleet.controller("GET", "/timed").json()["items"]
+    assert [j["id"] for j in listed] == [job["id"]]
+    assert not _node(fleet, str(node))["cordoned"]
+    wait_for(lambda: _node(fleet, str(node))["cordoned"], 30, "the drain at its time")
+    drained = [e for e in events(fleet, "node-drained") if e["node"] == node]
+    assert drained and str(drained[0]["message"]).endswith("rack move")
+    assert fleet.controller("GET", "/timed").json()["items"] == []
+    refused = fleet.controller("POST", f"/nodes/{node}/drain", json={"at": "yesterday"})
+    assert refused.status_code == 400 and "neither HH:MM" in refused.text
+
+
+def _node(fleet: Hub, name: str) -> dict[str, Any]:
+    nodes = fleet.controller("GET", "/nodes").json()["items"]
+    found: dict[str, Any] = next(n for n in nodes if n["name"] == name)
+    return found

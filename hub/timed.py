@@ -1,0 +1,120 @@
+"""Timed work through APScheduler: what an admin schedules for later, such as a node's
+maintenance drain (``gpufleet drain NODE --at 02:00``).
+
+Jobs are kept in the database (``apscheduler_jobs``, made by a migration), so a controller
+restart or a takeover by another controller loses none. The scheduler runs only on the
+controller that holds the database lease, and each job only starts a fenced action through
+that controller: a controller that lost the lease mid-way commits nothing. A run missed
+while no controller held the lease runs once when one does (within ``MISFIRE_GRACE_S``).
+The scheduling cycle, the culler and the reconciler stay on their own loops.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from sqlalchemy import Engine
+
+if TYPE_CHECKING:
+    from .context import ControllerContext
+
+MISFIRE_GRACE_S = 6 * 3600
+log = logging.getLogger("gpufleet.timed")
+# The controller whose timed jobs run here: APScheduler keeps a job as a reference to a
+# module-level function and its arguments, never as an object.
+_controller: ControllerContext | None = None
+
+
+async def drain_node(node: str, by: str, why: str) -> None:
+    """A scheduled drain, as ``POST /nodes/<node>/drain`` would do it now."""
+    controller = _controller
+    if controller is None or not controller.is_leader:
+        log.warning("a scheduled drain of %s found no controller holding the lease", node)
+        return
+    try:
+        await controller.drain(node, by, why)
+    except Exception:
+        log.exception("the scheduled drain of %s failed", node)
+
+
+@dataclass(frozen=True)
+class TimedJob:
+    id: str
+    what: str
+    at: datetime | None  # its next run
+
+
+class TimedWork:
+    def __init__(self, controller: ControllerContext, engine: Engine):
+        self.scheduler = AsyncIOScheduler(
+            jobstores={"default": SQLAlchemyJobStore(engine=engine)},
+            timezone=UTC,
+            job_defaults={"misfire_grace_time": MISFIRE_GRACE_S, "coalesce": True},
+        )
+        self.controller = controller
+
+    def lead(self) -> None:
+        """This controller now holds the lease: run the timed jobs here."""
+        global _controller
+        _controller = self.controller
+        if not self.scheduler.running:
+            self.scheduler.start()
+        else:
+            self.scheduler.resume()
+
+    def follow(self) -> None:
+        """Another controller holds the lease: run nothing here."""
+        if self.scheduler.running:
+            self.scheduler.pause()
+
+    def schedule_drain(self, node: str, by: str, why: str, at: datetime) -> TimedJob:
+        job = self.scheduler.add_job(
+            drain_node,
+            "date",
+            run_date=at,
+            args=(node, by, why),
+            name=f"drain {node} ({why or 'no reason given'}), asked by {by}",
+        )
+        return TimedJob(job.id, job.name, at)
+
+    def jobs(self) -> list[TimedJob]:
+        return [
+            TimedJob(job.id, job.name, getattr(job, "next_run_time", None))
+            for job in self.scheduler.get_jobs()
+        ]
+
+    def cancel(self, job_id: str) -> bool:
+        if self.scheduler.get_job(job_id) is None:
+            return False
+        self.scheduler.remove_job(job_id)
+        return True
+
+
+def when(text: str, now: datetime) -> datetime:
+    """``HH:MM`` (the next such time, UTC) or an ISO date and time (UTC unless it says);
+    ValueError says what to write instead."""
+    now = now if now.tzinfo else now.replace(tzinfo=UTC)
+    try:
+        hours, minutes = (int(part) for part in text.split(":"))
+    except ValueError:
+        pass
+    else:
+        if not (0 <= hours < 24 and 0 <= minutes < 60):
+            raise ValueError(f"{text!r} is not a time of day (HH:MM, 00:00-23:59)")
+        at = now.replace(hour=hours, minute=minutes, second=0, microsecond=0)
+        return at if at > now else at + timedelta(days=1)
+    try:
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is neither HH:MM nor an ISO date and time (2026-12-04T02:00)"
+        ) from None
+    at = at if at.tzinfo else at.replace(tzinfo=UTC)
+    if at <= now:
+        raise ValueError(f"{text} has passed; give a time to come")
+    return at
