@@ -152,6 +152,11 @@ class Mirror:
         self.pending = self.stream.queue
         # Jobs whose next attempt waits out its back-off: out of the queue until then.
         self.backing_off: dict[int, float] = {}
+        # Waiting next attempts that must avoid nodes or GPUs earlier faults blamed: what
+        # they avoid. Only what is in service counts (``_avoiding``): a blamed node that is
+        # cordoned is out of reach anyway, and a request with nothing to avoid keeps the
+        # whole policy — holding a zone, preempting — that a particular one does without.
+        self.avoiding: dict[int, tuple[frozenset[str], frozenset[str]]] = {}
         self.now = 0.0
         self.project_ids: dict[str, int] = {}
         self.shown: dict[int, Shown] = {}
@@ -227,7 +232,9 @@ class Mirror:
         usable: dict[int, list[tuple[str, str]]] = defaultdict(list)
         for node_id, uuid, gpu_type in session.execute(gpus.order_by(Gpu.node_id, Gpu.index)):
             usable[node_id].append((uuid, gpu_type))
+        found = False
         for node_id, name, cluster, zone, health, cordoned, labels in session.execute(nodes):
+            found = True
             self.node_ids[name] = node_id
             self.nodes[node_id] = _NodeRecord(
                 name=name,
@@ -238,6 +245,24 @@ class Mirror:
                 gpus=usable.get(node_id, []),
             )
             self._rebuild(node_id)
+        if found:
+            for workload_id in self.avoiding:
+                request = self.pending.get(workload_id)
+                if request is not None:
+                    fresh = self._avoiding(request)
+                    if fresh != request:
+                        self.pending[workload_id] = fresh
+
+    def _avoiding(self, request: Pending) -> Pending:
+        """``request`` avoiding what its faults blamed that is in service now."""
+        nodes, gpus = self.avoiding.get(request.id, (frozenset(), frozenset()))
+        in_service = {r.name: r for r in self.nodes.values() if r.schedulable}
+        usable = {uuid for r in in_service.values() for uuid, _ in r.gpus}
+        avoid_nodes = frozenset(n for n in nodes if n in in_service)
+        avoid_gpus = frozenset(g for g in gpus if g in usable)
+        if (avoid_nodes, avoid_gpus) == (request.avoid_nodes, request.avoid_gpus):
+            return request
+        return replace(request, avoid_nodes=avoid_nodes, avoid_gpus=avoid_gpus)
 
     def _read_workloads(self, session: Session, ids: list[int] | None) -> set[int]:
         """Re-read workloads (rows, not ORM objects: a full read is 10,000s of them);
@@ -268,7 +293,11 @@ class Mirror:
                 if until is not None and until > self.now:
                     self.backing_off[workload.id] = until
                 else:
-                    self.pending[workload.id] = _pending(workload)
+                    request = _pending(workload)
+                    if request.avoid_nodes or request.avoid_gpus:
+                        self.avoiding[workload.id] = (request.avoid_nodes, request.avoid_gpus)
+                        request = self._avoiding(request)
+                    self.pending[workload.id] = request
                 continue
             held = pods.get(workload.id, {})
             for (_, node_id), uuids in held.items():
@@ -281,6 +310,7 @@ class Mirror:
     def _forget(self, workload_id: int) -> set[int]:
         self.pending.pop(workload_id, None)
         self.backing_off.pop(workload_id, None)
+        self.avoiding.pop(workload_id, None)
         self.shown.pop(workload_id, None)
         self.server_names.pop(workload_id, None)
         old = self.running.pop(workload_id, None)

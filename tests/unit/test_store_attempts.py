@@ -185,8 +185,14 @@ def test_an_xid_79_stops_the_job_at_once_cordons_the_node_and_the_restart_avoids
     back = workload(store, job)
     assert (back.state, back.attempt, back.faults) == (WorkloadState.pending, 2, 1)
     assert back.recovery is not None and back.recovery["avoid_nodes"] == ["a2"]
+    # While a2 is cordoned the scheduler need not know: the request keeps the whole
+    # policy (a particular one neither holds a zone nor preempts).
+    store.refresh_mirror(t(25))  # its back-off is over
+    assert not store.mirror.pending[job].particular
     # An admin's uncordon returns a2, but this job's attempts still keep off it.
-    store.set_cordoned(t(15), "a2", False, by="admin")
+    store.set_cordoned(t(26), "a2", False, by="admin")
+    store.refresh_mirror(t(26))
+    assert store.mirror.pending[job].avoid_nodes == {"a2"}
     store.scheduling_cycle(t(30), NOW_POLICY)
     assert workload(store, job).state == WorkloadState.admitted
     assert placed_on(store, job) == {"a1"}
