@@ -1,5 +1,7 @@
-"""A job's attempts in the store: what a fault on a running job does at once, and what
-follows when an attempt has ended (``recovery/attempts.py`` decides; this carries it out).
+"""A job's attempts in the store: what a fault on a running job does at once (an XID, a
+hang, a drain), and what follows when an attempt has ended (``recovery/attempts.py``
+decides; this carries it out); the node and GPU cordons the recovery loop makes, within
+its breaker (``recovery/breaker.py``).
 
 The invariants:
 
