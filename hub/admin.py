@@ -1,6 +1,7 @@
 """The admin panel (``/services/gpufleet/admin``, admins only): the project tree with its
 quotas and live usage, editable; the nodes with their GPUs' health, to cordon or
-uncordon; the queue with each workload's reason; the latest events.
+uncordon; the recovery loop's open breakers, to reset, and its lemon list, to clear; the
+queue with each workload's reason; the latest events.
 
 Plain HTML forms posted back here (with the XSRF token), drawn in the hub's page
 (``templates/gpufleet-admin.html``), so nothing is built at install and nothing but the
@@ -172,6 +173,10 @@ class AdminPage(PageHandler):
             ):
                 if gpu.present:
                     state = "lost" if gpu.lost else _sample_state(gpu.last_sample)
+                    if gpu.lemon:
+                        state += ", lemon"
+                    elif gpu.cordoned:
+                        state += ", cordoned"
                     gpus.setdefault(node_name, []).append(
                         GpuState(gpu.index, gpu.uuid, gpu.lost, state)
                     )
@@ -189,6 +194,8 @@ class AdminPage(PageHandler):
                 session.scalars(select(PriorityClass.name).order_by(PriorityClass.rank.desc()))
             )
         unreachable = [c for c in self.controller.store.cluster_statuses() if not c.reachable]
+        breakers = {c: at for c, at in self.controller.store.breakers().items() if at}
+        lemons = [(node.name, uuid) for node in nodes for uuid in node.lemon_gpus]
         self.render_page(
             "gpufleet-admin.html",
             title="gpufleet admin",
@@ -201,6 +208,8 @@ class AdminPage(PageHandler):
             nodes=[NodeRow(n, "uncordon" if n.cordoned else "cordon") for n in nodes],
             gpus=gpus,
             unreachable=unreachable,
+            breakers=breakers,
+            lemons=lemons,
             queue=queue,
             events=events,
         )
@@ -251,6 +260,27 @@ class AdminNodeForm(AdminPage):
         self.redirect(self.panel_url(said, "nodes"), status=303)
 
 
+class AdminRecoveryForm(AdminPage):
+    """Reset a cluster's recovery breaker, or take a GPU off the lemon list."""
+
+    @web.authenticated
+    async def post(self, what: str, name: str) -> None:
+        by = self.require_admin()
+        store, now = self.controller.store, self.controller.now()
+        try:
+            if what == "breakers":
+                done = store.reset_breaker(now, name, by)
+                said = f"the recovery breaker of {name} is closed" if done else f"{name}: closed"
+            else:
+                done = store.clear_lemon(now, name, by)
+                said = f"{name} is off the lemon list" if done else f"{name}: not a lemon"
+        except NotFound as e:
+            self.render_panel(error=str(e), status=404)
+            return
+        self.controller.kick()
+        self.redirect(self.panel_url(said, "nodes"), status=303)
+
+
 def admin_routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]]]:
     base = prefix.rstrip("/")
     return [
@@ -259,6 +289,11 @@ def admin_routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str
         (
             rf"{base}/admin/nodes/([^/]+)/(cordon|uncordon)",
             AdminNodeForm,
+            {"controller": controller},
+        ),
+        (
+            rf"{base}/admin/(breakers|lemons)/([^/]+)/(?:reset|clear)",
+            AdminRecoveryForm,
             {"controller": controller},
         ),
     ]

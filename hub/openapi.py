@@ -215,6 +215,12 @@ OPERATIONS = (
         schemas.NodeOut,
     ),
     Operation(
+        "post",
+        "/gpus/{gpu_uuid}/clear-lemon",
+        "Take a GPU off the lemon list: it takes new work again (admins)",
+        (scopes.ADMIN,),
+    ),
+    Operation(
         "get",
         "/timed",
         "The timed jobs: drains scheduled for later (admins)",

@@ -258,6 +258,7 @@ def node_rows(session: Session) -> list[schemas.NodeOut]:
                 ),
                 last_heartbeat_at=n.last_heartbeat_at,
                 cordoned_gpus=[g.uuid for g in present if g.cordoned],
+                lemon_gpus=[g.uuid for g in present if g.lemon],
             )
         )
     return rows
@@ -398,6 +399,20 @@ def _timed_out(job: TimedJob) -> schemas.TimedJobOut:
     return schemas.TimedJobOut(id=job.id, what=job.what, at=job.at)
 
 
+class LemonClearHandler(APIHandler):
+    """POST ``/gpus/<uuid>/clear-lemon`` (admins): the GPU leaves the lemon list and takes
+    new work again."""
+
+    async def post(self, gpu_uuid: str) -> None:
+        identity = self.require(scopes.ADMIN)
+        with store_errors_as_http():
+            cleared = self.controller.store.clear_lemon(
+                self.controller.now(), gpu_uuid, identity.name
+            )
+        self.controller.kick()
+        self.send({"cleared": cleared})
+
+
 class BreakersHandler(APIHandler):
     """GET ``/recovery/breakers``: each cluster's breaker on automated cordons; POST
     ``/recovery/breakers/<cluster>/reset`` (admins) closes one (docs/recovery.md)."""
@@ -521,6 +536,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/nodes/([^/]+)/(cordon|uncordon)", NodeCordonHandler),
         (rf"{api}/nodes/([^/]+)/drain", NodeDrainHandler),
         (rf"{api}/recovery/breakers", BreakersHandler),
+        (rf"{api}/gpus/([^/]+)/clear-lemon", LemonClearHandler),
         (rf"{api}/timed", TimedHandler),
         (rf"{api}/timed/([^/]+)", TimedHandler),
         (rf"{api}/recovery/breakers/([^/]+)/reset", BreakersHandler),

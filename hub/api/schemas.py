@@ -346,7 +346,13 @@ class NodeOut(BaseModel):
     last_heartbeat_at: datetime | None
     cordoned_gpus: list[str] = Field(
         default_factory=list,
-        description="GPUs the recovery loop took out of service; uncordoning the node returns them",
+        description="GPUs the recovery loop took out of service; uncordoning the node "
+        "returns them, but for the lemons",
+    )
+    lemon_gpus: list[str] = Field(
+        default_factory=list,
+        description="GPUs on the lemon list (repeated hardware faults): out of service "
+        "until an admin clears each (POST /gpus/{uuid}/clear-lemon)",
     )
 
 

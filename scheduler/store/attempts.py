@@ -199,6 +199,19 @@ class AttemptStore(StoreBase):
                 node=node.name,
                 cause="recovery",
             )
+        elif verdict.hardware is HardwareAction.LEMON_GPU and not gpu.lemon:
+            gpu.cordoned = gpu.lemon = True
+            _event(
+                session,
+                now,
+                "gpu-lemon",
+                f"GPU {gpu.uuid} (index {gpu.index}) of node {node.name} is on the lemon "
+                f"list: {verdict.reason}; it stays out of service until an admin clears it",
+                reason=verdict.fault.value,
+                node=node.name,
+                cause="recovery",
+                data={"uuid": gpu.uuid, "index": gpu.index},
+            )
         elif verdict.hardware in GPU_ACTIONS and not gpu.cordoned:
             gpu.cordoned = True
             _event(
@@ -276,6 +289,28 @@ class AttemptStore(StoreBase):
                 "loop cordons faulty nodes again",
                 cause=by,
                 data={"cluster": cluster_name},
+            )
+            return True
+
+    def clear_lemon(self, now: datetime, gpu_uuid: str, by: str) -> bool:
+        """Take a GPU off the lemon list and back into service (an admin replaced or
+        checked it). Whether it was on the list; NotFound for an unknown GPU."""
+        with self._write(now) as session:
+            gpu = session.get(Gpu, gpu_uuid)
+            if gpu is None:
+                raise NotFound(f"there is no GPU {gpu_uuid!r}")
+            if not gpu.lemon:
+                return False
+            gpu.lemon = gpu.cordoned = False
+            _event(
+                session,
+                now,
+                "gpu-lemon-cleared",
+                f"{by} took GPU {gpu.uuid} (index {gpu.index}) of node {gpu.node.name} off "
+                "the lemon list: it takes new work again",
+                node=gpu.node.name,
+                cause=by,
+                data={"uuid": gpu.uuid, "index": gpu.index},
             )
             return True
 
@@ -466,8 +501,10 @@ def _hardware_history(
     nodes: Sequence[str],
     policy: RecoveryPolicy,
 ) -> list[Signal]:
-    """The XIDs and lost GPUs recorded on these nodes within the classifier's windows."""
-    since = now - timedelta(seconds=max(policy.repeat_window_s, policy.blame_window_s))
+    """The XIDs and lost GPUs recorded on these nodes within the classifier's windows (the
+    lemon list's, a week by default, is the longest)."""
+    window = max(policy.repeat_window_s, policy.blame_window_s, policy.lemon_window_s)
+    since = now - timedelta(seconds=window)
     rows = session.scalars(
         select(Event).where(
             Event.kind.in_(HARDWARE_EVENTS), Event.at >= since, Event.node.in_(nodes)

@@ -240,7 +240,8 @@ class InventoryStore(StoreBase):
             node = session.scalar(select(Node).where(Node.name == node_name))
             if node is None:
                 raise NotFound(f"there is no node {node_name!r}")
-            blamed = [g for g in node.gpus if g.cordoned] if not cordoned else []
+            # Not the lemons: they stay out until an admin clears each (``clear_lemon``).
+            blamed = [g for g in node.gpus if g.cordoned and not g.lemon] if not cordoned else []
             if node.cordoned == cordoned and not blamed:
                 return False
             node.cordoned = cordoned

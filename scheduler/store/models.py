@@ -283,6 +283,9 @@ class Gpu(Base):
     lost: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # The recovery loop blamed it for a fault: no new work until its node is uncordoned.
     cordoned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # On the lemon list (repeated hardware faults): cordoned until an admin clears it,
+    # whatever happens to its node.
+    lemon: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     sampled_at: Mapped[datetime | None] = mapped_column(default=None)
     # The latest sample as the node agent sent it (utilisation, memory, ECC, processes...).
     last_sample: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")

@@ -141,3 +141,50 @@ def test_a_researcher_neither_sees_nor_reaches_the_admin_panel(
         headers={"Authorization": f"token {token}"},
     )
     assert refused.status_code == 403
+
+
+def test_an_admin_resets_the_recovery_breaker_and_clears_a_lemon_from_the_panel(
+    fleet: Hub, admin_page: Page
+) -> None:
+    from dataclasses import replace
+
+    from gpufleet.agent.gpus import declared_fake_gpus
+    from gpufleet.recovery.fake_nvml import write_control
+
+    from .test_agent import DECLARED
+
+    gpus = declared_fake_gpus(DECLARED)
+    # XID 79 on a GPU of each node (the breaker opens at the second), and XID 48 twice on
+    # one GPU (its second hardware fault in a week: a lemon).
+    faulty = {gpus[0].uuid: [79], gpus[4].uuid: [79], gpus[5].uuid: [48, 48]}
+    try:
+        write_control(
+            fleet.fake_nvml_control,
+            [replace(g, xid_events=list(faulty.get(g.uuid, []))) for g in gpus],
+        )
+
+        def recorded() -> bool:
+            kinds = {e["kind"] for e in fleet.controller("GET", "/events").json()["items"]}
+            return {"recovery-breaker-tripped", "gpu-lemon"} <= kinds
+
+        wait_for(recorded, 20, "the breaker tripped and a lemon listed")
+        admin_page.reload()
+        breaker = admin_page.locator("[data-breaker]")
+        expect(breaker).to_contain_text("The recovery breaker of cluster")
+        lemon = admin_page.locator(f"[data-lemon='{gpus[5].uuid}']")
+        expect(lemon).to_contain_text("gpu-node-b")
+        expect(admin_page.locator("tr[data-node='gpu-node-b']")).to_contain_text("lemon")
+        breaker.get_by_role("button", name="Reset the breaker").click()
+        expect(admin_page.locator("#saved")).to_contain_text("recovery breaker")
+        expect(admin_page.locator("[data-breaker]")).to_have_count(0)
+        admin_page.locator(f"[data-lemon='{gpus[5].uuid}']").get_by_role(
+            "button", name="Clear"
+        ).click()
+        expect(admin_page.locator("#saved")).to_have_text(f"{gpus[5].uuid} is off the lemon list")
+        nodes = fleet.controller("GET", "/nodes").json()["items"]
+        assert all(not n["lemon_gpus"] for n in nodes)
+        assert [
+            b["open"] for b in fleet.controller("GET", "/recovery/breakers").json()["items"]
+        ] == [False]
+    finally:
+        write_control(fleet.fake_nvml_control, gpus)

@@ -14,7 +14,14 @@ from gpufleet.scheduler.errors import NotFound
 from gpufleet.scheduler.snapshot import Policy
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.jobs import LogChunk, PodReport
-from gpufleet.scheduler.store.models import Allocation, Event, JobProgress, Node, WorkloadState
+from gpufleet.scheduler.store.models import (
+    Allocation,
+    Event,
+    Gpu,
+    JobProgress,
+    Node,
+    WorkloadState,
+)
 from gpufleet.scheduler.store.progress import ProgressReport, Saved
 from gpufleet.scheduler.validation import JobRequest
 
@@ -325,3 +332,26 @@ def workload_node(store: FleetStore, name: str) -> Node:
         found = session.scalar(select(Node).where(Node.name == name))
         assert found is not None
         return found
+
+
+def test_a_gpus_second_hardware_fault_in_a_week_puts_it_on_the_lemon_list(
+    store: FleetStore,
+) -> None:
+    for day in (0, 3):  # XID 48 (double-bit ECC) on the same GPU, three days apart
+        at = t(10 + day * 86400)
+        assert store.record_xid(at, "agent-1", "GPU-a1-2", 48)
+        store.act_on_xid(at, "GPU-a1-2", 48)
+    [lemon] = events(store, "gpu-lemon")
+    assert lemon.startswith("GPU GPU-a1-2 (index 2) of node a1 is on the lemon list")
+    # The node's uncordon returns its other cordoned GPUs, never a lemon.
+    store.set_cordoned(t(3 * 86400 + 20), "a1", False, by="admin")
+    with store.read() as session:
+        gpu = session.get(Gpu, "GPU-a1-2")
+        assert gpu is not None and (gpu.cordoned, gpu.lemon) == (True, True)
+    assert store.clear_lemon(t(3 * 86400 + 30), "GPU-a1-2", "admin")
+    assert not store.clear_lemon(t(3 * 86400 + 31), "GPU-a1-2", "admin")
+    with store.read() as session:
+        gpu = session.get(Gpu, "GPU-a1-2")
+        assert gpu is not None and (gpu.cordoned, gpu.lemon) == (False, False)
+    with pytest.raises(NotFound, match="there is no GPU 'GPU-x'"):
+        store.clear_lemon(t(3 * 86400 + 32), "GPU-x", "admin")
