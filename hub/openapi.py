@@ -36,6 +36,9 @@ NODE_NAME = ("node_name", "string", "a node's name, as GET /nodes lists it")
 JOB_ID = ("job_id", "integer", "a job's id (the id of its workload)")
 PROJECT_NAME = ("project_name", "string", "a project's (or organisation's, team's) name")
 OPERATION_ID = ("operation_id", "integer", "a node operation's id")
+GPU_UUID = ("gpu_uuid", "string", "a GPU's UUID, as GET /nodes lists it")
+CLUSTER = ("cluster", "string", "a cluster's name, as GET /nodes lists it")
+TIMED_ID = ("timed_id", "string", "a timed job's id, as GET /timed lists it")
 PAGING = (
     ("offset", "integer", "skip this many"),
     ("limit", "integer", "at most this many (1-1000)"),
@@ -228,7 +231,7 @@ OPERATIONS = (
     ),
     Operation(
         "delete",
-        "/timed/{job_id}",
+        "/timed/{timed_id}",
         "Cancel a timed job (admins)",
         (scopes.ADMIN,),
     ),
@@ -437,6 +440,9 @@ def openapi_document(version: str) -> dict[str, Any]:
                 JOB_ID,
                 PROJECT_NAME,
                 OPERATION_ID,
+                GPU_UUID,
+                CLUSTER,
+                TIMED_ID,
             )
             if "{" + name + "}" in op.path
         ] + [

@@ -381,12 +381,16 @@ class NodeDrainHandler(APIHandler):
 
 
 class TimedHandler(APIHandler):
-    """GET ``/timed``: the timed jobs (admins); DELETE ``/timed/<id>`` cancels one."""
+    """GET ``/timed``: the timed jobs (admins)."""
 
     async def get(self) -> None:
         self.require(scopes.ADMIN)
         jobs = self.controller.timed.jobs()
         self.send({"items": [_timed_out(j).model_dump(mode="json") for j in jobs]})
+
+
+class TimedJobHandler(APIHandler):
+    """DELETE ``/timed/<id>`` (admins) cancels a timed job."""
 
     async def delete(self, job_id: str) -> None:
         self.require(scopes.ADMIN)
@@ -414,12 +418,16 @@ class LemonClearHandler(APIHandler):
 
 
 class BreakersHandler(APIHandler):
-    """GET ``/recovery/breakers``: each cluster's breaker on automated cordons; POST
-    ``/recovery/breakers/<cluster>/reset`` (admins) closes one (docs/recovery.md)."""
+    """GET ``/recovery/breakers`` (admins): each cluster's breaker on automated cordons
+    (docs/recovery.md)."""
 
     async def get(self) -> None:
         self.require(scopes.ADMIN)
         self.send({"items": _breakers(self.controller)})
+
+
+class BreakerResetHandler(APIHandler):
+    """POST ``/recovery/breakers/<cluster>/reset`` (admins) closes a cluster's breaker."""
 
     async def post(self, cluster: str) -> None:
         identity = self.require(scopes.ADMIN)
@@ -538,8 +546,8 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/recovery/breakers", BreakersHandler),
         (rf"{api}/gpus/([^/]+)/clear-lemon", LemonClearHandler),
         (rf"{api}/timed", TimedHandler),
-        (rf"{api}/timed/([^/]+)", TimedHandler),
-        (rf"{api}/recovery/breakers/([^/]+)/reset", BreakersHandler),
+        (rf"{api}/timed/([^/]+)", TimedJobHandler),
+        (rf"{api}/recovery/breakers/([^/]+)/reset", BreakerResetHandler),
         (rf"{api}/agent/register", AgentRegisterHandler),
         (rf"{api}/agent/heartbeat", AgentHeartbeatHandler),
         (rf"{api}/agent/samples", AgentSamplesHandler),
