@@ -57,7 +57,7 @@ from .pages import page_routes
 from .reconciler import Reconciler
 from .recovery_options import RecoveryOptions
 from .secrets import SecretFileError, check_secret_file
-from .timed import TimedWork
+from .timed import TimedOptions, TimedWork
 from .victims import VictimStopper
 
 DEFAULT_PRIORITY_CLASSES = [
@@ -72,7 +72,7 @@ DEFAULT_PRIORITY_CLASSES = [
 ]
 
 
-class FleetController(RecoveryOptions, DatabaseMixin):
+class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
     name = "gpufleet-controller"
     version = __version__
     description = "The gpufleet fleet controller (a JupyterHub service)."
@@ -356,7 +356,10 @@ class FleetController(RecoveryOptions, DatabaseMixin):
         except ValueError as e:
             self.exit_with(f"job restarts: {e}", code=2)
         self.metrics = ControllerMetrics(self.store)
-        self.timed = TimedWork(self, self.engine)
+        try:
+            self.timed = TimedWork(self, self.engine, self.retention_trigger())
+        except ValueError as e:
+            self.exit_with(str(e), code=2)
         self.culler = IdleCuller(
             self.store,
             self.idle_policies,
@@ -624,18 +627,27 @@ class FleetController(RecoveryOptions, DatabaseMixin):
     async def _culler_loop(self) -> None:
         await self.culler.run(lambda: self.is_leader)
 
+    def _snapshots(self) -> tuple[Any, bytes]:
+        """The snapshot store and its master key; SnapshotError when unavailable."""
+        from .snapshots import open_snapshots
+
+        return open_snapshots(
+            self.snapshot_store, self.snapshot_s3_endpoint, self.snapshot_key_file, self.data_dir
+        )
+
+    async def run_snapshot_retention(self) -> None:
+        from .snapshots import retention_pass
+
+        store, key = self._snapshots()
+        said = await retention_pass(self, store, key, time.time())
+        self.store.record_event(self.now(), "snapshot-retention", said)
+        self.refresh_snapshot_index()
+
     async def _snapshot_index_loop(self) -> None:
         from . import snapshots
 
-        default_key = os.path.join(self.data_dir, "snapshot-master.key")
         try:
-            store = snapshots.snapshot_store(
-                self.snapshot_store or os.path.join(self.data_dir, "snapshots"),
-                self.snapshot_s3_endpoint,
-            )
-            key = snapshots.master_key(
-                self.snapshot_key_file or default_key, create=not self.snapshot_key_file
-            )
+            store, key = self._snapshots()
         except SnapshotError as e:
             self.log.error("snapshots are unavailable: %s", e)
             return

@@ -63,6 +63,9 @@ class ControllerContext(Protocol):
 
     timed: TimedWork
 
+    async def run_snapshot_retention(self) -> None:
+        """Apply snapshot retention to every project and collect unused data."""
+
     async def drain(self, node: str, by: str, why: str) -> None:
         """Cordon a node and stop what runs there (jobs restart elsewhere, sessions are
         snapshotted and stopped)."""

@@ -17,6 +17,7 @@ should record ``index_key(project, name)`` and ``store.uri`` as the scan does.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import os
@@ -28,9 +29,12 @@ from typing import Any
 from urllib.parse import quote
 
 from ..scheduler.store.snapshots import SnapshotRecord
+from ..snapshotter import retention
 from ..snapshotter.crypto import new_master_key, read_master_key
 from ..snapshotter.errors import CorruptObject, SnapshotNotFound
+from ..snapshotter.gc import collect_garbage
 from ..snapshotter.repository import Repository
+from ..snapshotter.retention import RetentionPolicy
 from ..snapshotter.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,67 @@ def index_key(project: str, manifest_name: str) -> str:
     """The index's key of a manifest: its full object name in the store, as the scan
     records it (``manifest_name`` is the name inside the project's repository)."""
     return f"projects/{quote(project, safe='')}/{manifest_name}"
+
+
+@dataclass(frozen=True)
+class RetentionRun:
+    forgotten: int  # snapshots the policy did not keep
+    deleted_packs: int
+    deleted_bytes: int
+
+
+def retain_and_collect(
+    store: Store,
+    master: bytes,
+    projects: Iterable[str],
+    policy: RetentionPolicy,
+    margin_s: float,
+    now: float,
+) -> RetentionRun:
+    """Apply the retention policy to every project's repository, then collect the data
+    nothing keeps any more (``gpufleet snapshot gc`` for each project). Blocking."""
+    forgotten = packs = size = 0
+    for project in projects:
+        try:
+            repository = Repository.open(store, project, master, create=False)
+        except SnapshotNotFound:
+            continue
+        forgotten += len(retention.apply(repository, policy, now))
+        report = collect_garbage(repository, margin_s=margin_s, now=now)
+        packs += report.deleted_packs
+        size += report.deleted_bytes
+    return RetentionRun(forgotten, packs, size)
+
+
+def open_snapshots(
+    store_uri: str, s3_endpoint: str, key_file: str, data_dir: str
+) -> tuple[Store, bytes]:
+    """The controller's snapshot store and master key (under ``data_dir`` unless set: the
+    embedded default, whose key is made on first use); SnapshotError when unavailable."""
+    store = snapshot_store(store_uri or os.path.join(data_dir, "snapshots"), s3_endpoint)
+    default_key = os.path.join(data_dir, "snapshot-master.key")
+    return store, master_key(key_file or default_key, create=not key_file)
+
+
+async def retention_pass(options: Any, store: Store, master: bytes, now: float) -> str:
+    """One scheduled retention and collection over every project, with the controller's
+    ``snapshot_keep_last``, ``snapshot_keep_daily`` and ``snapshot_gc_margin_seconds``;
+    what it did, in words."""
+    policy = RetentionPolicy(options.snapshot_keep_last, options.snapshot_keep_daily)
+    run = await asyncio.to_thread(
+        retain_and_collect,
+        store,
+        master,
+        options.store.project_names(),
+        policy,
+        options.snapshot_gc_margin_seconds,
+        now,
+    )
+    return (
+        f"snapshot retention (keep the last {policy.keep_last}, one a day for "
+        f"{policy.keep_daily} days): {run.forgotten} snapshot(s) forgotten, "
+        f"{run.deleted_packs} pack(s) of unused data deleted ({run.deleted_bytes} bytes)"
+    )
 
 
 def scan(

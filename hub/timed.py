@@ -1,5 +1,6 @@
 """Timed work through APScheduler: what an admin schedules for later, such as a node's
-maintenance drain (``gpufleet drain NODE --at 02:00``).
+maintenance drain (``gpufleet drain NODE --at 02:00``), and what recurs on a schedule the
+admin sets, such as snapshot retention and garbage collection.
 
 Jobs are kept in the database (``apscheduler_jobs``, made by a migration), so a controller
 restart or a takeover by another controller loses none. The scheduler runs only on the
@@ -18,7 +19,10 @@ from typing import TYPE_CHECKING
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.triggers.cron import CronTrigger
 from sqlalchemy import Engine
+from traitlets import Float, Integer, Unicode
+from traitlets.config import Configurable
 
 if TYPE_CHECKING:
     from .context import ControllerContext
@@ -42,6 +46,61 @@ async def drain_node(node: str, by: str, why: str) -> None:
         log.exception("the scheduled drain of %s failed", node)
 
 
+async def snapshot_retention() -> None:
+    """The scheduled snapshot retention and garbage collection."""
+    controller = _controller
+    if controller is None or not controller.is_leader:
+        log.warning("scheduled snapshot retention found no controller holding the lease")
+        return
+    try:
+        await controller.run_snapshot_retention()
+    except Exception:
+        log.exception("scheduled snapshot retention failed")
+
+
+RETENTION_JOB = "snapshot-retention"
+
+
+class TimedOptions(Configurable):
+    """Mixed into ``FleetController``: set as ``c.FleetController.<name>``."""
+
+    snapshot_retention_schedule = Unicode(
+        "",
+        help="When to apply snapshot retention and collect unused snapshot data, as a "
+        "crontab line in UTC (e.g. '0 3 * * *', every day at 03:00); empty: never (run "
+        "`gpufleet snapshot gc` by hand). Each user's server keeps its snapshot_keep_last "
+        "latest snapshots and one a day for snapshot_keep_daily days; its latest is always "
+        "kept.",
+    ).tag(config=True)
+
+    snapshot_keep_last = Integer(3, min=1, help="Snapshots of each server always kept.").tag(
+        config=True
+    )
+
+    snapshot_keep_daily = Integer(
+        7, min=0, help="Days for which each server keeps its last snapshot of the day."
+    ).tag(config=True)
+
+    snapshot_gc_margin_seconds = Float(
+        3600.0,
+        min=0,
+        help="Unused snapshot data younger than this is left for the next collection (a "
+        "snapshot being written may still need it).",
+    ).tag(config=True)
+
+    def retention_trigger(self) -> CronTrigger | None:
+        """The schedule, or None when off; ValueError says what is wrong with it."""
+        if not self.snapshot_retention_schedule.strip():
+            return None
+        try:
+            return CronTrigger.from_crontab(self.snapshot_retention_schedule, timezone=UTC)
+        except ValueError as e:
+            raise ValueError(
+                f"snapshot_retention_schedule {self.snapshot_retention_schedule!r} is not a "
+                f"crontab line (minute hour day month weekday, e.g. '0 3 * * *'): {e}"
+            ) from None
+
+
 @dataclass(frozen=True)
 class TimedJob:
     id: str
@@ -50,7 +109,10 @@ class TimedJob:
 
 
 class TimedWork:
-    def __init__(self, controller: ControllerContext, engine: Engine):
+    def __init__(
+        self, controller: ControllerContext, engine: Engine, retention: CronTrigger | None = None
+    ):
+        self.retention = retention
         self.scheduler = AsyncIOScheduler(
             jobstores={"default": SQLAlchemyJobStore(engine=engine)},
             timezone=UTC,
@@ -66,6 +128,17 @@ class TimedWork:
             self.scheduler.start()
         else:
             self.scheduler.resume()
+        # The schedule is the configuration's: replaced at every takeover, gone when unset.
+        if self.retention is not None:
+            self.scheduler.add_job(
+                snapshot_retention,
+                self.retention,
+                id=RETENTION_JOB,
+                name="snapshot retention and garbage collection",
+                replace_existing=True,
+            )
+        elif self.scheduler.get_job(RETENTION_JOB) is not None:
+            self.scheduler.remove_job(RETENTION_JOB)
 
     def follow(self) -> None:
         """Another controller holds the lease: run nothing here."""

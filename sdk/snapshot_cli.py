@@ -517,17 +517,8 @@ def _gc(repository: Repository, args: argparse.Namespace, console: Console, err:
 
     if args.keep_last is not None or args.keep_daily is not None:
         policy = retention.RetentionPolicy(args.keep_last or 1, args.keep_daily or 0)
-        refs = repository.snapshots()
-        dated = [
-            retention.Dated((r.user, r.server), r.id, repository.read_manifest(r).created_at)
-            for r in refs
-        ]
-        decision = retention.decide(dated, policy, time.time())
-        by_id = {r.id: r for r in refs}
-        for snapshot_id in decision.forget:
+        for snapshot_id in retention.apply(repository, policy, time.time(), args.dry_run):
             console.print(f"forget {snapshot_id}" + (" (dry run)" if args.dry_run else ""))
-            if not args.dry_run:
-                repository.delete_manifest(by_id[snapshot_id])
     if args.dry_run:
         return 0
     report = collect_garbage(repository, margin_s=args.margin)

@@ -14,6 +14,10 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .repository import Repository
 
 
 @dataclass(frozen=True)
@@ -63,3 +67,19 @@ def decide(snapshots: Sequence[Dated], policy: RetentionPolicy, now: float) -> R
             if snapshot.id not in keep:
                 forget.append(snapshot.id)
     return RetentionDecision({k: tuple(v) for k, v in keep.items()}, tuple(sorted(forget)))
+
+
+def apply(
+    repository: Repository, policy: RetentionPolicy, now: float, dry_run: bool = False
+) -> list[str]:
+    """Forget (delete the manifests of) what ``policy`` does not keep in ``repository``;
+    the ids forgotten (or that would be, with ``dry_run``). Their data goes at the next
+    garbage collection."""
+    refs = repository.snapshots()
+    dated = [Dated((r.user, r.server), r.id, repository.read_manifest(r).created_at) for r in refs]
+    decision = decide(dated, policy, now)
+    by_id = {r.id: r for r in refs}
+    if not dry_run:
+        for snapshot_id in decision.forget:
+            repository.delete_manifest(by_id[snapshot_id])
+    return list(decision.forget)

@@ -78,3 +78,38 @@ def test_a_recorded_snapshot_is_one_row(engine: Engine) -> None:
     fleet.record_snapshot(T0, record)
     rows = fleet.snapshots_of("ann", "gpu")
     assert [(r.manifest_key, r.size_bytes) for r in rows] == [("projects/vision/snapshots/x", 10)]
+
+
+def test_scheduled_retention_forgets_what_the_policy_does_not_keep(tmp_path: Path) -> None:
+    from gpufleet.hub.snapshots import retain_and_collect
+    from gpufleet.snapshotter.retention import RetentionPolicy
+
+    key = master_key(tmp_path / "master.key", create=True)
+    snapshots = LocalStore(tmp_path / "snapshots")
+    home = tmp_path / "home"
+    home.mkdir()
+    repository = Repository.open(snapshots, "vision", key)
+    for i in range(4):
+        (home / "a.txt").write_text(f"version {i}")
+        create_snapshot(repository, [SourceSpec("home", home)], user="ann")
+    now = datetime.now(UTC).timestamp() + 1
+    run = retain_and_collect(snapshots, key, ["vision", "nlp"], RetentionPolicy(2, 0), 0.0, now)
+    assert run.forgotten == 2
+    assert len(Repository.open(snapshots, "vision", key).snapshots("ann")) == 2
+    # Nothing more to forget; the latest two stay whatever runs after.
+    again = retain_and_collect(snapshots, key, ["vision"], RetentionPolicy(2, 0), 0.0, now)
+    assert again.forgotten == 0
+
+
+def test_the_retention_schedule_is_a_crontab_line_or_nothing() -> None:
+    import pytest
+
+    from gpufleet.hub.timed import TimedOptions
+
+    assert TimedOptions(snapshot_retention_schedule="").retention_trigger() is None
+    trigger = TimedOptions(snapshot_retention_schedule="0 3 * * *").retention_trigger()
+    assert trigger is not None
+    fire = trigger.get_next_fire_time(None, T0)
+    assert fire == datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
+    with pytest.raises(ValueError, match="is not a crontab line"):
+        TimedOptions(snapshot_retention_schedule="every night").retention_trigger()
