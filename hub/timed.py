@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
@@ -24,14 +24,22 @@ from sqlalchemy import Engine
 from traitlets import Float, Integer, Unicode
 from traitlets.config import Configurable
 
-if TYPE_CHECKING:
-    from .context import ControllerContext
+
+class TimedController(Protocol):
+    """What a timed job asks of the controller (``hub/context.py``'s, in part)."""
+
+    is_leader: bool
+
+    async def drain(self, node: str, by: str, why: str) -> None: ...
+
+    async def run_snapshot_retention(self) -> None: ...
+
 
 MISFIRE_GRACE_S = 6 * 3600
 log = logging.getLogger("gpufleet.timed")
 # The controller whose timed jobs run here: APScheduler keeps a job as a reference to a
 # module-level function and its arguments, never as an object.
-_controller: ControllerContext | None = None
+_controller: TimedController | None = None
 
 
 async def drain_node(node: str, by: str, why: str) -> None:
@@ -110,7 +118,7 @@ class TimedJob:
 
 class TimedWork:
     def __init__(
-        self, controller: ControllerContext, engine: Engine, retention: CronTrigger | None = None
+        self, controller: TimedController, engine: Engine, retention: CronTrigger | None = None
     ):
         self.retention = retention
         self.scheduler = AsyncIOScheduler(

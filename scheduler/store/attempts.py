@@ -163,6 +163,10 @@ class AttemptStore(StoreBase):
             node = gpu.node.name
             signal = Xid(xid, gpu_uuid, node, now.timestamp())
             history = _hardware_history(session, now, (gpu_uuid,), (node,), self.recovery_policy)
+            # The XID's own event (``record_xid``, just before) is not an earlier fault.
+            own = [s for s in history if isinstance(s, Xid) and (s.code, s.gpu) == (xid, gpu_uuid)]
+            if own:
+                history.remove(max(own, key=lambda s: s.at))
             verdict = classify(signal, history, self.recovery_policy)
             changed: list[int] = []
             holder = held_by(session, gpu_uuid)

@@ -220,7 +220,9 @@ def test_a_gpu_hardware_xid_cordons_the_gpu_alone(store: FleetStore) -> None:
         assert list(held) == ["GPU-a2-0"]
         fault_events = read.scalars(select(Event.kind).where(Event.workload_id == job)).all()
     assert "job-fault" in fault_events
+    # One fault: drained and reset (cordoned), not the lemon list.
     assert events(store, "gpu-cordoned")[0].startswith("GPU GPU-a2-1 (index 1) of node a2")
+    assert events(store, "gpu-lemon") == []
     # An XID on a GPU nobody holds still takes it out of service, and changes no workload.
     assert store.act_on_xid(t(40), "GPU-a1-3", 79) == []
     assert events(store, "node-cordoned")[-1].startswith("node a1 cordoned by the recovery")
