@@ -38,7 +38,10 @@ from gpufleet.recovery.fake_nvml import write_control
 from tests.integration.harness import Hub, wait_for
 from tests.integration.test_agent import DECLARED
 
-PRODUCT_BACKOFF = "c.FleetController.job_restart_backoff_seconds = 10\n"
+PRODUCT_BACKOFF = (  # the product's defaults, over the test harness's short ones
+    "c.FleetController.job_restart_backoff_seconds = 10\n"
+    "c.FleetController.job_restart_backoff_max_seconds = 600\n"
+)
 SCRIPT = textwrap.dedent(
     """
     import os, pathlib, signal, sys, time
@@ -141,6 +144,9 @@ def main() -> None:
             hub.start()
             with Client(hub.controller_api, hub.user_token("alice")) as client:
                 rounds = [one_round(hub, client, i) for i in range(args.rounds)]
+        except AssertionError:
+            print(hub.log_path.read_text()[-3000:], file=sys.stderr)
+            raise
         finally:
             hub.kill_everything()
     print(f"XID 79 on a 2-pod job's GPU, {args.rounds} rounds (median, min-max, seconds)")
