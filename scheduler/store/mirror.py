@@ -245,21 +245,26 @@ class Mirror:
                 gpus=usable.get(node_id, []),
             )
             self._rebuild(node_id)
-        if found:
+        if found and self.avoiding:
+            in_service = self._in_service()
             for workload_id in self.avoiding:
                 request = self.pending.get(workload_id)
                 if request is not None:
-                    fresh = self._avoiding(request)
+                    fresh = self._avoiding(request, in_service)
                     if fresh != request:
                         self.pending[workload_id] = fresh
 
-    def _avoiding(self, request: Pending) -> Pending:
+    def _in_service(self) -> tuple[set[str], set[str]]:
+        """The schedulable nodes' names and their usable GPUs (one pass over the fleet,
+        for all the requests that avoid something)."""
+        nodes = [r for r in self.nodes.values() if r.schedulable]
+        return {r.name for r in nodes}, {uuid for r in nodes for uuid, _ in r.gpus}
+
+    def _avoiding(self, request: Pending, in_service: tuple[set[str], set[str]]) -> Pending:
         """``request`` avoiding what its faults blamed that is in service now."""
         nodes, gpus = self.avoiding.get(request.id, (frozenset(), frozenset()))
-        in_service = {r.name: r for r in self.nodes.values() if r.schedulable}
-        usable = {uuid for r in in_service.values() for uuid, _ in r.gpus}
-        avoid_nodes = frozenset(n for n in nodes if n in in_service)
-        avoid_gpus = frozenset(g for g in gpus if g in usable)
+        avoid_nodes = frozenset(n for n in nodes if n in in_service[0])
+        avoid_gpus = frozenset(g for g in gpus if g in in_service[1])
         if (avoid_nodes, avoid_gpus) == (request.avoid_nodes, request.avoid_gpus):
             return request
         return replace(request, avoid_nodes=avoid_nodes, avoid_gpus=avoid_gpus)
@@ -282,6 +287,7 @@ class Mirror:
         ):
             pods[workload_id][(pod_index, node_id)].append(uuid)
         touched: set[int] = set()
+        in_service: tuple[set[str], set[str]] | None = None  # read when first needed
         for row in session.execute(rows):
             workload = _Row._make(row)
             touched |= self._forget(workload.id)
@@ -296,7 +302,9 @@ class Mirror:
                     request = _pending(workload)
                     if request.avoid_nodes or request.avoid_gpus:
                         self.avoiding[workload.id] = (request.avoid_nodes, request.avoid_gpus)
-                        request = self._avoiding(request)
+                        if in_service is None:
+                            in_service = self._in_service()
+                        request = self._avoiding(request, in_service)
                     self.pending[workload.id] = request
                 continue
             held = pods.get(workload.id, {})

@@ -70,6 +70,28 @@ def training(steps: int = STEPS, hangs_at: int | None = None) -> str:
     )
 
 
+def submit_training(client: Client, script: str, name: str) -> int:
+    """A gang of two 1-GPU pods in vision, reporting its progress every half second."""
+    return client.submit(
+        script,
+        gpus=2,
+        gpus_per_pod=1,
+        gpu_type="A100-80GB",
+        project="vision",
+        name=name,
+        env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"},
+    ).id
+
+
+def first_checkpoint(client: Client, job: int) -> Any:
+    return wait_for(
+        lambda: (p := client.job(job).progress) and p.last_checkpoint,
+        120,
+        "the job's first checkpoint",
+        interval=0.1,
+    )
+
+
 @pytest.fixture
 def alice(fleet: Hub) -> Iterator[Client]:
     with Client(fleet.controller_api, fleet.user_token("alice")) as client:
@@ -86,22 +108,9 @@ def gpus(fleet: Hub) -> Iterator[list[FakeGpu]]:
 def test_an_xid_79_stops_the_job_at_once_and_it_resumes_elsewhere_from_its_checkpoint(
     fleet: Hub, alice: Client, gpus: list[FakeGpu]
 ) -> None:
-    job = alice.submit(
-        training(),
-        gpus=2,
-        gpus_per_pod=1,
-        gpu_type="A100-80GB",
-        project="vision",
-        name="survivor",
-        env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"},
-    )
-    checkpoint = wait_for(
-        lambda: (p := alice.job(job.id).progress) and p.last_checkpoint,
-        120,
-        "the job's first checkpoint",
-        interval=0.1,
-    )
-    first = alice.job(job.id)
+    job_id = submit_training(alice, training(), "survivor")
+    checkpoint = first_checkpoint(alice, job_id)
+    first = alice.job(job_id)
     held = {a.uuid: a.node for a in first.allocations}
     [node] = set(held.values())  # a gang of two in one zone: one node here
     victim = next(g for g in gpus if g.uuid in held)
@@ -111,7 +120,7 @@ def test_an_xid_79_stops_the_job_at_once_and_it_resumes_elsewhere_from_its_check
         fleet.fake_nvml_control, [replace(g, xid_events=[79]) if g is victim else g for g in gpus]
     )
     fault = wait_for(
-        lambda: next((e for e in events(fleet, "job-fault") if e["workload_id"] == job.id), None),
+        lambda: next((e for e in events(fleet, "job-fault") if e["workload_id"] == job_id), None),
         10,
         "the job-fault event",
         interval=0.05,
@@ -133,7 +142,7 @@ def test_an_xid_79_stops_the_job_at_once_and_it_resumes_elsewhere_from_its_check
 
     def sigterms() -> list[float] | None:
         found = [
-            re.findall(r"SIGTERM at ([\d.]+)", "".join(alice.logs(job.id, rank=rank)))
+            re.findall(r"SIGTERM at ([\d.]+)", "".join(alice.logs(job_id, rank=rank)))
             for rank in (0, 1)
         ]
         return [float(f[0]) for f in found] if all(found) else None
@@ -144,17 +153,17 @@ def test_an_xid_79_stops_the_job_at_once_and_it_resumes_elsewhere_from_its_check
     assert fault_event - faulted_at <= 5.0, fault_event - faulted_at
     assert max(stopped) - faulted_at <= 5.0, max(stopped) - faulted_at
 
-    ended = alice.wait(job.id, timeout=180)
+    ended = alice.wait(job_id, timeout=180)
     assert (ended.outcome, ended.attempt, ended.faults) == ("succeeded", 2, 1), ended.reason
     assert node in ended.avoids
     assert {p.node for p in ended.pod_states} == {n["name"] for n in DECLARED} - {node}
-    restarted = [e for e in events(fleet, "job-restarting") if e["workload_id"] == job.id]
+    restarted = [e for e in events(fleet, "job-restarting") if e["workload_id"] == job_id]
     assert [e["data"]["attempt"] for e in restarted] == [2]
     data = restarted[0]["data"]
     assert data["fault"] == "node" and data["avoid_nodes"] == [node]
     resumed_from = int(str(data["resume_from"]).rsplit("step-", 1)[1])
     assert resumed_from >= checkpoint.step  # the newest checkpoint attempt 1 saved
-    output = "".join(alice.logs(job.id, rank=0))
+    output = "".join(alice.logs(job_id, rank=0))
     before, _, after = output.partition("--- gpufleet: attempt 2: ")
     assert after, output[-2000:]
     assert f"rank 0 step {resumed_from}\n" in before
@@ -173,25 +182,17 @@ def _controller_time(at: object) -> float:
 
 
 def test_a_rank_that_hangs_is_found_stopped_and_the_job_resumes(fleet: Hub, alice: Client) -> None:
-    job = alice.submit(
-        training(steps=40, hangs_at=15),
-        gpus=2,
-        gpus_per_pod=1,
-        gpu_type="A100-80GB",
-        project="vision",
-        name="hangs",
-        env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"},
-    )
+    job_id = submit_training(alice, training(steps=40, hangs_at=15), "hangs")
     fault = wait_for(
-        lambda: next((e for e in events(fleet, "job-fault") if e["workload_id"] == job.id), None),
+        lambda: next((e for e in events(fleet, "job-fault") if e["workload_id"] == job_id), None),
         90,
         "the hang found",
     )
     assert fault["reason"] == "hang" and fault["data"]["hang"] == "step"
     assert "no step reported for" in str(fault["message"])
-    ended = alice.wait(job.id, timeout=120)
+    ended = alice.wait(job_id, timeout=120)
     assert (ended.outcome, ended.attempt, ended.faults) == ("succeeded", 2, 1), ended.reason
-    after = "".join(alice.logs(job.id, rank=0)).partition("--- gpufleet: attempt 2: ")[2]
+    after = "".join(alice.logs(job_id, rank=0)).partition("--- gpufleet: attempt 2: ")[2]
     assert "rank 0 attempt 2 starts at step 10" in after, after[:500]
     assert [int(s) for s in re.findall(r"rank 0 step (\d+)", after)] == list(range(10, 40))
 
@@ -205,21 +206,9 @@ def test_a_drain_snapshots_and_stops_the_session_and_the_job_resumes_elsewhere(
     assert session is not None
     [node] = {a["node"] for a in session["allocations"]}
     # Best fit: the 2-GPU job goes where 3 GPUs are free, beside the session.
-    job = alice.submit(
-        training(steps=120),
-        gpus=2,
-        gpus_per_pod=1,
-        gpu_type="A100-80GB",
-        project="vision",
-        name="drained",
-        env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"},
-    )
-    checkpoint = wait_for(
-        lambda: (p := alice.job(job.id).progress) and p.last_checkpoint,
-        120,
-        "the job's first checkpoint",
-    )
-    assert {a.node for a in alice.job(job.id).allocations} == {node}
+    job_id = submit_training(alice, training(steps=120), "drained")
+    checkpoint = first_checkpoint(alice, job_id)
+    assert {a.node for a in alice.job(job_id).allocations} == {node}
 
     drained = fleet.controller(
         "POST", f"/nodes/{node}/drain", json={"reason": "firmware update"}
@@ -227,10 +216,10 @@ def test_a_drain_snapshots_and_stops_the_session_and_the_job_resumes_elsewhere(
     assert drained["cordoned"]
     ended = fleet.wait_ended(session, 120)
     assert ended["outcome"] == "stopped" and "final snapshot" in ended["reason"], ended
-    finished = alice.wait(job.id, timeout=180)
+    finished = alice.wait(job_id, timeout=180)
     assert (finished.outcome, finished.attempt, finished.faults) == ("succeeded", 2, 0)
     assert {p.node for p in finished.pod_states} == {n["name"] for n in DECLARED} - {node}
-    restarted = [e for e in events(fleet, "job-restarting") if e["workload_id"] == job.id]
+    restarted = [e for e in events(fleet, "job-restarting") if e["workload_id"] == job_id]
     assert restarted[0]["message"].startswith(f"node {node} drained by ")
     assert int(str(restarted[0]["data"]["resume_from"]).rsplit("step-", 1)[1]) >= checkpoint.step
     drained_events = [e for e in events(fleet, "node-drained") if e["node"] == node]
