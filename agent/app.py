@@ -620,13 +620,15 @@ class NodeAgent(Application):
             pods, chunks = keeper.report()
             known = keeper.known()
             progress = keeper.take_progress()
-            wait = 0.0 if keeper.busy() else (1.0 if known else self.job_poll_seconds)
+            gone = keeper.take_gone()
+            wait = 0.0 if keeper.busy() or gone else (1.0 if known else self.job_poll_seconds)
             body = {
                 "nodes": nodes,
                 "pods": pods,
                 "logs": chunks,
                 "known": known,
                 "progress": progress,
+                "gone": gone,
             }
             try:
                 response = await client.post(
@@ -638,10 +640,15 @@ class NodeAgent(Application):
             except httpx.HTTPError as e:
                 self.log.warning("could not sync job pods with the controller (%s)", e)
                 keeper.restore_progress(progress)
+                keeper.restore_gone(gone)
                 await asyncio.sleep(1.0)
                 continue
             keeper.acknowledged(len(chunks))
-            await keeper.apply(response.json()["pods"])
+            answer = response.json()
+            await keeper.apply(answer["pods"])
+            keeper.end_leftovers(answer.get("leftovers", ()))
+            if keeper.ending_leftovers() and not keeper.busy():
+                await asyncio.sleep(0.5)  # the controller answers at once while any are left
 
     async def _samples(self, client: httpx.AsyncClient, gpus: GpuState) -> None:
         while True:

@@ -153,10 +153,45 @@ class PodKeeper:
         self._pods: dict[tuple[int, int], _Pod] = {}
         self._ports: dict[int, int] = {}
         self._unsent: list[dict[str, Any]] = []
+        # Leftover markers being ended, and those found gone (not yet reported).
+        self._ending_leftovers: dict[str, asyncio.Task[None]] = {}
+        self._gone: set[str] = set()
 
     # ------------------------------------------------------------- the sync
     def known(self) -> list[tuple[int, int]]:
         return sorted(self._pods)
+
+    # ------------------------------------------------------------ leftovers
+    def end_leftovers(self, leftovers: Iterable[Mapping[str, Any]]) -> None:
+        """End what may be left of pods the controller gave up on while this node's agent
+        was silent (an agent before this one may have run them): every process carrying
+        each marker, then report the marker gone (``take_gone``)."""
+        for leftover in leftovers:
+            marker = str(leftover["marker"])
+            if marker and marker not in self._ending_leftovers and marker not in self._gone:
+                self._ending_leftovers[marker] = asyncio.create_task(self._end_leftover(marker))
+
+    async def _end_leftover(self, marker: str) -> None:
+        try:
+            if await processes.end_all(marker):
+                self.log.info("nothing carrying leftover marker %s runs any more", marker)
+                self._gone.add(marker)
+            else:
+                self.log.error("processes with leftover marker %s survived SIGKILL", marker)
+        finally:
+            del self._ending_leftovers[marker]
+
+    def ending_leftovers(self) -> bool:
+        return bool(self._ending_leftovers)
+
+    def take_gone(self) -> list[str]:
+        """The leftover markers to report gone with this sync (``restore_gone`` if it fails)."""
+        gone = sorted(self._gone)
+        self._gone.clear()
+        return gone
+
+    def restore_gone(self, gone: Iterable[str]) -> None:
+        self._gone.update(gone)
 
     # ------------------------------------------------------------- progress
     def pod_of_marker(self, marker: str) -> tuple[int, int] | None:
@@ -202,8 +237,8 @@ class PodKeeper:
             self._progress[key] = kept
 
     def busy(self) -> bool:
-        """Something to report now: a pod ended, or log chunks wait."""
-        return bool(self._unsent) or any(
+        """Something to report now: a pod ended, log chunks or gone leftovers wait."""
+        return bool(self._unsent or self._gone) or any(
             p.state != "running" or p.ending is not None for p in self._pods.values()
         )
 

@@ -383,6 +383,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         except PolicyError as e:
             self.exit_with(f"c.FleetController.idle_policies: {e}", code=2)
         self.is_leader = False
+        self.leading_since: datetime | None = None
         self._kicked = asyncio.Event()
         self._last_full_collection = time.monotonic()
         self._index_wanted = asyncio.Event()
@@ -539,6 +540,10 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
             elif not held:
                 self.log.info("another controller holds the database lease; standing by")
             self.is_leader = held
+            if not held:
+                self.leading_since = None
+            elif not was_leader:
+                self.leading_since = self.now()
             if held != was_leader:
                 (self.timed.lead if held else self.timed.follow)()
             if held:
@@ -603,17 +608,25 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
     async def _watch_nodes(self) -> None:
         while True:
             await asyncio.sleep(max(self.node_heartbeat_timeout / 3, 0.2))
-            if not self.is_leader:
+            timeout = timedelta(seconds=self.node_heartbeat_timeout)
+            now = self.now()
+            # Agents could not report while no controller held the lease: silence counts
+            # only once this one has led for the whole timeout.
+            since = self.leading_since
+            if not self.is_leader or since is None or now - since < timeout:
                 continue
             try:
-                lost = self.store.mark_silent_nodes(
-                    self.now(), timedelta(seconds=self.node_heartbeat_timeout)
-                )
+                lost = self.store.lose_silent_nodes(now, timeout)
             except (SQLAlchemyError, SchedulerError):
                 self.log.exception("could not check node heartbeats")
                 continue
-            if lost:
-                self.log.warning("nodes stopped reporting", extra={"nodes": lost})
+            if lost.nodes:
+                self.log.warning("nodes stopped reporting", extra={"nodes": lost.nodes})
+            for fault in lost.restarted:
+                self.metrics.job_restarts.labels(fault).inc()
+            if lost.changed:
+                self.notifier.changed(lost.changed)
+                self.kick()
 
     async def _sync_memberships(self) -> None:
         while True:

@@ -254,11 +254,14 @@ def node_rows(session: Session) -> list[schemas.NodeOut]:
                 cordoned=n.cordoned,
                 gpus=len(present),
                 free_gpus=sum(
-                    1 for g in present if not (g.lost or g.cordoned) and g.uuid not in taken
+                    1
+                    for g in present
+                    if not (g.lost or g.cordoned or g.leftover_marker) and g.uuid not in taken
                 ),
                 last_heartbeat_at=n.last_heartbeat_at,
                 cordoned_gpus=[g.uuid for g in present if g.cordoned],
                 lemon_gpus=[g.uuid for g in present if g.lemon],
+                leftover_gpus=[g.uuid for g in present if g.leftover_marker],
             )
         )
     return rows

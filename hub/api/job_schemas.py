@@ -184,6 +184,11 @@ class AgentSyncIn(Strict):
     )
     wait: float = Field(default=0, ge=0, le=30)
     progress: list[PodProgressIn] = Field(default_factory=list, max_length=10_000)
+    gone: list[Annotated[str, Field(max_length=80)]] = Field(
+        default_factory=list,
+        max_length=10_000,
+        description="leftover markers of which the agent found no process any more",
+    )
 
 
 class DesiredPodOut(BaseModel):
@@ -208,5 +213,15 @@ class DesiredPodOut(BaseModel):
     )
 
 
+class LeftoverOut(BaseModel):
+    """What may be left of a pod whose agent went silent: end every process carrying
+    ``marker`` on ``node``, then report the marker ``gone``."""
+
+    node: str
+    marker: str
+    workload_id: int
+
+
 class AgentSyncOut(BaseModel):
     pods: list[DesiredPodOut]
+    leftovers: list[LeftoverOut] = Field(default_factory=list)

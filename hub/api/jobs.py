@@ -339,7 +339,7 @@ class AgentPodsHandler(APIHandler):
         ]
         with store_errors_as_http():
             result = controller.store.agent_sync(
-                controller.now(), body.nodes, reports, chunks, progress
+                controller.now(), body.nodes, reports, chunks, progress, body.gone
             )
         for outcome in result.ended:
             controller.metrics.ended.labels("job", outcome).inc()
@@ -347,16 +347,28 @@ class AgentPodsHandler(APIHandler):
             controller.metrics.job_restarts.labels(fault).inc()
         for seconds in result.resumed_after_s:
             controller.metrics.job_resume.observe(seconds)
-        if result.changed:
+        if result.changed or result.released:
             controller.notifier.changed(result.changed)
             controller.kick()  # GPUs may have been released
         elif chunks:
             controller.notifier.changed({c.workload_id for c in chunks})
-        desired = result.desired
-        if body.wait and {(p.workload_id, p.pod_index) for p in desired} == set(body.known):
+        desired, leftovers = result.desired, result.leftovers
+        if (
+            body.wait
+            and not leftovers
+            and {(p.workload_id, p.pod_index) for p in desired} == set(body.known)
+        ):
             await controller.notifier.wait_for_any_change(body.wait)
             desired = controller.store.desired_pods(body.nodes)
-        self.send(js.AgentSyncOut(pods=[_desired_out(p) for p in desired]))
+        self.send(
+            js.AgentSyncOut(
+                pods=[_desired_out(p) for p in desired],
+                leftovers=[
+                    js.LeftoverOut(node=x.node, marker=x.marker, workload_id=x.workload_id)
+                    for x in leftovers
+                ],
+            )
+        )
 
 
 def _desired_out(pod: DesiredPod) -> js.DesiredPodOut:

@@ -354,6 +354,11 @@ class NodeOut(BaseModel):
         description="GPUs on the lemon list (repeated hardware faults): out of service "
         "until an admin clears each (POST /gpus/{uuid}/clear-lemon)",
     )
+    leftover_gpus: list[str] = Field(
+        default_factory=list,
+        description="GPUs held for what may be left of a job pod whose node agent went "
+        "silent: out of service until an agent of the node reports its processes gone",
+    )
 
 
 class BreakerOut(BaseModel):

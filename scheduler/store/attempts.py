@@ -188,21 +188,8 @@ class AttemptStore(StoreBase):
         cordon would open it (``recovery/breaker.py``); a GPU's hardware or repeated fault
         cordons the GPU. Either takes no new work until an admin uncordons the node."""
         node = gpu.node
-        if verdict.hardware in NODE_ACTIONS and not node.cordoned:
-            if self._breaker_holds(session, now, node, verdict):
-                return
-            node.cordoned = True
-            node.recovery_cordoned_at = now
-            _event(
-                session,
-                now,
-                "node-cordoned",
-                f"node {node.name} cordoned by the recovery loop: {verdict.reason}; it "
-                "receives no new work",
-                reason=verdict.fault.value,
-                node=node.name,
-                cause="recovery",
-            )
+        if verdict.hardware in NODE_ACTIONS:
+            self._cordon_node(session, now, node, verdict)
         elif verdict.hardware is HardwareAction.LEMON_GPU and not gpu.lemon:
             gpu.cordoned = gpu.lemon = True
             _event(
@@ -230,6 +217,27 @@ class AttemptStore(StoreBase):
                 cause="recovery",
                 data={"uuid": gpu.uuid, "index": gpu.index},
             )
+
+    def _cordon_node(self, session: Session, now: datetime, node: Node, verdict: Verdict) -> bool:
+        """Cordon ``node`` for ``verdict`` unless the cluster's breaker keeps it in service.
+        Whether the node is out of service now."""
+        if node.cordoned:
+            return True
+        if self._breaker_holds(session, now, node, verdict):
+            return False
+        node.cordoned = True
+        node.recovery_cordoned_at = now
+        _event(
+            session,
+            now,
+            "node-cordoned",
+            f"node {node.name} cordoned by the recovery loop: {verdict.reason}; it "
+            "receives no new work",
+            reason=verdict.fault.value,
+            node=node.name,
+            cause="recovery",
+        )
+        return True
 
     def _breaker_holds(self, session: Session, now: datetime, node: Node, verdict: Verdict) -> bool:
         """Whether the cluster's breaker keeps ``node`` in service (opening it if this

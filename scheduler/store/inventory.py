@@ -260,30 +260,6 @@ class InventoryStore(StoreBase):
             )
             return True
 
-    def mark_silent_nodes(self, now: datetime, timeout: timedelta) -> list[str]:
-        """Nodes whose heartbeat is older than ``timeout`` become unknown: no new work."""
-        with self._write(now) as session:
-            # A node no agent of gpufleet reports lives as long as its cluster says so.
-            silent = session.scalars(
-                select(Node).where(
-                    Node.health != NodeHealth.unknown,
-                    Node.agent.is_(None) | Node.agent.not_like(f"{AGENT_PREFIX}%"),
-                    (Node.last_heartbeat_at.is_(None)) | (Node.last_heartbeat_at < now - timeout),
-                )
-            ).all()
-            for node in silent:
-                node.health = NodeHealth.unknown
-                _event(
-                    session,
-                    now,
-                    "node-lost",
-                    f"node {node.name} has not reported for "
-                    f"{int(timeout.total_seconds())} s; it receives no new work",
-                    node=node.name,
-                    reason="heartbeat-lost",
-                )
-            return [n.name for n in silent]
-
     def record_samples(
         self,
         now: datetime,
@@ -430,3 +406,30 @@ def _gpu_event(session: Session, now: datetime, gpu: Gpu, agent: str, lost: bool
         node=gpu.node.name,
         data={"uuid": gpu.uuid, "index": gpu.index},
     )
+
+
+def mark_silent(session: Session, now: datetime, timeout: timedelta) -> list[Node]:
+    """Nodes whose heartbeat is older than ``timeout`` become unknown: no new work. Returns
+    the nodes that became so now (what runs there is ``JobStore.lose_silent_nodes``'s)."""
+    # A node no agent of gpufleet reports lives as long as its cluster says so.
+    silent = session.scalars(
+        select(Node)
+        .where(
+            Node.health != NodeHealth.unknown,
+            Node.agent.is_(None) | Node.agent.not_like(f"{AGENT_PREFIX}%"),
+            (Node.last_heartbeat_at.is_(None)) | (Node.last_heartbeat_at < now - timeout),
+        )
+        .order_by(Node.name)
+    ).all()
+    for node in silent:
+        node.health = NodeHealth.unknown
+        _event(
+            session,
+            now,
+            "node-lost",
+            f"node {node.name} has not reported for "
+            f"{int(timeout.total_seconds())} s; it receives no new work",
+            node=node.name,
+            reason="heartbeat-lost",
+        )
+    return list(silent)

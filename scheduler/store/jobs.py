@@ -23,18 +23,27 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
+from ...recovery.classify import AgentSilent, Verdict, classify
 from ..errors import InvalidRequest
 from ..validation import JobRequest, validate_job_request
 from .accounts import AccountStore
 from .attempts import AttemptStore, log_offset, verdict_json
 from .base import _event, _get_workload, _preemptible
 from .catalogue import CatalogueStore
+from .inventory import mark_silent
+from .leftovers import (
+    Leftover,
+    hold_for_leftovers,
+    leftovers_on,
+    open_allocations_on,
+    release_leftovers,
+)
 from .models import (
     Allocation,
     JobLog,
@@ -50,7 +59,8 @@ from .progress import ProgressReport, record_progress
 
 ACTIVE = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
 POD_STATES = ("running", "exited", "stopped", "failed")
-ENDED_POD_STATES = frozenset({"exited", "stopped", "failed"})
+# ``lost``: its node's agent went silent (never reported by an agent).
+ENDED_POD_STATES = frozenset({"exited", "stopped", "failed", "lost"})
 LOG_STREAMS = ("stdout", "stderr")
 MAX_SCRIPT_BYTES = 1 << 20
 
@@ -142,6 +152,15 @@ class SyncResult:
     restarted: list[str] = field(default_factory=list)  # the fault class of each restart
     # Seconds from a fault to the first step of the attempt after it, one per job resumed.
     resumed_after_s: list[float] = field(default_factory=list)
+    leftovers: list[Leftover] = field(default_factory=list)  # for the agent to end
+    released: list[str] = field(default_factory=list)  # GPUs no leftover holds any more
+
+
+@dataclass
+class NodesLost:
+    nodes: list[str] = field(default_factory=list)  # became unknown now
+    changed: list[int] = field(default_factory=list)  # jobs stopped or restarted for it
+    restarted: list[str] = field(default_factory=list)  # the fault class of each restart
 
 
 @dataclass(frozen=True)
@@ -244,10 +263,12 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
         reports: Iterable[PodReport],
         chunks: Iterable[LogChunk],
         progress: Iterable[ProgressReport] = (),
+        gone: Iterable[str] = (),
     ) -> SyncResult:
         """Record an agent's pod reports, log chunks and its ranks' progress (before the
-        pods' ends: the last checkpoint of an attempt that ends now counts); answer the
-        pods of its nodes."""
+        pods' ends: the last checkpoint of an attempt that ends now counts), and the
+        leftover markers it found nothing of (``gone``); answer the pods of its nodes and
+        the leftovers it must end there."""
         nodes = set(node_names)
         changed: set[int] = set()
         ended: list[str] = []
@@ -270,8 +291,10 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                         ended.append(workload.outcome or "")
                 if fault is not None:
                     restarted.append(fault)
+            released = release_leftovers(session, now, nodes, gone)
             desired = _desired_pods(session, nodes)
-        return SyncResult(desired, sorted(changed), ended, restarted, resumed)
+            leftovers = leftovers_on(session, nodes)
+        return SyncResult(desired, sorted(changed), ended, restarted, resumed, leftovers, released)
 
     def _apply_reports(
         self,
@@ -350,14 +373,96 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                     workload=workload,
                     data={"attempt": workload.attempt, "verdict": verdict.reason},
                 )
-        fault = None
-        ended = [rows.get(i) for i in range(workload.pods)]
-        if all(row is not None and row.state in ENDED_POD_STATES for row in ended):
-            fault = self._attempt_ended(session, now, workload, *_job_ending(workload, ended))
-            visible = True
-        if visible:
+        fault, ended = self._end_attempt_if_done(session, now, workload, rows)
+        if visible and not ended:
             workload.version += 1
-        return visible, fault
+        return visible or ended, fault
+
+    def _end_attempt_if_done(
+        self, session: Session, now: datetime, workload: Workload, rows: Mapping[int, JobPod]
+    ) -> tuple[str | None, bool]:
+        """Once every pod of the attempt is reported ended: end the job or queue its next
+        attempt. Returns the fault class of a restart, and whether the attempt ended."""
+        ended = [rows.get(i) for i in range(workload.pods)]
+        if not all(row is not None and row.state in ENDED_POD_STATES for row in ended):
+            return None, False
+        fault = self._attempt_ended(session, now, workload, *_job_ending(workload, ended))
+        workload.version += 1
+        return fault, True
+
+    def lose_silent_nodes(self, now: datetime, timeout: timedelta) -> NodesLost:
+        """Nodes whose agent has not reported for ``timeout`` take no new work; each job
+        with a pod there stops as ``agent-lost`` and resumes elsewhere, its pods on the
+        silent node counted as ended (``lost``) while their GPUs stay held for whatever
+        of them may still run (``store/leftovers.py``). The node is cordoned, within the
+        recovery breaker: while the breaker holds, its jobs are left running (a share of
+        silent nodes that large is more likely the network's or the controller's fault,
+        and the hang check still catches a job that stopped)."""
+        lost = NodesLost()
+        with self._write(now) as session:
+            for node in mark_silent(session, now, timeout):
+                lost.nodes.append(node.name)
+                held = open_allocations_on(session, node)
+                if not any(a.workload.kind == WorkloadKind.job for a in held):
+                    continue
+                silent_s = (now - (node.last_heartbeat_at or now)).total_seconds()
+                verdict = classify(
+                    AgentSilent(node.name, silent_s, now.timestamp()), (), self.recovery_policy
+                )
+                if not self._cordon_node(session, now, node, verdict):
+                    continue
+                for workload in sorted({a.workload for a in held}, key=lambda w: w.id):
+                    if workload.kind == WorkloadKind.job and workload.state in ACTIVE:
+                        self._pods_lost(session, now, workload, node, verdict, lost)
+        return lost
+
+    def _pods_lost(
+        self,
+        session: Session,
+        now: datetime,
+        workload: Workload,
+        node: Node,
+        verdict: Verdict,
+        lost: NodesLost,
+    ) -> None:
+        rows = {p.pod_index: p for p in _pods(session, workload.id)}
+        indexes = sorted(
+            {
+                a.pod_index
+                for a in workload.allocations
+                if a.closed_at is None and a.node_id == node.id
+            }
+        )
+        for index in indexes:
+            row = rows.get(index)
+            if row is None:
+                row = rows[index] = JobPod(
+                    workload_id=workload.id, pod_index=index, node=node.name, state=""
+                )
+                session.add(row)
+            if row.state in ENDED_POD_STATES:
+                continue
+            uuids = hold_for_leftovers(session, now, workload, index, node)
+            row.state, row.ended_at = "lost", now
+            row.reason = (
+                "its node agent went silent; its GPUs stay held until what is left of it is gone"
+            )
+            _event(
+                session,
+                now,
+                "job-pod-ended",
+                f"pod {index} on {node.name}: {row.reason}",
+                reason="lost",
+                workload=workload,
+                node=node.name,
+                data={"pod": index, "held": uuids},
+            )
+        if workload.state != WorkloadState.stopping:
+            self._fault_stops(session, now, workload, verdict, node.name, silent=node.name)
+        lost.changed.append(workload.id)
+        fault, _ = self._end_attempt_if_done(session, now, workload, rows)
+        if fault is not None:
+            lost.restarted.append(fault)
 
     def desired_pods(self, node_names: Sequence[str]) -> list[DesiredPod]:
         with self.read() as session:
@@ -569,6 +674,8 @@ def _pod_ending(row: JobPod) -> str:
         how = f"exited with code {row.exit_code}"
     elif row.state == "failed":
         how = "could not start"
+    elif row.state == "lost":
+        how = "was lost"
     elif row.signal is not None:
         how = f"was stopped (signal {row.signal})"
     else:

@@ -224,7 +224,10 @@ class Mirror:
             .join(Cluster, Zone.cluster_id == Cluster.id)
         )
         gpus = select(Gpu.node_id, Gpu.uuid, Gpu.gpu_type).where(
-            Gpu.present.is_(True), Gpu.lost.is_(False), Gpu.cordoned.is_(False)
+            Gpu.present.is_(True),
+            Gpu.lost.is_(False),
+            Gpu.cordoned.is_(False),
+            Gpu.leftover_marker.is_(None),
         )
         if ids is not None:
             nodes = nodes.where(Node.id.in_(ids))

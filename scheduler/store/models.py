@@ -286,6 +286,12 @@ class Gpu(Base):
     # On the lemon list (repeated hardware faults): cordoned until an admin clears it,
     # whatever happens to its node.
     lemon: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Held for what may be left of a job pod whose node agent went silent (the pod's
+    # process marker, ``<marker>.<pod>``): no new work until an agent of its node reports
+    # that no process carries it. The allocation itself is closed when the attempt ends.
+    leftover_marker: Mapped[str | None] = mapped_column(String(80), default=None)
+    leftover_workload_id: Mapped[int | None] = mapped_column(Integer, default=None)
+    leftover_since: Mapped[datetime | None] = mapped_column(default=None)
     sampled_at: Mapped[datetime | None] = mapped_column(default=None)
     # The latest sample as the node agent sent it (utilisation, memory, ECC, processes...).
     last_sample: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")

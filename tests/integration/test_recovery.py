@@ -6,11 +6,14 @@ resumes from the checkpoint it saved (CPU PyTorch, gloo, the real agent and cont
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
 import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +23,7 @@ from gpufleet.agent.gpus import declared_fake_gpus
 from gpufleet.client import Client
 from gpufleet.recovery.fake_nvml import FakeGpu, write_control
 
-from .harness import Hub, wait_for
+from .harness import Hub, pids_with_env, server_environ, wait_for
 from .test_agent import DECLARED, events
 
 pytestmark = pytest.mark.integration
@@ -274,3 +277,141 @@ def _node(fleet: Hub, name: str) -> dict[str, Any]:
     nodes = fleet.controller("GET", "/nodes").json()["items"]
     found: dict[str, Any] = next(n for n in nodes if n["name"] == name)
     return found
+
+
+# A hub whose nodes are lost after 6 s of silence, for the agent-loss test: node-c has an
+# agent of its own, started by the test (so the hub does not restart it). Its first
+# attempt hangs, alive, so that something is left of it; the hang check stays out of it.
+SILENCE_CONFIG = """
+c.FleetController.node_heartbeat_timeout = 6
+c.FleetController.job_hang_floor_seconds = 300
+"""
+NODE_C = {"name": "gpu-node-c", "zone": "zone-c", "gpu_type": "A100-80GB", "gpus": 2}
+AGENT_C_CONFIG = """
+c = get_config()
+load_subconfig({hub_config!r})
+c.NodeAgent.declared_nodes = [{node!r}]
+c.NodeAgent.data_dir = {data_dir!r}
+c.NodeAgent.metrics_port = 0
+"""
+
+
+@pytest.fixture(scope="module")
+def silence_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    instance = Hub.create(tmp_path_factory.mktemp("silence"), SILENCE_CONFIG)
+    instance.start()
+    try:
+        yield instance
+    finally:
+        instance.kill_everything()
+
+
+class NodeAgentProcess:
+    """A node agent of node-c only, run beside the hub's (whose environment it borrows)."""
+
+    def __init__(self, hub: Hub) -> None:
+        pid = hub.service_pid("gpufleet-agent")
+        assert pid is not None
+        self.command = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        self.data_dir = hub.data_dir / "agent-c"
+        config = hub.log_path.parent / "agent_c_config.py"
+        config.write_text(
+            AGENT_C_CONFIG.format(
+                hub_config=str(hub.log_path.parent / "test_config.py"),
+                node=NODE_C,
+                data_dir=str(self.data_dir),
+            )
+        )
+        self.env = {**server_environ(pid), "GPUFLEET_CONFIG": str(config)}
+        self.log_path = hub.log_path.parent / "agent-c.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def kill(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+        self.proc.wait(30)
+
+
+def _node_in(hub: Hub, name: str) -> dict[str, Any] | None:
+    nodes = hub.controller("GET", "/nodes").json()["items"]
+    return next((n for n in nodes if n["name"] == name), None)
+
+
+def _rank_pids(job_id: int, attempt: int) -> set[int]:
+    return {
+        pid
+        for pid in pids_with_env("GPUFLEET_JOB_ID", str(job_id))
+        if f"GPUFLEET_ATTEMPT={attempt}".encode()
+        in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    }
+
+
+def test_a_killed_agents_job_resumes_elsewhere_and_its_gpus_wait_for_its_processes(
+    silence_hub: Hub,
+) -> None:
+    hub, node = silence_hub, str(NODE_C["name"])
+    agent = NodeAgentProcess(hub)
+    agent.start()
+    try:
+        wait_for(lambda: (n := _node_in(hub, node)) and n["health"] == "ok", 60, "node-c")
+        for other in DECLARED:  # the job lands on node-c
+            hub.controller("POST", f"/nodes/{other['name']}/cordon")
+        with Client(hub.controller_api, hub.user_token("alice")) as alice:
+            job_id = submit_training(alice, training(hangs_at=30), "outlives")
+            checkpoint = first_checkpoint(alice, job_id)
+            assert {a.node for a in alice.job(job_id).allocations} == {node}
+            for other in DECLARED:
+                hub.controller("POST", f"/nodes/{other['name']}/uncordon")
+            old_ranks = _rank_pids(job_id, attempt=1)
+            assert old_ranks
+
+            agent.kill(signal.SIGKILL)  # its ranks live on, unwatched
+            restarted = wait_for(
+                lambda: [e for e in events(hub, "job-restarting") if e["workload_id"] == job_id],
+                60,
+                "the job restarted after node-c's silence",
+            )
+            assert restarted[0]["data"]["fault"] == "agent-lost"
+            assert restarted[0]["data"]["avoid_nodes"] == [node]
+            lost = _node_in(hub, node)
+            assert lost is not None and (lost["health"], lost["cordoned"]) == ("unknown", True)
+            assert len(lost["leftover_gpus"]) == 2 and lost["free_gpus"] == 0
+            # Attempt 2 runs on the other nodes from the checkpoint, while attempt 1's
+            # ranks still run on node-c: their GPUs are not handed out.
+            wait_for(lambda: _rank_pids(job_id, attempt=2), 90, "attempt 2's ranks")
+            second = alice.job(job_id)
+            assert second.attempt == 2 and node not in {a.node for a in second.allocations}
+            assert all(Path(f"/proc/{p}").exists() for p in old_ranks)
+            assert len(_node_in(hub, node)["leftover_gpus"]) == 2  # type: ignore[index]
+
+            # node-c's agent is back: it ends what is left, and only then are the GPUs free.
+            agent.start()
+            wait_for(
+                lambda: not _node_in(hub, node)["leftover_gpus"],  # type: ignore[index]
+                60,
+                "node-c's GPUs released",
+            )
+            assert not any(Path(f"/proc/{p}").exists() for p in old_ranks)
+            gone = sorted(
+                str(e["message"]) for e in events(hub, "gpu-leftovers-gone") if e["node"] == node
+            )
+            assert [m.partition(" any more")[0] for m in gone] == [
+                f"nothing of job {job_id}'s lost pod {pod} runs on {node}" for pod in (0, 1)
+            ]
+
+            ended = alice.wait(job_id, timeout=240)
+            assert (ended.outcome, ended.attempt) == ("succeeded", 2), ended.reason
+            after = "".join(alice.logs(job_id, rank=0)).partition("--- gpufleet: attempt 2: ")[2]
+            resumed = re.search(r"rank 0 attempt 2 starts at step (\d+)", after)
+            assert resumed is not None and int(resumed.group(1)) > checkpoint.step, after[:500]
+            steps = [int(s) for s in re.findall(r"rank 0 step (\d+)", after)]
+            assert steps == list(range(int(resumed.group(1)), STEPS))
+    finally:
+        if agent.proc is not None and agent.proc.poll() is None:
+            agent.kill(signal.SIGTERM)  # it takes its loopback guard away

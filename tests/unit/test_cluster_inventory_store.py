@@ -200,7 +200,7 @@ def test_an_unreachable_cluster_makes_only_its_own_nodes_unknown(store: FleetSto
 
 def test_kubernetes_nodes_are_not_lost_for_want_of_an_agent_heartbeat(store: FleetStore) -> None:
     store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1")], complete=True)
-    assert store.mark_silent_nodes(t(100), timedelta(seconds=30)) == []
+    assert store.lose_silent_nodes(t(100), timedelta(seconds=30)).nodes == []
     assert health(store)["a-gpu-1"] == (NodeHealth.ok, False)
 
 

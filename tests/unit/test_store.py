@@ -411,7 +411,7 @@ def test_a_second_controller_waits_for_the_lease_and_then_fences_the_first(
         lambda now: store.renew(now, alice, REQUEST_LEASE),
         lambda now: store.expire_leases(now + timedelta(hours=1)),
         lambda now: store.heartbeat(now, "agent-1", ["a1"]),
-        lambda now: store.mark_silent_nodes(now, timedelta(seconds=0)),
+        lambda now: store.lose_silent_nodes(now, timedelta(seconds=0)),
         lambda now: store.register_nodes(now, "agent-1", [node_spec("a3", "A100", [0])]),
         lambda now: store.sync_memberships(now, {}),
         lambda now: store.apply_config(now, [], [], [{"name": "low", "rank": 1}]),
@@ -456,7 +456,7 @@ def test_silent_nodes_become_unknown_and_receive_no_work_until_they_report(
     store: FleetStore,
 ) -> None:
     assert store.heartbeat(t(20), "agent-1", ["a1", "ghost"]) == ["ghost"]
-    assert sorted(store.mark_silent_nodes(t(31), timedelta(seconds=30))) == ["a2", "h1"]
+    assert store.lose_silent_nodes(t(31), timedelta(seconds=30)).nodes == ["a2", "h1"]
     with store.read() as session:
         health = dict(session.execute(select(Node.name, Node.health)).all())
     assert health == {"a1": NodeHealth.ok, "a2": NodeHealth.unknown, "h1": NodeHealth.unknown}

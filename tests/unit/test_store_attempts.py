@@ -6,6 +6,8 @@ guaranteed), alice in vision (2)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from sqlalchemy import Engine, select
 
@@ -357,3 +359,62 @@ def test_a_gpus_second_hardware_fault_in_a_week_puts_it_on_the_lemon_list(
         assert gpu is not None and (gpu.cordoned, gpu.lemon) == (False, False)
     with pytest.raises(NotFound, match="there is no GPU 'GPU-x'"):
         store.clear_lemon(t(3 * 86400 + 32), "GPU-x", "admin")
+
+
+def test_a_silent_agents_job_resumes_elsewhere_while_its_gpus_wait_for_its_processes(
+    store: FleetStore,
+) -> None:
+    job = submit(store, 10, gpus=2)
+    assert placed_on(store, job) == {"a2"}
+    running(store, 12, job, pods=1)
+    marker = workload(store, job).process_marker
+    store.heartbeat(t(40), "agent-1", ["a1", "h1"])  # a2's agent fell silent at t(12)
+    lost = store.lose_silent_nodes(t(45), timedelta(seconds=30))
+    assert (lost.nodes, lost.changed, lost.restarted) == (["a2"], [job], ["agent-lost"])
+
+    back = workload(store, job)
+    assert (back.state, back.attempt, back.faults) == (WorkloadState.pending, 2, 1)
+    assert back.recovery is not None and back.recovery["avoid_nodes"] == ["a2"]
+    assert events(store, "job-pod-ended")[-1] == (
+        "pod 0 on a2: its node agent went silent; its GPUs stay held until what is left of "
+        "it is gone"
+    )
+    assert events(store, "node-cordoned")[-1].startswith(
+        "node a2 cordoned by the recovery loop: the node agent of a2 has been silent for 45 s"
+    )
+    # The agent comes back and an admin uncordons a2: its GPUs still wait for the pod.
+    store.heartbeat(t(46), "agent-1", ["a1", "a2", "h1"])
+    store.set_cordoned(t(46), "a2", False, by="admin")
+    ask(store, t(47), "carol", project="nlp", gpus=4)  # a1 is full
+    alice = ask(store, t(47), "alice", gpus=2)
+    store.scheduling_cycle(t(48), NOW_POLICY)
+    assert workload(store, alice).state == WorkloadState.pending
+    result = store.agent_sync(t(49), ["a2"], [], [])
+    assert [(x.node, x.marker, x.workload_id) for x in result.leftovers] == [
+        ("a2", f"{marker}.0", job)
+    ]
+    # Only an agent of a2 may say the processes are gone, and only of that marker.
+    assert store.agent_sync(t(50), ["a1"], [], [], gone=[f"{marker}.0"]).released == []
+    assert store.agent_sync(t(50), ["a2"], [], [], gone=["other.0"]).released == []
+    result = store.agent_sync(t(51), ["a2"], [], [], gone=[f"{marker}.0"])
+    assert result.released == ["GPU-a2-0", "GPU-a2-1"] and result.leftovers == []
+    assert events(store, "gpu-leftovers-gone") == [
+        f"nothing of job {job}'s lost pod 0 runs on a2 any more: 2 GPU(s) held for it 6 s "
+        "take work again"
+    ]
+    store.scheduling_cycle(t(52), NOW_POLICY)
+    assert workload(store, alice).state == WorkloadState.admitted
+
+
+def test_a_silent_agents_jobs_keep_running_while_the_breaker_is_open(store: FleetStore) -> None:
+    store.act_on_xid(t(5), "GPU-a1-0", 79)  # the cluster's one automated cordon
+    store.act_on_xid(t(6), "GPU-h1-0", 79)  # opens the breaker
+    job = submit(store, 10, gpus=2)
+    running(store, 12, job, pods=1)
+    store.heartbeat(t(40), "agent-1", ["a1", "h1"])
+    lost = store.lose_silent_nodes(t(45), timedelta(seconds=30))
+    assert (lost.nodes, lost.changed) == (["a2"], [])
+    assert workload(store, job).state == WorkloadState.running
+    assert events(store, "recovery-cordon-withheld")[-1].startswith(
+        "node a2 stays in service: the recovery breaker of cluster local is open"
+    )
