@@ -47,6 +47,8 @@ from .gpus import (
 )
 from .jobs import PodKeeper, RankSandbox
 from .lifecycle import until_stopped
+from .maintenance import KINDS as MAINTENANCE_KINDS
+from .maintenance import MaintenanceSettings, run_maintenance
 from .metrics import Assignment
 from .network_guard import GuardUnavailable, NetworkGuard, table_name
 from .operations import run_operation
@@ -303,6 +305,46 @@ class NodeAgent(Application):
         "and root). Off: every local port is reachable from every session and rank.",
     ).tag(config=True)
 
+    gpu_reset_command = List(
+        Unicode(),
+        ["nvidia-smi", "--gpu-reset", "-i", "{indexes}"],
+        help="How this node resets GPUs the recovery loop took out for a hardware fault "
+        "(or a degraded GPU at its next idle point), run as the agent's account once "
+        "nothing uses them; {node}, {uuids} and {indexes} (comma-separated) are filled in. "
+        "Exit status 0 returns them to service. Fake GPUs are reset through their control "
+        "file instead.",
+    ).tag(config=True)
+
+    recycle_command = List(
+        Unicode(),
+        help="How this node is recycled after a node fault (XID 79, a lost GPU) or an "
+        "admin's `gpufleet recycle`, once it is empty: e.g. a BMC power cycle, or a script "
+        "that reboots the machine and waits for it. Empty: a recycle fails, saying so, and "
+        "the node stays cordoned for an admin. Fake GPUs are reset instead.",
+    ).tag(config=True)
+
+    diagnostics_command = List(
+        Unicode(),
+        ["dcgmi", "diag", "-r", "2", "-i", "{indexes}"],
+        help="The diagnostics run after a recycle (the node's GPUs) or for a GPU blamed "
+        "twice for an application fault or an NVLink error; exit status 0 passes and "
+        "returns the node or GPU to service. Fake GPUs answer from <fake dir>/diagnostics.",
+    ).tag(config=True)
+
+    maintenance_timeout = Float(
+        3600.0, help="Seconds a reset, recycle or diagnostics command may take before it fails."
+    ).tag(config=True)
+
+    def maintenance_settings(self) -> MaintenanceSettings:
+        return MaintenanceSettings(
+            node=self.node_name or ",".join(n["name"] for n in self.inventory),
+            fake_control=self.fake_nvml_control,
+            reset_command=tuple(self.gpu_reset_command),
+            recycle_command=tuple(self.recycle_command),
+            diagnostics_command=tuple(self.diagnostics_command),
+            timeout_s=self.maintenance_timeout,
+        )
+
     def loopback_guard(self) -> NetworkGuard | None:
         """The loopback guard, installed (blocking); None when it is off or cannot be had
         (the log says why: then job ranks do not start)."""
@@ -361,6 +403,7 @@ class NodeAgent(Application):
             )
             self.exit(1)
         self.gpus: GpuState | None = None
+        self.fake_nvml_control: Path | None = None  # maintenance answers through it
         self.inventory = declared_inventory(self.declared_nodes)
 
     # ------------------------------------------------------------ GPUs
@@ -387,6 +430,7 @@ class NodeAgent(Application):
                 return GpuState(nvml, inventory, places, nvml.driver_version())
         if self.nvml in ("auto", "fake") and self.declared_nodes:
             nvml = start_fake_nvml(self.declared_nodes, Path(self.data_dir) / "fake-nvml")
+            self.fake_nvml_control = Path(self.data_dir) / "fake-nvml" / "control"
             places = declared_places(self.declared_nodes)
             inventory = nvml.inventory()
             return GpuState(nvml, inventory, places, nvml.driver_version())
@@ -514,9 +558,9 @@ class NodeAgent(Application):
         )
 
     async def _node_operations(self, client: httpx.AsyncClient) -> None:
-        """Claim the snapshot passes and restores asked of this agent's nodes and run them
-        (agent/operations.py), reporting progress at most every ``PROGRESS_EVERY_S``
-        while any runs; with none running, long-poll for the next."""
+        """Claim the snapshot passes, restores and maintenance asked of this agent's nodes
+        and run them (agent/operations.py, agent/maintenance.py), reporting progress at
+        most every ``PROGRESS_EVERY_S`` while any runs; with none running, long-poll."""
         nodes = list(self.operation_nodes) or [n["name"] for n in self.inventory]
         nodes = nodes or [self.node_name]
         settings = self.snapshot_settings()
@@ -536,13 +580,18 @@ class NodeAgent(Application):
                 }
 
             try:
-                result = await run_operation(
-                    operation["kind"],
-                    operation["request"],
-                    settings,
-                    progress,
-                    self.container_layer_roots,
-                )
+                if operation["kind"] in MAINTENANCE_KINDS:
+                    result = await run_maintenance(
+                        operation["kind"], operation["request"], self.maintenance_settings()
+                    )
+                else:
+                    result = await run_operation(
+                        operation["kind"],
+                        operation["request"],
+                        settings,
+                        progress,
+                        self.container_layer_roots,
+                    )
                 reports[oid] = {"id": oid, "state": "done", "result": result}
             except Exception as e:  # noqa: BLE001 (said to the asker, who decides)
                 self.log.warning("node operation %s (%s) failed: %s", oid, operation["kind"], e)

@@ -353,6 +353,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
             self.store.retry_policy, self.store.recovery_policy, self.store.breaker_policy = (
                 policies
             )
+            self.store.plan_maintenance = self.recovery_maintenance
         except ValueError as e:
             self.exit_with(f"job restarts: {e}", code=2)
         self.metrics = ControllerMetrics(self.store)
@@ -505,6 +506,15 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         drained = self.store.drain_node(self.now(), node, by, why)
         self.victims.stop(drained.sessions)
         self.notifier.changed(drained.changed)  # the node agents stop the jobs' ranks
+        self.kick()
+
+    async def recycle(self, node: str, by: str, why: str) -> None:
+        """Drain ``node``, recycle it once it is empty, then diagnose it (docs/recovery.md,
+        "Maintenance")."""
+        await self.cordon(node, True, by)
+        drained = self.store.recycle_node(self.now(), node, by, why)
+        self.victims.stop(drained.sessions)
+        self.notifier.changed(drained.changed)
         self.kick()
 
     def _stop_sessions_of_lost_nodes(self, stops: list[Stop]) -> None:
@@ -691,7 +701,8 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         self._index_wanted.set()
 
     async def _recovery_loop(self) -> None:
-        """Stop the jobs that stopped progressing; they come back as their next attempt."""
+        """Stop the jobs that stopped progressing (they come back as their next attempt),
+        and ask the node agents for the maintenance that became possible."""
         while True:
             await asyncio.sleep(self.hang_check_interval)
             if not self.is_leader:
@@ -704,6 +715,14 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
             if stopped:
                 self.log.warning("recovery: stopping hung job(s) %s", stopped)
                 self.notifier.changed(stopped)  # the node agents stop their ranks
+            try:
+                asked = self.store.start_due_maintenance(self.now())
+            except (SQLAlchemyError, SchedulerError):
+                self.log.exception("recovery: starting due maintenance failed; retrying")
+                continue
+            if asked:
+                self.log.info("recovery: maintenance asked of the node agents: %s", asked)
+                self.notifier.wake_agents()
 
     async def _reconcile_loop(self) -> None:
         if not self.hub_api_url:

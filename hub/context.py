@@ -69,3 +69,6 @@ class ControllerContext(Protocol):
     async def drain(self, node: str, by: str, why: str) -> None:
         """Cordon a node and stop what runs there (jobs restart elsewhere, sessions are
         snapshotted and stopped)."""
+
+    async def recycle(self, node: str, by: str, why: str) -> None:
+        """Drain a node, recycle it once it is empty, then diagnose it."""

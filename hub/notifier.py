@@ -23,6 +23,13 @@ class Notifier:
                 waiter.set()
             self._any.clear()
 
+    def wake_agents(self) -> None:
+        """Answer every node agent's long poll now (new work for them that is no
+        workload's change: a maintenance operation)."""
+        for waiter in self._any:
+            waiter.set()
+        self._any.clear()
+
     async def wait_for_any_change(self, within: float) -> None:
         """Return when any workload changes or after ``within`` seconds (same guarantee
         as ``wait_for_change``)."""

@@ -219,6 +219,15 @@ OPERATIONS = (
     ),
     Operation(
         "post",
+        "/nodes/{node_name}/recycle",
+        "Recycle a node: drain it, recycle it once empty (the agent's recycle_command), "
+        "then diagnose it; it returns to service if the diagnostics pass (admins)",
+        (scopes.ADMIN,),
+        schemas.RecycleIn,
+        schemas.NodeOut,
+    ),
+    Operation(
+        "post",
         "/gpus/{gpu_uuid}/clear-lemon",
         "Take a GPU off the lemon list: it takes new work again (admins)",
         (scopes.ADMIN,),

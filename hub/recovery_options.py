@@ -5,7 +5,7 @@ set as ``c.FleetController.<name>``."""
 
 from __future__ import annotations
 
-from traitlets import Float, Integer
+from traitlets import Bool, Float, Integer
 from traitlets.config import Configurable
 
 from ..recovery.attempts import RetryPolicy
@@ -90,6 +90,15 @@ class RecoveryOptions(Configurable):
 
     hang_check_interval = Float(
         5.0, min=0.1, help="Seconds between the recovery loop's looks for hung jobs."
+    ).tag(config=True)
+
+    recovery_maintenance = Bool(
+        True,
+        help="Have the node agents do the maintenance a fault leaves due: recycle and "
+        "diagnose a node that fell off, reset a GPU with a hardware fault (a degraded one "
+        "at its next idle point), diagnose a GPU blamed twice; a pass returns it to "
+        'service (docs/recovery.md, "Maintenance"). Off: faults only cordon, and an '
+        "admin recycles or uncordons by hand.",
     ).tag(config=True)
 
     def recovery_policies(self) -> tuple[RetryPolicy, RecoveryPolicy, BreakerPolicy]:

@@ -219,6 +219,11 @@ def _drain(node: str, reason: str) -> Steps[NodeOut]:
     return NodeOut.model_validate(answer)
 
 
+def _recycle(node: str, reason: str) -> Steps[NodeOut]:
+    answer = yield _Request("POST", f"/nodes/{node}/recycle", json={"reason": reason})
+    return NodeOut.model_validate(answer)
+
+
 def _drain_at(node: str, reason: str, at: str) -> Steps[TimedJobOut]:
     answer = yield _Request("POST", f"/nodes/{node}/drain", json={"reason": reason, "at": at})
     return TimedJobOut.model_validate(answer)
@@ -477,6 +482,11 @@ class Client(_Common):
         sessions are snapshotted and stopped."""
         return self._run(_drain(node, reason))
 
+    def recycle(self, node: str, reason: str = "") -> NodeOut:
+        """Drain ``node``, recycle it once it is empty, then diagnose it (admins); it
+        returns to service if the diagnostics pass."""
+        return self._run(_recycle(node, reason))
+
     def drain_at(self, node: str, at: str, reason: str = "") -> TimedJobOut:
         """Drain ``node`` later (admins): ``at`` is HH:MM (UTC) or an ISO date and time."""
         return self._run(_drain_at(node, reason, at))
@@ -602,6 +612,9 @@ class AsyncClient(_Common):
 
     async def drain(self, node: str, reason: str = "") -> NodeOut:
         return await self._run(_drain(node, reason))
+
+    async def recycle(self, node: str, reason: str = "") -> NodeOut:
+        return await self._run(_recycle(node, reason))
 
     async def reset_breaker(self, cluster: str) -> list[BreakerOut]:
         return await self._run(_reset_breaker(cluster))

@@ -65,6 +65,14 @@ def add_fleet_commands(commands: Any) -> None:
     drain.add_argument(
         "--at", help="drain later: HH:MM (the next such time, UTC) or an ISO date and time"
     )
+    recycle = commands.add_parser(
+        "recycle",
+        parents=[connection],
+        help="drain a node, recycle it once it is empty, then diagnose it; it returns to "
+        "service if the diagnostics pass (admins)",
+    )
+    recycle.add_argument("node", help="the node's name, as `gpufleet nodes` shows it")
+    recycle.add_argument("--reason", default="", help="why, for the events people read")
     reset = commands.add_parser(
         "reset-breaker",
         parents=[connection],
@@ -220,7 +228,11 @@ def _nodes(client: Client, args: argparse.Namespace, console: Console) -> int:
             n.zone,
             n.gpu_type,
             f"{n.free_gpus} / {n.gpus}",
-            n.health,
+            ", ".join(
+                [n.health]
+                + ([n.maintenance] if n.maintenance else [])
+                + ([f"{len(n.leftover_gpus)} held for a lost pod"] if n.leftover_gpus else [])
+            ),
             "yes" if n.cordoned else "",
         )
     console.print(table)
@@ -270,6 +282,18 @@ def _reset_breaker(client: Client, args: argparse.Namespace, console: Console) -
     return 0
 
 
+def _recycle(client: Client, args: argparse.Namespace, console: Console) -> int:
+    node = client.recycle(args.node, args.reason)
+    if args.json:
+        return print_json([node])
+    console.print(
+        f"{node.name} is draining; it is recycled once empty ({node.gpus - node.free_gpus} of "
+        f"{node.gpus} GPUs still in use), then diagnosed, and returns to service if the "
+        f"diagnostics pass. Follow it with: gpufleet nodes"
+    )
+    return 0
+
+
 _COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Console], int]] = {
     "queue": _queue,
     "quota": _quota,
@@ -277,6 +301,7 @@ _COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Console], int]] = {
     "cordon": _cordon,
     "uncordon": _cordon,
     "drain": _drain,
+    "recycle": _recycle,
     "reset-breaker": _reset_breaker,
     **JOB_COMMANDS,
 }

@@ -262,6 +262,7 @@ def node_rows(session: Session) -> list[schemas.NodeOut]:
                 cordoned_gpus=[g.uuid for g in present if g.cordoned],
                 lemon_gpus=[g.uuid for g in present if g.lemon],
                 leftover_gpus=[g.uuid for g in present if g.leftover_marker],
+                maintenance=n.maintenance,
             )
         )
     return rows
@@ -378,6 +379,20 @@ class NodeDrainHandler(APIHandler):
             return
         with store_errors_as_http():
             await self.controller.drain(node_name, identity.name, body.reason)
+        with self.controller.store.read() as session:
+            (row,) = [n for n in node_rows(session) if n.name == node_name]
+        self.send(row.model_dump(mode="json"))
+
+
+class NodeRecycleHandler(APIHandler):
+    """POST ``/nodes/<name>/recycle`` (admins): drain the node, recycle it once it is
+    empty, then diagnose it (docs/recovery.md, "Maintenance"). Answers the node."""
+
+    async def post(self, node_name: str) -> None:
+        identity = self.require(scopes.ADMIN)
+        body = self.body(schemas.RecycleIn) if self.request.body else schemas.RecycleIn()
+        with store_errors_as_http():
+            await self.controller.recycle(node_name, identity.name, body.reason)
         with self.controller.store.read() as session:
             (row,) = [n for n in node_rows(session) if n.name == node_name]
         self.send(row.model_dump(mode="json"))
@@ -546,6 +561,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         (rf"{api}/nodes", NodesHandler),
         (rf"{api}/nodes/([^/]+)/(cordon|uncordon)", NodeCordonHandler),
         (rf"{api}/nodes/([^/]+)/drain", NodeDrainHandler),
+        (rf"{api}/nodes/([^/]+)/recycle", NodeRecycleHandler),
         (rf"{api}/recovery/breakers", BreakersHandler),
         (rf"{api}/gpus/([^/]+)/clear-lemon", LemonClearHandler),
         (rf"{api}/timed", TimedHandler),

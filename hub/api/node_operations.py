@@ -58,7 +58,9 @@ class NodeOperationIn(Strict):
 
 class NodeOperationOut(BaseModel):
     id: int
-    workload_id: int
+    workload_id: int | None = Field(
+        description="the session it is for; null for maintenance (reset, recycle, diagnose)"
+    )
     node: str
     kind: str
     state: str = Field(description="pending|running|done|failed")
@@ -78,7 +80,8 @@ class NodeOperationOut(BaseModel):
 
 class AgentOperationOut(NodeOperationOut):
     request: dict[str, Any] = Field(
-        description="project, username, server, marker, paths, exclude, container, tags"
+        description="snapshot, restore: project, username, server, marker, paths, exclude, "
+        "container, tags; maintenance: scope (node or gpu), uuids, indexes, by"
     )
 
 
@@ -165,6 +168,8 @@ class AgentNodeOperationsHandler(APIHandler):
                     result=report.result,
                     error=report.error,
                 )
+            if any(r.state != "running" for r in body.reports):
+                controller.kick()  # a maintenance's end may return GPUs
             claimed = store.claim_node_operations(controller.now(), body.nodes)
             if not claimed and body.wait:
                 await controller.notifier.wait_for_any_change(body.wait)

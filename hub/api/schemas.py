@@ -354,6 +354,11 @@ class NodeOut(BaseModel):
         description="GPUs on the lemon list (repeated hardware faults): out of service "
         "until an admin clears each (POST /gpus/{uuid}/clear-lemon)",
     )
+    maintenance: str | None = Field(
+        default=None,
+        description="recycle or diagnose while due (once the node is empty), recycling or "
+        'diagnosing while its agent runs it (docs/recovery.md, "Maintenance")',
+    )
     leftover_gpus: list[str] = Field(
         default_factory=list,
         description="GPUs held for what may be left of a job pod whose node agent went "
@@ -375,6 +380,10 @@ class DrainIn(Strict):
         description="drain later: HH:MM (the next such time, UTC) or an ISO date and time; "
         "the drain is then a timed job (GET /timed)",
     )
+
+
+class RecycleIn(Strict):
+    reason: str = Field(default="", max_length=500, description="why, for the events")
 
 
 class TimedJobOut(BaseModel):

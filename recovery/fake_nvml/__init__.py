@@ -34,7 +34,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
@@ -423,3 +423,35 @@ def _atomic_write(path: Path, text: str) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def reset_gpus(path: Path, uuids: Collection[str]) -> list[str]:
+    """What ``nvidia-smi --gpu-reset`` (or a node's recycle) does to the fake GPUs named:
+    their pending XIDs, volatile ECC counts and pending row remaps are cleared, and a GPU
+    that fell off the bus is back. The rest of the control file stays as it is. Returns the
+    UUIDs found."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    wanted = set(uuids)
+    indexes = {}
+    for line in lines:
+        key, _, value = line.partition("=")
+        if key.startswith("gpu.") and key.endswith(".uuid") and value in wanted:
+            indexes[key[len("gpu.") : -len(".uuid")]] = value
+    cleared = {
+        "lost",
+        "ecc_volatile_uncorrected",
+        "ecc_volatile_corrected",
+        "remapped_rows_pending",
+    }
+    kept = []
+    for line in lines:
+        key, _, _value = line.partition("=")
+        parts = key.split(".")
+        if len(parts) == 3 and parts[0] == "gpu" and parts[1] in indexes:
+            if parts[2] == "xid":
+                continue
+            if parts[2] in cleared:
+                line = f"{key}=0"
+        kept.append(line)
+    _atomic_write(Path(path), "\n".join(kept) + "\n")
+    return sorted(indexes.values())

@@ -53,6 +53,7 @@ from ...recovery.classify import JobProgress as JobProgressSeen
 from ..errors import NotFound
 from .base import StoreBase, _event
 from .cycle import Stop
+from .maintenance_plan import plan_gpu_maintenance, plan_node_maintenance
 from .models import (
     Allocation,
     Cluster,
@@ -96,6 +97,7 @@ class AttemptStore(StoreBase):
     retry_policy = RetryPolicy()
     recovery_policy = RecoveryPolicy()
     breaker_policy = BreakerPolicy()
+    plan_maintenance = True  # what a fault leaves due is done (store/maintenance.py)
 
     # ------------------------------------------------------------ classify
     def _classify_pod(
@@ -189,9 +191,14 @@ class AttemptStore(StoreBase):
         cordons the GPU. Either takes no new work until an admin uncordons the node."""
         node = gpu.node
         if verdict.hardware in NODE_ACTIONS:
-            self._cordon_node(session, now, node, verdict)
-        elif verdict.hardware is HardwareAction.LEMON_GPU and not gpu.lemon:
+            if self._cordon_node(session, now, node, verdict) and self.plan_maintenance:
+                plan_node_maintenance(session, now, node, verdict)
+            return
+        if verdict.hardware is not HardwareAction.LEMON_GPU and self.plan_maintenance:
+            plan_gpu_maintenance(session, now, gpu, verdict)
+        if verdict.hardware is HardwareAction.LEMON_GPU and not gpu.lemon:
             gpu.cordoned = gpu.lemon = True
+            gpu.maintenance = None  # a lemon waits for a person, not for a reset
             _event(
                 session,
                 now,
@@ -210,8 +217,12 @@ class AttemptStore(StoreBase):
                 now,
                 "gpu-cordoned",
                 f"GPU {gpu.uuid} (index {gpu.index}) of node {node.name} cordoned by the "
-                f"recovery loop: {verdict.reason}; it receives no new work until the node "
-                "is uncordoned",
+                f"recovery loop: {verdict.reason}; it receives no new work until "
+                + (
+                    "its maintenance passes or the node is uncordoned"
+                    if gpu.maintenance
+                    else "the node is uncordoned"
+                ),
                 reason=verdict.fault.value,
                 node=node.name,
                 cause="recovery",
@@ -360,40 +371,40 @@ class AttemptStore(StoreBase):
         it, as the culler's stop does). GPUs are released only as each ends. Returns the
         sessions the backend must stop and every workload changed; NotFound for an
         unknown node."""
-        said = f"node {node_name} drained by {by}" + (f": {why}" if why else "")
         with self._write(now) as session:
-            node = session.scalar(select(Node).where(Node.name == node_name))
-            if node is None:
-                raise NotFound(f"there is no node {node_name!r}")
-            node.cordoned = True
-            _event(session, now, "node-drained", said, node=node_name, cause=by)
-            held = select(Allocation.workload_id).where(
-                Allocation.node_id == node.id, Allocation.closed_at.is_(None)
+            return self._drain(session, now, _node_named(session, node_name), by, why)
+
+    def _drain(self, session: Session, now: datetime, node: Node, by: str, why: str) -> DrainStops:
+        said = f"node {node.name} drained by {by}" + (f": {why}" if why else "")
+        node.cordoned = True
+        _event(session, now, "node-drained", said, node=node.name, cause=by)
+        held = select(Allocation.workload_id).where(
+            Allocation.node_id == node.id, Allocation.closed_at.is_(None)
+        )
+        workloads = session.scalars(
+            select(Workload)
+            .where(
+                Workload.id.in_(held),
+                Workload.state.in_((WorkloadState.admitted, WorkloadState.running)),
             )
-            workloads = session.scalars(
-                select(Workload)
-                .where(
-                    Workload.id.in_(held),
-                    Workload.state.in_((WorkloadState.admitted, WorkloadState.running)),
-                )
-                .order_by(Workload.id)
-            ).all()
-            stops: list[Stop] = []
-            for workload in workloads:
-                if workload.kind == WorkloadKind.job:
-                    drained = PodOutcome(None, None, "Drained", None, (), (node_name,), 0.0)
-                    verdict = classify(drained, (), self.recovery_policy)
-                    verdict = replace(verdict, reason=f"{said}; {verdict.reason}")
-                    self._fault_stops(session, now, workload, verdict, node_name, drained=by)
-                    continue
-                workload.state = WorkloadState.stopping
-                workload.reason = f"{said}; the session is snapshotted and stops"
-                workload.version += 1
-                _event(session, now, "session-drained", workload.reason, workload=workload)
-                stops.append(
-                    Stop(workload.id, "session", workload.username, workload.server_name, said)
-                )
-            return DrainStops(tuple(stops), tuple(w.id for w in workloads))
+            .order_by(Workload.id)
+        ).all()
+        stops: list[Stop] = []
+        for workload in workloads:
+            if workload.kind == WorkloadKind.job:
+                drained = PodOutcome(None, None, "Drained", None, (), (node.name,), 0.0)
+                verdict = classify(drained, (), self.recovery_policy)
+                verdict = replace(verdict, reason=f"{said}; {verdict.reason}")
+                self._fault_stops(session, now, workload, verdict, node.name, drained=by)
+                continue
+            workload.state = WorkloadState.stopping
+            workload.reason = f"{said}; the session is snapshotted and stops"
+            workload.version += 1
+            _event(session, now, "session-drained", workload.reason, workload=workload)
+            stops.append(
+                Stop(workload.id, "session", workload.username, workload.server_name, said)
+            )
+        return DrainStops(tuple(stops), tuple(w.id for w in workloads))
 
     # ---------------------------------------------------------- an ending
     def _attempt_ended(
@@ -626,6 +637,13 @@ def _verdict_of(data: dict[str, Any]) -> Verdict:
         tuple(data.get("gpus", ())),
         tuple(data.get("nodes", ())),
     )
+
+
+def _node_named(session: Session, name: str) -> Node:
+    node = session.scalar(select(Node).where(Node.name == name))
+    if node is None:
+        raise NotFound(f"there is no node {name!r}")
+    return node
 
 
 def held_by(session: Session, gpu_uuid: str) -> Workload | None:

@@ -28,6 +28,7 @@ from .clusters import ClusterInventoryStore
 from .cycle import SchedulingStore
 from .inventory import InventoryStore
 from .jobs import JobStore
+from .maintenance import MaintenanceStore
 from .models import (
     Membership,
     PriorityClass,
@@ -56,6 +57,7 @@ class FleetStore(
     InventoryStore,
     ClusterInventoryStore,
     ReadbackStore,
+    MaintenanceStore,
     NodeOperationStore,
     SnapshotStore,
     SessionActivityStore,

@@ -246,8 +246,12 @@ class InventoryStore(StoreBase):
                 return False
             node.cordoned = cordoned
             node.recovery_cordoned_at = None  # a person decided: the loop's cordon is over
+            if not cordoned and node.maintenance in ("recycle", "diagnose"):
+                node.maintenance = None  # ... and what it left due with it
             for gpu in blamed:  # an admin's uncordon returns the node's every GPU
                 gpu.cordoned = False
+                if gpu.maintenance in ("reset", "diagnose"):
+                    gpu.maintenance = None
             verb = "cordoned" if cordoned else "uncordoned"
             _event(
                 session,

@@ -260,6 +260,10 @@ class Node(Base):
     cordoned: Mapped[bool] = mapped_column(Boolean, default=False)
     # When the recovery loop cordoned it (None: it did not, or the node was uncordoned).
     recovery_cordoned_at: Mapped[datetime | None] = mapped_column(default=None)
+    # recycle or diagnose while due (once the node is empty); recycling or diagnosing
+    # while its agent runs it; who asked (``recovery`` or an admin).
+    maintenance: Mapped[str | None] = mapped_column(String(32), default=None)
+    maintenance_by: Mapped[str | None] = mapped_column(String(255), default=None)
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
     agent: Mapped[str | None] = mapped_column(String(255), default=None)
 
@@ -292,6 +296,9 @@ class Gpu(Base):
     leftover_marker: Mapped[str | None] = mapped_column(String(80), default=None)
     leftover_workload_id: Mapped[int | None] = mapped_column(Integer, default=None)
     leftover_since: Mapped[datetime | None] = mapped_column(default=None)
+    # Maintenance the recovery loop wants for it (``store/maintenance.py``): reset,
+    # reset-at-idle or diagnose while due; resetting or diagnosing while the agent runs it.
+    maintenance: Mapped[str | None] = mapped_column(String(32), default=None)
     sampled_at: Mapped[datetime | None] = mapped_column(default=None)
     # The latest sample as the node agent sent it (utilisation, memory, ECC, processes...).
     last_sample: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")
@@ -440,9 +447,10 @@ class NodeOperation(Base):
     __table_args__ = (Index("ix_node_operations_node_state", "node", "state"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"), index=True)
+    # None for maintenance (a GPU reset, a node recycle, diagnostics): no workload's.
+    workload_id: Mapped[int | None] = mapped_column(ForeignKey("workloads.id"), index=True)
     node: Mapped[str] = mapped_column(String(255))
-    kind: Mapped[str] = mapped_column(String(16))  # snapshot | restore
+    kind: Mapped[str] = mapped_column(String(16))  # snapshot | restore | reset | recycle | diagnose
     # {"project", "username", "server", "paths", "exclude", "container", "tags", "marker"}
     request: Mapped[dict[str, Any]] = mapped_column(JSON)
     state: Mapped[str] = mapped_column(String(16), default="pending")

@@ -26,6 +26,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
 
 from ..errors import InvalidRequest, NotFound
 from .base import StoreBase, _get_workload
@@ -39,7 +40,7 @@ KEEP_ENDED = timedelta(days=7)
 @dataclass(frozen=True)
 class Operation:
     id: int
-    workload_id: int
+    workload_id: int | None  # None: maintenance (store/maintenance.py)
     node: str
     kind: str
     request: dict[str, Any]
@@ -176,7 +177,17 @@ class NodeOperationStore(StoreBase):
                 .where(NodeOperation.id == operation_id, NodeOperation.state == "running")
                 .values(**values)
             )
-            return bool(changed.rowcount)  # type: ignore[attr-defined]
+            if not changed.rowcount:  # type: ignore[attr-defined]
+                return False
+            if state in ENDED:
+                row = session.get(NodeOperation, operation_id)
+                if row is not None:
+                    session.refresh(row)
+                    self._operation_ended(session, now, row)
+            return True
+
+    def _operation_ended(self, session: Session, now: datetime, row: NodeOperation) -> None:
+        """What an operation's end does beyond its row (maintenance: ``store/maintenance.py``)."""
 
     def abandon_node_operation(self, now: datetime, operation_id: int, error: str) -> bool:
         """Fail an operation its asker gave up on (nobody claimed it, or its agent stopped

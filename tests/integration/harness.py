@@ -88,6 +88,9 @@ c.FleetController.job_restart_backoff_seconds = 1
 c.FleetController.job_restart_backoff_max_seconds = 4
 c.FleetController.job_hang_floor_seconds = 10
 c.FleetController.hang_check_interval = 1
+# Faults only cordon on the shared hubs: a fake GPU's reset rewrites the control file the
+# tests write. test_recovery.py's own hub does the maintenance.
+c.FleetController.recovery_maintenance = False
 c.LocalGPUSpawner.lease_renew_interval = 1
 c.NodeAgent.heartbeat_interval = 1
 c.NodeAgent.sample_interval = 0.5

@@ -5,6 +5,7 @@ resumes from the checkpoint it saved (CPU PyTorch, gloo, the real agent and cont
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -243,9 +244,11 @@ def test_faults_on_most_of_a_cluster_open_the_breaker_and_it_says_so(
     tripped = wait_for(lambda: events(fleet, "recovery-breaker-tripped"), 15, "the breaker tripped")
     assert "stops cordoning nodes of cluster" in str(tripped[0]["message"])
     nodes = {n["name"]: n for n in fleet.controller("GET", "/nodes").json()["items"]}
-    assert sorted(n["cordoned"] for n in nodes.values()) == [False, True]
     withheld = events(fleet, "recovery-cordon-withheld")
     assert withheld and not nodes[str(withheld[0]["node"])]["cordoned"]
+    # The other node was cordoned (and, empty, is recycled and diagnosed meanwhile).
+    [other] = set(nodes) - {str(withheld[0]["node"])}
+    assert any(e["node"] == other for e in events(fleet, "node-cordoned"))
     breakers = fleet.controller("GET", "/recovery/breakers").json()["items"]
     assert [b["open"] for b in breakers] == [True]
     exported = httpx.get(f"{fleet.url}/services/gpufleet/metrics", timeout=10).text
@@ -279,10 +282,12 @@ def _node(fleet: Hub, name: str) -> dict[str, Any]:
     return found
 
 
-# A hub whose nodes are lost after 6 s of silence, for the agent-loss test: node-c has an
-# agent of its own, started by the test (so the hub does not restart it). Its first
-# attempt hangs, alive, so that something is left of it; the hang check stays out of it.
-SILENCE_CONFIG = """
+# A hub of this module's own (its GPUs' fault history starts empty), whose nodes are lost
+# after 6 s of silence. In the agent-loss test node-c has an agent of its own, started by
+# the test (so the hub does not restart it), and the job's first attempt hangs, alive, so
+# that something is left of it; the hang check stays out of the way.
+RECOVERY_HUB_CONFIG = """
+c.FleetController.recovery_maintenance = True
 c.FleetController.node_heartbeat_timeout = 6
 c.FleetController.job_hang_floor_seconds = 300
 """
@@ -297,8 +302,8 @@ c.NodeAgent.metrics_port = 0
 
 
 @pytest.fixture(scope="module")
-def silence_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    instance = Hub.create(tmp_path_factory.mktemp("silence"), SILENCE_CONFIG)
+def recovery_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    instance = Hub.create(tmp_path_factory.mktemp("recovery"), RECOVERY_HUB_CONFIG)
     instance.start()
     try:
         yield instance
@@ -353,9 +358,9 @@ def _rank_pids(job_id: int, attempt: int) -> set[int]:
 
 
 def test_a_killed_agents_job_resumes_elsewhere_and_its_gpus_wait_for_its_processes(
-    silence_hub: Hub,
+    recovery_hub: Hub,
 ) -> None:
-    hub, node = silence_hub, str(NODE_C["name"])
+    hub, node = recovery_hub, str(NODE_C["name"])
     agent = NodeAgentProcess(hub)
     agent.start()
     try:
@@ -415,3 +420,113 @@ def test_a_killed_agents_job_resumes_elsewhere_and_its_gpus_wait_for_its_process
     finally:
         if agent.proc is not None and agent.proc.poll() is None:
             agent.kill(signal.SIGTERM)  # it takes its loopback guard away
+
+
+@pytest.fixture
+def recovery_gpus(recovery_hub: Hub) -> Iterator[list[FakeGpu]]:
+    devices = declared_fake_gpus(DECLARED)
+    yield devices
+    write_control(recovery_hub.fake_nvml_control, devices)
+
+
+def _fault_on_a_gpu_of(
+    hub: Hub, client: Client, job_id: int, gpus: list[FakeGpu], xid: int
+) -> FakeGpu:
+    """Deliver ``xid`` on one of the job's GPUs (the fake library, as NVML would)."""
+    held = {a.uuid for a in client.job(job_id).allocations}
+    victim = next(g for g in gpus if g.uuid in held)
+    write_control(
+        hub.fake_nvml_control, [replace(g, xid_events=[xid]) if g is victim else g for g in gpus]
+    )
+    return victim
+
+
+def _events_of(hub: Hub, kind: str, uuid: str, after: int = 0) -> list[dict[str, Any]]:
+    """The events of ``kind`` that name ``uuid``, newer than event ``after``."""
+    return [e for e in events(hub, kind) if uuid in str(e["message"]) and int(e["id"]) > after]
+
+
+@contextlib.contextmanager
+def _telling_events(hub: Hub, since: int) -> Iterator[None]:
+    """A failure inside says what the controller recorded meanwhile."""
+    try:
+        yield
+    except AssertionError as e:
+        items = hub.controller("GET", "/events", params={"limit": 200}).json()["items"]
+        told = [f"{x['id']} {x['kind']}: {x['message']}" for x in items if int(x["id"]) > since]
+        raise AssertionError(f"{e}\nevents since:\n" + "\n".join(reversed(told))) from e
+
+
+def _last_event(hub: Hub) -> int:
+    items = hub.controller("GET", "/events", params={"limit": 1}).json()["items"]
+    return int(items[0]["id"]) if items else 0
+
+
+def test_an_xid_48_resets_the_gpu_once_free_and_the_job_resumes_without_it(
+    recovery_hub: Hub, recovery_gpus: list[FakeGpu]
+) -> None:
+    hub, since = recovery_hub, _last_event(recovery_hub)
+    with (
+        _telling_events(hub, since),
+        Client(hub.controller_api, hub.user_token("alice")) as alice,
+    ):
+        job_id = submit_training(alice, training(), "reset")
+        checkpoint = first_checkpoint(alice, job_id)
+        victim = _fault_on_a_gpu_of(hub, alice, job_id, recovery_gpus, 48)
+        ended = alice.wait(job_id, timeout=180)
+        assert (ended.outcome, ended.attempt, ended.faults) == ("succeeded", 2, 1), ended.reason
+        assert victim.uuid in ended.avoids
+        assert victim.uuid not in {a.uuid for a in ended.allocations}
+        after = "".join(alice.logs(job_id, rank=0)).partition("--- gpufleet: attempt 2: ")[2]
+        resumed = re.search(r"rank 0 attempt 2 starts at step (\d+)", after)
+        assert resumed is not None and int(resumed.group(1)) > checkpoint.step, after[:500]
+    # The GPU was drained (cordoned), reset once its ranks were gone, and is back.
+    assert _events_of(hub, "gpu-cordoned", victim.uuid, since)
+    passed = wait_for(
+        lambda: _events_of(hub, "maintenance-passed", victim.uuid, since), 30, "the GPU's reset"
+    )
+    assert str(passed[0]["message"]).startswith(f"reset of GPU {victim.uuid} of node ")
+    nodes = hub.controller("GET", "/nodes").json()["items"]
+    assert all(victim.uuid not in n["cordoned_gpus"] for n in nodes)
+    control = hub.fake_nvml_control.read_text().splitlines()
+    index = next(line.split(".")[1] for line in control if line.endswith(f".uuid={victim.uuid}"))
+    assert not [line for line in control if line.startswith(f"gpu.{index}.xid=")]
+
+
+def test_an_xid_13_restarts_in_place_and_twice_on_one_gpu_has_it_diagnosed(
+    recovery_hub: Hub, recovery_gpus: list[FakeGpu]
+) -> None:
+    hub, since = recovery_hub, _last_event(recovery_hub)
+    with (
+        _telling_events(hub, since),
+        Client(hub.controller_api, hub.user_token("alice")) as alice,
+    ):
+        job_id = submit_training(alice, training(steps=150), "app-fault")
+        first_checkpoint(alice, job_id)
+        victim = _fault_on_a_gpu_of(hub, alice, job_id, recovery_gpus, 13)
+        restarted = wait_for(
+            lambda: [e for e in events(hub, "job-restarting") if e["workload_id"] == job_id],
+            60,
+            "the restart in place",
+        )
+        assert restarted[0]["data"]["fault"] == "application"
+        assert restarted[0]["data"]["avoid_gpus"] == []  # in place: nothing is blamed
+        assert not _events_of(hub, "gpu-cordoned", victim.uuid, since)
+        wait_for(lambda: alice.job(job_id).state == "running", 60, "attempt 2 running")
+        # The same GPU again, whoever holds it now: it is cordoned and diagnosed.
+        write_control(
+            hub.fake_nvml_control,
+            [replace(g, xid_events=[13]) if g is victim else g for g in recovery_gpus],
+        )
+        cordoned = wait_for(
+            lambda: _events_of(hub, "gpu-cordoned", victim.uuid, since), 30, "the GPU cordoned"
+        )
+        assert "13" in str(cordoned[0]["message"])
+        passed = wait_for(
+            lambda: _events_of(hub, "maintenance-passed", victim.uuid, since),
+            60,
+            "its diagnostics",
+        )
+        assert str(passed[0]["message"]).startswith(f"diagnose of GPU {victim.uuid}")
+        ended = alice.wait(job_id, timeout=240)
+        assert ended.outcome == "succeeded", ended.reason
