@@ -34,6 +34,7 @@ from ..snapshotter.sandbox import (
     default_session_env,
     probe,
 )
+from .checkpoints import CredentialsFileError, load_checkpoint_credentials
 from .exporter import GpuState, start_exporter
 from .gpus import (
     NodePlace,
@@ -371,6 +372,24 @@ class NodeAgent(Application):
         data = os.environ.get("GPUFLEET_DATA_DIR", ".gpufleet")
         return os.path.join(os.path.abspath(data), "checkpoints")
 
+    checkpoint_credentials_file = Unicode(
+        help="A JSON file, readable by the agent's account alone, giving each user the S3 "
+        'credentials of their own checkpoint prefix: {"alice": {"access_key": ..., '
+        '"secret_key": ...}}. A rank of a job whose checkpoint location is s3://... gets '
+        "its user's (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and no one else's; the admin "
+        'makes each reach only that user\'s prefix (docs/jobs.md, "Checkpoints in S3"). '
+        "Empty: such jobs do not start, saying why.",
+    ).tag(config=True)
+
+    checkpoint_s3_endpoint = Unicode(
+        help="The S3 endpoint job ranks reach their checkpoints at (AWS_ENDPOINT_URL); empty "
+        "for AWS itself."
+    ).tag(config=True)
+
+    checkpoint_s3_region = Unicode(
+        "us-east-1", help="The S3 region of job checkpoints (AWS_DEFAULT_REGION)."
+    ).tag(config=True)
+
     def rank_sandbox(self) -> RankSandbox:
         """How this node contains job ranks; the machine probed once (blocking)."""
         jobs = Path(self.data_dir) / "jobs"
@@ -379,8 +398,17 @@ class NodeAgent(Application):
         if support.mode is SandboxMode.NONE:
             self.log.error("job ranks cannot run here: %s", support.reason)
         fake = Path(self.data_dir) / "fake-nvml"
+        credentials: dict[str, dict[str, str]] = {}
+        if self.checkpoint_credentials_file:
+            try:
+                credentials = load_checkpoint_credentials(Path(self.checkpoint_credentials_file))
+            except CredentialsFileError as e:
+                self.log.error("jobs checkpointing to S3 cannot start here: %s", e)
         return RankSandbox(
             checkpoint_root=Path(self.checkpoint_root).absolute(),
+            s3_credentials=credentials,
+            s3_endpoint=self.checkpoint_s3_endpoint,
+            s3_region=self.checkpoint_s3_region,
             support=support,
             base_env=Path(self.session_base_env),
             prefix=Path(self.session_prefix),

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import contextlib
+import json
 import logging
 import os
 import pwd
@@ -59,6 +59,7 @@ from ..snapshotter.sandbox import (
     prepare_dirs,
     write_identity,
 )
+from .checkpoints import checkpoint_credentials, checkpoint_place
 from .containment import OUTER_PATH, RankAccount, rank_command, rank_environment
 from .network_guard import GuardUnavailable, NetworkGuard
 from .progress import RankReport, merge
@@ -66,6 +67,7 @@ from .runner import RankRunner, RankSpec, RankStatus, RunnerError, StopFailed
 
 INHERITED = ("LANG", "LC_ALL", "TZ")
 CHUNK_BYTES = 256 * 1024
+ERROR_FILE_BYTES = 64 * 1024  # torchrun's error file: the exception and its traceback
 CHUNKS_PER_SYNC = 32  # 8 MiB per pod and sync at most: a chatty rank cannot swell a request
 # torchrun's summary of a failed child: "rank      : 1 (local_rank: 1)"
 _FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
@@ -121,6 +123,11 @@ class RankSandbox:
     root: tuple[RootEntry, ...] = field(default_factory=host_root)
     unavailable: str = ""  # why no rank may start here (the loopback guard cannot be had)
     checkpoint_root: Path = Path(".gpufleet/checkpoints")  # users' checkpoints (c.NodeAgent)
+    # Each user's S3 credentials for their checkpoint prefix, and where S3 is
+    # (c.NodeAgent.checkpoint_credentials_file, checkpoint_s3_endpoint).
+    s3_credentials: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    s3_endpoint: str = ""
+    s3_region: str = "us-east-1"
 
     def home(self, username: str) -> Path:
         return Path(self.home_dir_template.format(username=username))
@@ -471,6 +478,7 @@ class PodKeeper:
             "GPUFLEET_RESUME_FROM": str(desired.get("resume_from") or ""),
             **({"GPUFLEET_PROGRESS_URL": self.progress_url} if self.progress_url else {}),
             **_fake_nvml_env(sandbox.read_only),
+            **checkpoint_credentials(checkpoint, username, sandbox),
         }
         chosen = {str(k): str(v) for k, v in dict(spec.get("env", {})).items()}
         env = rank_environment(account, sandbox.base_env, sandbox.prefix, chosen, platform)
@@ -595,11 +603,17 @@ class PodKeeper:
         return chunks, True
 
     def _failure_reason(self, pod: _Pod) -> str:
-        """The last line the first rank to fail wrote to stderr, else the launcher's."""
+        """What the first rank to fail recorded of its exception in torchrun's error file
+        (``TORCHELASTIC_ERROR_FILE``: a script whose entry point is wrapped in torch's
+        ``@record``), else the last line it wrote to stderr, else the launcher's."""
         launcher = _last_line(self.runner.log_dir / f"{pod.rank_id}.stderr", everything=True)
         # torchrun lists every failed rank, and last the root cause: the first to fail.
         root_cause = launcher.rfind("Root Cause")
         failed = _FAILED_RANK.search(launcher, max(root_cause, 0))
+        if failed is not None:
+            recorded = rank_error(pod.directory / "ranks", int(failed.group(2)))
+            if recorded:
+                return f"rank {failed.group(1)}: {recorded}"
         for rank, stream, path in self._log_files(pod):
             if stream != "stderr" or rank < 0:
                 continue
@@ -648,6 +662,24 @@ def _last_line(path: Path, everything: bool = False) -> str:
     return lines[-1] if lines else ""
 
 
+def rank_error(ranks_dir: Path, local_rank: int) -> str:
+    """The exception a local rank recorded in the error file torchrun gave it
+    (``<log dir>/<run>/attempt_<n>/<local rank>/error.json``, the latest attempt's), as
+    ``"Type: message"``; "" when it wrote none or the file is not one torch writes."""
+    attempts = sorted(ranks_dir.glob("*/attempt_*"))
+    if not attempts:
+        return ""
+    try:
+        with open_regular(attempts[-1] / str(local_rank) / "error.json") as f:
+            data = json.loads(f.read(ERROR_FILE_BYTES))
+    except (OSError, ValueError):
+        return ""
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    return message.strip()[:2000] if isinstance(message, str) else ""
+
+
 def open_regular(path: Path) -> BinaryIO:
     """``path`` opened for reading as it is, never through a symbolic link: the agent runs
     as root and the ranks, which write these files, could otherwise make it read anything
@@ -685,31 +717,6 @@ def _prepare_layers(
     owned by the user, so the launcher can make its venv there."""
     prepare_dirs(dirs, True, root)
     owned_prefix(dirs.upper, prefix, account.uid, account.gid)
-
-
-def checkpoint_place(checkpoint: Path, account: RankAccount, root: Path) -> Path:
-    """Which directory of the user's holds a job's local checkpoint location, to bind into
-    its sandbox: the user's home, or their directory under the platform's ``root``
-    (``<root>/<user>``, made here, owned by them). Anything else is refused: the agent runs
-    as root, and a location a submission chose must never make it create, own or show a
-    directory elsewhere. Below that directory, the rank makes what it needs itself, as its
-    user (so no link the user put there is followed by root). Raises ``RunnerError``."""
-    if not checkpoint.is_absolute() or ".." in checkpoint.parts:
-        raise RunnerError(f"checkpoint location {checkpoint} must be an absolute path")
-    if checkpoint == account.home or checkpoint.is_relative_to(account.home):
-        return account.home
-    mine = root / account.username
-    if not checkpoint.is_relative_to(mine):
-        raise RunnerError(f"checkpoint location {checkpoint} must be in your home or under {mine}")
-    root.mkdir(mode=0o755, parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        mine.mkdir(mode=0o700)
-    info = mine.lstat()
-    if not stat.S_ISDIR(info.st_mode):
-        raise RunnerError(f"{mine} is not a directory")
-    if (info.st_uid, info.st_gid) != (account.uid, account.gid):
-        os.chown(mine, account.uid, account.gid, follow_symlinks=False)
-    return mine
 
 
 def _owned_directory(path: Path, uid: int, gid: int, mode: int = 0o755) -> None:

@@ -7,6 +7,7 @@ they are never stale and cost nothing between scrapes.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -27,6 +28,7 @@ from ..scheduler.store.models import (
     WorkloadKind,
     WorkloadState,
 )
+from ..scheduler.store.progress import training_ratio
 from .reconcile import Rule
 
 if TYPE_CHECKING:
@@ -92,8 +94,25 @@ class FleetCollector(Collector):
                 .group_by(Event.kind, Event.reason)
             ):
                 cordons.add_metric([event_kind.removesuffix("-cordoned"), cause], count)
+        ettr = GaugeMetricFamily(
+            "gpufleet_job_effective_training_ratio",
+            "Each live job's effective training time ratio so far: the share of the time "
+            "since its first step not lost to faults, preemptions and drains",
+            labels=["job", "name", "project"],
+        )
+        now = datetime.now(UTC)
+        with self.store.read() as session:
+            for job_id, name, project, recovery in session.execute(
+                select(Workload.id, Workload.name, Project.name, Workload.recovery)
+                .join(Project, Workload.project_id == Project.id)
+                .where(Workload.kind == WorkloadKind.job, Workload.state != WorkloadState.ended)
+            ):
+                ratio = training_ratio(recovery, now)
+                if ratio is not None:
+                    ettr.add_metric([str(job_id), name, project], ratio)
         yield queued
         yield allocated
+        yield ettr
         yield capacity
         yield breakers
         yield cordons

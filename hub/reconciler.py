@@ -322,7 +322,8 @@ def end_workload(
     if ended is None:
         return False
     _count(metrics, log, repair)
-    metrics.ended.labels(ended.kind.value, repair.outcome).inc()
+    if ended.state == WorkloadState.ended:  # else a job back in the queue, as its next attempt
+        metrics.ended.labels(ended.kind.value, repair.outcome).inc()
     return True
 
 

@@ -274,13 +274,40 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+# Researchers' checkpoint identities, as an admin provisions them (docs/jobs.md,
+# "Checkpoints in S3"): each may read, write and list only its own prefix of this bucket.
+CHECKPOINT_BUCKET = "checkpoints"
+CHECKPOINT_USERS = ("alice", "bob")
+
+
+def checkpoint_credentials(user: str) -> dict[str, str]:
+    return {"access_key": f"ckpt-{user}", "secret_key": f"ckpt-{user}-secret"}
+
+
 def _identities() -> dict[str, Any]:
+    scoped = [
+        {
+            "name": f"checkpoints-{user}",
+            "credentials": [
+                {
+                    "accessKey": checkpoint_credentials(user)["access_key"],
+                    "secretKey": checkpoint_credentials(user)["secret_key"],
+                }
+            ],
+            "actions": [
+                f"{action}:{CHECKPOINT_BUCKET}/jobs/{user}/*"
+                for action in ("Read", "Write", "List")
+            ],
+        }
+        for user in CHECKPOINT_USERS
+    ]
     return {
         "identities": [
             {
                 "name": "gpufleet-test",
                 "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }
+            },
+            *scoped,
         ]
     }

@@ -109,6 +109,12 @@ class JobOut(WorkloadOut):
     avoids: list[str] = Field(
         default_factory=list, description="nodes and GPUs earlier faults blamed: never used"
     )
+    effective_training_ratio: float | None = Field(
+        default=None,
+        description="the share of the time since its first step not lost to faults, "
+        "preemptions and drains (work redone since the last checkpoint, and each restart "
+        "until its first step); null before its first step (docs/recovery.md)",
+    )
 
 
 class JobList(BaseModel):

@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import uuid
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from ...scheduler.store.jobs import DesiredPod, JobSpec, LogChunk, PodReport
 from ...scheduler.store.models import JobPod, JobProgress, Workload, WorkloadKind, WorkloadState
-from ...scheduler.store.progress import ProgressReport, Saved, progress_json
+from ...scheduler.store.progress import ProgressReport, Saved, progress_json, training_ratio
 from ...scheduler.validation import JobRequest
 from ...snapshotter.sandbox import remove_tree
 from .. import scopes
@@ -86,6 +87,9 @@ def job_out(
             *(workload.recovery or {}).get("avoid_nodes", ()),
             *(workload.recovery or {}).get("avoid_gpus", ()),
         ],
+        effective_training_ratio=training_ratio(
+            workload.recovery, workload.ended_at or datetime.now(UTC)
+        ),
     )
 
 

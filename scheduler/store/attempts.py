@@ -457,6 +457,10 @@ class AttemptStore(StoreBase):
         for row in session.scalars(select(JobPod).where(JobPod.workload_id == workload.id)):
             session.delete(row)  # the attempt's pods live on as job-pod-ended events
         line = f"--- gpufleet: attempt {step.attempt}: {step.message} ---\n"
+        before = workload.recovery or {}
+        # Disruptions too: the time to resume counts from whatever ended the attempt.
+        fault_at = before.get("fault_at") or now.isoformat()
+        progress = session.get(JobProgress, workload.id)
         workload.recovery = {
             "avoid_nodes": sorted(step.avoid_nodes),
             "avoid_gpus": sorted(step.avoid_gpus),
@@ -464,8 +468,8 @@ class AttemptStore(StoreBase):
             "log_bases": _continue_logs(session, now, workload.id, line),
             "fault_times": list(step.fault_times),
             "quick_faults": step.quick_faults,
-            # Disruptions too: the time to resume counts from whatever ended the attempt.
-            "fault_at": (workload.recovery or {}).get("fault_at") or now.isoformat(),
+            "fault_at": fault_at,
+            **_training_lost(before, progress, datetime.fromisoformat(fault_at)),
         }
         workload.attempt = step.attempt
         workload.faults += 1 if verdict.spends_budget else 0
@@ -478,7 +482,6 @@ class AttemptStore(StoreBase):
         workload.queue_position = None
         # A new marker: whatever is left of the old attempt is never taken for the new one.
         workload.process_marker = uuid.uuid4().hex
-        progress = session.get(JobProgress, workload.id)
         if progress is not None:  # a checkpoint the old attempt began will never be saved
             progress.checkpoint_started_step = progress.checkpoint_started_at = None
         workload.reason = (
@@ -508,6 +511,24 @@ class AttemptStore(StoreBase):
 
 
 # ------------------------------------------------------------------ helpers
+def _training_lost(
+    before: dict[str, Any], progress: JobProgress | None, fault_at: datetime
+) -> dict[str, Any]:
+    """What the next attempt carries of the job's effective training time
+    (``progress.training_ratio``): when it first stepped, and the time lost so far — now
+    also the work this attempt did after its last checkpoint, which is done again."""
+    if "trained_since" not in before:
+        return {}
+    lost = float(before.get("lost_s", 0.0))
+    stepped = before.get("attempt_stepped_at")
+    if stepped:
+        kept = datetime.fromisoformat(stepped)
+        if progress is not None and progress.last_checkpoint_at is not None:
+            kept = max(kept, progress.last_checkpoint_at)
+        lost += max(0.0, (fault_at - kept).total_seconds())
+    return {"trained_since": before["trained_since"], "lost_s": lost}
+
+
 def _placement(workload: Workload) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The GPUs and nodes the running attempt holds."""
     held = [a for a in workload.allocations if a.closed_at is None]

@@ -71,16 +71,45 @@ def record_progress(
         first = report.step is not None and (
             row.last_step_at is None or (started is not None and row.last_step_at < started)
         )
-        fault_at = (workload.recovery or {}).get("fault_at")
-        if first and fault_at and workload.attempt > 1:
-            at = report.step_at or now
-            resumed.append((at - datetime.fromisoformat(fault_at)).total_seconds())
-            workload.recovery = {
-                k: v for k, v in (workload.recovery or {}).items() if k != "fault_at"
-            }
+        if first:
+            _first_step(workload, report.step_at or now, resumed)
         _apply(session, now, workload, row, report, first)
         changed.add(workload.id)
     return changed
+
+
+def _first_step(workload: Workload, at: datetime, resumed: list[float]) -> None:
+    """An attempt's first step: when training (re)started, and, after a fault, the time
+    from the fault to it, which is lost to the job (``training_ratio``)."""
+    recovery = dict(workload.recovery or {})
+    recovery.setdefault("trained_since", at.isoformat())
+    recovery["attempt_stepped_at"] = at.isoformat()
+    fault_at = recovery.pop("fault_at", None)
+    if fault_at and workload.attempt > 1:
+        seconds = max(0.0, (at - datetime.fromisoformat(fault_at)).total_seconds())
+        resumed.append(seconds)
+        recovery["lost_s"] = float(recovery.get("lost_s", 0.0)) + seconds
+    elif fault_at:
+        recovery["fault_at"] = fault_at  # the first attempt's own fault, still stopping
+    workload.recovery = recovery
+
+
+def training_ratio(recovery: dict[str, Any] | None, now: datetime) -> float | None:
+    """The job's effective training time ratio (ETTR) so far: the share of the time since
+    its first step not lost to faults, preemptions and drains — the work redone since the
+    last checkpoint before each, and the time from each to the next attempt's first step
+    (still running while it waits). None before its first step."""
+    recovery = recovery or {}
+    since = recovery.get("trained_since")
+    if not since:
+        return None
+    elapsed = (now - datetime.fromisoformat(since)).total_seconds()
+    if elapsed <= 0:
+        return 1.0
+    lost = float(recovery.get("lost_s", 0.0))
+    if recovery.get("fault_at"):
+        lost += max(0.0, (now - datetime.fromisoformat(recovery["fault_at"])).total_seconds())
+    return max(0.0, min(1.0, 1.0 - lost / elapsed))
 
 
 def _apply(

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from ..errors import InvalidRequest, NotFound
 from .base import StoreBase, _event
-from .models import Workload, WorkloadState
+from .models import Workload, WorkloadKind, WorkloadState
 
 RECONCILED = "reconciled"
 
@@ -51,8 +51,10 @@ class ReconcileStore(StoreBase):
         """End a workload the reconciler found with nothing of it running; close its GPUs.
 
         Only if it is still open at ``version``, the version the decision was taken on;
-        returns it once ended, else None. The caller observed that no process of it is
-        alive.
+        returns it once ended — or, for a job stopping for a fault or a preemption before
+        its agent reported its pods' ends, once it is back in the queue as its next
+        attempt (``store/attempts.py``) — else None. The caller observed that no process
+        of it is alive.
         """
         with self._write(now) as session:
             workload = session.get(Workload, workload_id)
@@ -71,7 +73,10 @@ class ReconcileStore(StoreBase):
                 workload=workload,
                 data={"repair": "end-workload", "outcome": outcome},
             )
-            self._end(session, now, workload, outcome, reason)
+            if workload.kind == WorkloadKind.job:
+                self._attempt_ended(session, now, workload, outcome, reason)
+            else:
+                self._end(session, now, workload, outcome, reason)
             return workload
 
     def record_reconciled(
@@ -93,3 +98,7 @@ class ReconcileStore(StoreBase):
         def _end(
             self, session: Session, now: datetime, workload: Workload, outcome: str, message: str
         ) -> None: ...
+
+        def _attempt_ended(
+            self, session: Session, now: datetime, workload: Workload, outcome: str, message: str
+        ) -> str | None: ...

@@ -135,6 +135,38 @@ def test_a_failing_rank_fails_the_job_with_its_error(fleet: Hub, alice: Client) 
     assert failed and "RuntimeError: loss is nan" in failed[0].message
 
 
+RECORDS_ITS_ERROR = textwrap.dedent(
+    """
+    import atexit, sys
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # What a library prints on the way out: the last line of stderr is not the error.
+    atexit.register(lambda: print("dataloader workers shut down", file=sys.stderr))
+
+    @record
+    def main():
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            raise ValueError("learning rate must be positive, got -0.1")
+        dist.barrier()
+
+    main()
+    """
+)
+
+
+def test_a_ranks_error_comes_from_torchruns_error_file_and_is_not_retried(
+    fleet: Hub, alice: Client
+) -> None:
+    job = alice.wait(submit(alice, RECORDS_ITS_ERROR), timeout=120)
+    assert (job.outcome, job.attempt) == ("failed", 1)
+    assert "rank 1: ValueError: learning rate must be positive, got -0.1" in job.reason
+    assert "not retried" in job.reason, job.reason
+    stderr = "".join(alice.logs(job.id, rank=1, stream="stderr"))
+    assert stderr.rstrip().endswith("dataloader workers shut down")
+
+
 LOOPS_UNTIL_SIGTERM = textwrap.dedent(
     """
     import os, signal, sys, time

@@ -160,6 +160,9 @@ def test_an_xid_79_stops_the_job_at_once_and_it_resumes_elsewhere_from_its_check
     ended = alice.wait(job_id, timeout=180)
     assert (ended.outcome, ended.attempt, ended.faults) == ("succeeded", 2, 1), ended.reason
     assert node in ended.avoids
+    # The restart cost it part of its time: the redone steps and the time to resume.
+    ratio = ended.effective_training_ratio
+    assert ratio is not None and 0.0 < ratio < 1.0, ratio
     assert {p.node for p in ended.pod_states} == {n["name"] for n in DECLARED} - {node}
     restarted = [e for e in events(fleet, "job-restarting") if e["workload_id"] == job_id]
     assert [e["data"]["attempt"] for e in restarted] == [2]

@@ -24,7 +24,7 @@ from gpufleet.scheduler.store.models import (
     Node,
     WorkloadState,
 )
-from gpufleet.scheduler.store.progress import ProgressReport, Saved
+from gpufleet.scheduler.store.progress import ProgressReport, Saved, training_ratio
 from gpufleet.scheduler.validation import JobRequest
 
 from .test_store import ask, events, make_store, t, workload
@@ -418,3 +418,42 @@ def test_a_silent_agents_jobs_keep_running_while_the_breaker_is_open(store: Flee
     assert events(store, "recovery-cordon-withheld")[-1].startswith(
         "node a2 stays in service: the recovery breaker of cluster local is open"
     )
+
+
+def test_a_jobs_effective_training_ratio_counts_redone_work_and_each_restart(
+    store: FleetStore,
+) -> None:
+    job = submit(store, 10)
+    running(store, 11, job)
+    assert training_ratio(workload(store, job).recovery, t(11)) is None  # no step yet
+    store.agent_sync(t(12), NODES, [], [], [ProgressReport(job, 0, step=0, step_at=t(12))])
+    checkpointed(store, 20, job)
+    store.agent_sync(t(25), NODES, [], [], [ProgressReport(job, 0, step=60, step_at=t(25))])
+    assert training_ratio(workload(store, job).recovery, t(30)) == 1.0
+    report(store, 30, PodReport(job, 1, "exited", exit_code=1, reason="rank 3: Killed"))
+    report(store, 31, PodReport(job, 0, "stopped", signal=15))
+    # 10 s since the checkpoint are done again; the wait to resume counts as it goes.
+    assert training_ratio(workload(store, job).recovery, t(35)) == pytest.approx(1 - 15 / 23)
+    store.scheduling_cycle(t(41), NOW_POLICY)
+    running(store, 42, job, attempt=2)
+    resumed = ProgressReport(job, 0, step=41, step_at=t(45))
+    assert store.agent_sync(t(45), NODES, [], [], [resumed]).resumed_after_s == [15.0]
+    assert training_ratio(workload(store, job).recovery, t(62)) == pytest.approx(0.5)
+
+
+def test_a_job_the_reconciler_finds_stopped_for_a_fault_comes_back_all_the_same(
+    store: FleetStore,
+) -> None:
+    # Its agent is slow to report the pods' ends; the reconciler sees nothing of it run.
+    job = submit(store, 10, gpus=2)
+    running(store, 12, job, pods=1)
+    store.act_on_xid(t(13), "GPU-a2-0", 13)
+    stopping = workload(store, job)
+    assert stopping.state == WorkloadState.stopping
+    back = store.end_reconciled(
+        t(20), job, stopping.version, "stopped", "stop-finished", "nothing of it runs"
+    )
+    assert back is not None and back.state == WorkloadState.pending
+    assert (back.attempt, back.faults) == (2, 1)
+    assert open_allocations(store, job) == 0
+    assert events(store, "job-restarting")[0].startswith("XID 13 on GPU GPU-a2-0")
