@@ -10,14 +10,25 @@ import contextlib
 import json
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .runner import RunnerError
 
 if TYPE_CHECKING:
     from .containment import RankAccount
-    from .jobs import RankSandbox
+
+
+class S3Access(Protocol):
+    """What a node knows of S3 for checkpoints (``jobs.RankSandbox`` has it)."""
+
+    @property
+    def s3_credentials(self) -> Mapping[str, Mapping[str, str]]: ...
+    @property
+    def s3_endpoint(self) -> str: ...
+    @property
+    def s3_region(self) -> str: ...
 
 
 class CredentialsFileError(ValueError):
@@ -57,7 +68,7 @@ def load_checkpoint_credentials(path: Path) -> dict[str, dict[str, str]]:
     return loaded
 
 
-def checkpoint_credentials(checkpoint: str, username: str, sandbox: RankSandbox) -> dict[str, str]:
+def checkpoint_credentials(checkpoint: str, username: str, sandbox: S3Access) -> dict[str, str]:
     """The variables that give a rank its user's S3 credentials, which reach only that
     user's checkpoint prefix (an admin made them so): none for a local checkpoint.
     Raises ``RunnerError`` for a checkpoint in S3 when this node has none for the user."""

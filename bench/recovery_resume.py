@@ -6,8 +6,9 @@ its checkpoint. Median of ``--rounds`` faults, with the parts:
 - detect: the XID written to the ``job-fault`` event (the controller acted);
 - SIGTERM: the XID written to the last rank's SIGTERM (every rank told to stop);
 - stop: ``job-fault`` to ``job-restarting`` (every pod gone, the next attempt queued);
-- back-off + reschedule: ``job-restarting`` to ``admitted`` (the controller's default
-  back-off, 10 s, then the next admission cycle);
+- back-off + reschedule: ``job-restarting`` to ``admitted`` (with the product's back-off
+  settings; a restart away from the node the XID blamed does not wait for it, so this is
+  the next admission cycle);
 - start: ``admitted`` to ``started`` (the agent starts the pods under torchrun);
 - load checkpoint: ``started`` to the first step after resume (rendezvous, imports, load).
 

@@ -1,6 +1,6 @@
 """The admin panel (``/services/gpufleet/admin``, admins only): the project tree with its
-quotas and live usage, editable; the nodes with their GPUs' health, to cordon or
-uncordon; the recovery loop's open breakers, to reset, and its lemon list, to clear; the
+quotas and live usage, editable; the nodes with their GPUs' health, to cordon,
+uncordon or recycle; the recovery loop's open breakers, to reset, and its lemon list, to clear; the
 queue with each workload's reason; the latest events.
 
 Plain HTML forms posted back here (with the XSRF token), drawn in the hub's page
@@ -260,6 +260,24 @@ class AdminNodeForm(AdminPage):
         self.redirect(self.panel_url(said, "nodes"), status=303)
 
 
+class AdminRecycleForm(AdminPage):
+    """Recycle a node: drained, recycled once empty, then diagnosed (docs/recovery.md)."""
+
+    @web.authenticated
+    async def post(self, name: str) -> None:
+        by = self.require_admin()
+        try:
+            await self.controller.recycle(name, by, "asked on the admin panel")
+        except NotFound:
+            self.render_panel(error=f"there is no node {name!r}", status=404)
+            return
+        except ClusterUnavailable as e:
+            self.render_panel(error=f"{name}: {e}; nothing was changed", status=503)
+            return
+        said = f"{name} is draining; it is recycled once empty, then diagnosed"
+        self.redirect(self.panel_url(said, "nodes"), status=303)
+
+
 class AdminRecoveryForm(AdminPage):
     """Reset a cluster's recovery breaker, or take a GPU off the lemon list."""
 
@@ -291,6 +309,7 @@ def admin_routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str
             AdminNodeForm,
             {"controller": controller},
         ),
+        (rf"{base}/admin/nodes/([^/]+)/recycle", AdminRecycleForm, {"controller": controller}),
         (
             rf"{base}/admin/(breakers|lemons)/([^/]+)/(?:reset|clear)",
             AdminRecoveryForm,

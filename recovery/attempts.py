@@ -18,7 +18,9 @@ The rules (docs/recovery.md, "Attempts"):
   come per GPU;
 - the restart after a fault waits ``backoff_s``, doubled for each fault in a row that
   came within ``backoff_reset_s`` of its attempt's start (at most ``backoff_max_s``): a
-  fault that repeats at once does not spin, and a job that ran well starts afresh;
+  fault that repeats at once does not spin, and a job that ran well starts afresh; but
+  the first such restart away from hardware newly blamed goes at once, since what failed
+  is left out (a second quick fault in a row waits as usual);
 - a restart "elsewhere" never lands on the GPUs and nodes blamed, for the rest of the
   job's life; a restart "in place" may use the same GPUs again;
 - the next attempt resumes from the newest checkpoint any attempt saved.
@@ -125,9 +127,12 @@ def next_attempt(
         avoid_nodes |= frozenset(verdict.nodes)
         avoid_gpus |= frozenset(verdict.gpus)
     delay, quick = 0.0, 0
+    newly_blamed = (avoid_nodes - record.avoid_nodes) or (avoid_gpus - record.avoid_gpus)
     if verdict.spends_budget:
         quick = record.quick_faults + 1 if record.ran_s < policy.backoff_reset_s else 0
         delay = min(policy.backoff_s * 2 ** max(0, quick - 1), policy.backoff_max_s)
+        if newly_blamed and quick <= 1:
+            delay = 0.0
     attempt = record.attempt + 1
     parts = [f"attempt {attempt}"]
     if record.checkpoint:

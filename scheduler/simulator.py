@@ -51,8 +51,9 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import random
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -60,13 +61,22 @@ from functools import partial
 from .errors import InputError, SchedulerError
 from .inputs import TraceJob
 from .memo import PlanMemo
-from .model import FleetNode, Project, ProjectTree
+from .model import FleetNode, ProjectTree
 from .plan import plan
 from .quota import QuotaLimits
+from .simulator_faults import RecoveringReplay
+from .simulator_jobs import (
+    PREEMPTIBLE_CLASSES,
+    PRIORITY_RANKS,
+    BookedJob,
+    FleetRoom,
+    TraceJobError,
+    shape,
+    with_trace_groups,
+)
 from .simulator_measures import (
     PreemptionDecision,
     QuotaCeiling,
-    beyond_limits,
     free_for,
     gang_fits,
     pod_need,
@@ -82,7 +92,6 @@ from .simulator_report import (
 from .snapshot import (
     Mode,
     NodeState,
-    Pending,
     Plan,
     Pod,
     Policy,
@@ -108,16 +117,6 @@ __all__ = [
 
 Planner = Callable[[SchedulingSnapshot, float], Plan]
 
-# Priority classes, higher rank first. The projects file names classes but carries no
-# ranks today, so the simulator uses these.
-PRIORITY_RANKS: Mapping[str, int] = {"critical": 300, "standard": 200, "opportunistic": 100}
-# Whether a class may be preempted inside its project for a higher class.
-PREEMPTIBLE_CLASSES: Mapping[str, bool] = {
-    "critical": False,
-    "standard": False,
-    "opportunistic": True,
-}
-
 
 @dataclass(frozen=True)
 class SimulationOptions:
@@ -126,15 +125,31 @@ class SimulationOptions:
     checkpoint_interval_s: float = 1800.0  # jobs checkpoint this often from each start
     min_run_time_s: float = 300.0  # Policy.min_run_time_s
     max_preemption_searches: int = 64  # Policy.max_preemption_searches
+    # Faults (simulator_faults.py): per GPU-hour of a running job; 0: none.
+    fault_rate_per_gpu_hour: float = 0.0
+    fault_detect_s: float = 60.0  # the fault to the stop
+    fault_restart_s: float = 60.0  # the next run's start and checkpoint load
+    fault_seed: int = 0
+    # The controller's retry budget: this many faults per 1,024 GPUs within a day end it.
+    fault_budget: int = 3
 
     def __post_init__(self) -> None:
         if not self.checkpoint_interval_s > 0:
             raise InputError(
                 f"checkpoint_interval_s must be positive, not {self.checkpoint_interval_s}"
             )
-        for name in ("session_snapshot_s", "job_checkpoint_grace_s", "min_run_time_s"):
+        for name in (
+            "session_snapshot_s",
+            "job_checkpoint_grace_s",
+            "min_run_time_s",
+            "fault_rate_per_gpu_hour",
+            "fault_detect_s",
+            "fault_restart_s",
+        ):
             if not getattr(self, name) >= 0:
                 raise InputError(f"{name} must be zero or more, not {getattr(self, name)}")
+        if self.fault_budget < 0:
+            raise InputError("fault_budget must be zero or more")
         if self.max_preemption_searches < 0:
             raise InputError("max_preemption_searches must be zero or more")
 
@@ -146,161 +161,8 @@ class PlanConflict(SchedulerError):
 
 # Event kinds, in the order they are applied within one timestamp: a job that completes
 # at the moment its stop would end has completed; a checkpoint taken at that moment counts.
-FINISH, CHECKPOINT, STOPPED, ARRIVE, WAKE = range(5)
-
-
-class _Job:
-    """The replay's book on one trace job (mutable; never handed to the core)."""
-
-    __slots__ = (
-        "attempt",
-        "end",
-        "evicted_beyond_need_gpus",
-        "evicted_gpus",
-        "gpu_type",
-        "gpus_per_pod",
-        "lost_gpu_s",
-        "pending",
-        "pods",
-        "preemptions",
-        "preemptor_of",
-        "priority",
-        "project",
-        "remaining",
-        "runs",
-        "stop_began",
-        "trace",
-        "wid",
-    )
-
-    def __init__(
-        self, wid: int, trace: TraceJob, project: str, priority: str, gpu_type: str, pods: int
-    ):
-        self.wid = wid
-        self.trace = trace
-        self.project = project
-        self.priority = priority
-        self.gpu_type = gpu_type
-        self.pods = pods
-        self.gpus_per_pod = trace.num_gpus // pods
-        self.remaining = trace.duration_s
-        self.attempt = 0  # bumped whenever a run ends, so stale events are recognised
-        self.runs: list[Run] = []
-        self.preemptions = 0
-        self.preemptor_of = 0  # preemption decisions made for it
-        self.evicted_gpus = 0  # GPUs those decisions evicted
-        self.evicted_beyond_need_gpus = 0
-        self.lost_gpu_s = 0.0
-        self.end: float | None = None
-        self.stop_began: float | None = None
-        self.pending = Pending(
-            id=wid,
-            project=project,
-            user=trace.job_id,
-            kind=trace.kind,
-            gpu_type=gpu_type,
-            gpus_per_pod=self.gpus_per_pod,
-            pods=pods,
-            priority=priority,
-            created_at=trace.submit_s,
-        )
-
-
-class _Fleet:
-    """What the fleet could ever hold, per GPU type (for shaping and never-fits)."""
-
-    def __init__(self, nodes: Sequence[FleetNode]):
-        self.zone_nodes: dict[str, dict[tuple[str, str], list[int]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
-        gpus_by_type: Counter[str] = Counter()
-        for node in nodes:
-            self.zone_nodes[node.gpu_type][(node.cluster, node.zone)].append(node.gpus)
-            gpus_by_type[node.gpu_type] += node.gpus
-        self.gpus_by_type = dict(sorted(gpus_by_type.items()))
-        # The most common type by GPUs; ties go to the first name.
-        self.default_type = min(gpus_by_type, key=lambda t: (-gpus_by_type[t], t), default=None)
-        self._room: dict[tuple[str, int], int] = {}
-        self.largest_node = {t: max(max(s) for s in z.values()) for t, z in self.zone_nodes.items()}
-
-    def pods_in_largest_zone(self, gpu_type: str, per_pod: int) -> int:
-        key = (gpu_type, per_pod)
-        room = self._room.get(key)
-        if room is None:
-            zones = self.zone_nodes[gpu_type].values()
-            room = self._room[key] = max(sum(size // per_pod for size in s) for s in zones)
-        return room
-
-
-class TraceJobError(InputError):
-    """A trace job that cannot be used as written; ``job_id`` names it, so whoever read
-    the file can point at its line."""
-
-    def __init__(self, job_id: str, message: str):
-        super().__init__(f"job {job_id!r}: {message}")
-        self.job_id = job_id
-
-
-def _job_error(job: TraceJob, message: str) -> TraceJobError:
-    return TraceJobError(job.job_id, message)
-
-
-def _shape(
-    wid: int, job: TraceJob, fleet: _Fleet, limits: QuotaLimits, mode: Mode
-) -> _Job | NeverFits:
-    """The queue entry a trace job becomes, or why it can never fit, even on an empty
-    fleet: a GPU type the fleet lacks, a gang no zone holds, more than its project or a
-    user may ever hold under ``mode``. Raises InputError for a line that cannot be used as
-    written (the error names the job)."""
-    tree = limits.tree
-    project = tree.projects[job.group]
-    priority = job.priority or project.default_priority
-    if priority not in PRIORITY_RANKS:
-        source = "its priority" if job.priority else f"project {project.name!r}'s default"
-        raise _job_error(job, f"{source} {priority!r} is not one of {', '.join(PRIORITY_RANKS)}")
-    if project.allowed_priorities and priority not in project.allowed_priorities:
-        raise _job_error(job, f"project {project.name!r} does not allow priority {priority!r}")
-    if job.gpus_per_pod is not None and job.num_gpus % job.gpus_per_pod:
-        raise _job_error(
-            job, f"num_gpus {job.num_gpus} is not a multiple of gpus_per_pod {job.gpus_per_pod}"
-        )
-    gpu_type = job.gpu_type or fleet.default_type
-    if gpu_type is None or gpu_type not in fleet.zone_nodes:
-        known = ", ".join(fleet.gpus_by_type) or "none"
-        return NeverFits(job.job_id, f"no node has GPU type {gpu_type!r} (the fleet has {known})")
-    largest = fleet.largest_node[gpu_type]
-    if job.gpus_per_pod is not None:
-        per_pod = job.gpus_per_pod
-    elif job.num_gpus <= largest:
-        per_pod = job.num_gpus
-    elif job.num_gpus % largest:
-        return NeverFits(
-            job.job_id,
-            f"{job.num_gpus} {gpu_type} GPUs do not divide into whole {largest}-GPU nodes; "
-            "give gpus_per_pod",
-        )
-    else:
-        per_pod = largest
-    pods = job.num_gpus // per_pod
-    room = fleet.pods_in_largest_zone(gpu_type, per_pod)
-    if room < pods:
-        return NeverFits(
-            job.job_id,
-            f"needs {pods} pod(s) of {per_pod} {gpu_type} GPUs in one zone; "
-            f"the largest zone holds {room}",
-        )
-    beyond = beyond_limits(limits, mode, project.name, gpu_type, job.num_gpus)
-    if beyond is not None:
-        return NeverFits(job.job_id, beyond)
-    return _Job(wid, job, project.name, priority, gpu_type, pods)
-
-
-def _with_trace_groups(projects: ProjectTree, jobs: Iterable[TraceJob]) -> ProjectTree:
-    missing = sorted({j.group for j in jobs} - set(projects.projects))
-    if not missing:
-        return projects
-    added = {g: Project(name=g, default_priority="opportunistic") for g in missing}
-    return ProjectTree({**projects.projects, **added})
+# A fault, and its detection, come last: a job that finishes or stops then has done so.
+FINISH, CHECKPOINT, STOPPED, ARRIVE, WAKE, FAULT, FAULT_DETECTED = range(7)
 
 
 def _with_free(node: NodeState, free: tuple[str, ...]) -> NodeState:
@@ -340,12 +202,12 @@ def _checkpointed(r: Running, at: float) -> Running:
     )
 
 
-class _Replay:
+class _Replay(RecoveringReplay):
     """The replay's state and its event loop (see the module docstring's invariants)."""
 
     def __init__(
         self,
-        jobs: Sequence[_Job],
+        jobs: Sequence[BookedJob],
         nodes: Sequence[FleetNode],
         tree: ProjectTree,
         policy: Policy,
@@ -401,6 +263,7 @@ class _Replay:
         self.reasons_stale = False  # a cycle was skipped since last_plan
         self.admissions = 0
         self.plan_calls = 0
+        self.rng = random.Random(options.fault_seed)
         for job in sorted(jobs, key=lambda j: (j.trace.submit_s, j.wid)):
             self._push(job.trace.submit_s, ARRIVE, job.wid, 0)
 
@@ -437,12 +300,18 @@ class _Replay:
                 elif job.attempt != attempt:
                     continue  # the run this event belongs to is over
                 elif kind == FINISH:
-                    self._finish(job, now)
-                    replan = True
+                    if job.fault_at is None:  # one struck by a fault does not finish
+                        self._finish(job, now)
+                        replan = True
                 elif kind == CHECKPOINT:
                     self._checkpoint(job, now)
                 elif kind == STOPPED:
                     self._stopped(job, now)
+                    replan = True
+                elif kind == FAULT:
+                    self._faulted(job, now, FAULT_DETECTED)
+                elif kind == FAULT_DETECTED:
+                    self._fault_detected(job, now)
                     replan = True
                 else:  # WAKE: the workload may now be preempted
                     replan = True
@@ -511,7 +380,7 @@ class _Replay:
             changes=self.stream.changes(),
         )
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: BookedJob) -> None:
         self.queue[job.wid] = job.pending
         self.queued_sizes[job.gpu_type][job.trace.num_gpus] += 1
         self.ceiling.add(
@@ -567,7 +436,7 @@ class _Replay:
             )
 
     def _measure_preemption(
-        self, job: _Job, victims: list[Running], plan: Plan, now: float, for_a_cap: bool
+        self, job: BookedJob, victims: list[Running], plan: Plan, now: float, for_a_cap: bool
     ) -> None:
         """One decision's figures (``PreemptionDecision``), on the fleet as the plan left
         it. A gang's victims share one zone; the first victim's is the one measured.
@@ -623,7 +492,7 @@ class _Replay:
         job.evicted_gpus += evicted
         job.evicted_beyond_need_gpus += decision.beyond_need_gpus
 
-    def _quota_need(self, job: _Job, victims: list[Running], plan: Plan) -> int:
+    def _quota_need(self, job: BookedJob, victims: list[Running], plan: Plan) -> int:
         """The GPUs the preemptor's caps asked its victims to free, as the plan left the
         rest: the most, over the capped nodes on its project's path, by which its GPUs
         would take the subtree over its cap once what stops there (but its own victims)
@@ -648,7 +517,9 @@ class _Replay:
                 need = max(need, int(used[name] + job.trace.num_gpus - cap))
         return need
 
-    def _start(self, job: _Job, cluster: str, zone: str, pods: tuple[Pod, ...], now: float) -> None:
+    def _start(
+        self, job: BookedJob, cluster: str, zone: str, pods: tuple[Pod, ...], now: float
+    ) -> None:
         for pod in pods:
             node = self.nodes.get(pod.node)
             if node is None or node.cluster != cluster or node.zone != zone:
@@ -688,6 +559,7 @@ class _Replay:
         self._hold(job.project, job.gpu_type, gpus)
         self.admissions += 1
         self._push(now + job.remaining, FINISH, job.wid, job.attempt)
+        self._maybe_fault(job, now, FAULT)
         if self.policy.mode is Mode.GPUFLEET:
             # Only gpufleet preempts, so only it reads checkpoints and needs waking up
             # when a workload becomes preemptible.
@@ -706,7 +578,9 @@ class _Replay:
         self.measures_stale = True
 
     # --------------------------------------------------------------- the events
-    def _release(self, job: _Job, now: float, preempted: bool) -> Running:
+    def _release(
+        self, job: BookedJob, now: float, preempted: bool, faulted: bool = False
+    ) -> Running:
         running = self.running.pop(job.wid)
         for pod in running.pods:
             free = self.free[pod.node]
@@ -726,25 +600,29 @@ class _Replay:
                 nodes=tuple(dict.fromkeys(p.node for p in running.pods)),
                 gpus=tuple(g for p in running.pods for g in p.gpus),
                 preempted=preempted,
+                faulted=faulted,
             )
         )
         job.attempt += 1
         job.stop_began = None
         return running
 
-    def _finish(self, job: _Job, now: float) -> None:
+    def _finish(self, job: BookedJob, now: float) -> None:
         self._release(job, now, preempted=False)
         job.remaining = 0.0
         job.end = now
 
-    def _checkpoint(self, job: _Job, now: float) -> None:
+    def _checkpoint(self, job: BookedJob, now: float) -> None:
         running = self.running[job.wid]
         self.running[job.wid] = _checkpointed(running, now)
         next_at = now + self.options.checkpoint_interval_s
         if next_at < running.started_at + job.remaining:
             self._push(next_at, CHECKPOINT, job.wid, job.attempt)
 
-    def _stopped(self, job: _Job, now: float) -> None:
+    def _stopped(self, job: BookedJob, now: float) -> None:
+        if job.fault_at is not None:  # struck while stopping for a preemption: a fault
+            self._fault_detected(job, now)
+            return
         stop_began = job.stop_began if job.stop_began is not None else now
         running = self._release(job, now, preempted=True)
         if job.trace.kind == "session":
@@ -766,7 +644,7 @@ class _Replay:
         waiting = {w.workload_id: w for w in self.last_plan.waiting}
         records = []
         for job in self.jobs.values():
-            reason = None
+            reason = job.gave_up
             if job.wid in self.queue:
                 # Never-fitting jobs were never queued (``_shape``): this one could start.
                 why = waiting.get(job.wid)
@@ -788,6 +666,9 @@ class _Replay:
                     nodes=last.nodes if last else (),
                     preemptions=job.preemptions,
                     lost_gpu_s=job.lost_gpu_s,
+                    faults=job.faults,
+                    fault_lost_gpu_s=job.fault_lost_gpu_s,
+                    duration_s=job.trace.duration_s,
                     runs=tuple(job.runs),
                     waiting_reason=reason,
                     preemptor_of=job.preemptor_of,
@@ -835,13 +716,13 @@ def simulate(
         raise InputError(
             f"policy must be one of {', '.join(m.value for m in Mode)}, not {policy!r}"
         ) from None
-    tree = _with_trace_groups(projects, jobs)
-    fleet = _Fleet(nodes)
+    tree = with_trace_groups(projects, jobs)
+    fleet = FleetRoom(nodes)
     limits = QuotaLimits(tree)
-    shaped: list[_Job] = []
+    shaped: list[BookedJob] = []
     never_fits: list[NeverFits] = []
     for wid, job in enumerate(jobs, start=1):
-        outcome = _shape(wid, job, fleet, limits, mode)
+        outcome = shape(wid, job, fleet, limits, mode)
         if isinstance(outcome, NeverFits):
             never_fits.append(outcome)
         else:

@@ -38,6 +38,7 @@ class Run:
     nodes: tuple[str, ...]  # distinct, in pod order
     gpus: tuple[str, ...]  # GPU ids, ``node/index``
     preempted: bool = False
+    faulted: bool = False  # ended by a fault's detection (simulator_faults.py)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,19 @@ class JobRecord:
     preemptor_of: int = 0
     evicted_gpus: int = 0
     evicted_beyond_need_gpus: int = 0
+    # Faults met (simulator_faults.py) and the GPU-seconds they cost: work redone since the
+    # last checkpoint, and the GPUs held between each fault and its detection.
+    faults: int = 0
+    fault_lost_gpu_s: float = 0.0
+    duration_s: float = 0.0  # its work in the trace
+
+    @property
+    def effective_training_ratio(self) -> float | None:
+        """Its work over the time from its first start to its end: what faults, preemptions
+        and the waits after them cost it. None until it finished."""
+        if self.start_s is None or self.end_s is None or self.end_s <= self.start_s:
+            return None
+        return min(1.0, self.duration_s / (self.end_s - self.start_s))
 
 
 @dataclass(frozen=True)
@@ -115,6 +129,11 @@ class Summary:
     admissions: int
     plan_calls: int
     waits: Waits
+    faults: int = 0
+    fault_lost_gpu_hours: float = 0.0
+    # Over the finished training jobs: the mean of their ratios, and weighted by GPUs.
+    mean_effective_training_ratio: float | None = None
+    gpu_weighted_effective_training_ratio: float | None = None
     waits_by_project: Mapping[str, Waits] = field(default_factory=dict)
     waits_by_priority: Mapping[str, Waits] = field(default_factory=dict)
     mean_jct_by_project: Mapping[str, float | None] = field(default_factory=dict)
@@ -189,6 +208,11 @@ def summarise(
     for r in finished:
         assert r.end_s is not None
         jct_by_project[r.project].append(r.end_s - r.submit_s)
+    ratios = [
+        (r.num_gpus, ratio)
+        for r in finished
+        if r.kind == "job" and (ratio := r.effective_training_ratio) is not None
+    ]
     makespan = totals.end_s - totals.start_s
     fleet_gpu_s = gpus * makespan
     waiting_fleet_gpu_s = totals.capacity_while_waiting_gpu_s
@@ -224,6 +248,12 @@ def summarise(
         admissions=totals.admissions,
         plan_calls=totals.plan_calls,
         waits=waits_of(w for ws in waits_by_project.values() for w in ws),
+        faults=sum(r.faults for r in records),
+        fault_lost_gpu_hours=sum(r.fault_lost_gpu_s for r in records) / 3600,
+        mean_effective_training_ratio=_mean([ratio for _, ratio in ratios]),
+        gpu_weighted_effective_training_ratio=(
+            sum(g * ratio for g, ratio in ratios) / sum(g for g, _ in ratios) if ratios else None
+        ),
         waits_by_project={p: waits_of(w) for p, w in sorted(waits_by_project.items())},
         waits_by_priority={p: waits_of(w) for p, w in sorted(waits_by_priority.items())},
         mean_jct_by_project={p: _mean(j) for p, j in sorted(jct_by_project.items())},
@@ -244,6 +274,7 @@ def _run_json(run: Run) -> dict[str, Any]:
         "nodes": list(run.nodes),
         "gpus": list(run.gpus),
         "preempted": run.preempted,
+        "faulted": run.faulted,
     }
 
 
@@ -268,6 +299,9 @@ def record_json(r: JobRecord) -> dict[str, Any]:
         "preemptor_of": r.preemptor_of,
         "evicted_gpus": r.evicted_gpus,
         "evicted_beyond_need_gpus": r.evicted_beyond_need_gpus,
+        "faults": r.faults,
+        "fault_lost_gpu_s": r.fault_lost_gpu_s,
+        "effective_training_ratio": r.effective_training_ratio,
     }
 
 
@@ -305,6 +339,10 @@ def summary_json(s: Summary) -> dict[str, Any]:
         "mean_jct_s": s.mean_jct_s,
         "preemptions": s.preemptions,
         "lost_gpu_hours": s.lost_gpu_hours,
+        "faults": s.faults,
+        "fault_lost_gpu_hours": s.fault_lost_gpu_hours,
+        "mean_effective_training_ratio": s.mean_effective_training_ratio,
+        "gpu_weighted_effective_training_ratio": s.gpu_weighted_effective_training_ratio,
         "evicted_beyond_need_gpus": s.evicted_beyond_need_gpus,
         "preemptors": s.preemptors,
         "preemptors_over_twice_need": s.preemptors_over_twice_need,

@@ -113,6 +113,27 @@ def _add_simulate(commands: Any) -> None:
     sim.add_argument("--checkpoint-interval", type=float, default=1800.0, metavar="SECONDS")
     sim.add_argument("--session-snapshot", type=float, default=20.0, metavar="SECONDS")
     sim.add_argument("--job-grace", type=float, default=30.0, metavar="SECONDS")
+    sim.add_argument(
+        "--fault-rate",
+        default="0",
+        metavar="PER_GPU_HOUR",
+        help="inject infrastructure faults into every training job: faults per GPU-hour, "
+        "or 'llama3' (Llama 3 405B's: 419 in 54 days on 16,384 GPUs); each is detected "
+        "--fault-detect seconds later, the job loses the work since its checkpoint and "
+        "restarts at once, spending --fault-restart seconds to start and load it "
+        "(default: none)",
+    )
+    sim.add_argument("--fault-detect", type=float, default=60.0, metavar="SECONDS")
+    sim.add_argument("--fault-restart", type=float, default=60.0, metavar="SECONDS")
+    sim.add_argument(
+        "--fault-budget",
+        type=int,
+        default=3,
+        metavar="N",
+        help="faults per 1,024 GPUs within a day a job restarts from, as the controller's "
+        "job_fault_budget (default: %(default)s)",
+    )
+    sim.add_argument("--fault-seed", type=int, default=0, metavar="N")
 
 
 def simulate_command(args: argparse.Namespace) -> int:
@@ -141,6 +162,11 @@ def simulate_command(args: argparse.Namespace) -> int:
             job_checkpoint_grace_s=args.job_grace,
             checkpoint_interval_s=args.checkpoint_interval,
             min_run_time_s=args.min_run_time,
+            fault_rate_per_gpu_hour=_fault_rate(args.fault_rate),
+            fault_detect_s=args.fault_detect,
+            fault_restart_s=args.fault_restart,
+            fault_budget=args.fault_budget,
+            fault_seed=args.fault_seed,
         )
         try:
             result = simulator.simulate(jobs, nodes, projects, args.policy, options)
@@ -167,6 +193,21 @@ def simulate_command(args: argparse.Namespace) -> int:
     if not to_stdout:
         console.print(f"Result: {args.out}")
     return 0
+
+
+def _fault_rate(given: str) -> float:
+    """--fault-rate: a number of faults per GPU-hour, or 'llama3'. Raises InputError."""
+    from .scheduler.errors import InputError
+    from .scheduler.simulator_faults import LLAMA3_FAULTS_PER_GPU_HOUR
+
+    if given.strip().lower() == "llama3":
+        return LLAMA3_FAULTS_PER_GPU_HOUR
+    try:
+        return float(given)
+    except ValueError:
+        raise InputError(
+            f"--fault-rate must be a number of faults per GPU-hour or 'llama3', not {given!r}"
+        ) from None
 
 
 def _duration(seconds: float | None) -> str:
@@ -214,9 +255,20 @@ def print_summary(result: SimulationResult, console: Console) -> None:
         ("lost GPU-hours", f"{s.lost_gpu_hours:.1f}"),
     ):
         totals.add_row(label, value)
+    if result.options.get("fault_rate_per_gpu_hour"):
+        for label, value in (
+            ("faults (GPU-hours they cost)", f"{s.faults} ({s.fault_lost_gpu_hours:.1f})"),
+            ("training ETTR mean (GPU-weighted)", _ettr(s)),
+        ):
+            totals.add_row(label, value)
     console.print(totals)
     console.print(_waits_table("project", s.waits_by_project, s.mean_jct_by_project))
     console.print(_waits_table("priority", s.waits_by_priority, None))
+
+
+def _ettr(s: Any) -> str:
+    mean, weighted = s.mean_effective_training_ratio, s.gpu_weighted_effective_training_ratio
+    return f"{_share(mean)} ({_share(weighted)})"
 
 
 def _waits(w: Waits) -> str:

@@ -132,16 +132,9 @@ class AttemptStore(StoreBase):
         node: str | None = None,
         **data: Any,
     ) -> None:
-        """Stop a running attempt for ``verdict`` (kept until its pods are gone), with a
-        ``job-fault`` event that carries ``data``."""
-        workload.recovery = {
-            **(workload.recovery or {}),
-            "fault": verdict_json(verdict),
-            "fault_at": now.isoformat(),
-        }
-        workload.state = WorkloadState.stopping
-        workload.outcome = "failed"
-        workload.reason = verdict.reason
+        """Stop a running attempt for ``verdict`` with a ``job-fault`` event that carries
+        ``data``."""
+        stopping_for(workload, verdict, now, verdict.reason)
         workload.version += 1
         _event(
             session,
@@ -348,17 +341,22 @@ class AttemptStore(StoreBase):
         reports progress — no output while its GPUs idle. Each restarts as a hang (its next
         attempt follows once its pods are gone). Returns the workloads stopped."""
         moment = now.timestamp()
+        # Read first, in four queries whatever the number of jobs: a pass that finds no
+        # hang (nearly every pass) writes nothing.
+        with self.read() as session:
+            hung = [
+                (workload_id, version, hang)
+                for workload_id, version, seen in _running_progress(session)
+                if (hang := hang_of(seen, moment, self.recovery_policy)) is not None
+            ]
+        if not hung:
+            return []
         stopped: list[int] = []
         with self._write(now) as session:
-            jobs = session.scalars(
-                select(Workload).where(
-                    Workload.kind == WorkloadKind.job, Workload.state == WorkloadState.running
-                )
-            ).all()
-            for workload in jobs:
-                hang = hang_of(_progress_of(session, workload), moment, self.recovery_policy)
-                if hang is None:
-                    continue
+            for workload_id, version, hang in hung:
+                workload = session.get(Workload, workload_id)
+                if workload is None or workload.version != version:
+                    continue  # it changed since it was read: the next pass looks again
                 verdict = classify(hang, (), self.recovery_policy)
                 self._fault_stops(session, now, workload, verdict, hang=hang.kind)
                 stopped.append(workload.id)
@@ -511,6 +509,20 @@ class AttemptStore(StoreBase):
 
 
 # ------------------------------------------------------------------ helpers
+def stopping_for(workload: Workload, verdict: Verdict, now: datetime, reason: str) -> None:
+    """The attempt stops (every pod's ``run`` turns false) for ``verdict``, which is kept
+    until its pods are gone: the SIGTERM the stop itself causes is never taken for the
+    fault, and the time to resume counts from now."""
+    workload.recovery = {
+        **(workload.recovery or {}),
+        "fault": verdict_json(verdict),
+        "fault_at": now.isoformat(),
+    }
+    workload.state = WorkloadState.stopping
+    workload.outcome = "failed"
+    workload.reason = reason
+
+
 def _training_lost(
     before: dict[str, Any], progress: JobProgress | None, fault_at: datetime
 ) -> dict[str, Any]:
@@ -565,34 +577,62 @@ def _hardware_history(
     return signals
 
 
-def _progress_of(session: Session, workload: Workload) -> JobProgressSeen:
-    """What the hang rules read of a running attempt. Until the attempt's own first step
-    its steps are not judged (starting, loading a checkpoint): it is judged as a job that
-    reports nothing, by its output and its GPUs."""
-    started = (workload.started_at or workload.created_at).timestamp()
-    row = session.get(JobProgress, workload.id)
-    last_step_at = p99 = checkpoint_started_at = None
-    if row is not None and row.last_step_at is not None and row.last_step_at.timestamp() >= started:
-        last_step_at = row.last_step_at.timestamp()
-        p99 = percentile(row.step_times, 0.99)
-    if row is not None and row.checkpoint_started_at is not None:
-        checkpoint_started_at = row.checkpoint_started_at.timestamp()
-    last_output = session.scalar(
-        select(func.max(JobLog.at)).where(JobLog.workload_id == workload.id)
+def _running_progress(session: Session) -> list[tuple[int, int, JobProgressSeen]]:
+    """What the hang rules read of each running job: (id, version, progress). Until an
+    attempt's own first step its steps are not judged (starting, loading a checkpoint): it
+    is judged as a job that reports nothing, by its output and its GPUs."""
+    jobs = session.execute(
+        select(Workload.id, Workload.version, Workload.started_at, Workload.created_at).where(
+            Workload.kind == WorkloadKind.job, Workload.state == WorkloadState.running
+        )
+    ).all()
+    if not jobs:
+        return []
+    ids = [j.id for j in jobs]
+    rows = {
+        p.workload_id: p
+        for p in session.scalars(select(JobProgress).where(JobProgress.workload_id.in_(ids)))
+    }
+    outputs = dict(
+        session.execute(
+            select(JobLog.workload_id, func.max(JobLog.at))
+            .where(JobLog.workload_id.in_(ids))
+            .group_by(JobLog.workload_id)
+        ).all()
     )
-    busy = session.scalar(
-        select(func.max(Gpu.busy_at))
-        .join(Allocation, Allocation.gpu_uuid == Gpu.uuid)
-        .where(Allocation.workload_id == workload.id, Allocation.closed_at.is_(None))
+    busy = dict(
+        session.execute(
+            select(Allocation.workload_id, func.max(Gpu.busy_at))
+            .join(Gpu, Allocation.gpu_uuid == Gpu.uuid)
+            .where(Allocation.workload_id.in_(ids), Allocation.closed_at.is_(None))
+            .group_by(Allocation.workload_id)
+        ).all()
     )
-    return JobProgressSeen(
-        started_at=started,
-        last_step_at=last_step_at,
-        p99_step_s=p99,
-        checkpoint_started_at=checkpoint_started_at,
-        last_output_at=max(last_output.timestamp(), started) if last_output else None,
-        gpus_idle_since=max(busy.timestamp(), started) if busy else started,
-    )
+    seen = []
+    for job in jobs:
+        started = (job.started_at or job.created_at).timestamp()
+        row = rows.get(job.id)
+        last_step_at = p99 = checkpoint_started_at = None
+        if (
+            row is not None
+            and row.last_step_at is not None
+            and row.last_step_at.timestamp() >= started
+        ):
+            last_step_at = row.last_step_at.timestamp()
+            p99 = percentile(row.step_times, 0.99)
+        if row is not None and row.checkpoint_started_at is not None:
+            checkpoint_started_at = row.checkpoint_started_at.timestamp()
+        output, idle = outputs.get(job.id), busy.get(job.id)
+        progress = JobProgressSeen(
+            started_at=started,
+            last_step_at=last_step_at,
+            p99_step_s=p99,
+            checkpoint_started_at=checkpoint_started_at,
+            last_output_at=max(output.timestamp(), started) if output else None,
+            gpus_idle_since=max(idle.timestamp(), started) if idle else started,
+        )
+        seen.append((job.id, job.version, progress))
+    return seen
 
 
 def _last_checkpoint(session: Session, workload_id: int) -> str | None:

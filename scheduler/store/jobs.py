@@ -33,7 +33,7 @@ from ...recovery.classify import AgentSilent, Verdict, classify
 from ..errors import InvalidRequest
 from ..validation import JobRequest, validate_job_request
 from .accounts import AccountStore
-from .attempts import AttemptStore, log_offset, verdict_json
+from .attempts import AttemptStore, log_offset, stopping_for
 from .base import _event, _get_workload, _preemptible
 from .catalogue import CatalogueStore
 from .inventory import mark_silent
@@ -355,14 +355,8 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 # Classified now, while the evidence is fresh and before the other pods'
                 # stop adds endings of its own (``store/attempts.py``).
                 verdict = self._classify_pod(session, now, workload, row)
-                workload.recovery = {
-                    **(workload.recovery or {}),
-                    "fault": verdict_json(verdict),
-                    "fault_at": now.isoformat(),
-                }
-                workload.state = WorkloadState.stopping
-                workload.outcome = "failed"
-                workload.reason = f"pod {report.pod_index} on {node} {_pod_ending(row)}"
+                said = f"pod {report.pod_index} on {node} {_pod_ending(row)}"
+                stopping_for(workload, verdict, now, said)
                 visible = True
                 _event(
                     session,

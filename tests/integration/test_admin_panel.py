@@ -116,6 +116,32 @@ def test_an_admin_cordons_and_uncordons_a_node_from_the_panel(fleet: Hub, admin_
     expect(admin_page.locator("#saved")).to_have_text("gpu-node-a uncordoned")
 
 
+def test_an_admin_recycles_a_node_from_the_panel_and_it_comes_back(
+    fleet: Hub, admin_page: Page
+) -> None:
+    node = admin_page.locator("tr[data-node='gpu-node-b']")
+    node.get_by_role("button", name="Recycle").click()
+    expect(admin_page.locator("#saved")).to_have_text(
+        "gpu-node-b is draining; it is recycled once empty, then diagnosed"
+    )
+
+    def back() -> dict[str, object] | None:
+        nodes = {n["name"]: n for n in fleet.controller("GET", "/nodes").json()["items"]}
+        b = nodes["gpu-node-b"]
+        return b if not b["cordoned"] and b["maintenance"] is None else None
+
+    wait_for(back, 30, "gpu-node-b recycled, diagnosed and back in service")
+    passed = [
+        str(e["message"])
+        for e in fleet.controller("GET", "/events", params={"limit": 50}).json()["items"]
+        if e["kind"] == "maintenance-passed" and e["node"] == "gpu-node-b"
+    ]
+    assert passed[:2] == [
+        "diagnose of node gpu-node-b passed (4 fake GPU(s) passed): it takes work again",
+        "recycle of node gpu-node-b passed (4 fake GPU(s) reset): its diagnostics follow",
+    ]
+
+
 def test_a_researcher_neither_sees_nor_reaches_the_admin_panel(
     fleet: Hub, chromium: Browser
 ) -> None:

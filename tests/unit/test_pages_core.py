@@ -186,6 +186,7 @@ def test_the_job_templates_render_for_job_pages() -> None:
     )
     job = SimpleNamespace(
         id=7,
+        effective_training_ratio=0.97,
         name="resnet",
         username="alice",
         project="vision",

@@ -46,16 +46,28 @@ def test_a_disruption_restarts_at_once_anywhere_and_spends_nothing() -> None:
     )
 
 
-def test_a_node_fault_avoids_the_node_and_backs_off() -> None:
+def test_a_node_fault_avoids_the_node_and_restarts_at_once() -> None:
     verdict = classify(ended(1), [XID_79])
     step = next_attempt(AttemptRecord(attempt=1), verdict, POLICY, T)
     assert isinstance(step, Resume)
-    assert (step.attempt, step.fault_times, step.delay_s) == (2, (T,), 10.0)
+    # What failed is left out: no reason to wait.
+    assert (step.attempt, step.fault_times, step.delay_s) == (2, (T,), 0.0)
     assert step.avoid_nodes == {"a"} and step.resume_from is None
     assert step.message.endswith(
-        "attempt 2, starts from the beginning (no checkpoint was saved), after 10 s of "
-        "back-off, infrastructure fault 1 of 2 allowed within 1 h, not on a"
+        "attempt 2, starts from the beginning (no checkpoint was saved), infrastructure "
+        "fault 1 of 2 allowed within 1 h, not on a"
     )
+    # Blamed again at once elsewhere: now it waits, as any quick repeat does.
+    again = next_attempt(
+        AttemptRecord(attempt=2, avoid_nodes=frozenset({"a"}), quick_faults=1),
+        classify(ended(1), [replace(XID_79, gpu="GPU-b-0", node="b")]),
+        POLICY,
+        T,
+    )
+    assert isinstance(again, Resume) and (again.quick_faults, again.delay_s) == (2, 15.0)
+    # A fault that blames nothing new backs off.
+    in_place = next_attempt(AttemptRecord(attempt=1), classify(ended(1), [XID_13]), POLICY, T)
+    assert isinstance(in_place, Resume) and in_place.delay_s == 10.0
 
 
 def test_exclusions_add_up_and_back_off_doubles_up_to_its_limit() -> None:
@@ -73,7 +85,7 @@ def test_exclusions_add_up_and_back_off_doubles_up_to_its_limit() -> None:
     assert step.delay_s == 15.0  # 20 s, capped at 15
     # An attempt that ran past backoff_reset_s ends the row: the back-off starts afresh.
     ran_well = replace(earlier, ran_s=POLICY.backoff_reset_s)
-    step = next_attempt(ran_well, classify(ended(1), [XID_79]), POLICY, T)
+    step = next_attempt(ran_well, classify(ended(1), [XID_13]), POLICY, T)
     assert isinstance(step, Resume) and (step.quick_faults, step.delay_s) == (0, 10.0)
 
 

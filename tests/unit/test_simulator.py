@@ -105,14 +105,18 @@ def check_accounting(result: SimulationResult, jobs: Sequence[TraceJob], nodes: 
                 (run["end_s"], -job.num_gpus),
             ]
         finished = [] if r["end_s"] is None else [False]
-        assert [run["preempted"] for run in r["runs"]] == [True] * r["preemptions"] + finished
+        ended_by_preemption = [run["preempted"] for run in r["runs"] if not run["faulted"]]
+        assert ended_by_preemption == [True] * r["preemptions"] + finished
+        assert sum(run["faulted"] for run in r["runs"]) == r["faults"]
         held = sum(run["end_s"] - run["start_s"] for run in r["runs"])
         if r["end_s"] is not None:
             assert r["end_s"] == r["runs"][-1]["end_s"]
-            if r["preemptions"] == 0:
+            if r["preemptions"] == 0 and r["faults"] == 0:
                 assert r["end_s"] - r["start_s"] == pytest.approx(job.duration_s)
             elif job.kind == "job":  # redone work: what was lost, GPUs × seconds
-                assert held == pytest.approx(job.duration_s + r["lost_gpu_s"] / job.num_gpus)
+                lost = (r["lost_gpu_s"] + r["fault_lost_gpu_s"]) / job.num_gpus
+                restarts = r["faults"] * result.options["fault_restart_s"]
+                assert held == pytest.approx(job.duration_s + lost + restarts)
             else:  # sessions lose nothing but their snapshot time
                 snapshot_s = result.options["session_snapshot_s"]
                 assert held == pytest.approx(job.duration_s + r["preemptions"] * snapshot_s)
@@ -191,6 +195,73 @@ def test_every_job_is_accounted_for_and_no_gpu_is_used_twice(
             assert all(held <= guaranteed for _, held in usage_over_time(records, project))
     if policy == "fifo":  # nothing is left waiting for a quota
         assert all(r["end_s"] is not None for r in records.values())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs=jobs_strategy, policy=st.sampled_from(["gpufleet", "fifo"]), seed=st.integers(0, 99))
+def test_with_faults_every_job_is_still_accounted_for_and_no_gpu_is_used_twice(
+    jobs: list[TraceJob], policy: str, seed: int
+) -> None:
+    # About one fault per 2,000 GPU-seconds: most jobs meet some, preemptions too.
+    options = SimulationOptions(
+        min_run_time_s=60,
+        checkpoint_interval_s=500,
+        fault_rate_per_gpu_hour=1.8,
+        fault_detect_s=40,
+        fault_restart_s=25,
+        fault_seed=seed,
+    )
+    result = simulate(jobs, FLEET, PROJECTS, policy, options)
+    records = check_accounting(result, jobs, FLEET)
+    for r in records.values():
+        if r["kind"] == "session":
+            assert r["faults"] == 0
+        if r["faults"] > 3 * max(1, -(-r["num_gpus"] // 1024)):  # past the budget: it ended
+            assert r["end_s"] is None and r["waiting_reason"].startswith("failed: ")
+    assert result.summary.faults == sum(r["faults"] for r in records.values())
+
+
+def test_a_fault_costs_the_work_since_the_checkpoint_its_detection_and_the_restart() -> None:
+    jobs = [TraceJob("long", 0.0, 36_000.0, 8, "vision")]
+    options = SimulationOptions(
+        checkpoint_interval_s=1800,
+        fault_rate_per_gpu_hour=3 / (8 * 10),  # three faults expected in its ten hours
+        fault_detect_s=60,
+        fault_restart_s=90,
+        fault_seed=7,
+        fault_budget=10,
+    )
+    result = simulate(jobs, FLEET, PROJECTS, "gpufleet", options)
+    [record] = result.records
+    assert record.faults >= 1 and record.end_s is not None and record.start_s is not None
+    faulted = [run for run in record.runs if run.faulted]
+    assert len(faulted) == record.faults and not record.runs[-1].faulted
+    lost = 0.0
+    for run in faulted:  # alone on the fleet: each next run starts at once
+        struck = run.end_s - 60 - run.start_s
+        lost += struck - (struck // 1800) * 1800 + 60 + 90
+    assert record.end_s - record.start_s == pytest.approx(36_000 + lost)
+    assert record.effective_training_ratio == pytest.approx(36_000 / (36_000 + lost))
+    assert result.summary.gpu_weighted_effective_training_ratio == pytest.approx(
+        record.effective_training_ratio
+    )
+    # The same seed, the same faults; without faults, nothing is lost.
+    again = simulate(jobs, FLEET, PROJECTS, "gpufleet", options).records[0]
+    assert again.runs == record.runs
+    calm = simulate(jobs, FLEET, PROJECTS, "gpufleet", replace(options, fault_rate_per_gpu_hour=0))
+    assert calm.records[0].faults == 0 and calm.records[0].effective_training_ratio == 1.0
+    # Past the controller's budget the job ends, failed, as the controller would end it.
+    spent = simulate(jobs, FLEET, PROJECTS, "gpufleet", replace(options, fault_budget=1))
+    [gave_up] = spent.records
+    assert (gave_up.faults, gave_up.end_s) == (2, None)
+    assert gave_up.waiting_reason == (
+        "failed: 2 infrastructure faults within a day, past its budget of 1"
+    )
+
+
+def test_a_negative_fault_rate_is_refused() -> None:
+    with pytest.raises(InputError, match="fault_rate_per_gpu_hour must be zero or more"):
+        SimulationOptions(fault_rate_per_gpu_hour=-1)
 
 
 @settings(max_examples=25, deadline=None)
@@ -407,6 +478,40 @@ def test_cli_bad_input_exits_2_naming_the_file(
     assert done.returncode == 2
     assert expected in done.stderr
     assert not (tmp_path / "simulation.json").exists()
+
+
+def test_cli_injects_faults_and_reports_what_they_cost(tmp_path: Path) -> None:
+    write_inputs(tmp_path)
+    done = run_cli(
+        tmp_path, "--projects", "projects.yaml", "--fault-rate", "1", "--fault-seed", "3",
+        "--out", "r.json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "faults (GPU-hours they cost)" in done.stdout
+    assert "training ETTR mean (GPU-weighted)" in done.stdout
+    document = json.loads((tmp_path / "r.json").read_text())
+    assert document["options"]["fault_rate_per_gpu_hour"] == 1.0
+    faults = [r["faults"] for r in document["jobs"]]
+    assert document["summary"]["faults"] == sum(faults) > 0
+    calm = run_cli(tmp_path, "--projects", "projects.yaml", "--out", "calm.json")
+    assert "faults (GPU-hours they cost)" not in calm.stdout  # no faults asked, no line
+    llama3 = run_cli(tmp_path, "--fault-rate", "llama3", "--out", "l.json")
+    assert llama3.returncode == 0, llama3.stderr
+    rate = json.loads((tmp_path / "l.json").read_text())["options"]["fault_rate_per_gpu_hour"]
+    assert rate == pytest.approx(419 / (54 * 24 * 16384))
+
+
+def test_cli_refuses_a_fault_rate_it_cannot_read(tmp_path: Path) -> None:
+    write_inputs(tmp_path)
+    done = run_cli(tmp_path, "--fault-rate", "often")
+    assert done.returncode == 2
+    assert "--fault-rate must be a number of faults per GPU-hour or 'llama3', not 'often'" in (
+        done.stderr
+    )
+    negative = run_cli(tmp_path, "--fault-rate", "-2")
+    assert negative.returncode == 2 and "fault_rate_per_gpu_hour must be zero or more" in (
+        negative.stderr
+    )
 
 
 def test_cli_missing_file_exits_2(tmp_path: Path) -> None:

@@ -367,6 +367,8 @@ def test_a_silent_agents_job_resumes_elsewhere_while_its_gpus_wait_for_its_proce
     job = submit(store, 10, gpus=2)
     assert placed_on(store, job) == {"a2"}
     running(store, 12, job, pods=1)
+    ask(store, t(13), "carol", server="big", project="nlp", gpus=4)
+    store.scheduling_cycle(t(14), NOW_POLICY)  # a1 is full
     marker = workload(store, job).process_marker
     store.heartbeat(t(40), "agent-1", ["a1", "h1"])  # a2's agent fell silent at t(12)
     lost = store.lose_silent_nodes(t(45), timedelta(seconds=30))
@@ -385,7 +387,6 @@ def test_a_silent_agents_job_resumes_elsewhere_while_its_gpus_wait_for_its_proce
     # The agent comes back and an admin uncordons a2: its GPUs still wait for the pod.
     store.heartbeat(t(46), "agent-1", ["a1", "a2", "h1"])
     store.set_cordoned(t(46), "a2", False, by="admin")
-    ask(store, t(47), "carol", project="nlp", gpus=4)  # a1 is full
     alice = ask(store, t(47), "alice", gpus=2)
     store.scheduling_cycle(t(48), NOW_POLICY)
     assert workload(store, alice).state == WorkloadState.pending
