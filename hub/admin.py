@@ -13,8 +13,9 @@ the form again with the store's message and nothing written.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 from urllib.parse import quote
 
 from sqlalchemy import select
@@ -30,6 +31,8 @@ from .api.projects import project_usage
 from .api.schemas import NodeOut, ProjectUsageOut
 from .errors import ClusterUnavailable
 from .pages import PageHandler, project_label
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -242,17 +245,25 @@ class AdminProjectForm(AdminPage):
 
 
 class AdminNodeForm(AdminPage):
+    async def on_node(self, name: str, action: Awaitable[T]) -> T | Literal[True] | None:
+        """Run an action on node ``name``: its result (True for one that returns none),
+        or None once the panel says why it could not be done."""
+        try:
+            result = await action
+        except NotFound:
+            self.render_panel(error=f"there is no node {name!r}", status=404)
+            return None
+        except ClusterUnavailable as e:
+            self.render_panel(error=f"{name}: {e}; nothing was changed", status=503)
+            return None
+        return True if result is None else result
+
     @web.authenticated
     async def post(self, name: str, action: str) -> None:
         by = self.require_admin()
         cordoned = action == "cordon"
-        try:
-            changed = await self.controller.cordon(name, cordoned, by)
-        except NotFound:
-            self.render_panel(error=f"there is no node {name!r}", status=404)
-            return
-        except ClusterUnavailable as e:
-            self.render_panel(error=f"{name}: {e}; nothing was changed", status=503)
+        changed = await self.on_node(name, self.controller.cordon(name, cordoned, by))
+        if changed is None:
             return
         self.controller.kick()
         verb = "cordoned" if cordoned else "uncordoned"
@@ -260,19 +271,16 @@ class AdminNodeForm(AdminPage):
         self.redirect(self.panel_url(said, "nodes"), status=303)
 
 
-class AdminRecycleForm(AdminPage):
+class AdminRecycleForm(AdminNodeForm):
     """Recycle a node: drained, recycled once empty, then diagnosed (docs/recovery.md)."""
 
     @web.authenticated
     async def post(self, name: str) -> None:
         by = self.require_admin()
-        try:
-            await self.controller.recycle(name, by, "asked on the admin panel")
-        except NotFound:
-            self.render_panel(error=f"there is no node {name!r}", status=404)
-            return
-        except ClusterUnavailable as e:
-            self.render_panel(error=f"{name}: {e}; nothing was changed", status=503)
+        done = await self.on_node(
+            name, self.controller.recycle(name, by, "asked on the admin panel")
+        )
+        if done is None:
             return
         said = f"{name} is draining; it is recycled once empty, then diagnosed"
         self.redirect(self.panel_url(said, "nodes"), status=303)

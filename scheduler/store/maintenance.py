@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from .attempts import AttemptStore, DrainStops, _node_named
@@ -60,6 +60,31 @@ class MaintenanceStore(AttemptStore):
         where it acts, the node's agent reports); fail in-flight operations whose agent
         stopped reporting. Returns the operations asked for."""
         asked: list[int] = []
+        # A read first: a pass with nothing due and nothing stale (nearly every pass)
+        # writes nothing.
+        with self.read() as session:
+            due = session.scalar(
+                select(func.count()).select_from(
+                    select(Node.id).where(Node.maintenance.in_(NODE_STEPS)).subquery()
+                )
+            ) or session.scalar(
+                select(func.count()).select_from(
+                    select(Gpu.uuid).where(Gpu.maintenance.in_(GPU_STEPS)).subquery()
+                )
+            )
+            stale = session.scalar(
+                select(func.count()).select_from(
+                    select(NodeOperation.id)
+                    .where(
+                        NodeOperation.workload_id.is_(None),
+                        NodeOperation.state == "running",
+                        NodeOperation.updated_at < now - STALE_OPERATION,
+                    )
+                    .subquery()
+                )
+            )
+        if not (due or stale):
+            return asked
         with self._write(now) as session:
             for row in session.scalars(
                 select(NodeOperation).where(

@@ -102,11 +102,16 @@ def alice(fleet: Hub) -> Iterator[Client]:
         yield client
 
 
-@pytest.fixture
-def gpus(fleet: Hub) -> Iterator[list[FakeGpu]]:
+def fake_gpus_of(hub: Hub) -> Iterator[list[FakeGpu]]:
+    """The hub's fake devices as its agent declared them; written back as they were."""
     devices = declared_fake_gpus(DECLARED)
     yield devices
-    write_control(fleet.fake_nvml_control, devices)
+    write_control(hub.fake_nvml_control, devices)
+
+
+@pytest.fixture
+def gpus(fleet: Hub) -> Iterator[list[FakeGpu]]:
+    yield from fake_gpus_of(fleet)
 
 
 def test_an_xid_79_stops_the_job_at_once_and_it_resumes_elsewhere_from_its_checkpoint(
@@ -280,8 +285,8 @@ def test_a_drain_scheduled_for_later_runs_then_from_the_database(fleet: Hub) -> 
 
 
 def _node(fleet: Hub, name: str) -> dict[str, Any]:
-    nodes = fleet.controller("GET", "/nodes").json()["items"]
-    found: dict[str, Any] = next(n for n in nodes if n["name"] == name)
+    found = _node_in(fleet, name)
+    assert found is not None, f"no node {name}"
     return found
 
 
@@ -427,9 +432,7 @@ def test_a_killed_agents_job_resumes_elsewhere_and_its_gpus_wait_for_its_process
 
 @pytest.fixture
 def recovery_gpus(recovery_hub: Hub) -> Iterator[list[FakeGpu]]:
-    devices = declared_fake_gpus(DECLARED)
-    yield devices
-    write_control(recovery_hub.fake_nvml_control, devices)
+    yield from fake_gpus_of(recovery_hub)
 
 
 def _fault_on_a_gpu_of(

@@ -8,15 +8,15 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 
 from gpufleet.scheduler.errors import NotFound
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.jobs import PodReport
-from gpufleet.scheduler.store.models import Gpu, Node, WorkloadState
+from gpufleet.scheduler.store.models import Gpu, WorkloadState
 
 from .test_store import ask, events, make_store, t, workload
-from .test_store_attempts import NOW_POLICY, running, submit
+from .test_store_attempts import NOW_POLICY, running, submit, workload_node
 from .test_store_jobs import report
 
 
@@ -26,10 +26,8 @@ def store(engine: Engine) -> FleetStore:
 
 
 def node_state(store: FleetStore, name: str) -> tuple[bool, str | None]:
-    with store.read() as session:
-        node = session.scalar(select(Node).where(Node.name == name))
-        assert node is not None
-        return node.cordoned, node.maintenance
+    node = workload_node(store, name)
+    return node.cordoned, node.maintenance
 
 
 def gpu_state(store: FleetStore, uuid: str) -> tuple[bool, str | None]:
