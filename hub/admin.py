@@ -168,7 +168,7 @@ class AdminPage(PageHandler):
         assert identity is not None
         with self.controller.store.read() as session:
             projects = project_usage(self.controller, session, identity)
-            nodes = node_rows(session)
+            nodes = node_rows(session, self.controller.spare_nodes)
             gpu_types = sorted({n.gpu_type for n in nodes})
             gpus: dict[str, list[GpuState]] = {}
             for node_name, gpu in session.execute(

@@ -385,6 +385,8 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
             self.exit_with(f"c.FleetController.idle_policies: {e}", code=2)
         self.is_leader = False
         self.leading_since: datetime | None = None
+        # The recovery spares of the last admission cycle this controller ran.
+        self.spare_nodes: frozenset[str] = frozenset()
         self._kicked = asyncio.Event()
         self._last_full_collection = time.monotonic()
         self._index_wanted = asyncio.Event()
@@ -593,6 +595,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
             self.metrics.wait_time.labels(admitted.project).observe(admitted.waited_seconds)
         for preemption in result.plan.preemptions:
             self.metrics.preemptions.labels(preemption.cause.value).inc()
+        self.spare_nodes = frozenset(n for names in result.plan.spares.values() for n in names)
         for _ in expired:
             self.metrics.ended.labels("session", "expired").inc()
         self.victims.stop(result.stops)
@@ -613,6 +616,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         return Policy(
             min_run_time_s=self.min_run_time_seconds,
             max_preemption_searches=self.max_preemption_searches,
+            spares=tuple(sorted(self.recovery_spares.items())),
         )
 
     async def _watch_nodes(self) -> None:

@@ -33,6 +33,7 @@ class ControllerContext(Protocol):
     version: str
     service_prefix: str
     is_leader: bool
+    spare_nodes: frozenset[str]  # the recovery spares of its last admission cycle
     hub_auth: Any  # JupyterHub's HubOAuth, or None when the controller runs without a hub
     snapshot_index_at: datetime | None
     gpu_busy_utilization: float

@@ -5,7 +5,7 @@ set as ``c.FleetController.<name>``."""
 
 from __future__ import annotations
 
-from traitlets import Bool, Float, Integer
+from traitlets import Bool, Dict, Float, Integer, TraitError, validate
 from traitlets.config import Configurable
 
 from ..recovery.attempts import RetryPolicy
@@ -14,6 +14,32 @@ from ..recovery.classify import RecoveryPolicy
 
 
 class RecoveryOptions(Configurable):
+    recovery_spares = Dict(
+        {},
+        help="Spare nodes held back for jobs restarting after a fault, per zone: "
+        "{'zone-a': 1} keeps one node of each GPU type of zone-a; a key may also be "
+        "'cluster/zone' (that zone of that cluster) or '*' (every zone), the most "
+        "specific first. A job's next attempt after a fault goes first, onto a spare and "
+        "the free GPUs of its zone, so it does not wait in the queue; meanwhile the "
+        "spares are lent to preemptible work (a preemptible class, idle sessions anyone "
+        "may reclaim), which a restarting job stops however young. Ordinary work never "
+        "lands on a spare, and guarantees are shares of the rest of the fleet.",
+    ).tag(config=True)
+
+    @validate("recovery_spares")
+    def _valid_spares(self, proposal: dict[str, object]) -> dict[str, int]:
+        spares = proposal["value"]
+        assert isinstance(spares, dict)
+        for zone, nodes in spares.items():
+            if not isinstance(zone, str) or not zone:
+                raise TraitError(f"recovery_spares: {zone!r} is not a zone name")
+            if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
+                raise TraitError(
+                    f"recovery_spares[{zone!r}] must be a whole number of nodes (0 or "
+                    f"more), not {nodes!r}"
+                )
+        return spares
+
     job_fault_budget = Integer(
         3,
         min=0,

@@ -45,6 +45,10 @@ that other subtrees keep back by lend limits never count, for a placement or a s
 Held zones. Backfill — work the holder could evict once it can start — may use a held
 zone's free GPUs, and so may a request within its guarantee when the holder borrows.
 
+Recovery spares. With ``Policy.spares`` the plan is made over the fleet without the
+zones' spare nodes, then a second pass places jobs restarting after a fault and lends the
+spares to preemptible work (``spares.py``).
+
 Frozen tail. After the first hundred or so decisions of a busy cycle nothing can change any
 more: the preemption searches are spent, a zone is held for each type, and no free block
 outside it holds the smallest pod waiting (``frozen.py``). The rest of each queue is then
@@ -87,6 +91,7 @@ from .snapshot import (
     WaitCause,
     Waiting,
 )
+from .spares import plan_with_spares
 from .waits import SettledRun, Waits, behind_refusal
 
 
@@ -115,6 +120,12 @@ def plan(snapshot: SchedulingSnapshot, now: float, memo: PlanMemo | None = None)
     the policy, the priority classes or the project tree change)."""
     if memo is None:
         memo = PlanMemo()
+    if snapshot.policy.spares and snapshot.policy.mode is Mode.GPUFLEET:
+        return plan_with_spares(snapshot, now, memo, _plan_without_spares)
+    return _plan_without_spares(snapshot, now, memo)
+
+
+def _plan_without_spares(snapshot: SchedulingSnapshot, now: float, memo: PlanMemo) -> Plan:
     memo.update(snapshot, now)
     planner = _Planner(snapshot, now, memo)
     try:

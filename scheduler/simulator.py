@@ -132,6 +132,9 @@ class SimulationOptions:
     fault_seed: int = 0
     # The controller's retry budget: this many faults per 1,024 GPUs within a day end it.
     fault_budget: int = 3
+    # Recovery spares (``spares.py``): nodes held back per zone and GPU type for jobs
+    # restarting after a fault, lent to preemptible work meanwhile; 0: none.
+    spare_nodes_per_zone: int = 0
 
     def __post_init__(self) -> None:
         if not self.checkpoint_interval_s > 0:
@@ -150,6 +153,8 @@ class SimulationOptions:
                 raise InputError(f"{name} must be zero or more, not {getattr(self, name)}")
         if self.fault_budget < 0:
             raise InputError("fault_budget must be zero or more")
+        if self.spare_nodes_per_zone < 0:
+            raise InputError("spare_nodes_per_zone must be zero or more")
         if self.max_preemption_searches < 0:
             raise InputError("max_preemption_searches must be zero or more")
 
@@ -636,7 +641,11 @@ class _Replay(RecoveringReplay):
         job.remaining -= done
         job.preemptions += 1
         stopped_for = () if running.stopping_for is None else (running.stopping_for,)
-        job.pending = replace(job.pending, preempted_by=job.pending.preempted_by.union(stopped_for))
+        job.pending = replace(
+            job.pending,
+            preempted_by=job.pending.preempted_by.union(stopped_for),
+            recovering=False,
+        )
         self._enqueue(job)
 
     # ----------------------------------------------------------------- results
@@ -735,6 +744,7 @@ def simulate(
             mode=mode,
             min_run_time_s=options.min_run_time_s,
             max_preemption_searches=options.max_preemption_searches,
+            spares=(("*", options.spare_nodes_per_zone),) if options.spare_nodes_per_zone else (),
         ),
         options,
         planner or partial(plan, memo=PlanMemo()),

@@ -9,12 +9,13 @@ checkpoint before it progresses again. Past the controller's retry budget
 (``fault_budget`` faults per 1,024 GPUs within a day) the job ends, failed.
 
 Choices (docs/simulator.md, "Faults"): the faulty node is repaired at once (the trace's
-fleet does not shrink; spares and repair times are the one-job model's,
-``recovery/faults.py``); sessions meet none (they are not checkpointed training); a job
-that is stopping for a preemption when a fault strikes ends by the preemption, and one
-that a fault struck before its preemption ends by the fault; one struck does not finish
-(its work since the last checkpoint is redone). The draws
-come from one seeded generator, so a replay is repeatable.
+fleet does not shrink; repair times are the one-job model's, ``recovery/faults.py``); a
+job restarting after a fault may use the recovery spares (``spare_nodes_per_zone``);
+sessions meet none (they are not checkpointed training); a job that is stopping for a
+preemption when a fault strikes ends by the preemption, and one that a fault struck before
+its preemption ends by the fault; one struck does not finish (its work since the last
+checkpoint is redone). The draws come from one seeded generator, so a replay is
+repeatable.
 
 ``RecoveringReplay`` is mixed into ``simulator._Replay``; it owns the fault bookkeeping,
 and the replay calls ``_maybe_fault`` from each start and ``_faulted``/``_fault_detected``
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -91,4 +93,5 @@ class RecoveringReplay:
                 f"its budget of {budget}"
             )
             return
+        job.pending = replace(job.pending, recovering=True)  # it may use the spares
         self._enqueue(job)

@@ -107,6 +107,9 @@ class Pending:
     # (recovery/attempts.py). Like a node selector, they make the request particular.
     avoid_nodes: frozenset[str] = frozenset()
     avoid_gpus: frozenset[str] = frozenset()
+    # A job's next attempt after a fault (not after a preemption or a drain): it may use
+    # the recovery spares (``spares.py``).
+    recovering: bool = False
 
     @cached_property
     def gpus(self) -> int:
@@ -143,6 +146,9 @@ class Policy:
     # Preemption searches per cycle; later candidates try again next cycle. Bounds the
     # cycle's time when thousands of requests could each ask for room.
     max_preemption_searches: int = 64
+    # Recovery spares: (``cluster/zone``, ``zone`` or ``*``, spare nodes per GPU type of
+    # each zone it names), most specific first (``spares.py``). Only the gpufleet mode.
+    spares: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,9 @@ class PreemptionCause(enum.StrEnum):
     # A borrower that started while an earlier request of its project (ahead of it in the
     # queue) waited for the project's quota, for that request once it can start.
     BACKFILL = "backfill"
+    # Preemptible work lent a recovery spare, taken back for a job restarting after a
+    # fault (``spares.py``).
+    SPARE = "spare-reclaim"
 
 
 @dataclass(frozen=True)
@@ -249,3 +258,7 @@ class Plan:
     # it is kept for (docs/scheduler.md, "Held zones"). What the waiting reasons already
     # say, for measures: not one of the plan's decisions, so plans compare without it.
     held: Mapping[tuple[str, str, str], int] = field(default_factory=dict, compare=False)
+    # The recovery spares set aside this cycle: (cluster, zone, GPU type) -> node names.
+    spares: Mapping[tuple[str, str, str], tuple[str, ...]] = field(
+        default_factory=dict, compare=False
+    )

@@ -134,6 +134,15 @@ def _add_simulate(commands: Any) -> None:
         "job_fault_budget (default: %(default)s)",
     )
     sim.add_argument("--fault-seed", type=int, default=0, metavar="N")
+    sim.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="N",
+        help="recovery spares: N nodes held back per zone and GPU type for jobs "
+        "restarting after a fault, lent to preemptible work meanwhile, as "
+        "c.FleetController.recovery_spares = {'*': N} (default: none)",
+    )
 
 
 def simulate_command(args: argparse.Namespace) -> int:
@@ -167,6 +176,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             fault_restart_s=args.fault_restart,
             fault_budget=args.fault_budget,
             fault_seed=args.fault_seed,
+            spare_nodes_per_zone=args.spares,
         )
         try:
             result = simulator.simulate(jobs, nodes, projects, args.policy, options)

@@ -233,8 +233,9 @@ class SpawnOptionsHandler(APIHandler):
         )
 
 
-def node_rows(session: Session) -> list[schemas.NodeOut]:
-    """Every node with its GPUs and free GPUs (present, not lost, not allocated)."""
+def node_rows(session: Session, spares: frozenset[str] = frozenset()) -> list[schemas.NodeOut]:
+    """Every node with its GPUs and free GPUs (present, not lost, not allocated);
+    ``spares``: the nodes the last admission cycle held back as recovery spares."""
     taken = set(session.scalars(select(Allocation.gpu_uuid).where(Allocation.closed_at.is_(None))))
     nodes = session.scalars(
         select(Node)
@@ -263,6 +264,7 @@ def node_rows(session: Session) -> list[schemas.NodeOut]:
                 lemon_gpus=[g.uuid for g in present if g.lemon],
                 leftover_gpus=[g.uuid for g in present if g.leftover_marker],
                 maintenance=n.maintenance,
+                spare=n.name in spares,
             )
         )
     return rows
@@ -272,7 +274,7 @@ class NodesHandler(APIHandler):
     async def get(self) -> None:
         self.require(scopes.USE, scopes.SPAWN, scopes.AGENT)
         with self.controller.store.read() as session:
-            rows = node_rows(session)
+            rows = node_rows(session, self.controller.spare_nodes)
         self.send({"items": [row.model_dump(mode="json") for row in rows]})
 
 

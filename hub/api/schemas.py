@@ -364,6 +364,12 @@ class NodeOut(BaseModel):
         description="GPUs held for what may be left of a job pod whose node agent went "
         "silent: out of service until an agent of the node reports its processes gone",
     )
+    spare: bool = Field(
+        default=False,
+        description="Held back as a recovery spare in the last admission cycle "
+        "(c.FleetController.recovery_spares): only jobs restarting after a fault and "
+        "preemptible work land here",
+    )
 
 
 class BreakerOut(BaseModel):

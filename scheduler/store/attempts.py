@@ -467,6 +467,8 @@ class AttemptStore(StoreBase):
             "fault_times": list(step.fault_times),
             "quick_faults": step.quick_faults,
             "fault_at": fault_at,
+            # After a fault, not a preemption or a drain: it may use the recovery spares.
+            "recovering": verdict.fault is not FaultClass.DISRUPTION,
             **_training_lost(before, progress, datetime.fromisoformat(fault_at)),
         }
         workload.attempt = step.attempt

@@ -485,6 +485,7 @@ def _pending(workload: _Row) -> Pending:
         promised=promised_pods(workload.promised),
         avoid_nodes=frozenset((workload.recovery or {}).get("avoid_nodes", ())),
         avoid_gpus=frozenset((workload.recovery or {}).get("avoid_gpus", ())),
+        recovering=bool((workload.recovery or {}).get("recovering")),
     )
 
 
