@@ -5,29 +5,28 @@ that a restart does not wait in the queue and the spares do not sit idle.
 Which nodes (``choose_spares``). Each cycle, for every zone and GPU type given spares, the
 first ``n`` of its schedulable nodes whose every GPU is free or runs lendable work (a
 preemptible class, or an idle session anyone may reclaim), where no workload stops for
-another and no waiting workload's kept placement lies: those holding the most lent GPUs first (a spare
-stays where work was lent to it), then in the fleet's order (among empty nodes the choice
-does not move from cycle to cycle). A zone short of such nodes has fewer spares until one
-empties: a spare a recovering job took is replaced by the next node of the zone that
-frees up. Only the ``gpufleet`` mode has spares.
+another and no waiting workload's kept placement lies: those holding the most lent GPUs
+first (a spare stays where work was lent to it), then in the fleet's order (among empty
+nodes the choice does not move from cycle to cycle). A zone short of such nodes has fewer
+spares until one empties: a spare a recovering job took is replaced by the next node of
+the zone that frees up. Only the ``gpufleet`` mode has spares.
 
-Two passes (``plan_with_spares``):
-1. the usual plan over the fleet with its spare nodes set aside (as if cordoned: ordinary
-   work never lands there, and guarantees are shares of the rest);
-2. the spare pass, for the requests the first pass left waiting for room (``_NO_ROOM``):
-   - jobs restarting after a fault (``Pending.recovering``), in class, then arrival order,
-     on a zone's spare nodes together with its free GPUs elsewhere (outside a zone the
-     first pass holds for another request); when the free GPUs are not enough it takes
-     back lent work from the zone's spares — the fewest GPUs that make room; that work
-     is preempted (``PreemptionCause.SPARE``) however young, and the request keeps its
-     placement while the work stops, as any preemptor does;
-   - then preemptible requests, on what is free on spare nodes only (a loan).
-   Quota caps and per-user caps still hold.
+Three steps (``plan_with_spares``):
+1. jobs restarting after a fault (``Pending.recovering``) go first, in class then arrival
+   order, each onto a zone's spares together with the zone's free GPUs; when those are
+   not enough it takes back lent work from the zone's spares — the fewest GPUs that make
+   room — which is preempted (``PreemptionCause.SPARE``) however young, and the request
+   keeps its placement while that work stops, as any preemptor does;
+2. the core plans the rest over the fleet without its spare nodes (as if cordoned:
+   ordinary work never lands there, and guarantees are shares of the rest), the
+   restarting jobs placed in step 1 holding their GPUs;
+3. preemptible requests the core left waiting for room borrow what is free on spares.
+Quota caps and per-user caps hold in steps 1 and 3 as in the core.
 
-Invariant: a placement this pass makes uses only GPUs free after the first pass, or GPUs of
-its own victims; a request is decided by one pass at most (the second only takes requests
-the first left waiting for room, and never one with a kept placement — nodes under a
-kept placement are never spares, so the first pass keeps every promise).
+Invariant: a placement this pass makes uses only GPUs free at that point, or GPUs of its
+own victims; each request is decided once (those of step 1 leave the core's queue; step 3
+only takes requests the core left waiting for room; nodes under a kept placement are never
+spares, so the core keeps every promise).
 """
 
 from __future__ import annotations
@@ -52,6 +51,7 @@ from .snapshot import (
     WaitCause,
     Waiting,
 )
+from .waits import Waits
 
 Core = Callable[[SchedulingSnapshot, float, PlanMemo], Plan]
 NodeKey = tuple[str, str]  # node name, GPU type
@@ -82,24 +82,32 @@ def lendable(workload: Running | Pending, preemptible: Mapping[str, bool]) -> bo
 
 def choose_spares(snapshot: SchedulingSnapshot) -> dict[ZoneKey, tuple[str, ...]]:
     """The spare nodes of each zone this cycle (see the module docstring)."""
+    return _survey(snapshot)[0]
+
+
+def _survey(snapshot: SchedulingSnapshot) -> tuple[dict[ZoneKey, tuple[str, ...]], bool]:
+    """The spares, and whether a preemptible request waits (one pass over the queue)."""
+    classes = {name for name, yes in snapshot.preemptible.items() if yes}
+    # A node runs only lent work when its free GPUs and the lent ones make up all of it;
+    # lent work stopping for another request does not count: its GPUs are promised.
     lent: Counter[NodeKey] = Counter()
-    blocked: set[NodeKey] = set()
     for workload in snapshot.running:
-        lends = lendable(workload, snapshot.preemptible) and workload.stopping_for is None
-        for pod in workload.pods:
-            key = (pod.node, workload.gpu_type)
-            if lends:
-                lent[key] += len(pod.gpus)
-            else:
-                blocked.add(key)
+        if (
+            workload.idle_reclaimable or workload.priority in classes
+        ) and workload.stopping_for is None:
+            for pod in workload.pods:
+                lent[(pod.node, workload.gpu_type)] += len(pod.gpus)
+    promised: set[NodeKey] = set()
+    lendable_waits = False
     for request in snapshot.queue:
-        for pod in request.promised:
-            blocked.add((pod.node, request.gpu_type))
+        if request.promised:
+            promised.update((pod.node, request.gpu_type) for pod in request.promised)
+        elif not lendable_waits and request.priority in classes:
+            lendable_waits = True
     eligible: dict[ZoneKey, list[tuple[int, int, str]]] = defaultdict(list)
     for position, node in enumerate(snapshot.nodes):
         key = (node.name, node.gpu_type)
-        whole = len(node.free) + lent[key] >= node.total  # no GPU out of service
-        if node.schedulable and whole and key not in blocked:
+        if node.schedulable and len(node.free) + lent[key] >= node.total and key not in promised:
             zone = (node.cluster, node.zone, node.gpu_type)
             eligible[zone].append((-lent[key], position, node.name))
     chosen = {}
@@ -107,16 +115,16 @@ def choose_spares(snapshot: SchedulingSnapshot) -> dict[ZoneKey, tuple[str, ...]
         wanted = spares_for(snapshot.policy.spares, zone)
         if wanted > 0:
             chosen[zone] = tuple(name for _, _, name in sorted(nodes)[:wanted])
-    return chosen
+    return chosen, lendable_waits
 
 
 def plan_with_spares(snapshot: SchedulingSnapshot, now: float, memo: PlanMemo, core: Core) -> Plan:
     """Recovering jobs on the spares first, then ``core``'s plan over the fleet without its
     spare nodes and what they took, then loans of what is left on the spares."""
-    spares = choose_spares(snapshot)
+    spares, lendable_waits = _survey(snapshot)
     if not spares:
         return core(snapshot, now, memo)
-    spare_pass = _SparePass(snapshot, spares, now)
+    spare_pass = _SparePass(snapshot, spares, now, lendable_waits)
     spare_pass.recover()
     first = core(spare_pass.rest_of_fleet(), now, memo)
     spare_pass.lend(first)
@@ -124,15 +132,40 @@ def plan_with_spares(snapshot: SchedulingSnapshot, now: float, memo: PlanMemo, c
 
 
 class _SparePass:
+    """One cycle's spare pass. What it reads of the whole fleet (free GPUs, quota usage)
+    is built only when a request may use a spare (``_ready``): most cycles of a busy
+    fleet have none, and then the pass costs a scan of the queue."""
+
     def __init__(
-        self, snapshot: SchedulingSnapshot, spares: dict[ZoneKey, tuple[str, ...]], now: float
+        self,
+        snapshot: SchedulingSnapshot,
+        spares: dict[ZoneKey, tuple[str, ...]],
+        now: float,
+        lendable_waits: bool,
     ):
         self.snapshot = snapshot
         self.spares = spares
         self.now = now
+        self.lendable_waits = lendable_waits
         self.ranks = snapshot.priorities
-        self.pending = {r.id: r for r in snapshot.queue}
         self.aside = {(name, zone[2]) for zone, names in spares.items() for name in names}
+        self.ready = False
+        self.chosen: set[int] = set()  # victims taken this cycle
+        self.admissions: list[Admission] = []
+        self.preemptions: list[Preemption] = []
+        self.kept: list[Kept] = []
+        self.taken_first: dict[int, tuple[ZoneKey, tuple[Pod, ...]]] = {}  # before the core
+        self.recovering_rows: list[Waiting] = []  # those of them waiting for their victims
+        self.loaned: set[int] = set()  # requests the core left waiting, lent a spare
+
+    def _ready(self) -> None:
+        """The fleet's free GPUs and its quota usage as the core counts it: every
+        workload holding GPUs, and the placements kept for preemptors."""
+        if self.ready:
+            return
+        self.ready = True
+        snapshot = self.snapshot
+        self.pending = {r.id: r for r in snapshot.queue}
         self.capacity = Capacity(FreeIndex(snapshot.nodes))
         self.zone_nodes: dict[ZoneKey, list[NodeKey]] = defaultdict(list)
         for key, zone in self.capacity.zone_of.items():
@@ -141,8 +174,6 @@ class _SparePass:
         for node in snapshot.nodes:
             if node.schedulable and (node.name, node.gpu_type) not in self.aside:
                 schedulable[node.gpu_type] += node.total
-        # Usage as the core counts it (every workload holding GPUs), and the placements
-        # kept for preemptors, which the core counts as theirs.
         counted = [(w.project, w.gpu_type, w.gpus) for w in snapshot.running]
         self.user_used: Counter[tuple[str, str]] = Counter()
         for workload in snapshot.running:
@@ -153,19 +184,14 @@ class _SparePass:
                 counted.append((request.project, request.gpu_type, request.gpus))
                 self.user_used[(request.project, request.user)] += request.gpus
         self.book = QuotaBook(snapshot.projects, counted, schedulable)
-        self.chosen: set[int] = set()  # victims taken this cycle
-        self.admissions: list[Admission] = []
-        self.preemptions: list[Preemption] = []
-        self.kept: list[Kept] = []
-        self.taken_first: dict[int, tuple[ZoneKey, tuple[Pod, ...]]] = {}  # before the core
-        self.recovering_rows: list[Waiting] = []  # those of them waiting for their victims
-        self.loaned: set[int] = set()  # requests the core left waiting, lent a spare
 
     # ----------------------------------------------------------------- order
     def recover(self) -> None:
         """Jobs restarting after a fault go first, in class then arrival order: each on
         the spares and free GPUs of a zone with spares where it fits, if one does."""
         recovering = [r for r in self.snapshot.queue if r.recovering and not r.promised]
+        if recovering:
+            self._ready()
         for request in sorted(recovering, key=self._order):
             self._recover(request)
 
@@ -175,11 +201,12 @@ class _SparePass:
         are stopping for nobody, so that they count in every quota and are no one's
         victims — rather than in the queue."""
         snapshot = self.snapshot
+        taken = self.capacity.free if self.ready else {}
         nodes = tuple(
             replace(n, schedulable=False)
             if (n.name, n.gpu_type) in self.aside
-            else replace(n, free=tuple(self.capacity.free[(n.name, n.gpu_type)]))
-            if (n.name, n.gpu_type) in self.capacity.free
+            else replace(n, free=tuple(taken[(n.name, n.gpu_type)]))
+            if (n.name, n.gpu_type) in taken
             else n
             for n in snapshot.nodes
         )
@@ -212,8 +239,11 @@ class _SparePass:
         )
 
     def lend(self, first: Plan) -> None:
-        """Count what the core decided, then lend what is free on the spares to the
-        preemptible requests it left waiting for room."""
+        """Lend what is free on the spares to the preemptible requests the core left
+        waiting for room (once what the core decided is counted)."""
+        if not self._may_lend():
+            return
+        self._ready()
         for workload_id, pods in (
             *((a.workload_id, a.pods) for a in first.admissions),
             *((k.workload_id, k.pods) for k in first.kept),
@@ -244,6 +274,20 @@ class _SparePass:
                 continue
             if not self._lend(request):
                 failed.add(shape)
+
+    def _may_lend(self) -> bool:
+        """Whether a preemptible request waits and a spare has a free GPU (cheap: no
+        index of the fleet)."""
+        if not self.lendable_waits:
+            return False
+        free = {
+            (n.name, n.gpu_type): len(n.free)
+            for n in self.snapshot.nodes
+            if (n.name, n.gpu_type) in self.aside
+        }
+        if self.ready:
+            free = {key: self.capacity.free_count(key) for key in free}
+        return any(free.values())
 
     def _order(self, request: Pending) -> tuple[int, float, int]:
         return (-self.ranks.get(request.priority, 0), request.created_at, request.id)
@@ -431,7 +475,7 @@ class _SparePass:
         return Plan(
             first.admissions + tuple(self.admissions),
             first.preemptions + tuple(self.preemptions),
-            self._rows(first),
+            _Rewritten(lambda: self._rows(first)),
             first.kept + tuple(self.kept),
             first.held,
             spares=self.spares,
@@ -445,12 +489,13 @@ class _SparePass:
         spare_zones: dict[str, set[str]] = defaultdict(set)
         for zone in self.spares:
             spare_zones[zone[2]].add(zone[1])
+        self._ready()
         rows = []
         positions: Counter[tuple[str, str]] = Counter()
         for row in (*self.recovering_rows, *first.waiting):
-            request = self.pending.get(row.workload_id)
-            if request is None or row.workload_id in self.loaned:
+            if row.workload_id in self.loaned:
                 continue
+            request = self.pending[row.workload_id]
             queue = (request.project, request.gpu_type)
             positions[queue] += 1
             reason = row.reason
@@ -470,6 +515,23 @@ class _SparePass:
                 )
             rows.append(Waiting(row.workload_id, positions[queue], row.cause, reason))
         return tuple(rows)
+
+
+class _Rewritten(Waits):
+    """A plan's rows, made by ``rewrite`` when first read (a replay reads those of its
+    last plan only)."""
+
+    __slots__ = ("_rewrite",)
+
+    def __init__(self, rewrite: Callable[[], tuple[Waiting, ...]]):
+        super().__init__(())
+        self._rewrite: Callable[[], tuple[Waiting, ...]] | None = rewrite
+
+    def _expanded(self) -> tuple[Waiting, ...]:
+        if self._rows is None:
+            assert self._rewrite is not None
+            self._rows, self._rewrite = self._rewrite(), None
+        return self._rows
 
 
 def _coming(victims: Iterable[Running], pool: Sequence[NodeKey]) -> dict[NodeKey, list[str]]:

@@ -198,11 +198,17 @@ def test_every_job_is_accounted_for_and_no_gpu_is_used_twice(
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(jobs=jobs_strategy, policy=st.sampled_from(["gpufleet", "fifo"]), seed=st.integers(0, 99))
+@given(
+    jobs=jobs_strategy,
+    policy=st.sampled_from(["gpufleet", "fifo"]),
+    seed=st.integers(0, 99),
+    spares=st.integers(0, 1),
+)
 def test_with_faults_every_job_is_still_accounted_for_and_no_gpu_is_used_twice(
-    jobs: list[TraceJob], policy: str, seed: int
+    jobs: list[TraceJob], policy: str, seed: int, spares: int
 ) -> None:
-    # About one fault per 2,000 GPU-seconds: most jobs meet some, preemptions too.
+    # About one fault per 2,000 GPU-seconds: most jobs meet some, preemptions too; with
+    # a spare node per zone, restarts go first and take back what borrowed it.
     options = SimulationOptions(
         min_run_time_s=60,
         checkpoint_interval_s=500,
@@ -210,6 +216,7 @@ def test_with_faults_every_job_is_still_accounted_for_and_no_gpu_is_used_twice(
         fault_detect_s=40,
         fault_restart_s=25,
         fault_seed=seed,
+        spare_nodes_per_zone=spares,
     )
     result = simulate(jobs, FLEET, PROJECTS, policy, options)
     records = check_accounting(result, jobs, FLEET)
@@ -219,6 +226,33 @@ def test_with_faults_every_job_is_still_accounted_for_and_no_gpu_is_used_twice(
         if r["faults"] > 3 * max(1, -(-r["num_gpus"] // 1024)):  # past the budget: it ended
             assert r["end_s"] is None and r["waiting_reason"].startswith("failed: ")
     assert result.summary.faults == sum(r["faults"] for r in records.values())
+
+
+def test_with_a_spare_a_restart_goes_first_and_ordinary_work_keeps_off_the_spare() -> None:
+    # z1: two 8-GPU nodes, one of them a spare. "queued" waits while "train" runs: the
+    # spare is not for it (the borrower gets it). "train" faults: its restart goes first,
+    # at once, taking a node — the spare, the first empty one — and the other becomes
+    # ordinary, so "queued" starts then (the replay repairs a faulty node at once).
+    jobs = [
+        TraceJob("train", 0.0, 20_000.0, 8, "vision"),
+        TraceJob("queued", 20.0, 1_000.0, 8, "vision"),
+        TraceJob("borrower", 30.0, 1_000.0, 8, "nlp", priority="opportunistic"),
+    ]
+    options = SimulationOptions(
+        fault_rate_per_gpu_hour=1 / (8 * 5),
+        fault_seed=3,
+        fault_budget=10,
+        spare_nodes_per_zone=1,
+    )
+    result = simulate(jobs, fleet(("z1", 2, 8)), PROJECTS, "gpufleet", options)
+    by_id = {r.job_id: r for r in result.records}
+    train, queued, borrower = by_id["train"], by_id["queued"], by_id["borrower"]
+    assert train.faults >= 1 and train.end_s is not None
+    for before, after in zip(train.runs, train.runs[1:], strict=False):
+        assert before.faulted and after.start_s == before.end_s
+    assert queued.start_s == train.runs[0].end_s
+    assert borrower.start_s == 30.0  # lent the spare that "queued" may not have
+    assert set(borrower.nodes).isdisjoint(train.runs[0].nodes)
 
 
 def test_a_fault_costs_the_work_since_the_checkpoint_its_detection_and_the_restart() -> None:
