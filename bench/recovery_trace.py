@@ -1,10 +1,11 @@
 """Faults in the trace replay: the Philly window of ``scheduler_policies.py`` (5,000 jobs,
 384 GPUs, demand above supply) replayed under gpufleet's policy without faults (the
 baseline, in the same run) and with every training job meeting infrastructure faults —
-at Llama 3 405B's rate (419 in 54 days on 16,384 GPUs), ten and a hundred times it —
-recovered as
-the controller recovers them (detected in 60 s, back in the queue at once with its place,
-the work since its checkpoint redone, 60 s to restart; 3 faults per 1,024 GPUs a day).
+at Llama 3 405B's rate (419 in 54 days on 16,384 GPUs), ten and a hundred times it,
+without and with one recovery spare node per zone — recovered as the controller recovers
+them (detected in 60 s, the faulty node out of service for ``--repair`` seconds, two hours
+by default, back in the queue at once with its place, the work since its checkpoint
+redone, 60 s to restart; 3 faults per 1,024 GPUs a day).
 
 Printed for each: faults, GPU-hours they cost, jobs the budget ended, mean JCT and its
 ratio to the baseline's, the training jobs' effective training time ratio (mean and
@@ -13,6 +14,7 @@ fault counts against it), and how long a restart waited for GPUs (mean / longest
 the same with every fifth job opportunistic, the work spares are lent to.
 
     .venv/bin/python bench/recovery_trace.py [--nodes 24] [--jobs 5000] [--seed 0]
+        [--repair 7200]
 """
 
 from __future__ import annotations
@@ -40,14 +42,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", type=int, default=24, help="nodes per zone (2 zones)")
     parser.add_argument("--jobs", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repair",
+        type=float,
+        default=7200.0,
+        help="seconds the faulty node is out of service once found (0: at once)",
+    )
     args = parser.parse_args(argv)
     jobs = read_trace(args.trace)[: args.jobs]
     nodes = fleet(args.nodes)
     tree = projects(jobs, sum(n.gpus for n in nodes))
-    base = SimulationOptions(fault_seed=args.seed)
+    base = SimulationOptions(fault_seed=args.seed, fault_repair_s=args.repair)
     print(
         f"{len(jobs)} jobs on {sum(n.gpus for n in nodes)} GPUs; faults detected in "
-        f"{base.fault_detect_s:.0f} s, {base.fault_restart_s:.0f} s to restart, "
+        f"{base.fault_detect_s:.0f} s, the node out for {base.fault_repair_s:.0f} s, "
+        f"{base.fault_restart_s:.0f} s to restart, "
         f"checkpoints every {base.checkpoint_interval_s:.0f} s, budget {base.fault_budget} "
         "a day per 1,024 GPUs"
     )

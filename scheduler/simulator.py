@@ -129,6 +129,9 @@ class SimulationOptions:
     fault_rate_per_gpu_hour: float = 0.0
     fault_detect_s: float = 60.0  # the fault to the stop
     fault_restart_s: float = 60.0  # the next run's start and checkpoint load
+    # How long the faulty node stays out of service once the fault is found (one node of
+    # the job, as cordoned: other work there runs on); 0: repaired at once.
+    fault_repair_s: float = 0.0
     fault_seed: int = 0
     # The controller's retry budget: this many faults per 1,024 GPUs within a day end it.
     fault_budget: int = 3
@@ -148,6 +151,7 @@ class SimulationOptions:
             "fault_rate_per_gpu_hour",
             "fault_detect_s",
             "fault_restart_s",
+            "fault_repair_s",
         ):
             if not getattr(self, name) >= 0:
                 raise InputError(f"{name} must be zero or more, not {getattr(self, name)}")
@@ -167,7 +171,8 @@ class PlanConflict(SchedulerError):
 # Event kinds, in the order they are applied within one timestamp: a job that completes
 # at the moment its stop would end has completed; a checkpoint taken at that moment counts.
 # A fault, and its detection, come last: a job that finishes or stops then has done so.
-FINISH, CHECKPOINT, STOPPED, ARRIVE, WAKE, FAULT, FAULT_DETECTED = range(7)
+# A repaired node comes back last of all, for the next cycle's snapshot.
+FINISH, CHECKPOINT, STOPPED, ARRIVE, WAKE, FAULT, FAULT_DETECTED, REPAIRED = range(8)
 
 
 def _with_free(node: NodeState, free: tuple[str, ...]) -> NodeState:
@@ -238,6 +243,8 @@ class _Replay(RecoveringReplay):
             )
             for n in nodes
         }
+        self.node_names = sorted(self.nodes)  # a REPAIRED event names one by its index
+        self.repairing: dict[str, float] = {}
         self.capacity = sum(n.gpus for n in nodes)
         self.free_by_type: dict[str, int] = defaultdict(int)
         self.zone_nodes: dict[tuple[str, str, str], list[str]] = defaultdict(list)
@@ -298,6 +305,9 @@ class _Replay(RecoveringReplay):
             replan = False
             while events and events[0][0] == now:
                 _, kind, _, wid, attempt = heapq.heappop(events)
+                if kind == REPAIRED:  # ``wid`` numbers a node here
+                    replan |= self._repaired(wid, now)
+                    continue
                 job = self.jobs[wid]
                 if kind == ARRIVE:
                     self._enqueue(job)
@@ -316,7 +326,7 @@ class _Replay(RecoveringReplay):
                 elif kind == FAULT:
                     self._faulted(job, now, FAULT_DETECTED)
                 elif kind == FAULT_DETECTED:
-                    self._fault_detected(job, now)
+                    self._fault_detected(job, now, REPAIRED)
                     replan = True
                 else:  # WAKE: the workload may now be preempted
                     replan = True
@@ -626,7 +636,7 @@ class _Replay(RecoveringReplay):
 
     def _stopped(self, job: BookedJob, now: float) -> None:
         if job.fault_at is not None:  # struck while stopping for a preemption: a fault
-            self._fault_detected(job, now)
+            self._fault_detected(job, now, REPAIRED)
             return
         stop_began = job.stop_began if job.stop_began is not None else now
         running = self._release(job, now, preempted=True)

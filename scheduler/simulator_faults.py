@@ -8,9 +8,10 @@ checkpoint, and spends ``fault_restart_s`` of its next run starting and loading 
 checkpoint before it progresses again. Past the controller's retry budget
 (``fault_budget`` faults per 1,024 GPUs within a day) the job ends, failed.
 
-Choices (docs/simulator.md, "Faults"): the faulty node is repaired at once (the trace's
-fleet does not shrink; repair times are the one-job model's, ``recovery/faults.py``); a
-job restarting after a fault may use the recovery spares (``spare_nodes_per_zone``);
+Choices (docs/simulator.md, "Faults"): the faulty node — one of the job's, drawn — is out
+of service for ``fault_repair_s`` once found, as if cordoned (what else runs there runs
+on), or repaired at once with 0; a job restarting after a fault may use the recovery
+spares (``spare_nodes_per_zone``);
 sessions meet none (they are not checkpointed training); a job that is stopping for a
 preemption when a fault strikes ends by the preemption, and one that a fault struck before
 its preemption ends by the fault; one struck does not finish (its work since the last
@@ -44,6 +45,10 @@ class RecoveringReplay:
     running: Any
     options: Any
     rng: random.Random
+    nodes: dict[str, Any]  # name -> NodeState
+    # Nodes out of service for repair: name -> until when (the latest fault's repair).
+    repairing: dict[str, float]
+    node_names: list[str]
 
     if TYPE_CHECKING:  # the replay's own
 
@@ -71,10 +76,15 @@ class RecoveringReplay:
         job.fault_at = now
         self._push(now + self.options.fault_detect_s, detected_kind, job.wid, job.attempt)
 
-    def _fault_detected(self, job: Any, now: float) -> None:
-        """The recovery loop stops the job and queues its next attempt."""
+    def _fault_detected(self, job: Any, now: float, repaired_kind: int) -> None:
+        """The recovery loop stops the job, takes its faulty node out of service for
+        ``fault_repair_s`` (if any), and queues its next attempt."""
         fault_at = job.fault_at if job.fault_at is not None else now
         running = self._release(job, now, preempted=False, faulted=True)
+        repair = self.options.fault_repair_s
+        if repair > 0:
+            nodes = sorted({pod.node for pod in running.pods})
+            self._out_of_service(self.rng.choice(nodes), now + repair, repaired_kind)
         interval = self.options.checkpoint_interval_s
         done = math.floor((fault_at - running.started_at) / interval) * interval
         # Redone: what it did since its checkpoint, and the time it held its GPUs after.
@@ -95,3 +105,19 @@ class RecoveringReplay:
             return
         job.pending = replace(job.pending, recovering=True)  # it may use the spares
         self._enqueue(job)
+
+    def _out_of_service(self, name: str, until: float, repaired_kind: int) -> None:
+        """The node takes no new work until ``until`` (what runs there runs on)."""
+        self.repairing[name] = max(until, self.repairing.get(name, until))
+        self.nodes[name] = replace(self.nodes[name], schedulable=False)
+        self._push(until, repaired_kind, self.node_names.index(name), 0)
+
+    def _repaired(self, index: int, now: float) -> bool:
+        """A repair is over: the node is back in service unless a later fault keeps it
+        out. Returns whether it came back."""
+        name = self.node_names[index]
+        if self.repairing.get(name, now) > now:
+            return False
+        del self.repairing[name]
+        self.nodes[name] = replace(self.nodes[name], schedulable=True)
+        return True

@@ -126,6 +126,14 @@ def _add_simulate(commands: Any) -> None:
     sim.add_argument("--fault-detect", type=float, default=60.0, metavar="SECONDS")
     sim.add_argument("--fault-restart", type=float, default=60.0, metavar="SECONDS")
     sim.add_argument(
+        "--fault-repair",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="how long the faulty node (one of the job's) stays out of service once the "
+        "fault is found, as if cordoned (default: 0, repaired at once)",
+    )
+    sim.add_argument(
         "--fault-budget",
         type=int,
         default=3,
@@ -174,6 +182,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             fault_rate_per_gpu_hour=_fault_rate(args.fault_rate),
             fault_detect_s=args.fault_detect,
             fault_restart_s=args.fault_restart,
+            fault_repair_s=args.fault_repair,
             fault_budget=args.fault_budget,
             fault_seed=args.fault_seed,
             spare_nodes_per_zone=args.spares,

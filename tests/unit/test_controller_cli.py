@@ -109,3 +109,11 @@ def test_a_cluster_that_cannot_be_used_stops_the_start_naming_it(
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr
     assert not (tmp_path / "fleet.sqlite").exists()  # nothing made before the refusal
+
+
+def test_a_bad_recovery_spares_entry_stops_start_up_with_what_to_fix(tmp_path: Path) -> None:
+    config = write_config(tmp_path, tmp_path / "fleet.sqlite")
+    config.write_text(config.read_text() + "c.FleetController.recovery_spares = {'zone-a': -1}\n")
+    result = run("--config", str(config))
+    assert result.returncode != 0
+    assert "recovery_spares['zone-a'] must be a whole number of nodes" in result.stderr

@@ -203,9 +203,10 @@ def test_every_job_is_accounted_for_and_no_gpu_is_used_twice(
     policy=st.sampled_from(["gpufleet", "fifo"]),
     seed=st.integers(0, 99),
     spares=st.integers(0, 1),
+    repair=st.sampled_from([0.0, 600.0]),
 )
 def test_with_faults_every_job_is_still_accounted_for_and_no_gpu_is_used_twice(
-    jobs: list[TraceJob], policy: str, seed: int, spares: int
+    jobs: list[TraceJob], policy: str, seed: int, spares: int, repair: float
 ) -> None:
     # About one fault per 2,000 GPU-seconds: most jobs meet some, preemptions too; with
     # a spare node per zone, restarts go first and take back what borrowed it.
@@ -217,6 +218,7 @@ def test_with_faults_every_job_is_still_accounted_for_and_no_gpu_is_used_twice(
         fault_restart_s=25,
         fault_seed=seed,
         spare_nodes_per_zone=spares,
+        fault_repair_s=repair,
     )
     result = simulate(jobs, FLEET, PROJECTS, policy, options)
     records = check_accounting(result, jobs, FLEET)
@@ -226,6 +228,32 @@ def test_with_faults_every_job_is_still_accounted_for_and_no_gpu_is_used_twice(
         if r["faults"] > 3 * max(1, -(-r["num_gpus"] // 1024)):  # past the budget: it ended
             assert r["end_s"] is None and r["waiting_reason"].startswith("failed: ")
     assert result.summary.faults == sum(r["faults"] for r in records.values())
+
+
+def test_a_faulty_node_takes_no_work_until_repaired() -> None:
+    jobs = [TraceJob("train", 0.0, 20_000.0, 8, "vision")]
+    options = SimulationOptions(
+        fault_rate_per_gpu_hour=3 / (8 * 5),
+        fault_seed=5,
+        fault_budget=20,
+        fault_repair_s=3_600,
+    )
+    [train] = simulate(jobs, fleet(("z1", 2, 8)), PROJECTS, "gpufleet", options).records
+    assert train.faults >= 2 and train.end_s is not None
+    out: list[tuple[str, float]] = []  # (node, repaired at)
+    for run in train.runs:
+        for node, until in out:
+            assert node not in run.nodes or run.start_s >= until, (run, out)
+        if run.faulted:
+            [node] = run.nodes
+            out.append((node, run.end_s + 3_600))
+    # Back at once on the other node, unless that one is out too.
+    first = train.runs[0]
+    assert train.runs[1].start_s == first.end_s and train.runs[1].nodes != first.nodes
+    repaired = simulate(
+        jobs, fleet(("z1", 2, 8)), PROJECTS, "gpufleet", replace(options, fault_repair_s=0)
+    )
+    assert all(r.nodes == repaired.records[0].runs[0].nodes for r in repaired.records[0].runs)
 
 
 def test_with_a_spare_a_restart_goes_first_and_ordinary_work_keeps_off_the_spare() -> None:

@@ -166,6 +166,8 @@ def test_a_preempted_job_comes_back_by_itself_spending_nothing(store: FleetStore
     assert events(store, "job-restarting")[0].endswith(
         f"attempt 2, resumes from {CHECKPOINT}, no fault counted"
     )
+    store.refresh_mirror(t(8))
+    assert not store.mirror.pending[job].recovering  # a preemption: no recovery spare
     store.scheduling_cycle(t(9), NOW_POLICY)
     assert workload(store, alice).state == WorkloadState.admitted
     assert workload(store, job).state == WorkloadState.pending  # no room while alice runs
@@ -198,6 +200,7 @@ def test_an_xid_79_stops_the_job_at_once_cordons_the_node_and_the_restart_avoids
     # policy (a particular one neither holds a zone nor preempts).
     store.refresh_mirror(t(25))  # its back-off is over
     assert not store.mirror.pending[job].particular
+    assert store.mirror.pending[job].recovering  # a fault: it may use the recovery spares
     # An admin's uncordon returns a2, but this job's attempts still keep off it.
     store.set_cordoned(t(26), "a2", False, by="admin")
     store.refresh_mirror(t(26))
