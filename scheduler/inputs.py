@@ -107,14 +107,37 @@ def _load_yaml(path: Path, top: str) -> Any:
     return document[top]
 
 
+_FLEET_KEYS = {
+    "cluster": {"name", "zones"},
+    "zone": {"name", "pools"},
+    "pool": {"name", "count", "gpus_per_node", "gpu_type", "labels"},
+}
+
+
+def _known_keys(entry: Any, what: str, where: str) -> None:
+    """A cluster, zone or pool entry is a mapping of the keys it may have, and only those:
+    a misspelt key would otherwise leave an empty fleet without a word."""
+    if not isinstance(entry, dict):
+        raise InputError(f"{where}: each {what} is a mapping, not {entry!r}")
+    unknown = set(entry) - _FLEET_KEYS[what]
+    if unknown:
+        raise InputError(
+            f"{where}: unknown {what} key(s) {', '.join(sorted(map(str, unknown)))}; a {what} "
+            f"has {', '.join(sorted(_FLEET_KEYS[what]))}"
+        )
+
+
 def read_fleet(path: Path) -> list[FleetNode]:
     nodes: list[FleetNode] = []
     for c, cluster in enumerate(_load_yaml(path, "clusters") or []):
+        _known_keys(cluster, "cluster", f"{path}: cluster {c}")
         cname = str(cluster.get("name") or f"cluster-{c}")
         for z, zone in enumerate(cluster.get("zones") or []):
+            _known_keys(zone, "zone", f"{path}: cluster {cname}, zone {z}")
             zname = str(zone.get("name") or f"zone-{z}")
             for p, pool in enumerate(zone.get("pools") or []):
                 where = f"{path}: cluster {cname}, zone {zname}, pool {p}"
+                _known_keys(pool, "pool", where)
                 count, per_node = pool.get("count"), pool.get("gpus_per_node")
                 for value, field_name in ((count, "count"), (per_node, "gpus_per_node")):
                     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -128,6 +151,11 @@ def read_fleet(path: Path) -> list[FleetNode]:
                     FleetNode(f"{prefix}-{i}", cname, zname, str(gpu_type), per_node, labels)
                     for i in range(count)
                 )
+    if not nodes:
+        raise InputError(
+            f"{path}: the fleet has no nodes: each cluster lists zones, each zone pools "
+            "of {count, gpus_per_node, gpu_type}"
+        )
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise InputError(f"{path}: two pools give their nodes the same names; name the pools")

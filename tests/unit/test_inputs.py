@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -94,6 +95,30 @@ def test_fleet_file(tmp_path: Path) -> None:
     assert nodes[0].labels == {"network": "ib"}
     fleet.write_text("clusters:\n  - zones: [{pools: [{count: 0, gpus_per_node: 8}]}]\n")
     with pytest.raises(InputError, match="count must be a whole number >= 1"):
+        read_fleet(fleet)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "clusters:\n  - name: c\n    zones:\n      - name: z1\n"
+            "        nodes: [{name: n, count: 6, gpu_type: V100, gpus: 8}]\n",
+            "cluster c, zone 0: unknown zone key(s) nodes; a zone has name, pools",
+        ),
+        (
+            "clusters:\n  - zones: [{pools: [{count: 2, gpus: 8, gpu_type: V100}]}]\n",
+            "unknown pool key(s) gpus; a pool has count, gpu_type, gpus_per_node",
+        ),
+        ("clusters:\n  - name: c\n", "the fleet has no nodes"),
+    ],
+)
+def test_a_fleet_file_that_names_no_nodes_says_what_to_fix(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(text)
+    with pytest.raises(InputError, match=re.escape(message)):
         read_fleet(fleet)
 
 
