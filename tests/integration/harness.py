@@ -18,7 +18,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -448,3 +448,14 @@ def run_in_kernel(hub: Hub, username: str, server: str, code: str, token: str) -
             return pool.submit(asyncio.run, execute()).result()
     finally:
         httpx.delete(f"{hub.url}{prefix}api/kernels/{kernel_id}", headers=headers, timeout=30)
+
+
+def running_hub(root: Path, extra_config: str = "") -> Iterator[Hub]:
+    """A hub of its own under ``root`` for a fixture to yield, killed with all it started
+    afterwards (``yield from running_hub(...)``)."""
+    instance = Hub.create(root, extra_config)
+    instance.start()
+    try:
+        yield instance
+    finally:
+        instance.kill_everything()

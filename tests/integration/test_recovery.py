@@ -24,7 +24,7 @@ from gpufleet.agent.gpus import declared_fake_gpus
 from gpufleet.client import Client
 from gpufleet.recovery.fake_nvml import FakeGpu, write_control
 
-from .harness import Hub, pids_with_env, server_environ, wait_for
+from .harness import Hub, pids_with_env, running_hub, server_environ, wait_for
 from .test_agent import DECLARED, events
 
 pytestmark = pytest.mark.integration
@@ -311,12 +311,7 @@ c.NodeAgent.metrics_port = 0
 
 @pytest.fixture(scope="module")
 def recovery_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    instance = Hub.create(tmp_path_factory.mktemp("recovery"), RECOVERY_HUB_CONFIG)
-    instance.start()
-    try:
-        yield instance
-    finally:
-        instance.kill_everything()
+    yield from running_hub(tmp_path_factory.mktemp("recovery"), RECOVERY_HUB_CONFIG)
 
 
 class NodeAgentProcess:

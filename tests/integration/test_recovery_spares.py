@@ -19,7 +19,7 @@ from gpufleet.agent.gpus import declared_fake_gpus
 from gpufleet.client import Client
 from gpufleet.recovery.fake_nvml import write_control
 
-from .harness import Hub, wait_for
+from .harness import Hub, running_hub, wait_for
 from .test_agent import events
 from .test_recovery import STEPS, _last_event, _telling_events, first_checkpoint, training
 
@@ -44,12 +44,7 @@ LENT_WORK = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def spares_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    instance = Hub.create(tmp_path_factory.mktemp("spares"), SPARES_CONFIG)
-    instance.start()
-    try:
-        yield instance
-    finally:
-        instance.kill_everything()
+    yield from running_hub(tmp_path_factory.mktemp("spares"), SPARES_CONFIG)
 
 
 def _nodes(hub: Hub) -> list[dict[str, Any]]:
