@@ -181,7 +181,7 @@ class Frozen:
         for *_, key in heap:
             if key[1] != gpu_type:
                 continue
-            used = book.used.get(key, 0)
+            used = book.used.get(key, 0) + book.claimed.get(key, 0)
             read = (held, used, zone_free, epoch)
             answer = answers.get(key)
             if answer is not None and answer[0] == read:
@@ -377,10 +377,8 @@ class FrozenTails:
                 index[shape] = [i]
             else:
                 positions.append(i)
-            if outcome[0] is WaitCause.QUOTA:
-                book = self.p.book
-                if request.gpus <= book.guarantee(*key) - book.usage(*key):
-                    behind = (WaitCause.BEHIND, behind_refusal(request, outcome[1]))
+            if outcome[0] is WaitCause.QUOTA and self.p.book.within_guarantee(*key, request.gpus):
+                behind = (WaitCause.BEHIND, behind_refusal(request, outcome[1]))
         self.p.positions[key] = position
         return index
 
@@ -452,6 +450,9 @@ class FrozenTails:
                 for i, name in enumerate(book.path(project))
                 if i == 0 or book.cap(name, gpu_type) != UNLIMITED
             )
+            claimed = book.claimed.get((project, gpu_type))
+            if claimed:  # a holder's claim on the guarantee (``QuotaBook.claim_guarantee``)
+                view = (*view, -claimed)
             if book.lends_with_limits and self.p.mode is not Mode.FIFO:
                 withheld = book.withheld_from(project, gpu_type)
                 view = (*view, -withheld, -self.p.capacity.free_by_type[gpu_type])

@@ -5,16 +5,21 @@ holder may evict once it can start, or a request that outranks it (docs/schedule
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
+from dataclasses import replace
 from typing import NamedTuple
 
 from .memo import PlanMemo
 from .placement import Capacity, ZoneKey
 from .preemption import VictimIndex, Zone
 from .quota import QuotaBook
-from .snapshot import Mode, Pending, SchedulingSnapshot
+from .snapshot import Mode, Pending, Plan, SchedulingSnapshot
 
-_NO_CANDIDATES = Zone()  # a zone without candidates: only its free GPUs count
+_NO_CANDIDATES = Zone()
+# A hold moves to another zone only when that one would fit at least this fraction of the
+# holder's pods more (1/HOLD_MARGIN): borrowing moves between workloads as they come and
+# go, and each move would give up what the held zone drained.
+HOLD_MARGIN = 4  # a zone without candidates: only its free GPUs count
 
 
 class Hold(NamedTuple):
@@ -37,6 +42,24 @@ def admits(hold: Hold, within: bool, same_project: bool, lower: bool) -> bool:
     return not within and (hold.within or lower)
 
 
+def hand_back_holds(
+    queue: MutableMapping[int, Pending], holding: Mapping[int, tuple[str, str]], plan: Plan
+) -> dict[int, tuple[str, str]]:
+    """The producer's part of a hold: each waiting workload in ``queue`` learns the zone
+    the plan holds for it (``Pending.held_zone``), and those ``holding`` named before
+    that no longer hold one forget theirs. Returns who holds what now."""
+    now = {wid: (cluster, zone) for (cluster, zone, _), wid in plan.held.items()}
+    for wid in holding.keys() - now.keys():
+        request = queue.get(wid)
+        if request is not None and request.held_zone is not None:
+            queue[wid] = replace(request, held_zone=None)
+    for wid, zone in now.items():
+        request = queue.get(wid)
+        if request is not None and request.held_zone != zone:
+            queue[wid] = replace(request, held_zone=zone)
+    return now
+
+
 class HeldZones:
     """What the held zones read of the planner."""
 
@@ -49,6 +72,28 @@ class HeldZones:
     capacity: Capacity
     backfill_left: int
     victims: VictimIndex | None
+    reserved: dict[str, Hold]  # GPU type -> the zone held this cycle, and for whom
+
+    def _within(self, request: Pending) -> bool:
+        """Whether the request is within its project's guarantee. For the request a zone
+        was held for (``Pending.held_zone``, until another holds the type), its project's
+        work queued after it — of its class or a lower one, or in a held zone — does not
+        count: that work started while it waited for room, as its backfill, and must not
+        turn it into a borrower (a borrowing holder's zone may be taken by any request
+        within its guarantee, and it could wait for ever). Its GPUs are claimed meanwhile
+        (``QuotaBook.claim_guarantee``), so later requests borrow beside it."""
+        p, t, gpus = request.project, request.gpu_type, request.gpus
+        if self.book.within_guarantee(p, t, gpus):
+            return True
+        if request.held_zone is None or self.mode is not Mode.GPUFLEET:
+            return False
+        hold = self.reserved.get(t)
+        if hold is not None and hold.holder != request.id:
+            return False
+        behind = self.memo.candidates.counted_after(
+            (p, t), self.ranks.get(request.priority, 0), request.created_at, request.id
+        )
+        return behind > 0 and self.book.within_guarantee(p, t, gpus - behind)
 
     def _outranks(self, request: Pending, hold: Hold) -> bool:
         """A request within its guarantee goes before a holder that borrows: it may use
@@ -101,6 +146,7 @@ class HeldZones:
         # could (ties between zones, otherwise, when every candidate is young).
         young = self.memo.candidates.young_freeable(within, rank, self.ranks)
         best: tuple[tuple[int, int], ZoneKey] | None = None
+        held: tuple[int, int] | None = None
         empty = _NO_CANDIDATES
         for zone in self.capacity.zones_by_type.get(t, ()):
             members = self.victims.zones.get(zone, empty)
@@ -110,6 +156,12 @@ class HeldZones:
                 ),
                 self.victims.pods_at_most(zone, members, self.capacity, k, within, rank),
             )
+            if request.held_zone == zone[:2]:
+                held = fitting
             if best is None or fitting > best[0]:
                 best = (fitting, zone)
-        return None if best is None else best[1]
+        if best is None:
+            return None
+        if held is not None and held[0] + max(1, request.pods // HOLD_MARGIN) > best[0][0]:
+            return (*request.held_zone, t)  # type: ignore[misc]
+        return best[1]

@@ -100,6 +100,7 @@ class PlanMemo:
         self.sizes: dict[str, Counter[int]] = defaultdict(Counter)
         self.selectors: Counter[str] = Counter()
         self.promised: set[int] = set()
+        self.held_zones: Counter[tuple[str, str, str]] = Counter()  # from ``held_zone``
         self.tails: dict[QueueKey, Tail] = {}
         self.verdicts: dict[tuple[Any, ...], Verdict] = {}  # by project, type, shape
         # Why a request exceeds what its project may ever hold, by (project, type, GPUs).
@@ -139,6 +140,7 @@ class PlanMemo:
         if not follows:
             self._sync_running(snapshot.running)
             self._sync_queue(snapshot.queue)
+        self.candidates.hold(frozenset(self.held_zones))
         self.seen = None if changes is None else (changes.stream, changes.serial)
 
     def _follows(self, changes: Changes | None) -> bool:
@@ -264,6 +266,8 @@ class PlanMemo:
             self.selectors[r.gpu_type] += 1
         if r.promised:
             self.promised.add(r.id)
+        if r.held_zone is not None:
+            self.held_zones[(*r.held_zone, r.gpu_type)] += 1
 
     def _drop_pending(self, r: Pending) -> None:
         key = (r.project, r.gpu_type)
@@ -283,6 +287,8 @@ class PlanMemo:
         if r.particular:
             _count_down(self.selectors, r.gpu_type)
         self.promised.discard(r.id)
+        if r.held_zone is not None:
+            _count_down(self.held_zones, (*r.held_zone, r.gpu_type))
 
     # ------------------------------------------------------------------ reads
     def in_flight_lists(self) -> dict[int, list[Running]]:

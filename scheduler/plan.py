@@ -30,8 +30,10 @@ first and committing nothing until it found a set that makes the gang fit in one
 Who may be a victim:
 - an idle session whose project lets anyone reclaim it (the culler marks it);
 - a borrower of another project — a workload beyond its project's guarantee when the
-  project's workloads are counted by class, then start time — for a request within its
-  own guarantee; for a borrowing request, only a preemptible borrower of a lower class;
+  project's workloads are counted by class, then those in held zones last, then arrival —
+  for a request within its own guarantee (the request a zone is held for not counting its
+  project's work queued after it, ``_within``); for a borrowing request, only a
+  preemptible borrower of a lower class;
 - a preemptible workload of a lower class in the request's own project;
 - for a borrower refused by a cap: its own project's borrowers that started while it
   waited, behind it in the queue (its backfill), wherever they run.
@@ -378,7 +380,8 @@ class _Planner(Reasons, CapRoom, HeldZones):
     def _first_within(self, key: tuple[str, str], queue: _Queue) -> int | None:
         """The index of the queue's first request after its head that fits within the
         project's guarantee, if any."""
-        room = self.book.guaranteed_of.get(key, 0) - self.book.used.get(key, 0)
+        book = self.book
+        room = book.guaranteed_of.get(key, 0) - book.used.get(key, 0) - book.claimed.get(key, 0)
         if room <= 0:
             return None
         smallest = self.smallest.get(key)
@@ -438,8 +441,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
         guarantee as its backfill, which it takes back once it can start
         (``_make_room_under_caps``) — so a large request is not starved by small ones
         of its own project, and the quota it waits for does not idle."""
-        key = (request.project, request.gpu_type)
-        return self.book.used.get(key, 0) + request.gpus <= self.book.guaranteed_of.get(key, 0)
+        return self._within(request)
 
     def _behind_quota_refusal(self, queue: _Queue, reason: str) -> None:
         """The queue's current request, within its guarantee, was refused by an enclosing
@@ -549,7 +551,10 @@ class _Planner(Reasons, CapRoom, HeldZones):
     def _order(self, request: Pending) -> tuple[Any, ...]:
         rank = -self.ranks.get(request.priority, 0)
         key = (request.project, request.gpu_type)  # within_guarantee, inlined: hot
-        if self.book.used.get(key, 0) + request.gpus <= self.book.guaranteed_of.get(key, 0):
+        book = self.book
+        if book.used.get(key, 0) + book.claimed.get(key, 0) + request.gpus <= (
+            book.guaranteed_of.get(key, 0)
+        ) or (request.held_zone is not None and self._within(request)):
             return (0, rank, (), request.created_at, request.id)
         if self.mode is Mode.STATIC:
             return (1, rank, (), request.created_at, request.id)
@@ -641,7 +646,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
         p, t, gpus = request.project, request.gpu_type, request.gpus
         if self.book.over_cap(p, t, gpus) is None:
             return None
-        within = self.book.within_guarantee(p, t, gpus)
+        within = self._within(request)
         path = self.book.path(p)
         if not within and any((name, t) in self.claimed for name in path):
             return None  # a request within its guarantee waits for that room, not this one
@@ -701,9 +706,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
     def _no_room(self, request: Pending) -> _Outcome:
         t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
         block = self.capacity.largest_block(t, k, pods)
-        within = self.mode is not Mode.FIFO and self.book.within_guarantee(
-            request.project, t, request.gpus
-        )
+        within = self.mode is not Mode.FIFO and self._within(request)
         said = (request.project, t, k, pods, within)
         reason = self.no_room_reasons.get(said)  # per cycle: see _decide on staleness
         if reason is None:
@@ -714,6 +717,8 @@ class _Planner(Reasons, CapRoom, HeldZones):
             if closest is not None:
                 rank = self.ranks.get(request.priority, 0)
                 self.reserved[t] = Hold(closest, request.id, within, rank, request.project)
+                if within:
+                    self.book.claim_guarantee(request.project, t, request.gpus)
                 self.epoch += 1
                 zone = closest[1]
                 return self._wait(
@@ -732,7 +737,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
     ) -> _Outcome | None:
         t, p = request.gpu_type, request.project
         rank = self.ranks.get(request.priority, 0)
-        within = self.book.within_guarantee(p, t, request.gpus)
+        within = self._within(request)
         if self.searches_left <= 0 or request.particular:
             return None
         # Lend limits hold here too: free GPUs other subtrees keep back do not count, so

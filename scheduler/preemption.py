@@ -17,8 +17,9 @@ Who may be a victim for a request of project ``p`` and class rank ``r``:
 - an idle session (the culler's mark) whose project lets anyone reclaim it;
 - in ``p``: a preemptible workload of a lower class;
 - in another project: a borrower (beyond its project's guarantee, counting the project's
-  workloads by class, then start time), if the request is within ``p``'s guarantee; or,
-  for a borrowing request, a preemptible borrower of a lower class.
+  workloads by class, then work in held zones last, then arrival), if the request is
+  within ``p``'s guarantee; or, for a borrowing request, a preemptible borrower of a lower
+  class.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .quota import QuotaBook
 from .snapshot import Pending, PreemptionCause, Running
 
 Victims = list[tuple[Running, PreemptionCause]]
-_GPUS = itemgetter(3)  # of a ``Candidates._counts_as`` tuple
+_GPUS = itemgetter(4)  # of a ``Candidates._counts_as`` tuple
 
 
 @dataclass
@@ -77,8 +78,16 @@ class Candidates:
         self.now = float("-inf")
         self.by_project: dict[tuple[str, str], dict[int, Running]] = defaultdict(dict)
         # Each project's workloads in the order they count against its guarantee (class,
-        # then start time, see ``_counts_as``): who borrows is a suffix of it.
-        self._order: dict[tuple[str, str], list[tuple[int, float, int, int]]] = defaultdict(list)
+        # then held zones last, then start time, see ``_counts_as``): who borrows is a
+        # suffix of it.
+        self._order: dict[tuple[str, str], list[tuple[int, bool, float, int, int]]] = defaultdict(
+            list
+        )
+        # Per project, GPUs counted from each place in ``_order`` on (``counted_after``).
+        self._suffix: dict[tuple[str, str], list[int]] = {}
+        # The zones held for a waiting request at the end of the last cycle
+        # (``Pending.held_zone``): work there counts last in its class.
+        self.held_zones: frozenset[ZoneKey] = frozenset()
         self.borrowing: set[int] = set()
         self._borrowing_in: dict[tuple[str, str], set[int]] = {}
         self.zones: dict[ZoneKey, Zone] = {}
@@ -94,19 +103,54 @@ class Candidates:
         key = (workload.project, workload.gpu_type)
         self.by_project[key][workload.id] = workload
         bisect.insort(self._order[key], self._counts_as(workload))
+        self._suffix.pop(key, None)
         self._where[workload.id] = key
         self._dirty.add(key)
         self._new.add(workload.id)
 
-    def _counts_as(self, workload: Running) -> tuple[int, float, int, int]:
+    def _counts_as(self, workload: Running) -> tuple[int, bool, float, int, int]:
         """Where the workload counts against its project's guarantee (higher classes
-        first, then the earliest started), its id and its GPUs."""
+        first; within a class, work in a zone held for a waiting request last; then the
+        earliest queued — its request's first arrival, so that work which started while
+        an earlier request of its project waited for room counts after that one — or,
+        when that is unknown, started), its id and its GPUs.
+
+        Held zones last: work enters a held zone as backfill the holder may evict, a
+        borrower, and must stay one while the holder waits. Counted by start time alone,
+        it would turn into its project's guaranteed work as the project's older work ends
+        elsewhere, and the held zone would never drain."""
+        queued = workload.created_at if workload.created_at is not None else workload.started_at
         return (
             -self.ranks.get(workload.priority, 0),
-            workload.started_at,
+            (workload.cluster, workload.zone, workload.gpu_type) in self.held_zones,
+            queued,
             workload.id,
             workload.gpus,
         )
+
+    def counted_after(self, key: tuple[str, str], rank: int, queued_at: float, wid: int) -> int:
+        """GPUs of the project's workloads (not stopping) that count against its guarantee
+        after a request of class ``rank`` queued at ``queued_at`` would (``_counts_as``)."""
+        order = self._order.get(key)
+        if not order:
+            return 0
+        suffix = self._suffix.get(key)
+        if suffix is None:
+            counted = itertools.accumulate(reversed([_GPUS(c) for c in order]))
+            suffix = self._suffix[key] = [*reversed(list(counted)), 0]
+        return suffix[bisect.bisect_right(order, (-rank, False, queued_at, wid, float("inf")))]
+
+    def hold(self, zones: frozenset[ZoneKey]) -> None:
+        """Count work in ``zones`` last in its class from now on (``_counts_as``)."""
+        if zones == self.held_zones:
+            return
+        moved = zones ^ self.held_zones
+        self.held_zones = zones
+        for key, workloads in self.by_project.items():
+            if any((w.cluster, w.zone, w.gpu_type) in moved for w in workloads.values()):
+                self._order[key] = sorted(map(self._counts_as, workloads.values()))
+                self._suffix.pop(key, None)
+                self._dirty.add(key)
 
     def swap(self, old: Running, new: Running) -> None:
         """``new`` in ``old``'s place where only its last checkpoint or snapshot moved
@@ -131,6 +175,7 @@ class Candidates:
         del self._where[workload.id]
         order = self._order[key]
         del order[bisect.bisect_left(order, self._counts_as(workload))]
+        self._suffix.pop(key, None)
         if not workloads:
             del self.by_project[key]
             del self._order[key]
@@ -203,7 +248,7 @@ class Candidates:
         if not counted or counted[-1] <= guaranteed:
             return set()
         cut = bisect.bisect_right(counted, guaranteed)
-        return {wid for _, _, wid, _ in order[cut:]}
+        return {wid for _, _, _, wid, _ in order[cut:]}
 
     def _review(self, workload: Running) -> None:
         """Make the workload a member if and only if it is a candidate now."""

@@ -112,6 +112,9 @@ class QuotaBook:
         # Flat (node, GPU type) keys: these are read tens of thousands of times a cycle.
         self.used: dict[tuple[str, str], int] = defaultdict(int)
         self.types_used: dict[str, set[str]] = defaultdict(set)
+        # (project, GPU type) -> GPUs of its guarantee claimed this cycle by the request a
+        # zone is held for (``claim_guarantee``): its later requests count them as used.
+        self.claimed: dict[tuple[str, str], int] = {}
         for project, gpu_type, gpus in usage:
             self.add(project, gpu_type, gpus)
         self._lendable = self._lendable_at_start()
@@ -165,7 +168,16 @@ class QuotaBook:
 
     def within_guarantee(self, project: str, gpu_type: str, gpus: int) -> bool:
         key = (project, gpu_type)
-        return self.used.get(key, 0) + gpus <= self.guaranteed_of.get(key, 0)
+        return self.used.get(key, 0) + self.claimed.get(key, 0) + gpus <= self.guaranteed_of.get(
+            key, 0
+        )
+
+    def claim_guarantee(self, project: str, gpu_type: str, gpus: int) -> None:
+        """Keep ``gpus`` of the project's guarantee for a request that waits for room
+        within it: the project's later requests are within their guarantee only beside
+        it. Only the project's own guarantee: caps and fair shares count what runs."""
+        key = (project, gpu_type)
+        self.claimed[key] = self.claimed.get(key, 0) + gpus
 
     def over_cap(self, project: str, gpu_type: str, gpus: int) -> str | None:
         """The nearest node on the project's path that the request would take over its cap."""

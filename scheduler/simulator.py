@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 
 from .errors import InputError, SchedulerError
+from .holds import hand_back_holds
 from .inputs import TraceJob
 from .memo import PlanMemo
 from .model import FleetNode, ProjectTree
@@ -272,6 +273,7 @@ class _Replay(RecoveringReplay):
         self.allocation: dict[str, list[tuple[float, int]]] = defaultdict(list)
         self.changed: set[str] = set()
         self.last_plan = Plan()
+        self.holding: dict[int, tuple[str, str]] = {}  # workload -> the zone held for it
         self.reasons_stale = False  # a cycle was skipped since last_plan
         self.admissions = 0
         self.plan_calls = 0
@@ -423,6 +425,7 @@ class _Replay(RecoveringReplay):
             if waiting is None:
                 raise PlanConflict(f"kept workload {kept.workload_id} is not in the queue")
             self.queue[kept.workload_id] = replace(waiting, promised=kept.pods)
+        self.holding = hand_back_holds(self.queue, self.holding, plan)
         victims_for: dict[int, list[Running]] = defaultdict(list)
         for_caps: set[int] = set()  # preemptors a cap asked victims of (their backfill)
         for preemption in plan.preemptions:

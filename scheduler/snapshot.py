@@ -110,6 +110,11 @@ class Pending:
     # A job's next attempt after a fault (not after a preemption or a drain): it may use
     # the recovery spares (``spares.py``).
     recovering: bool = False
+    # The zone held for it at the end of the last cycle (``Plan.held``), handed back by
+    # the producer: the hold stays there unless another zone becomes clearly closer to
+    # holding it (``HeldZones._zone_to_hold``), so the GPUs drained for it are not given
+    # up whenever borrowing moves between workloads.
+    held_zone: tuple[str, str] | None = None
 
     @cached_property
     def gpus(self) -> int:

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import event, inspect, select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
+from ..holds import hand_back_holds
 from ..model import Project as TreeProject
 from ..model import ProjectTree, Quota
 from ..snapshot import (
@@ -139,6 +140,11 @@ class Shown:
 
 class Mirror:
     def __init__(self) -> None:
+        # Waiting workload -> the zone held for it by the last plan (``Plan.held``), handed
+        # back as ``Pending.held_zone`` so that the hold stays put. The controller's memory,
+        # not the database's: kept across full reads, lost with the process (the next
+        # cycle then holds afresh).
+        self.holding: dict[int, tuple[str, str]] = {}
         self._clear()
 
     def _clear(self) -> None:
@@ -308,6 +314,9 @@ class Mirror:
                         if in_service is None:
                             in_service = self._in_service()
                         request = self._avoiding(request, in_service)
+                    held_zone = self.holding.get(workload.id)
+                    if held_zone is not None:
+                        request = replace(request, held_zone=held_zone)
                     self.pending[workload.id] = request
                 continue
             held = pods.get(workload.id, {})
@@ -403,6 +412,7 @@ class Mirror:
             self.pending[kept.workload_id] = replace(
                 self.pending[kept.workload_id], promised=kept.pods
             )
+        self.holding = hand_back_holds(self.pending, self.holding, plan)
         for preemption in plan.preemptions:
             victim = self.running[preemption.victim_id]
             self.running[victim.id] = replace(

@@ -32,8 +32,10 @@ Laws checked on every plan:
   then, the cause is idle reclaim); a victim of the preemptor's own project is preemptible
   and of a lower class; a victim of another project is never within its project's guarantee
   (its project's non-stopping workloads of the type counted by class, higher first, then
-  start time, then id; those whose running total stays within the guarantee are within).
-  A guarantee reclaim is made only for a request within its guarantee, a borrower-priority
+  those in a held zone last, then first queued, then id; those whose running total stays
+  within the guarantee are within: ``counting_order``). A guarantee reclaim is made only
+  for a request within its guarantee (for the one a zone is held for, not counting its
+  project's work counted after it), a borrower-priority
   one only for a borrowing request, for a preemptible victim of a lower class. (Usage only
   grows during a cycle: a request was not within when it searched if it is not by the
   usage before the plan, and was if it is by the usage after it.);
@@ -93,6 +95,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from gpufleet.scheduler.holds import hand_back_holds
 from gpufleet.scheduler.model import project_tree
 from gpufleet.scheduler.plan import plan
 from gpufleet.scheduler.quota import QuotaBook
@@ -272,6 +275,7 @@ class World:
         self.queue = self.stream.queue
         self.stop_left: dict[int, int] = {}
         self.next_id = 1
+        self.holding: dict[int, tuple[str, str]] = {}  # workload -> the zone held for it
         self.epoch = 0  # a new one with every event from outside and every idle reclaim
         self.pairs: dict[tuple[int, int], int] = {}  # (victim, preemptor) -> epoch
         self.victim_zones: dict[int, set[tuple[str, str]]] = defaultdict(set)
@@ -431,6 +435,7 @@ class World:
                     request.priority,
                     PREEMPTIBLE[request.priority],
                     self.now,
+                    created_at=request.created_at,
                 )
             )
             self.admitted_at[request.id] = (self.cycle, self.now)
@@ -438,6 +443,8 @@ class World:
         # admitted (snapshot.Pending.promised).
         for kept in result.kept:
             self.queue[kept.workload_id] = replace(self.queue[kept.workload_id], promised=kept.pods)
+        # And of a hold: the holder learns its zone (snapshot.Pending.held_zone).
+        self.holding = hand_back_holds(self.queue, self.holding, result)
         for i, preemption in enumerate(result.preemptions):
             victim = self.running[preemption.victim_id]
             self.running[victim.id] = replace(
@@ -503,6 +510,22 @@ def cap_kept_for_a_guarantee(
     )
 
 
+def counting_order(snapshot: SchedulingSnapshot) -> Callable[[Running | Pending], tuple[Any, ...]]:
+    """Where a workload counts against its project's guarantee (plan.py's definition):
+    by class, higher first; within a class, work in a zone held for a waiting request
+    (``Pending.held_zone``) last; then by when it was first queued (its start when that
+    is unknown), then id. A waiting request counts as outside any held zone."""
+    held = {(*r.held_zone, r.gpu_type) for r in snapshot.queue if r.held_zone is not None}
+
+    def order(w: Running | Pending) -> tuple[Any, ...]:
+        if isinstance(w, Pending):
+            return (-RANKS.get(w.priority, 0), False, w.created_at, w.id)
+        queued = w.created_at if w.created_at is not None else w.started_at
+        return (-RANKS.get(w.priority, 0), (w.cluster, w.zone, w.gpu_type) in held, queued, w.id)
+
+    return order
+
+
 def within_guarantee(snapshot: SchedulingSnapshot, tree: Tree) -> set[int]:
     """The running workloads within their project's guarantee (plan.py's definition)."""
     groups: dict[tuple[str, str], list[Running]] = defaultdict(list)
@@ -510,14 +533,28 @@ def within_guarantee(snapshot: SchedulingSnapshot, tree: Tree) -> set[int]:
         if not r.stopping:
             groups[(r.project, r.gpu_type)].append(r)
     inside = set()
+    order = counting_order(snapshot)
     for (project, gpu_type), workloads in groups.items():
-        workloads.sort(key=lambda r: (-RANKS.get(r.priority, 0), r.started_at, r.id))
+        workloads.sort(key=order)
         total, guaranteed = 0, tree.guarantee(project, gpu_type)
         for r in workloads:
             total += r.gpus
             if total <= guaranteed:
                 inside.add(r.id)
     return inside
+
+
+def counted_after(snapshot: SchedulingSnapshot, request: Pending) -> int:
+    """GPUs of the request's project's running work (not stopping) that count against the
+    guarantee after it: for the request a zone is held for, they do not count against it."""
+    order = counting_order(snapshot)
+    return sum(
+        r.gpus
+        for r in snapshot.running
+        if not r.stopping
+        and (r.project, r.gpu_type) == (request.project, request.gpu_type)
+        and order(r) > order(request)
+    )
 
 
 def kept_gpus(
@@ -739,7 +776,10 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
             key = (request.project, request.gpu_type)
             guaranteed = tree.guarantee(*key)
             if p.cause is PreemptionCause.GUARANTEE:
-                assert before.get(key, 0) + request.gpus <= guaranteed, f"{p}: not within"
+                # The request a zone is held for does not count its project's work queued
+                # after it (its backfill) against its guarantee.
+                behind = counted_after(snapshot, request) if request.held_zone else 0
+                assert before.get(key, 0) - behind + request.gpus <= guaranteed, f"{p}: not within"
             else:
                 assert p.cause is PreemptionCause.BORROWER_PRIORITY, f"{p}"
                 assert claimed.get(key, 0) + request.gpus > guaranteed, f"{p}: within"

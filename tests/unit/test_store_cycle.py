@@ -6,6 +6,7 @@ rolling back whole."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from datetime import datetime
 
 import pytest
@@ -136,11 +137,32 @@ def test_a_cycle_whose_rows_changed_underneath_rolls_back_whole(store: FleetStor
     assert allocations(store) == before
 
 
+def test_the_zone_held_for_a_request_is_handed_back_to_the_next_cycle(store: FleetStore) -> None:
+    """The controller remembers which zone its last plan held for whom (not the database:
+    a full read keeps it), so the next plan keeps the hold there (``Pending.held_zone``)."""
+    ask(store, t(1), "carol", project="nlp", gpus=4)
+    alice = ask(store, t(1), "alice", gpus=2)
+    cycle(store, t(2))  # every A100 taken
+    late = ask(store, t(3), "carol", server="two", project="nlp", gpus=2)
+    cycle(store, t(4))
+    assert workload(store, late).reason.endswith("zone-a is kept for you as GPUs free up")
+    assert store.mirror.pending[late].held_zone == ("local", "zone-a")
+    with store.read() as session:
+        store.mirror.refresh(session, {EVERYTHING}, t(5).timestamp())
+    assert store.mirror.pending[late].held_zone == ("local", "zone-a")
+
+    store.end(t(6), alice, "stopped", "")
+    assert [a.workload_id for a in cycle(store, t(7)).admitted] == [late]
+    assert store.mirror.holding == {}
+
+
 def _world(snapshot: SchedulingSnapshot) -> tuple[object, ...]:
+    # Without the held zones: what the last plan held is the controller's memory, which a
+    # mirror reading the database afresh does not have.
     return (
         sorted(snapshot.nodes, key=lambda n: (n.name, n.gpu_type)),
         sorted(snapshot.running, key=lambda r: r.id),
-        sorted(snapshot.queue, key=lambda r: r.id),
+        sorted((replace(r, held_zone=None) for r in snapshot.queue), key=lambda r: r.id),
         snapshot.projects,
         snapshot.priorities,
     )

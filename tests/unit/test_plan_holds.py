@@ -1,0 +1,155 @@
+"""Held zones across cycles, with literal inputs: the zone held for a request is handed back
+to the next cycle (``Pending.held_zone``) and stays put unless another zone is clearly
+closer; the request a zone is held for keeps its place in its project's guarantee, and
+claims it against its project's later requests; work in a held zone counts last against
+its project's guarantee, so backfill stays evictable (docs/scheduler.md, "Held zones").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gpufleet.scheduler.plan import plan
+from gpufleet.scheduler.snapshot import NodeState, Plan, PreemptionCause, Running, WaitCause
+
+from .test_plan import NOW, node, pending, projects, running, snap
+
+Z1, Z2 = ("c1", "z1"), ("c1", "z2")
+
+
+def zone_of_8(zone: str, free_nodes: int) -> list[NodeState]:
+    """Eight 8-GPU nodes named after the zone; the first ``free_nodes`` are free."""
+    return [
+        node(f"{zone}n{i}", free=range(8) if i < free_nodes else (), zone=zone) for i in range(8)
+    ]
+
+
+def full_of(wid: int, project: str, nodes: Sequence[NodeState], **extra: Any) -> Running:
+    """One workload on every GPU of the full ``nodes``."""
+    placement = {n.name: range(8) for n in nodes if not n.free}
+    return running(wid, project, placement, zone=nodes[0].zone, **extra)
+
+
+def four_nodes() -> list[NodeState]:
+    """n1 free and n2 full in z1; n3 and n4 full in z2."""
+    return [
+        node("n1", zone="z1"),
+        node("n2", free=(), zone="z1"),
+        node("n3", free=(), zone="z2"),
+        node("n4", free=(), zone="z2"),
+    ]
+
+
+def causes(result: Plan) -> dict[int, tuple[WaitCause, str]]:
+    return {w.workload_id: (w.cause, w.reason) for w in result.waiting}
+
+
+def test_a_hold_stays_in_its_zone_unless_another_is_clearly_closer() -> None:
+    # A 64-GPU gang (8 pods) within its guarantee; the rest of each zone runs another
+    # project's work within that project's guarantee, which nothing may evict.
+    def held(z2_free_nodes: int, held_zone: tuple[str, str] | None) -> object:
+        z1, z2 = zone_of_8("z1", 3), zone_of_8("z2", z2_free_nodes)
+        gang = pending(1, "p", 8, pods=8, held_zone=held_zone)
+        world = snap(
+            z1 + z2,
+            [gang],
+            [full_of(10, "q", z1), full_of(11, "q", z2)],
+            projects(p=64, q=128),
+        )
+        return plan(world, NOW).held
+
+    # Decided afresh, the zone where most pods fit is held.
+    assert held(4, None) == {("c1", "z2", "H100"): 1}
+    # Held in z1 last cycle: one pod more elsewhere does not move it (the margin is a
+    # quarter of its 8 pods)...
+    assert held(4, Z1) == {("c1", "z1", "H100"): 1}
+    # ...two more do.
+    assert held(5, Z1) == {("c1", "z2", "H100"): 1}
+
+
+def test_the_request_a_zone_is_held_for_keeps_its_place_in_its_guarantee() -> None:
+    # p guarantees 16. Its 16-GPU gang waits, z1 held for it; p's 8-GPU job queued after
+    # it started meanwhile in z2. q asks for 8 within its own guarantee, and the only free
+    # GPUs are in z1.
+    def decided(later_job_queued_at: float) -> Plan:
+        nodes = four_nodes()
+        run = [
+            running(10, "q", {"n2": range(8)}, zone="z1"),
+            running(11, "q", {"n4": range(8)}, zone="z2"),
+            running(2, "p", {"n3": range(8)}, zone="z2", created_at=later_job_queued_at),
+        ]
+        queue = [
+            pending(1, "p", 8, pods=2, at=0.0, held_zone=Z1),
+            pending(3, "q", 8, at=30.0),
+        ]
+        return plan(snap(nodes, queue, run, projects(p=16, q=24)), NOW)
+
+    result = decided(later_job_queued_at=10.0)
+    # The gang is still within p's guarantee, so a request within q's does not outrank it
+    # and must not take its zone.
+    assert result.admissions == () and result.preemptions == ()
+    gang, other = causes(result)[1], causes(result)[3]
+    assert gang[0] is WaitCause.RESERVED
+    assert (
+        "within project p's guarantee (8/16 used, counting its work queued after this "
+        "request as borrowing); you are next for H100, z1 is kept for you"
+    ) in gang[1]
+    assert other[0] is WaitCause.CAPACITY
+
+    # Had p's job been queued before the gang, the gang would borrow, and q's request
+    # within its guarantee takes the held zone's free GPUs.
+    result = decided(later_job_queued_at=-10.0)
+    assert [(a.workload_id, a.zone) for a in result.admissions] == [(3, "z1")]
+
+
+def test_later_requests_of_the_holders_project_borrow_beside_its_claim() -> None:
+    # p guarantees 16 and runs nothing; its 16-GPU gang waits for z1. A later 4-GPU
+    # request of p could start only by reclaiming q's borrowers in z2.
+    nodes = four_nodes()
+    run = [
+        running(10, "q", {"n4": range(8)}, zone="z2", created_at=0.0),
+        running(11, "q", {"n3": range(4)}, zone="z2", created_at=50.0, started=50.0),
+        running(12, "q", {"n3": range(4, 8)}, zone="z2", created_at=60.0, started=60.0),
+        running(13, "r", {"n2": range(8)}, zone="z1"),
+    ]
+    later = pending(2, "p", 4, at=5.0)
+    tree = projects(p=16, q=8, r=8, s=16)
+
+    # Behind another project's gang holding z1, it is within p's guarantee and reclaims
+    # one of q's borrowers.
+    theirs = pending(1, "s", 8, pods=2, at=0.0, held_zone=Z1)
+    other = plan(snap(nodes, [theirs, later], run, tree), NOW)
+    assert causes(other)[1][0] is WaitCause.RESERVED
+    assert [(p.victim_id, p.cause) for p in other.preemptions] == [(12, PreemptionCause.GUARANTEE)]
+
+    # Behind p's own gang, the gang's claim leaves it nothing of the guarantee: it would
+    # borrow, and a borrower may not evict a borrower of its own class.
+    ours = pending(1, "p", 8, pods=2, at=0.0, held_zone=Z1)
+    behind = plan(snap(nodes, [ours, later], run, tree), NOW)
+    assert behind.preemptions == () and behind.admissions == ()
+    assert causes(behind)[1][0] is WaitCause.RESERVED
+    assert "project p uses 0/16 guaranteed and may borrow" in causes(behind)[2][1]
+
+
+def test_backfill_in_a_held_zone_stays_evictable_as_its_project_shrinks_elsewhere() -> None:
+    # q guarantees 16 and runs 24: 8 old in z2, 8 in z1 (entered as backfill), 8 newest
+    # in z2. Counted by age alone the newest would borrow and the backfill would be
+    # within; in a held zone the backfill counts last.
+    nodes = four_nodes()
+    run = [
+        running(20, "q", {"n3": range(8)}, zone="z2", created_at=10.0, started=10.0),
+        running(21, "q", {"n2": range(8)}, zone="z1", created_at=50.0, started=50.0),
+        running(22, "q", {"n4": range(8)}, zone="z2", created_at=90.0, started=90.0),
+    ]
+    tree = projects(p=16, q=16)
+
+    held = plan(snap(nodes, [pending(1, "p", 8, pods=2, held_zone=Z1)], run, tree), NOW)
+    assert [(p.victim_id, p.cause) for p in held.preemptions] == [(21, PreemptionCause.GUARANTEE)]
+    assert [k.workload_id for k in held.kept] == [1]
+
+    # Without the hold, the workload in z1 is within q's guarantee, and z2 cannot hold the
+    # gang beside q's oldest work: the gang waits.
+    afresh = plan(snap(nodes, [pending(1, "p", 8, pods=2)], run, tree), NOW)
+    assert afresh.preemptions == ()
+    assert causes(afresh)[1][0] is WaitCause.RESERVED
