@@ -8,7 +8,9 @@ For each workload, each policy replayed in the same run:
 
 - allocation while waiting (``allocation_while_waiting``) against the ceiling the quota
   tree permits (``allocation_ceiling_while_waiting``) and the gap; target gap <= 0.03 for
-  gpufleet; beside it the ceiling less what lend limits keep idle ("lend-aware");
+  gpufleet; beside it the ceiling less what lend limits keep idle ("lend-aware"), and the
+  ceiling with each project's waiting requests counted whole under its own limit
+  ("whole") and the gap to it;
 - evicted GPUs beyond need, preemptors that evicted more than twice their need,
   preemptions while the preemptor's gang already fitted, the most preemptions of one
   job, lost GPU-hours, and the replay's wall time;
@@ -62,7 +64,7 @@ def run_workload(
     )
     print(
         f"{'policy':<9} {'alloc':>6} {'ceiling':>7} {'gap':>6} {'lend-aware':>10} "
-        f"{'beyond need':>11} "
+        f"{'whole':>6} {'gap':>6} {'beyond need':>11} "
         f"{'preemptors':>10} {'>2x need':>8} {'fitted':>6} {'max/job':>7} {'lost GPU-h':>10} "
         f"{'replay s':>8}"
     )
@@ -78,10 +80,17 @@ def run_workload(
             if s.allocation_while_waiting is None or s.allocation_ceiling_while_waiting is None
             else s.allocation_ceiling_while_waiting - s.allocation_while_waiting
         )
+        whole = s.allocation_ceiling_whole_requests_while_waiting
+        whole_gap = (
+            None
+            if s.allocation_while_waiting is None or whole is None
+            else whole - s.allocation_while_waiting
+        )
         print(
             f"{policy:<9} {_f(s.allocation_while_waiting):>6} "
             f"{_f(s.allocation_ceiling_while_waiting):>7} {_f(gap):>6} "
             f"{_f(s.allocation_ceiling_within_lend_limits_while_waiting):>10} "
+            f"{_f(whole):>6} {_f(whole_gap):>6} "
             f"{s.evicted_beyond_need_gpus:>11} {s.preemptors:>10} "
             f"{s.preemptors_over_twice_need:>8} {s.preempted_while_fitting:>6} "
             f"{s.max_preemptions_per_job:>7} {s.lost_gpu_hours:>10.1f} {elapsed:>8.1f}"

@@ -15,11 +15,11 @@ from .preemption import VictimIndex, Zone
 from .quota import QuotaBook
 from .snapshot import Mode, Pending, Plan, SchedulingSnapshot
 
-_NO_CANDIDATES = Zone()
+_NO_CANDIDATES = Zone()  # a zone without candidates: only its free GPUs count
 # A hold moves to another zone only when that one would fit at least this fraction of the
 # holder's pods more (1/HOLD_MARGIN): borrowing moves between workloads as they come and
 # go, and each move would give up what the held zone drained.
-HOLD_MARGIN = 4  # a zone without candidates: only its free GPUs count
+HOLD_MARGIN = 4
 
 
 class Hold(NamedTuple):
@@ -75,13 +75,15 @@ class HeldZones:
     reserved: dict[str, Hold]  # GPU type -> the zone held this cycle, and for whom
 
     def _within(self, request: Pending) -> bool:
-        """Whether the request is within its project's guarantee. For the request a zone
-        was held for (``Pending.held_zone``, until another holds the type), its project's
-        work queued after it — of its class or a lower one, or in a held zone — does not
-        count: that work started while it waited for room, as its backfill, and must not
-        turn it into a borrower (a borrowing holder's zone may be taken by any request
-        within its guarantee, and it could wait for ever). Its GPUs are claimed meanwhile
-        (``QuotaBook.claim_guarantee``), so later requests borrow beside it."""
+        """Whether the request is within its project's guarantee counting, for the request
+        a zone was held for (``Pending.held_zone``, until another holds the type), only
+        its project's work queued before it: what was queued after it (of its class or a
+        lower one, or in a held zone) started while it waited for room, as its backfill.
+        Read for its place in the cycle's order and for its claim on the guarantee
+        (``QuotaBook.claim_guarantee``): its project's later requests then borrow beside
+        it, and cannot keep it waiting by taking the guarantee it waits for. Not for what
+        it may evict or where others may go: its project already runs its guarantee, and
+        another project's guarantee is not kept waiting for that."""
         p, t, gpus = request.project, request.gpu_type, request.gpus
         if self.book.within_guarantee(p, t, gpus):
             return True
@@ -105,9 +107,7 @@ class HeldZones:
     def _enters(self, request: Pending, hold: Hold) -> bool:
         """``may_enter``, while the cycle's backfill decisions last (one that outranks
         the holder enters whenever)."""
-        if not hold.within and self.book.within_guarantee(
-            request.project, request.gpu_type, request.gpus
-        ):
+        if self._outranks(request, hold):
             return True
         return self.backfill_left > 0 and self.may_enter(request.shape, hold)
 

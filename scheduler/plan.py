@@ -441,7 +441,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
         guarantee as its backfill, which it takes back once it can start
         (``_make_room_under_caps``) — so a large request is not starved by small ones
         of its own project, and the quota it waits for does not idle."""
-        return self._within(request)
+        return self.book.within_guarantee(request.project, request.gpu_type, request.gpus)
 
     def _behind_quota_refusal(self, queue: _Queue, reason: str) -> None:
         """The queue's current request, within its guarantee, was refused by an enclosing
@@ -646,7 +646,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
         p, t, gpus = request.project, request.gpu_type, request.gpus
         if self.book.over_cap(p, t, gpus) is None:
             return None
-        within = self._within(request)
+        within = self.book.within_guarantee(p, t, gpus)
         path = self.book.path(p)
         if not within and any((name, t) in self.claimed for name in path):
             return None  # a request within its guarantee waits for that room, not this one
@@ -706,7 +706,9 @@ class _Planner(Reasons, CapRoom, HeldZones):
     def _no_room(self, request: Pending) -> _Outcome:
         t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
         block = self.capacity.largest_block(t, k, pods)
-        within = self.mode is not Mode.FIFO and self._within(request)
+        within = self.mode is not Mode.FIFO and self.book.within_guarantee(
+            request.project, t, request.gpus
+        )
         said = (request.project, t, k, pods, within)
         reason = self.no_room_reasons.get(said)  # per cycle: see _decide on staleness
         if reason is None:
@@ -717,7 +719,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
             if closest is not None:
                 rank = self.ranks.get(request.priority, 0)
                 self.reserved[t] = Hold(closest, request.id, within, rank, request.project)
-                if within:
+                if within or self._within(request):
                     self.book.claim_guarantee(request.project, t, request.gpus)
                 self.epoch += 1
                 zone = closest[1]
@@ -737,7 +739,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
     ) -> _Outcome | None:
         t, p = request.gpu_type, request.project
         rank = self.ranks.get(request.priority, 0)
-        within = self._within(request)
+        within = self.book.within_guarantee(p, t, request.gpus)
         if self.searches_left <= 0 or request.particular:
             return None
         # Lend limits hold here too: free GPUs other subtrees keep back do not count, so

@@ -132,17 +132,6 @@ class Reasons:
                 f"{free}, but other projects' lend limits keep {withheld} of the {total} free "
                 f"{t} back for themselves"
             )
-        if within and not self.book.within_guarantee(request.project, t, request.gpus):
-            # Within only as the request a zone is held for (``_Planner._within``).
-            used, guaranteed = (
-                self.book.usage(request.project, t),
-                self.book.guarantee(request.project, t),
-            )
-            return (
-                f"Waiting for {where}: {free}; within project {request.project}'s guarantee "
-                f"({used}/{guaranteed} used, counting its work queued after this request as "
-                "borrowing)"
-            )
         return f"Waiting for {where}: {free}{self._quota_said(request.project, t, within)}"
 
     def _quota_said(self, p: str, t: str, within: bool) -> str:

@@ -257,7 +257,7 @@ class _Replay(RecoveringReplay):
         self.ceiling = QuotaCeiling(tree, policy.mode, self.gpus_by_type)
         # While some job waits, per moment, over the GPU types the waiting jobs ask for:
         # GPUs held, the fleet's GPUs, and the ceiling. Stale once anything changed.
-        self.while_waiting = (0, 0, 0.0, 0.0)
+        self.while_waiting = (0, 0, 0.0, 0.0, 0.0)
         self.measures_stale = False
         self.decisions: list[PreemptionDecision] = []
         # Every change to these is recorded and handed to the core with the next snapshot.
@@ -290,18 +290,19 @@ class _Replay(RecoveringReplay):
         start = clock = self.events[0][0] if self.events else 0.0
         held_s = held_waiting_s = waiting_s = 0.0
         events = self.events
-        waiting_capacity_s = ceiling_s = ceiling_lend_s = 0.0
+        waiting_capacity_s = ceiling_s = ceiling_lend_s = ceiling_whole_s = 0.0
         while events:
             now = events[0][0]
             elapsed = now - clock
             if elapsed > 0:
                 held_s += self.held * elapsed
                 if self.queue:
-                    held, capacity, ceiling, ceiling_lend = self.while_waiting
+                    held, capacity, ceiling, ceiling_lend, ceiling_whole = self.while_waiting
                     held_waiting_s += held * elapsed
                     waiting_capacity_s += capacity * elapsed
                     ceiling_s += ceiling * elapsed
                     ceiling_lend_s += ceiling_lend * elapsed
+                    ceiling_whole_s += ceiling_whole * elapsed
                     waiting_s += elapsed
                 clock = now
             replan = False
@@ -358,6 +359,7 @@ class _Replay(RecoveringReplay):
             capacity_while_waiting_gpu_s=waiting_capacity_s,
             ceiling_while_waiting_gpu_s=ceiling_s,
             ceiling_within_lend_limits_while_waiting_gpu_s=ceiling_lend_s,
+            ceiling_whole_requests_while_waiting_gpu_s=ceiling_whole_s,
             waiting_s=waiting_s,
             admissions=self.admissions,
             plan_calls=self.plan_calls,
@@ -373,6 +375,7 @@ class _Replay(RecoveringReplay):
             sum(self.gpus_by_type[t] for t in types),
             sum(self.ceiling.permitted(t) for t in types),
             sum(self.ceiling.permitted_within_lend_limits(t) for t in types),
+            sum(self.ceiling.permitted_whole(t) for t in types),
         )
 
     def _could_admit(self) -> bool:
@@ -400,9 +403,7 @@ class _Replay(RecoveringReplay):
     def _enqueue(self, job: BookedJob) -> None:
         self.queue[job.wid] = job.pending
         self.queued_sizes[job.gpu_type][job.trace.num_gpus] += 1
-        self.ceiling.add(
-            job.project, job.gpu_type, self.ceiling.counted(job.project, job.trace.num_gpus)
-        )
+        self.ceiling.enqueue(job.project, job.gpu_type, job.trace.num_gpus)
         self.measures_stale = True
 
     # ------------------------------------------------------------ the decisions
@@ -416,9 +417,7 @@ class _Replay(RecoveringReplay):
             sizes[job.trace.num_gpus] -= 1
             if not sizes[job.trace.num_gpus]:
                 del sizes[job.trace.num_gpus]
-            self.ceiling.add(
-                job.project, job.gpu_type, -self.ceiling.counted(job.project, job.trace.num_gpus)
-            )
+            self.ceiling.dequeue(job.project, job.gpu_type, job.trace.num_gpus)
             self._start(job, admission.cluster, admission.zone, admission.pods, now)
         for kept in plan.kept:  # a preemptor's placement, until it is admitted
             waiting = self.queue.get(kept.workload_id)

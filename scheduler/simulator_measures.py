@@ -14,13 +14,16 @@ Pure helpers over plain values; ``simulator.py`` calls them as the replay runs.
   and lend limits are not counted, so the ceiling is an upper bound on what any scheduler
   could hold under these quotas, and at least what the replay holds. A second figure
   takes off what lend limits keep idle for projects that do not ask for it
-  (``kept_back``): still an upper bound, for a scheduler that honours lend limits.
+  (``kept_back``): still an upper bound, for a scheduler that honours lend limits. A
+  third counts waiting requests whole (``permitted_whole``): a project waiting for a
+  request larger than its room under its own limit is counted at what it runs plus the
+  largest sum of its waiting requests that fits, not at the limit.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -113,6 +116,9 @@ class QuotaCeiling:
             else {}
         )
         self.demand: dict[tuple[str, str], int] = defaultdict(int)
+        # (project, type) -> how many waiting requests of each counted size: part of the
+        # demand, kept apart for ``permitted_whole``.
+        self.queued: dict[tuple[str, str], Counter[int]] = defaultdict(Counter)
 
     def counted(self, project: str, gpus: int) -> int:
         """What a queued request of ``gpus`` adds to its project's demand."""
@@ -120,22 +126,56 @@ class QuotaCeiling:
         return gpus if cap is None else min(gpus, cap)
 
     def add(self, project: str, gpu_type: str, gpus: int) -> None:
+        """GPUs a project's workloads now hold (negative: no longer)."""
         self.demand[(project, gpu_type)] += gpus
 
-    def permitted(self, gpu_type: str) -> float:
+    def enqueue(self, project: str, gpu_type: str, gpus: int) -> None:
+        counted = self.counted(project, gpus)
+        self.demand[(project, gpu_type)] += counted
+        self.queued[(project, gpu_type)][counted] += 1
+
+    def dequeue(self, project: str, gpu_type: str, gpus: int) -> None:
+        counted = self.counted(project, gpus)
+        self.demand[(project, gpu_type)] -= counted
+        sizes = self.queued[(project, gpu_type)]
+        sizes[counted] -= 1
+        if not sizes[counted]:
+            del sizes[counted]
+
+    def permitted(self, gpu_type: str, whole: bool = False) -> float:
         """min(the fleet's GPUs of the type, the sum over top-level nodes of what each may
-        hold), a node holding min(its limit, its own demand + its children's)."""
+        hold), a node holding min(its limit, its own demand + its children's). ``whole``:
+        ``permitted_whole``."""
         subtree: dict[str, float] = defaultdict(float)
         total = 0.0
         demand, limit = self.demand, self.limit
         for name in self.order:
-            held = min(limit[(name, gpu_type)], demand.get((name, gpu_type), 0) + subtree[name])
+            own = demand.get((name, gpu_type), 0)
+            if whole and self.queued.get((name, gpu_type)):
+                own = self._whole(name, gpu_type, own, limit[(name, gpu_type)] - subtree[name])
+            held = min(limit[(name, gpu_type)], own + subtree[name])
             parent = self.parent[name]
             if parent is None:
                 total += held
             else:
                 subtree[parent] += held
         return min(total, self.capacity.get(gpu_type, 0))
+
+    def permitted_whole(self, gpu_type: str) -> float:
+        """``permitted`` with each node's waiting requests counted whole: the node's own
+        demand is what it runs plus the largest sum of its waiting requests that fits its
+        room under its limit (its children's share taken first). A request no scheduler
+        could start under the project's own limit until its running work ends is not
+        counted in part. Inner nodes still take their children's sum in part."""
+        return self.permitted(gpu_type, whole=True)
+
+    def _whole(self, name: str, gpu_type: str, demand: int, room: float) -> int:
+        sizes = self.queued[(name, gpu_type)]
+        waiting = sum(size * n for size, n in sizes.items())
+        runs = demand - waiting
+        if runs + waiting <= room:
+            return demand
+        return runs + largest_sum(sizes, int(room - runs))
 
     def kept_back(self, gpu_type: str) -> float:
         """GPUs of the type that lend limits keep idle: for each node with a lend limit,
@@ -164,6 +204,26 @@ class QuotaCeiling:
         for it: the most any scheduler that honours them could hold."""
         room = self.capacity.get(gpu_type, 0) - self.kept_back(gpu_type)
         return min(self.permitted(gpu_type), max(0.0, room))
+
+
+def largest_sum(sizes: Mapping[int, int], room: int) -> int:
+    """The largest sum of whole items no greater than ``room``, ``sizes`` giving how many
+    items there are of each size: a bounded subset sum, on the bits of one integer (bit
+    ``i`` set: ``i`` is reachable), each size's count split in powers of two."""
+    if room <= 0:
+        return 0
+    mask = (1 << (room + 1)) - 1
+    reach = 1
+    for size, count in sizes.items():
+        if size > room or size <= 0:
+            continue
+        count, step = min(count, room // size), 1
+        while count > 0:
+            take = min(step, count)
+            reach = (reach | (reach << (size * take))) & mask
+            count -= take
+            step *= 2
+    return reach.bit_length() - 1
 
 
 @dataclass(frozen=True)

@@ -264,6 +264,10 @@ def print_summary(result: SimulationResult, console: Console) -> None:
             "  the same, less what lend limits keep idle",
             _share(s.allocation_ceiling_within_lend_limits_while_waiting),
         ),
+        (
+            "  the same, waiting requests counted whole",
+            _share(s.allocation_ceiling_whole_requests_while_waiting),
+        ),
         ("time with work waiting", _duration(s.waiting_s)),
         ("wait p50 / p95 / p99", _waits(s.waits)),
         ("mean JCT", _duration(s.mean_jct_s)),

@@ -68,39 +68,39 @@ def test_a_hold_stays_in_its_zone_unless_another_is_clearly_closer() -> None:
     assert held(5, Z1) == {("c1", "z2", "H100"): 1}
 
 
-def test_the_request_a_zone_is_held_for_keeps_its_place_in_its_guarantee() -> None:
-    # p guarantees 16. Its 16-GPU gang waits, z1 held for it; p's 8-GPU job queued after
-    # it started meanwhile in z2. q asks for 8 within its own guarantee, and the only free
-    # GPUs are in z1.
-    def decided(later_job_queued_at: float) -> Plan:
-        nodes = four_nodes()
+def test_the_request_a_zone_is_held_for_keeps_its_claim_while_later_work_runs() -> None:
+    # p guarantees 16. Its 16-GPU gang waits for z1; p's 8-GPU job queued after it started
+    # meanwhile in z2 (by its project's usage alone, the gang now borrows). p's next
+    # request, 8 GPUs, could start only by reclaiming q's borrower in z2.
+    def decided(held_zone: tuple[str, str] | None) -> Plan:
+        nodes = [
+            node("n1", zone="z1"),
+            node("n2", free=(), zone="z1"),
+            node("n3", free=(), zone="z2"),
+            node("n4", free=(), zone="z2"),
+        ]
         run = [
-            running(10, "q", {"n2": range(8)}, zone="z1"),
-            running(11, "q", {"n4": range(8)}, zone="z2"),
-            running(2, "p", {"n3": range(8)}, zone="z2", created_at=later_job_queued_at),
+            running(10, "r", {"n2": range(8)}, zone="z1"),
+            running(2, "p", {"n3": range(8)}, zone="z2", created_at=10.0, started=10.0),
+            running(11, "q", {"n4": range(8)}, zone="z2", created_at=50.0, started=50.0),
         ]
         queue = [
-            pending(1, "p", 8, pods=2, at=0.0, held_zone=Z1),
-            pending(3, "q", 8, at=30.0),
+            pending(1, "p", 8, pods=2, at=0.0, held_zone=held_zone),
+            pending(3, "p", 8, at=30.0),
         ]
-        return plan(snap(nodes, queue, run, projects(p=16, q=24)), NOW)
+        return plan(snap(nodes, queue, run, projects(p=16, q=0, r=8)), NOW)
 
-    result = decided(later_job_queued_at=10.0)
-    # The gang is still within p's guarantee, so a request within q's does not outrank it
-    # and must not take its zone.
-    assert result.admissions == () and result.preemptions == ()
-    gang, other = causes(result)[1], causes(result)[3]
-    assert gang[0] is WaitCause.RESERVED
-    assert (
-        "within project p's guarantee (8/16 used, counting its work queued after this "
-        "request as borrowing); you are next for H100, z1 is kept for you"
-    ) in gang[1]
-    assert other[0] is WaitCause.CAPACITY
+    # The gang held z1 last cycle: counting only what p queued before it, it is within
+    # p's guarantee and claims it, so the next request borrows and may not reclaim.
+    held = decided(Z1)
+    assert held.preemptions == () and held.admissions == ()
+    assert causes(held)[1][0] is WaitCause.RESERVED
+    assert "project p uses 8/16 guaranteed and may borrow" in causes(held)[3][1]
 
-    # Had p's job been queued before the gang, the gang would borrow, and q's request
-    # within its guarantee takes the held zone's free GPUs.
-    result = decided(later_job_queued_at=-10.0)
-    assert [(a.workload_id, a.zone) for a in result.admissions] == [(3, "z1")]
+    # Had it held nothing, the gang borrows and comes after p's next request, which is
+    # within p's guarantee beside the job and takes the free GPUs the gang waits for.
+    afresh = decided(None)
+    assert [(a.workload_id, a.zone) for a in afresh.admissions] == [(3, "z1")]
 
 
 def test_later_requests_of_the_holders_project_borrow_beside_its_claim() -> None:

@@ -34,8 +34,7 @@ Laws checked on every plan:
   (its project's non-stopping workloads of the type counted by class, higher first, then
   those in a held zone last, then first queued, then id; those whose running total stays
   within the guarantee are within: ``counting_order``). A guarantee reclaim is made only
-  for a request within its guarantee (for the one a zone is held for, not counting its
-  project's work counted after it), a borrower-priority
+  for a request within its guarantee, a borrower-priority
   one only for a borrowing request, for a preemptible victim of a lower class. (Usage only
   grows during a cycle: a request was not within when it searched if it is not by the
   usage before the plan, and was if it is by the usage after it.);
@@ -544,19 +543,6 @@ def within_guarantee(snapshot: SchedulingSnapshot, tree: Tree) -> set[int]:
     return inside
 
 
-def counted_after(snapshot: SchedulingSnapshot, request: Pending) -> int:
-    """GPUs of the request's project's running work (not stopping) that count against the
-    guarantee after it: for the request a zone is held for, they do not count against it."""
-    order = counting_order(snapshot)
-    return sum(
-        r.gpus
-        for r in snapshot.running
-        if not r.stopping
-        and (r.project, r.gpu_type) == (request.project, request.gpu_type)
-        and order(r) > order(request)
-    )
-
-
 def kept_gpus(
     result: Plan,
     queue: Mapping[int, Pending],
@@ -776,10 +762,7 @@ def check_plan(world: World, snapshot: SchedulingSnapshot, result: Plan) -> None
             key = (request.project, request.gpu_type)
             guaranteed = tree.guarantee(*key)
             if p.cause is PreemptionCause.GUARANTEE:
-                # The request a zone is held for does not count its project's work queued
-                # after it (its backfill) against its guarantee.
-                behind = counted_after(snapshot, request) if request.held_zone else 0
-                assert before.get(key, 0) - behind + request.gpus <= guaranteed, f"{p}: not within"
+                assert before.get(key, 0) + request.gpus <= guaranteed, f"{p}: not within"
             else:
                 assert p.cause is PreemptionCause.BORROWER_PRIORITY, f"{p}"
                 assert claimed.get(key, 0) + request.gpus > guaranteed, f"{p}: within"

@@ -26,6 +26,7 @@ from gpufleet.scheduler.simulator import (
     TraceJobError,
     simulate,
 )
+from gpufleet.scheduler.simulator_measures import largest_sum
 from gpufleet.scheduler.simulator_report import (
     percentile,
     result_json,
@@ -147,6 +148,8 @@ def check_accounting(result: SimulationResult, jobs: Sequence[TraceJob], nodes: 
         within_lend_limits = summary["allocation_ceiling_within_lend_limits_while_waiting"]
         assert achieved <= within_lend_limits + 1e-9
         assert within_lend_limits <= summary["allocation_ceiling_while_waiting"] + 1e-9 <= 1 + 2e-9
+        whole = summary["allocation_ceiling_whole_requests_while_waiting"]
+        assert achieved <= whole + 1e-9 <= summary["allocation_ceiling_while_waiting"] + 2e-9
     assert summary["never_fits"] == len(never)
     assert summary["started"] == sum(r["start_s"] is not None for r in records.values())
     return records
@@ -667,6 +670,38 @@ def test_the_ceiling_within_lend_limits_leaves_out_what_a_lender_keeps_idle():
     assert s.allocation_while_waiting == pytest.approx(18 / 32)
     assert s.allocation_ceiling_while_waiting == pytest.approx(26 / 32)
     assert s.allocation_ceiling_within_lend_limits_while_waiting == pytest.approx(22 / 32)
+
+
+def test_the_whole_request_ceiling_counts_no_request_in_part():
+    nodes = fleet(("z1", 4, 8))  # 32 GPUs
+    tree = project_tree([{"name": "a", "quotas": {"V100": {"guaranteed": 4, "borrow_limit": 4}}}])
+    jobs = [
+        TraceJob("a1", 0.0, 100.0, 6, "a"),
+        TraceJob("a2", 1.0, 100.0, 4, "a"),  # 6 + 4 > 8, the project's limit: waits for a1
+    ]
+    result = simulate(jobs, nodes, tree, "gpufleet")
+    check_accounting(result, jobs, nodes)
+    assert {r.job_id: r.start_s for r in result.records} == {"a1": 0.0, "a2": 100.0}
+    s = result.summary
+    assert s.allocation_while_waiting == pytest.approx(6 / 32)
+    # The ceiling counts 2 of a2's 4 GPUs under a's limit of 8; counted whole, a2 fits
+    # nothing beside a1, as the replay found.
+    assert s.allocation_ceiling_while_waiting == pytest.approx(8 / 32)
+    assert s.allocation_ceiling_whole_requests_while_waiting == pytest.approx(6 / 32)
+
+
+@given(st.dictionaries(st.integers(1, 9), st.integers(1, 4), max_size=4), st.integers(-2, 30))
+def test_largest_sum_is_the_best_subset_sum(sizes: dict[int, int], room: int) -> None:
+    items = [size for size, count in sizes.items() for _ in range(count)]
+    best = max(
+        (
+            total
+            for mask in range(1 << len(items))
+            if (total := sum(x for i, x in enumerate(items) if mask >> i & 1)) <= room
+        ),
+        default=0,
+    )
+    assert largest_sum(sizes, room) == best
 
 
 def test_jobs_the_configuration_never_admits_are_never_fits_and_never_queued():
