@@ -31,9 +31,8 @@ Who may be a victim:
 - an idle session whose project lets anyone reclaim it (the culler marks it);
 - a borrower of another project — a workload beyond its project's guarantee when the
   project's workloads are counted by class, then those in held zones last, then arrival —
-  for a request within its own guarantee (the request a zone is held for not counting its
-  project's work queued after it, ``_within``); for a borrowing request, only a
-  preemptible borrower of a lower class;
+  for a request within its own guarantee; for a borrowing request, only a preemptible
+  borrower of a lower class;
 - a preemptible workload of a lower class in the request's own project;
 - for a borrower refused by a cap: its own project's borrowers that started while it
   waited, behind it in the queue (its backfill), wherever they run.

@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -78,8 +78,8 @@ class Candidates:
         self.now = float("-inf")
         self.by_project: dict[tuple[str, str], dict[int, Running]] = defaultdict(dict)
         # Each project's workloads in the order they count against its guarantee (class,
-        # then held zones last, then start time, see ``_counts_as``): who borrows is a
-        # suffix of it.
+        # then held zones last, then arrival, see ``_counts_as``): who borrows is a suffix
+        # of it.
         self._order: dict[tuple[str, str], list[tuple[int, bool, float, int, int]]] = defaultdict(
             list
         )
@@ -88,6 +88,9 @@ class Candidates:
         # The zones held for a waiting request at the end of the last cycle
         # (``Pending.held_zone``): work there counts last in its class.
         self.held_zones: frozenset[ZoneKey] = frozenset()
+        # Zone -> the (project, GPU type) keys with workloads there, and how many: the
+        # orders ``hold`` must sort again when a zone is held or let go.
+        self._keys_in: dict[ZoneKey, Counter[tuple[str, str]]] = defaultdict(Counter)
         self.borrowing: set[int] = set()
         self._borrowing_in: dict[tuple[str, str], set[int]] = {}
         self.zones: dict[ZoneKey, Zone] = {}
@@ -104,6 +107,7 @@ class Candidates:
         self.by_project[key][workload.id] = workload
         bisect.insort(self._order[key], self._counts_as(workload))
         self._suffix.pop(key, None)
+        self._keys_in[(workload.cluster, workload.zone, workload.gpu_type)][key] += 1
         self._where[workload.id] = key
         self._dirty.add(key)
         self._new.add(workload.id)
@@ -146,11 +150,10 @@ class Candidates:
             return
         moved = zones ^ self.held_zones
         self.held_zones = zones
-        for key, workloads in self.by_project.items():
-            if any((w.cluster, w.zone, w.gpu_type) in moved for w in workloads.values()):
-                self._order[key] = sorted(map(self._counts_as, workloads.values()))
-                self._suffix.pop(key, None)
-                self._dirty.add(key)
+        for key in {key for zone in moved for key in self._keys_in.get(zone, ())}:
+            self._order[key] = sorted(map(self._counts_as, self.by_project[key].values()))
+            self._suffix.pop(key, None)
+            self._dirty.add(key)
 
     def swap(self, old: Running, new: Running) -> None:
         """``new`` in ``old``'s place where only its last checkpoint or snapshot moved
@@ -176,6 +179,10 @@ class Candidates:
         order = self._order[key]
         del order[bisect.bisect_left(order, self._counts_as(workload))]
         self._suffix.pop(key, None)
+        keys = self._keys_in[(workload.cluster, workload.zone, workload.gpu_type)]
+        keys[key] -= 1
+        if not keys[key]:
+            del keys[key]
         if not workloads:
             del self.by_project[key]
             del self._order[key]
