@@ -20,7 +20,7 @@ from gpufleet.client import Client
 from gpufleet.recovery.fake_nvml import write_control
 
 from ..s3server import CHECKPOINT_BUCKET, CHECKPOINT_USERS, checkpoint_credentials
-from .harness import Hub
+from .harness import Hub, running_hub
 from .test_agent import DECLARED
 from .test_recovery import first_checkpoint
 
@@ -71,12 +71,7 @@ c.FleetController.job_checkpoint_store = "s3://{CHECKPOINT_BUCKET}/jobs/{{user}}
 c.NodeAgent.checkpoint_credentials_file = {str(secrets)!r}
 c.NodeAgent.checkpoint_s3_endpoint = {s3_server.endpoint_url!r}
 """
-    instance = Hub.create(root, config)
-    instance.start()
-    try:
-        yield instance
-    finally:
-        instance.kill_everything()
+    yield from running_hub(root, config)
 
 
 def test_a_rank_reaches_its_users_checkpoints_and_no_one_elses(
