@@ -10,7 +10,8 @@ For each workload, each policy replayed in the same run:
   tree permits (``allocation_ceiling_while_waiting``) and the gap; target gap <= 0.03 for
   gpufleet; beside it the ceiling less what lend limits keep idle ("lend-aware"), and the
   ceiling with each project's waiting requests counted whole under its own limit
-  ("whole") and the gap to it;
+  ("whole") and the gap to it, and both at once ("both", the quotas' tightest bound:
+  lend limits counted with waiting requests whole) and the gap to it;
 - evicted GPUs beyond need, preemptors that evicted more than twice their need,
   preemptions while the preemptor's gang already fitted, the most preemptions of one
   job, lost GPU-hours, and the replay's wall time;
@@ -64,7 +65,7 @@ def run_workload(
     )
     print(
         f"{'policy':<9} {'alloc':>6} {'ceiling':>7} {'gap':>6} {'lend-aware':>10} "
-        f"{'whole':>6} {'gap':>6} {'beyond need':>11} "
+        f"{'whole':>6} {'gap':>6} {'both':>6} {'gap':>6} {'beyond need':>11} "
         f"{'preemptors':>10} {'>2x need':>8} {'fitted':>6} {'max/job':>7} {'lost GPU-h':>10} "
         f"{'replay s':>8}"
     )
@@ -81,16 +82,18 @@ def run_workload(
             else s.allocation_ceiling_while_waiting - s.allocation_while_waiting
         )
         whole = s.allocation_ceiling_whole_requests_while_waiting
-        whole_gap = (
+        both = s.allocation_ceiling_whole_within_lend_limits_while_waiting
+        whole_gap, both_gap = (
             None
-            if s.allocation_while_waiting is None or whole is None
-            else whole - s.allocation_while_waiting
+            if s.allocation_while_waiting is None or figure is None
+            else figure - s.allocation_while_waiting
+            for figure in (whole, both)
         )
         print(
             f"{policy:<9} {_f(s.allocation_while_waiting):>6} "
             f"{_f(s.allocation_ceiling_while_waiting):>7} {_f(gap):>6} "
             f"{_f(s.allocation_ceiling_within_lend_limits_while_waiting):>10} "
-            f"{_f(whole):>6} {_f(whole_gap):>6} "
+            f"{_f(whole):>6} {_f(whole_gap):>6} {_f(both):>6} {_f(both_gap):>6} "
             f"{s.evicted_beyond_need_gpus:>11} {s.preemptors:>10} "
             f"{s.preemptors_over_twice_need:>8} {s.preempted_while_fitting:>6} "
             f"{s.max_preemptions_per_job:>7} {s.lost_gpu_hours:>10.1f} {elapsed:>8.1f}"

@@ -256,8 +256,8 @@ class _Replay(RecoveringReplay):
         self.held_by_type: dict[str, int] = defaultdict(int)
         self.ceiling = QuotaCeiling(tree, policy.mode, self.gpus_by_type)
         # While some job waits, per moment, over the GPU types the waiting jobs ask for:
-        # GPUs held, the fleet's GPUs, and the ceiling. Stale once anything changed.
-        self.while_waiting = (0, 0, 0.0, 0.0, 0.0)
+        # GPUs held, the fleet's GPUs, and the four ceilings. Stale once anything changed.
+        self.while_waiting = (0, 0, 0.0, 0.0, 0.0, 0.0)
         self.measures_stale = False
         self.decisions: list[PreemptionDecision] = []
         # Every change to these is recorded and handed to the core with the next snapshot.
@@ -290,19 +290,22 @@ class _Replay(RecoveringReplay):
         start = clock = self.events[0][0] if self.events else 0.0
         held_s = held_waiting_s = waiting_s = 0.0
         events = self.events
-        waiting_capacity_s = ceiling_s = ceiling_lend_s = ceiling_whole_s = 0.0
+        waiting_capacity_s = ceiling_s = ceiling_lend_s = ceiling_whole_s = ceiling_quotas_s = 0.0
         while events:
             now = events[0][0]
             elapsed = now - clock
             if elapsed > 0:
                 held_s += self.held * elapsed
                 if self.queue:
-                    held, capacity, ceiling, ceiling_lend, ceiling_whole = self.while_waiting
+                    held, capacity, ceiling, ceiling_lend, ceiling_whole, ceiling_quotas = (
+                        self.while_waiting
+                    )
                     held_waiting_s += held * elapsed
                     waiting_capacity_s += capacity * elapsed
                     ceiling_s += ceiling * elapsed
                     ceiling_lend_s += ceiling_lend * elapsed
                     ceiling_whole_s += ceiling_whole * elapsed
+                    ceiling_quotas_s += ceiling_quotas * elapsed
                     waiting_s += elapsed
                 clock = now
             replan = False
@@ -360,6 +363,7 @@ class _Replay(RecoveringReplay):
             ceiling_while_waiting_gpu_s=ceiling_s,
             ceiling_within_lend_limits_while_waiting_gpu_s=ceiling_lend_s,
             ceiling_whole_requests_while_waiting_gpu_s=ceiling_whole_s,
+            ceiling_whole_within_lend_limits_while_waiting_gpu_s=ceiling_quotas_s,
             waiting_s=waiting_s,
             admissions=self.admissions,
             plan_calls=self.plan_calls,
@@ -376,6 +380,7 @@ class _Replay(RecoveringReplay):
             sum(self.ceiling.permitted(t) for t in types),
             sum(self.ceiling.permitted_within_lend_limits(t) for t in types),
             sum(self.ceiling.permitted_whole(t) for t in types),
+            sum(self.ceiling.permitted_by_quotas(t) for t in types),
         )
 
     def _could_admit(self) -> bool:

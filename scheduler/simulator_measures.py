@@ -17,7 +17,8 @@ Pure helpers over plain values; ``simulator.py`` calls them as the replay runs.
   (``kept_back``): still an upper bound, for a scheduler that honours lend limits. A
   third counts waiting requests whole (``permitted_whole``): a project waiting for a
   request larger than its room under its own limit is counted at what it runs plus the
-  largest sum of its waiting requests that fits, not at the limit.
+  largest sum of its waiting requests that fits, not at the limit. A fourth takes both
+  at once (``permitted_by_quotas``): lend limits counted with waiting requests whole.
 """
 
 from __future__ import annotations
@@ -146,20 +147,26 @@ class QuotaCeiling:
         """min(the fleet's GPUs of the type, the sum over top-level nodes of what each may
         hold), a node holding min(its limit, its own demand + its children's). ``whole``:
         ``permitted_whole``."""
+        return self._pass(gpu_type, whole)[0]
+
+    def _pass(self, gpu_type: str, whole: bool) -> tuple[float, dict[str, float]]:
+        """``permitted``, and each node's own demand as counted (children first)."""
         subtree: dict[str, float] = defaultdict(float)
+        own_demand: dict[str, float] = {}
         total = 0.0
         demand, limit = self.demand, self.limit
         for name in self.order:
             own = demand.get((name, gpu_type), 0)
             if whole and self.queued.get((name, gpu_type)):
                 own = self._whole(name, gpu_type, own, limit[(name, gpu_type)] - subtree[name])
+            own_demand[name] = own
             held = min(limit[(name, gpu_type)], own + subtree[name])
             parent = self.parent[name]
             if parent is None:
                 total += held
             else:
                 subtree[parent] += held
-        return min(total, self.capacity.get(gpu_type, 0))
+        return min(total, self.capacity.get(gpu_type, 0)), own_demand
 
     def permitted_whole(self, gpu_type: str) -> float:
         """``permitted`` with each node's waiting requests counted whole: the node's own
@@ -177,17 +184,20 @@ class QuotaCeiling:
             return demand
         return runs + largest_sum(sizes, int(room - runs))
 
-    def kept_back(self, gpu_type: str) -> float:
+    def kept_back(self, gpu_type: str, own_demand: Mapping[str, float] | None = None) -> float:
         """GPUs of the type that lend limits keep idle: for each node with a lend limit,
-        its guarantee beyond what its subtree runs and waits for, less what it lends;
-        nested limits count once (the larger), as the core withholds them."""
+        its guarantee beyond what its subtree runs and waits for (each node's own part:
+        ``own_demand``, by default all of it), less what it lends; nested limits count
+        once (the larger), as the core withholds them."""
         if not self.lends:
             return 0.0
         demand: dict[str, float] = defaultdict(float)
         protected: dict[str, float] = defaultdict(float)
         total = 0.0
         for name in self.order:  # children first
-            demand[name] += self.demand.get((name, gpu_type), 0)
+            demand[name] += (
+                self.demand.get((name, gpu_type), 0) if own_demand is None else own_demand[name]
+            )
             lend = self.lends.get((name, gpu_type))
             own = 0.0 if lend is None else max(0.0, lend[0] - demand[name] - lend[1])
             kept = max(own, protected[name])
@@ -204,6 +214,15 @@ class QuotaCeiling:
         for it: the most any scheduler that honours them could hold."""
         room = self.capacity.get(gpu_type, 0) - self.kept_back(gpu_type)
         return min(self.permitted(gpu_type), max(0.0, room))
+
+    def permitted_by_quotas(self, gpu_type: str) -> float:
+        """The quotas' tightest bound here: ``permitted_whole``, less what lend limits
+        keep idle when each project's waiting requests count whole — a project can run
+        no more than what it runs plus the largest sum of its requests that fits its
+        limit, so its lend limit keeps back at least its guarantee beyond that."""
+        held, own_demand = self._pass(gpu_type, whole=True)
+        room = self.capacity.get(gpu_type, 0) - self.kept_back(gpu_type, own_demand)
+        return min(held, max(0.0, room))
 
 
 def largest_sum(sizes: Mapping[int, int], room: int) -> int:

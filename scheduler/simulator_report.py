@@ -117,6 +117,9 @@ class Summary:
     # The ceiling with each project's waiting requests counted whole (not in part) under
     # its own limit (``QuotaCeiling.permitted_whole``).
     allocation_ceiling_whole_requests_while_waiting: float | None
+    # Both at once, lend limits counted with waiting requests whole
+    # (``QuotaCeiling.permitted_by_quotas``): the tightest bound of the quotas alone.
+    allocation_ceiling_whole_within_lend_limits_while_waiting: float | None
     waiting_s: float  # how long (virtual clock) some job was waiting
     mean_jct_s: float | None  # end - submit, over the finished jobs
     preemptions: int
@@ -166,6 +169,7 @@ class ClockTotals:
     ceiling_while_waiting_gpu_s: float = 0.0  # what the quota tree permits of those types
     ceiling_within_lend_limits_while_waiting_gpu_s: float = 0.0  # less lend-limit reserves
     ceiling_whole_requests_while_waiting_gpu_s: float = 0.0  # requests counted whole
+    ceiling_whole_within_lend_limits_while_waiting_gpu_s: float = 0.0  # both
     waiting_s: float = 0.0
     admissions: int = 0
     plan_calls: int = 0
@@ -242,6 +246,11 @@ def summarise(
         else None,
         allocation_ceiling_whole_requests_while_waiting=(
             totals.ceiling_whole_requests_while_waiting_gpu_s / waiting_fleet_gpu_s
+        )
+        if waiting_fleet_gpu_s > 0
+        else None,
+        allocation_ceiling_whole_within_lend_limits_while_waiting=(
+            totals.ceiling_whole_within_lend_limits_while_waiting_gpu_s / waiting_fleet_gpu_s
         )
         if waiting_fleet_gpu_s > 0
         else None,
@@ -346,6 +355,9 @@ def summary_json(s: Summary) -> dict[str, Any]:
         ),
         "allocation_ceiling_whole_requests_while_waiting": (
             s.allocation_ceiling_whole_requests_while_waiting
+        ),
+        "allocation_ceiling_whole_within_lend_limits_while_waiting": (
+            s.allocation_ceiling_whole_within_lend_limits_while_waiting
         ),
         "waiting_s": s.waiting_s,
         "mean_jct_s": s.mean_jct_s,

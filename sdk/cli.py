@@ -268,6 +268,10 @@ def print_summary(result: SimulationResult, console: Console) -> None:
             "  the same, waiting requests counted whole",
             _share(s.allocation_ceiling_whole_requests_while_waiting),
         ),
+        (
+            "  both: the quotas' tightest bound",
+            _share(s.allocation_ceiling_whole_within_lend_limits_while_waiting),
+        ),
         ("time with work waiting", _duration(s.waiting_s)),
         ("wait p50 / p95 / p99", _waits(s.waits)),
         ("mean JCT", _duration(s.mean_jct_s)),

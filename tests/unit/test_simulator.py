@@ -150,6 +150,8 @@ def check_accounting(result: SimulationResult, jobs: Sequence[TraceJob], nodes: 
         assert within_lend_limits <= summary["allocation_ceiling_while_waiting"] + 1e-9 <= 1 + 2e-9
         whole = summary["allocation_ceiling_whole_requests_while_waiting"]
         assert achieved <= whole + 1e-9 <= summary["allocation_ceiling_while_waiting"] + 2e-9
+        both = summary["allocation_ceiling_whole_within_lend_limits_while_waiting"]
+        assert achieved <= both + 1e-9 <= min(whole, within_lend_limits) + 2e-9
     assert summary["never_fits"] == len(never)
     assert summary["started"] == sum(r["start_s"] is not None for r in records.values())
     return records
@@ -688,6 +690,38 @@ def test_the_whole_request_ceiling_counts_no_request_in_part():
     # nothing beside a1, as the replay found.
     assert s.allocation_ceiling_while_waiting == pytest.approx(8 / 32)
     assert s.allocation_ceiling_whole_requests_while_waiting == pytest.approx(6 / 32)
+
+
+def test_the_quotas_tightest_bound_keeps_back_a_lenders_guarantee_it_cannot_use():
+    nodes = fleet(("z1", 4, 8))  # 32 GPUs
+    tree = project_tree(
+        [
+            # Guaranteed 16, lends at most 4, may hold 24.
+            {
+                "name": "lender",
+                "quotas": {"V100": {"guaranteed": 16, "borrow_limit": 8, "lend_limit": 4}},
+            },
+            {"name": "x", "quotas": {"V100": {"guaranteed": 0}}},
+        ]
+    )
+    jobs = [
+        TraceJob("l1", 0.0, 1000.0, 2, "lender"),
+        TraceJob("l2", 0.0, 1000.0, 24, "lender"),  # 2 + 24 > 24: waits for l1
+        TraceJob("x1", 0.0, 1000.0, 16, "x"),
+        TraceJob("x2", 0.0, 1000.0, 8, "x"),  # the lender keeps 16 - 2 - 4 = 10 back
+    ]
+    result = simulate(jobs, nodes, tree, "gpufleet")
+    check_accounting(result, jobs, nodes)
+    starts = {r.job_id: r.start_s for r in result.records}
+    assert starts == {"l1": 0.0, "x1": 0.0, "l2": 1000.0, "x2": 1000.0}
+    s = result.summary
+    assert s.allocation_while_waiting == pytest.approx(18 / 32)
+    # Counted in part, l2 makes the lender ask for its whole guarantee: nothing is kept
+    # back. Counted whole, the lender can hold only its 2, and keeps 10 of its 16 back
+    # from x's 24: at most 22 of the 32 are held.
+    assert s.allocation_ceiling_within_lend_limits_while_waiting == pytest.approx(32 / 32)
+    assert s.allocation_ceiling_whole_requests_while_waiting == pytest.approx(26 / 32)
+    assert s.allocation_ceiling_whole_within_lend_limits_while_waiting == pytest.approx(22 / 32)
 
 
 @given(st.dictionaries(st.integers(1, 9), st.integers(1, 4), max_size=4), st.integers(-2, 30))
