@@ -168,16 +168,12 @@ class Frozen:
         queues: set[tuple[str, str]] = set()
         if p.backfill_left <= 0:
             return queues
-        # ``may_enter`` by what it depends on, worked out per queue (the guarantee left)
-        # and per class, and the held zone's room per pod size: a few of each, for
-        # thousands of shapes.
         # A queue's answer stands while what it read stands: shapes only get refused, so
         # "no" stays "no", and "yes" while its shape is not refused.
         book = p.book
-        fitting: dict[int, int] = {}
-        lower: dict[str, bool] = {}
         zone_free = capacity.zone_free.get(held.zone, 0)
         answers = self.answers
+        entering = _Entering(p, held, epoch)
         for *_, key in heap:
             if key[1] != gpu_type:
                 continue
@@ -193,28 +189,53 @@ class Frozen:
                 else:
                     continue
             guarantee_left = book.guaranteed_of.get(key, 0) - used
-            same = key[0] == held.project
-            found = None
-            for shape in p.memo.queue_shapes[key]:
-                refused = p.settled.get(shape)
-                if refused is not None and refused[0] == epoch:
-                    continue
-                per_pod, pods = shape[2], shape[3]
-                room = fitting.get(per_pod)
-                if room is None:
-                    room = fitting[per_pod] = capacity.pods_fitting(held.zone, per_pod)
-                if room < pods:
-                    continue
-                below = lower.get(shape[4])
-                if below is None:
-                    below = lower[shape[4]] = p.lower_than(shape[4], held)
-                if admits(held, per_pod * pods <= guarantee_left, same, below):
-                    found = shape
-                    break
+            found = next((s for s in p.memo.queue_shapes[key] if entering(s, guarantee_left)), None)
             answers[key] = (read, found is not None, found)
             if found is not None:
                 queues.add(key)
         return queues
+
+    def entering(self, key: tuple[str, str]) -> set[tuple[Any, ...]]:
+        """The shapes of a queue that ``_may_backfill`` named that could enter its type's
+        held zone now: the planner decides the first of its requests with one of them
+        first (``plan._Planner._backfill_first``)."""
+        p = self.planner
+        held = p.reserved.get(key[1])
+        if held is None:
+            return set()
+        epoch = p.epoch if p.book.lends_with_limits else 0
+        used = p.book.used.get(key, 0) + p.book.claimed.get(key, 0)
+        guarantee_left = p.book.guaranteed_of.get(key, 0) - used
+        entering = _Entering(p, held, epoch)
+        return {s for s in p.memo.queue_shapes[key] if entering(s, guarantee_left)}
+
+
+class _Entering:
+    """Whether a request shape could enter a held zone as backfill now (``plan.may_enter``
+    by what it depends on: the guarantee its queue has left and its class) and fit there,
+    and is not refused already this cycle. The held zone's room per pod size and the
+    classes' answers are kept: a few of each, for thousands of shapes."""
+
+    def __init__(self, planner: _Planner, held: Any, epoch: int):
+        self.planner, self.held, self.epoch = planner, held, epoch
+        self.fitting: dict[int, int] = {}
+        self.lower: dict[str, bool] = {}
+
+    def __call__(self, shape: tuple[Any, ...], guarantee_left: int) -> bool:
+        p, held = self.planner, self.held
+        refused = p.settled.get(shape)
+        if refused is not None and refused[0] == self.epoch:
+            return False
+        per_pod, pods = shape[2], shape[3]
+        room = self.fitting.get(per_pod)
+        if room is None:
+            room = self.fitting[per_pod] = p.capacity.pods_fitting(held.zone, per_pod)
+        if room < pods:
+            return False
+        below = self.lower.get(shape[4])
+        if below is None:
+            below = self.lower[shape[4]] = p.lower_than(shape[4], held)
+        return admits(held, per_pod * pods <= guarantee_left, shape[0] == held.project, below)
 
 
 class FrozenTails:

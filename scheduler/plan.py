@@ -327,7 +327,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
                 if not requests:
                     continue
             queue = queues[key] = _Queue(requests)
-            heap.append((self._queue_order(key, queue), self.epoch, key))
+            heap.append((self._queue_order(key, queue), self._order_stamp(key), key))
         heapq.heapify(heap)
         blocked_users: dict[tuple[str, str], int] = {}
         frozen = Frozen(self)
@@ -352,18 +352,28 @@ class _Planner(Reasons, CapRoom, HeldZones):
             elif frozen.now(heap):
                 self.frozen.decide(heap, queues, blocked_users)
                 return
-            order, epoch, key = heapq.heappop(heap)
+            order, stamp, key = heapq.heappop(heap)
             queue = queues[key]
-            if epoch != self.epoch:  # something was admitted since: its place may be later
+            fresh_stamp = self._order_stamp(key)
+            if stamp != fresh_stamp:  # its path's usage changed since: its place may be later
                 fresh = self._queue_order(key, queue)
                 if fresh > order:
-                    heapq.heappush(heap, (fresh, self.epoch, key))
+                    heapq.heappush(heap, (fresh, fresh_stamp, key))
                     continue
             if not still:  # once frozen nothing starts: the order cannot matter
                 self._within_first(key, queue)
+            elif key in backfill:
+                self._backfill_first(queue, frozen.entering(key))
             self._next_in_queue(queue, blocked_users)
             if queue.head < len(queue.requests):
-                heapq.heappush(heap, (self._queue_order(key, queue), self.epoch, key))
+                heapq.heappush(heap, (self._queue_order(key, queue), self._order_stamp(key), key))
+
+    def _order_stamp(self, key: tuple[str, str]) -> tuple[int, int]:
+        """What a queue's place in the order (``_queue_order``) reads that the cycle
+        changes: usage and claims along its project's path (counted per top of the tree),
+        and the zones held (a holder's ``_within``; holds are only added in a cycle).
+        While it stands, the place stands."""
+        return self.book.changes[self.book.path(key[0])[-1]], len(self.reserved)
 
     def _queue_order(self, key: tuple[str, str], queue: _Queue) -> tuple[Any, ...]:
         """The queue's place in the cycle's order: its head's, or, when the head borrows,
@@ -409,6 +419,27 @@ class _Planner(Reasons, CapRoom, HeldZones):
             queue.requests = list(queue.requests)  # the memo's: not ours to reorder
         queue.requests.insert(queue.head, queue.requests.pop(within))
         queue.scan = within + 1
+
+    def _backfill_first(self, queue: _Queue, entering: set[tuple[Any, ...]]) -> None:
+        """Once only backfill can change the state, bring the queue's first request that
+        could enter the held zone (of a shape in ``entering``) before its earlier ones:
+        those can start nowhere (no free block outside the held zone fits a pod, and they
+        may not enter it), so deciding them first would only spend the cycle's backfill
+        decisions (``MAX_BACKFILL_DECISIONS``), and the same ones again next cycle,
+        before reaching it. Their refusals come in the frozen tail."""
+        requests, head = queue.requests, queue.head
+        if not entering or requests[head].shape in entering:
+            return
+        found = next(
+            (i for i in range(head + 1, len(requests)) if requests[i].shape in entering), None
+        )
+        if found is None:
+            return
+        key = (requests[head].project, requests[head].gpu_type)
+        if requests is self.memo.queues.get(key):
+            queue.requests = requests = list(requests)  # the memo's: not ours to reorder
+        requests.insert(head, requests.pop(found))
+        queue.scan = head + 1  # what lay between moved up by one
 
     def _next_in_queue(self, queue: _Queue, blocked_users: dict[tuple[str, str], int]) -> None:
         """Decide the queue's current request, and the later ones that only repeat an

@@ -115,6 +115,10 @@ class QuotaBook:
         # (project, GPU type) -> GPUs of its guarantee claimed this cycle by the request a
         # zone is held for (``claim_guarantee``): its later requests count them as used.
         self.claimed: dict[tuple[str, str], int] = {}
+        # Top of the tree -> how many times usage or a claim under it changed: a queue's
+        # place in the cycle's order reads only its own path (fair shares, guarantee), so
+        # while this count stands for its top the place stands (``plan._run_queues``).
+        self.changes: dict[str, int] = defaultdict(int)
         for project, gpu_type, gpus in usage:
             self.add(project, gpu_type, gpus)
         self._lendable = self._lendable_at_start()
@@ -150,10 +154,12 @@ class QuotaBook:
 
     # ------------------------------------------------------------ accounting
     def add(self, project: str, gpu_type: str, gpus: int) -> None:
-        for name in self.path(project):
+        path = self.path(project)
+        for name in path:
             self.used[(name, gpu_type)] += gpus
             self.types_used[name].add(gpu_type)
             self._share.pop(name, None)
+        self.changes[path[-1]] += 1
         if self._share_keys:
             self._share_keys.clear()
 
@@ -178,6 +184,7 @@ class QuotaBook:
         it. Only the project's own guarantee: caps and fair shares count what runs."""
         key = (project, gpu_type)
         self.claimed[key] = self.claimed.get(key, 0) + gpus
+        self.changes[self.path(project)[-1]] += 1
 
     def over_cap(self, project: str, gpu_type: str, gpus: int) -> str | None:
         """The nearest node on the project's path that the request would take over its cap."""

@@ -153,3 +153,31 @@ def test_backfill_in_a_held_zone_stays_evictable_as_its_project_shrinks_elsewher
     afresh = plan(snap(nodes, [pending(1, "p", 8, pods=2)], run, tree), NOW)
     assert afresh.preemptions == ()
     assert causes(afresh)[1][0] is WaitCause.RESERVED
+
+
+def test_backfill_reaches_a_request_that_fits_the_held_zone_behind_many_that_do_not() -> None:
+    # p's 64-GPU gang, within p's guarantee, holds z1 (24 GPUs free, the rest q's work
+    # within q's guarantee); z2 is full. b borrows: 75 requests of different shapes too
+    # large for z1's free GPUs, queued before one 8-GPU job that fits there. Only b's
+    # queue may still backfill, and the cycle decides at most 64 requests for backfill:
+    # the job must not wait behind requests that can start nowhere.
+    z1, z2 = zone_of_8("z1", 3), zone_of_8("z2", 0)
+    too_large = [(k, pods) for k in (8, 4, 2, 1) for pods in range(24 // k + 1, 64 // k + 1)]
+    assert len(too_large) > 64
+    queue = [pending(1, "p", 8, pods=8, held_zone=Z1)]
+    queue += [
+        pending(100 + i, "b", k, pods=pods, at=float(i)) for i, (k, pods) in enumerate(too_large)
+    ]
+    queue.append(pending(2, "b", 8, at=1000.0))
+    run = [full_of(10, "q", z1), full_of(11, "q", z2)]
+    result = plan(
+        snap(z1 + z2, queue, run, projects(p=64, q=128, b=0), max_preemption_searches=2), NOW
+    )
+    assert [(a.workload_id, a.zone) for a in result.admissions] == [(2, "z1")]
+    assert causes(result)[1][0] is WaitCause.RESERVED
+    # The requests it went before wait for room, in their order.
+    waits = {w.workload_id: w for w in result.waiting}
+    assert [waits[100 + i].position for i in range(len(too_large))] == sorted(
+        waits[100 + i].position for i in range(len(too_large))
+    )
+    assert {waits[100 + i].cause for i in range(len(too_large))} == {WaitCause.CAPACITY}
