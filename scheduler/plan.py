@@ -426,7 +426,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
         those can start nowhere (no free block outside the held zone fits a pod, and they
         may not enter it), so deciding them first would only spend the cycle's backfill
         decisions (``MAX_BACKFILL_DECISIONS``), and the same ones again next cycle,
-        before reaching it. Their refusals come in the frozen tail."""
+        before reaching it. They are decided after it, in their order."""
         requests, head = queue.requests, queue.head
         if not entering or requests[head].shape in entering:
             return
