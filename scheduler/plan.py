@@ -363,7 +363,7 @@ class _Planner(Reasons, CapRoom, HeldZones):
             if not still:  # once frozen nothing starts: the order cannot matter
                 self._within_first(key, queue)
             elif key in backfill:
-                self._backfill_first(queue, frozen.entering(key))
+                self._backfill_first(key, queue, frozen.entering(key))
             self._next_in_queue(queue, blocked_users)
             if queue.head < len(queue.requests):
                 heapq.heappush(heap, (self._queue_order(key, queue), self._order_stamp(key), key))
@@ -420,7 +420,9 @@ class _Planner(Reasons, CapRoom, HeldZones):
         queue.requests.insert(queue.head, queue.requests.pop(within))
         queue.scan = within + 1
 
-    def _backfill_first(self, queue: _Queue, entering: set[tuple[Any, ...]]) -> None:
+    def _backfill_first(
+        self, key: tuple[str, str], queue: _Queue, entering: set[tuple[Any, ...]]
+    ) -> None:
         """Once only backfill can change the state, bring the queue's first request that
         could enter the held zone (of a shape in ``entering``) before its earlier ones:
         those can start nowhere (no free block outside the held zone fits a pod, and they
@@ -435,7 +437,6 @@ class _Planner(Reasons, CapRoom, HeldZones):
         )
         if found is None:
             return
-        key = (requests[head].project, requests[head].gpu_type)
         if requests is self.memo.queues.get(key):
             queue.requests = requests = list(requests)  # the memo's: not ours to reorder
         requests.insert(head, requests.pop(found))
