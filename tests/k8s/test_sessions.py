@@ -263,9 +263,13 @@ def test_a_node_that_stops_answering_ends_its_session_but_keeps_its_gpus_until_t
             "GET", "/events", params={"workload_id": workload["id"]}
         ).json()["items"]
         assert any(e["kind"] == "node-lost-session" and e["node"] == node for e in events), events
-        # The pod may still run on the node: it is there, and its GPUs are still held.
-        pod = pod_of(k8s_tier, workload)
-        assert pod["metadata"].get("deletionTimestamp")
+        # The hub deletes the pod after the session became stopping; it may still run on the
+        # node: it is there, and its GPUs are still held.
+        wait_for(
+            lambda: pod_of(k8s_tier, workload)["metadata"].get("deletionTimestamp"),
+            60,
+            "bob's pod marked for deletion",
+        )
         held = kube_fleet.workload_of("bob")
         assert held is not None and held["state"] == "stopping"
         assert [a["uuid"] for a in held["allocations"]] == [
