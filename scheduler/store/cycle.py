@@ -17,7 +17,7 @@ position of a 10,000-long queue every cycle would cost more than the cycle itsel
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -193,6 +193,8 @@ class SchedulingStore(StoreBase):
                     state=WorkloadState.admitted,
                     admitted_at=now,
                     promised=None,
+                    held_cluster=None,
+                    held_zone=None,
                     queue_position=None,
                     reason=bindparam("reason"),
                     version=Workload.version + 1,
@@ -259,6 +261,14 @@ class SchedulingStore(StoreBase):
                 .values(promised=bindparam("promised")),
                 [{"wid": k.workload_id, "promised": promised_json(k.pods)} for k in decided.kept],
             )
+        holds = _hold_changes(mirror.holding, decided)
+        if holds:
+            connection.execute(
+                update(Workload)
+                .where(Workload.id == bindparam("wid"), Workload.state == WorkloadState.pending)
+                .values(held_cluster=bindparam("cluster"), held_zone=bindparam("zone")),
+                holds,
+            )
         waits = []
         for workload_id, show in shown.items():
             before = mirror.shown.get(workload_id)
@@ -294,6 +304,21 @@ class SchedulingStore(StoreBase):
         # here, which rolls the whole cycle back.
         session.flush()
         return tuple(stops)
+
+
+def _hold_changes(before: Mapping[int, tuple[str, str]], decided: Plan) -> list[dict[str, Any]]:
+    """The waiting rows whose held zone changes with this plan: a new or moved hold, or
+    one given up (admitted holders are cleared with their admission)."""
+    after = {wid: (cluster, zone) for (cluster, zone, _), wid in decided.held.items()}
+    changes = [
+        {"wid": wid, "cluster": zone[0], "zone": zone[1]}
+        for wid, zone in after.items()
+        if before.get(wid) != zone
+    ]
+    changes.extend(
+        {"wid": wid, "cluster": None, "zone": None} for wid in before.keys() - after.keys()
+    )
+    return changes
 
 
 def _execute_many(

@@ -141,9 +141,9 @@ class Shown:
 class Mirror:
     def __init__(self) -> None:
         # Waiting workload -> the zone held for it by the last plan (``Plan.held``), handed
-        # back as ``Pending.held_zone`` so that the hold stays put. The controller's memory,
-        # not the database's: kept across full reads, lost with the process (the next
-        # cycle then holds afresh).
+        # back as ``Pending.held_zone`` so that the hold stays put. Each cycle's commit
+        # writes its changes to the rows (``Workload.held_cluster``, ``held_zone``), so a
+        # restarted controller reads them back and keeps holding what has drained.
         self.holding: dict[int, tuple[str, str]] = {}
         self._clear()
 
@@ -315,6 +315,10 @@ class Mirror:
                             in_service = self._in_service()
                         request = self._avoiding(request, in_service)
                     held_zone = self.holding.get(workload.id)
+                    if held_zone is None and workload.held_cluster and workload.held_zone:
+                        # Held by a cycle before this process started (see ``holding``).
+                        held_zone = (workload.held_cluster, workload.held_zone)
+                        self.holding[workload.id] = held_zone
                     if held_zone is not None:
                         request = replace(request, held_zone=held_zone)
                     self.pending[workload.id] = request
@@ -452,6 +456,8 @@ _WORKLOAD_COLUMNS = (
     Workload.promised,
     Workload.not_before,
     Workload.recovery,
+    Workload.held_cluster,
+    Workload.held_zone,
 )
 
 
@@ -478,6 +484,8 @@ class _Row(NamedTuple):
     promised: dict[str, Any] | None
     not_before: datetime | None
     recovery: dict[str, Any] | None
+    held_cluster: str | None
+    held_zone: str | None
     project: str
 
 

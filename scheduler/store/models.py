@@ -348,6 +348,11 @@ class Workload(Base):
     # For a waiting preemptor: the placement kept for it ({"pods": [[node, [uuid, ...]]]}),
     # its victims' GPUs and the free ones it counted on, until it is admitted.
     promised: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    # For a waiting workload: the zone the last cycle held for it (``Plan.held``), read
+    # back as ``Pending.held_zone`` so that a restarted controller keeps holding the zone
+    # that has been draining for it rather than picking afresh. Cleared once it is admitted.
+    held_cluster: Mapped[str | None] = mapped_column(String(255), default=None)
+    held_zone: Mapped[str | None] = mapped_column(String(255), default=None)
     # The random marker every process of the workload inherits (recovery/processes.py),
     # sent by the backend with the request, before any process starts: the reconciler
     # tells by it which live processes belong to which workload.

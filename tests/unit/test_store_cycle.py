@@ -6,7 +6,6 @@ rolling back whole."""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from datetime import datetime
 
 import pytest
@@ -17,7 +16,7 @@ from gpufleet.scheduler.snapshot import Policy, SchedulingSnapshot
 from gpufleet.scheduler.store.cycle import CycleResult
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.mirror import EVERYTHING, Mirror
-from gpufleet.scheduler.store.models import Event, Node, WorkloadState
+from gpufleet.scheduler.store.models import Event, Node, Workload, WorkloadState
 
 from .test_store import allocations, ask, events, store, t, workload
 
@@ -137,9 +136,20 @@ def test_a_cycle_whose_rows_changed_underneath_rolls_back_whole(store: FleetStor
     assert allocations(store) == before
 
 
+def held_in_rows(store: FleetStore) -> dict[int, tuple[str | None, str | None]]:
+    with store.read() as session:
+        rows = session.execute(
+            select(Workload.id, Workload.held_cluster, Workload.held_zone).where(
+                Workload.held_cluster.is_not(None) | Workload.held_zone.is_not(None)
+            )
+        )
+        return {wid: (cluster, zone) for wid, cluster, zone in rows}
+
+
 def test_the_zone_held_for_a_request_is_handed_back_to_the_next_cycle(store: FleetStore) -> None:
-    """The controller remembers which zone its last plan held for whom (not the database:
-    a full read keeps it), so the next plan keeps the hold there (``Pending.held_zone``)."""
+    """The zone the last plan held for a request is handed to the next plan
+    (``Pending.held_zone``) so that the hold stays put: across full reads, and across a
+    restart of the controller (its row says so)."""
     ask(store, t(1), "carol", project="nlp", gpus=4)
     alice = ask(store, t(1), "alice", gpus=2)
     cycle(store, t(2))  # every A100 taken
@@ -147,22 +157,46 @@ def test_the_zone_held_for_a_request_is_handed_back_to_the_next_cycle(store: Fle
     cycle(store, t(4))
     assert workload(store, late).reason.endswith("zone-a is kept for you as GPUs free up")
     assert store.mirror.pending[late].held_zone == ("local", "zone-a")
+    assert held_in_rows(store) == {late: ("local", "zone-a")}
     with store.read() as session:
         store.mirror.refresh(session, {EVERYTHING}, t(5).timestamp())
     assert store.mirror.pending[late].held_zone == ("local", "zone-a")
+    # A new controller process: nothing in memory, the rows read afresh.
+    store.mirror = Mirror()
+    store.forget_mirror()
+    store.refresh_mirror(t(5))
+    assert store.mirror.pending[late].held_zone == ("local", "zone-a")
+    assert store.mirror.holding == {late: ("local", "zone-a")}
 
     store.end(t(6), alice, "stopped", "")
     assert [a.workload_id for a in cycle(store, t(7)).admitted] == [late]
     assert store.mirror.holding == {}
+    assert held_in_rows(store) == {}  # cleared with the admission
+
+
+def test_a_hold_given_up_is_cleared_from_its_row(store: FleetStore) -> None:
+    """A request the plan no longer holds a zone for has its row say so, so that a
+    restarted controller does not hold for it again."""
+    ask(store, t(1), "carol", project="nlp", gpus=4)
+    ask(store, t(1), "alice", gpus=2)
+    cycle(store, t(2))  # every A100 taken
+    late = ask(store, t(3), "carol", server="two", project="nlp", gpus=2)
+    cycle(store, t(4))
+    assert held_in_rows(store) == {late: ("local", "zone-a")}
+    # Every A100 node cordoned: no zone can take new work, so none is held.
+    for node in ("a1", "a2"):
+        assert store.set_cordoned(t(5), node, True, by="admin")
+    cycle(store, t(6))
+    assert "cordoned" in workload(store, late).reason
+    assert store.mirror.holding == {}
+    assert held_in_rows(store) == {}
 
 
 def _world(snapshot: SchedulingSnapshot) -> tuple[object, ...]:
-    # Without the held zones: what the last plan held is the controller's memory, which a
-    # mirror reading the database afresh does not have.
     return (
         sorted(snapshot.nodes, key=lambda n: (n.name, n.gpu_type)),
         sorted(snapshot.running, key=lambda r: r.id),
-        sorted((replace(r, held_zone=None) for r in snapshot.queue), key=lambda r: r.id),
+        sorted(snapshot.queue, key=lambda r: r.id),
         snapshot.projects,
         snapshot.priorities,
     )
