@@ -15,6 +15,11 @@ For each workload, each policy replayed in the same run:
 - evicted GPUs beyond need, preemptors that evicted more than twice their need,
   preemptions while the preemptor's gang already fitted, the most preemptions of one
   job, lost GPU-hours, and the replay's wall time;
+- an audit of the eviction searches that are budget-bound (more candidates in a zone than
+  ``eviction.EXACT_LIMIT``; smaller ones are exhaustive): each is searched again with
+  ``AUDIT_BUDGET`` steps instead of 64, and the line says how often that found a set
+  evicting fewer GPUs (and how many fewer) or as few losing less work — the replay keeps
+  the controller's answer;
 - per project: waits of the jobs that asked within their guarantee (p99 / max; target
   max <= 330 s = minimum run time 300 s + job grace 30 s), leaving out those that other
   projects' within-guarantee work blocked (``simulator_report.within_guarantee_waits``),
@@ -31,12 +36,14 @@ import argparse
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 from gang_traces import gang_fleet, gang_projects, gang_trace, offered_load
 from scheduler_policies import TRACE
 from scheduler_policies import fleet as philly_fleet
 from scheduler_policies import projects as philly_projects
 
+from gpufleet.scheduler import eviction, preemption
 from gpufleet.scheduler.inputs import TraceJob, read_trace
 from gpufleet.scheduler.model import FleetNode, ProjectTree
 from gpufleet.scheduler.simulator import PRIORITY_RANKS, SimulationOptions, simulate
@@ -46,8 +53,58 @@ from gpufleet.scheduler.simulator_report import (
     percentile,
     within_guarantee_waits,
 )
+from gpufleet.scheduler.snapshot import Running
 
 POLICIES = ("fifo", "static", "gpufleet")
+
+
+# Steps of the audit's deeper eviction search (the controller's: eviction.IMPROVE_BUDGET).
+AUDIT_BUDGET = 20_000
+
+
+class EvictionAudit:
+    """Within ``with``: every budget-bound eviction search of the planner is run again
+    with ``AUDIT_BUDGET`` steps and compared; the planner keeps its own answer."""
+
+    def __init__(self) -> None:
+        self.searches = 0
+        self.fewer_gpus = 0
+        self.gpus_saved = 0
+        self.less_lost_work = 0
+        self.seconds = 0.0  # spent in the deeper searches
+
+    def __enter__(self) -> EvictionAudit:
+        self._searched = preemption.cheapest_victims
+        preemption.cheapest_victims = self._search  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        preemption.cheapest_victims = self._searched
+
+    def _search(self, candidates: Sequence[Running], *args: Any, **kwargs: Any) -> Any:
+        found = eviction.cheapest_victims(candidates, *args, **kwargs)
+        if found is None or len(candidates) <= eviction.EXACT_LIMIT:
+            return found
+        self.searches += 1
+        started = time.perf_counter()
+        deeper = eviction.cheapest_victims(
+            candidates, *args, **{**kwargs, "improve_budget": AUDIT_BUDGET}
+        )
+        self.seconds += time.perf_counter() - started
+        assert deeper is not None  # the same candidates make room
+        if deeper[0][0] < found[0][0]:
+            self.fewer_gpus += 1
+            self.gpus_saved += found[0][0] - deeper[0][0]
+        elif deeper[0] < found[0]:
+            self.less_lost_work += 1
+        return found
+
+    def __str__(self) -> str:
+        return (
+            f"eviction audit: {self.searches} budget-bound searches; {AUDIT_BUDGET:,} steps "
+            f"found fewer GPUs in {self.fewer_gpus} ({self.gpus_saved} GPUs fewer), "
+            f"as few losing less work in {self.less_lost_work}"
+        )
 
 
 def run_workload(
@@ -70,10 +127,16 @@ def run_workload(
         f"{'replay s':>8}"
     )
     results: dict[str, SimulationResult] = {}
+    audit = EvictionAudit()
     for policy in POLICIES:
         started = time.perf_counter()
-        result = simulate(jobs, nodes, tree, policy, options)
-        elapsed = time.perf_counter() - started
+        if policy == "gpufleet":
+            with audit:
+                result = simulate(jobs, nodes, tree, policy, options)
+            elapsed = time.perf_counter() - started - audit.seconds  # the replay's own
+        else:
+            result = simulate(jobs, nodes, tree, policy, options)
+            elapsed = time.perf_counter() - started
         results[policy] = result
         s = result.summary
         gap = (
@@ -98,6 +161,7 @@ def run_workload(
             f"{s.preemptors_over_twice_need:>8} {s.preempted_while_fitting:>6} "
             f"{s.max_preemptions_per_job:>7} {s.lost_gpu_hours:>10.1f} {elapsed:>8.1f}"
         )
+    print(audit)
     bound = options.min_run_time_s + options.job_checkpoint_grace_s
     groups = sorted({r.project for r in results["fifo"].records} | set(tree.projects))
     groups = [g for g in groups if not tree.children(g) or g not in tree.projects]

@@ -137,13 +137,16 @@ def cheapest_victims(
     now: float,
     at_least: int = 0,
     zone: tuple[str, str, str] | None = None,
+    improve_budget: int = IMPROVE_BUDGET,
 ) -> tuple[Cost, list[Running]] | None:
     """The cheapest feasible victim set among ``candidates`` (all eligible; schedulable
     nodes' free counts are ``free``; ``fitting`` pods fit now in the zone), with its cost;
     None if even all of them do not make room. ``zone``: where the gang lands, when some
     candidates run elsewhere (they free only quota; without it every candidate runs
     there). ``at_least``: GPUs any feasible set frees for certain (what the gang lacks in
-    the zone), a bound that prunes the search."""
+    the zone), a bound that prunes the search. ``improve_budget``: the steps the exact
+    search may spend improving the greedy answer beyond ``EXACT_LIMIT`` candidates (the
+    gang benchmark's audit searches deeper to check the answer)."""
     lost = {v.id: lost_work(v, now) for v in candidates}
     ordered = sorted(candidates, key=lambda v: (v.gpus, lost[v.id], v.id))
     # Every candidate gone: if the gang does not fit even then, nothing here makes room.
@@ -169,7 +172,7 @@ def cheapest_victims(
             if room.fits():
                 best = (cost, [victim])
             room.change(victim, -1)
-    budget = EXACT_BUDGET if len(ordered) <= EXACT_LIMIT else IMPROVE_BUDGET
+    budget = EXACT_BUDGET if len(ordered) <= EXACT_LIMIT else improve_budget
     found = _Exact(ordered, room, potential, lost, best, budget, at_least).run()
     if found is None or len(ordered) <= EXACT_LIMIT:
         return found  # the optimum: nothing in it is unneeded
