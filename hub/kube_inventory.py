@@ -421,6 +421,17 @@ class _Write:
     nodes: tuple[list[ClusterNodeState], list[str], bool] | None
 
 
+@dataclass(frozen=True)
+class _GpufleetPod:
+    """A pod gpufleet made, as the reconciler reads it: its workload's process marker,
+    where it is, and whether its deletion has begun (it may still run meanwhile)."""
+
+    marker: str
+    namespace: str
+    name: str
+    terminating: bool
+
+
 class KubeInventory:
     """The watches of every configured cluster, written into the store by the leader."""
 
@@ -608,33 +619,38 @@ class KubeInventory:
             pods = await self._gpufleet_pods(watch)
             if pods is None:
                 return None
-            markers.update(marker for marker, _namespace, _name in pods)
+            markers.update(pod.marker for pod in pods)
         return frozenset(markers)
 
     async def delete_pods_with_marker(self, marker: str) -> int:
         """Delete gpufleet's pods carrying ``marker`` in every cluster that answers (the
-        reconciler's ``orphan-pods``), with their own grace period; how many."""
+        reconciler's ``orphan-pods``), with their own grace period; how many. A pod already
+        being deleted is left to finish (asking again would change nothing, and the
+        reconciler would report the same repair every pass until it is gone)."""
         from kubernetes_asyncio import client
 
         deleted = 0
         for watch in self.watches.values():
-            for found, namespace, name in await self._gpufleet_pods(watch) or []:
-                if found != marker:
+            for pod in await self._gpufleet_pods(watch) or []:
+                if pod.marker != marker or pod.terminating:
                     continue
                 try:
                     await client.CoreV1Api(watch.api).delete_namespaced_pod(
-                        name, namespace, _request_timeout=15
+                        pod.name, pod.namespace, _request_timeout=15
                     )
                     deleted += 1
                 except Exception as e:  # noqa: BLE001 - logged; the next pass tries again
                     self.log.warning(
-                        "cluster %s: could not delete pod %s/%s: %s", watch.name, namespace, name, e
+                        "cluster %s: could not delete pod %s/%s: %s",
+                        watch.name,
+                        pod.namespace,
+                        pod.name,
+                        e,
                     )
         return deleted
 
-    async def _gpufleet_pods(self, watch: ClusterWatch) -> list[tuple[str, str, str]] | None:
-        """(marker, namespace, name) of every pod gpufleet made in the cluster; None when it
-        cannot list them."""
+    async def _gpufleet_pods(self, watch: ClusterWatch) -> list[_GpufleetPod] | None:
+        """Every pod gpufleet made in the cluster; None when it cannot list them."""
         from kubernetes_asyncio import client
 
         from ..recovery.processes import workload_marker
@@ -659,7 +675,12 @@ class KubeInventory:
             found = (metadata.get("annotations") or {}).get(MARKER_LABEL)
             if found:
                 pods.append(
-                    (workload_marker(str(found)), metadata.get("namespace", ""), metadata["name"])
+                    _GpufleetPod(
+                        workload_marker(str(found)),
+                        metadata.get("namespace", ""),
+                        metadata["name"],
+                        terminating=bool(metadata.get("deletionTimestamp")),
+                    )
                 )
         return pods
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from .harness import REPO, Hub
+from .harness import REPO, Hub, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -58,10 +58,20 @@ def exported(hub: Hub) -> dict[str, list[dict[str, str]]]:
     return samples
 
 
+def held_gpus(samples: dict[str, list[dict[str, str]]]) -> list[dict[str, str]]:
+    """The GPU series labelled with the workload holding the GPU."""
+    return [s for s in samples.get("DCGM_FI_DEV_GPU_UTIL", []) if s.get("gpufleet_workload")]
+
+
 def test_every_series_the_rules_and_the_dashboard_read_is_exported(fleet: Hub) -> None:
     fleet.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
     fleet.wait_ready("alice")
-    samples = exported(fleet)
+    # The agent labels GPUs with their holder from its next heartbeat's assignments.
+    samples = wait_for(
+        lambda: found if len(held_gpus(found := exported(fleet))) == 2 else None,
+        15,
+        "alice's two GPUs labelled with their workload",
+    )
     recorded = {rule["record"] for rule in rules()}
     read_by_rules = set().union(*(metric_names(rule["expr"]) for rule in rules()))
     missing = sorted(read_by_rules - set(samples))
@@ -70,8 +80,7 @@ def test_every_series_the_rules_and_the_dashboard_read_is_exported(fleet: Hub) -
     unknown = sorted(n for n in read_by_dashboard - set(samples) if n not in recorded)
     assert not unknown, f"the dashboard reads series neither exported nor recorded: {unknown}"
     # The per-workload rules select GPUs by the holder's label: alice's two carry it.
-    held = [s for s in samples["DCGM_FI_DEV_GPU_UTIL"] if s.get("gpufleet_workload")]
-    assert len(held) == 2 and {s["gpufleet_user"] for s in held} == {"alice"}
+    assert {s["gpufleet_user"] for s in held_gpus(samples)} == {"alice"}
     assert any(s.get("project") == "vision" for s in samples["gpufleet_allocated_gpus"])
     # Series of known labels exist from the start: a dashboard shows 0, not "no data".
     ended = {(s["kind"], s["outcome"]) for s in samples["gpufleet_workloads_ended_total"]}

@@ -245,9 +245,14 @@ async def test_a_pod_runs_and_reports_its_exit_code_and_phase(
         node = done.spec.node_name  # placed by the real scheduler
         output = await logged(cluster, node, ok_name, "hello")
         assert output == f"hello from {ok_name} in {NAMESPACE}\n"
-        # The scheduler's event, then the kubelet's, as `kubectl describe` shows them.
-        reasons = await event_reasons(spawner_a, ok_name)
-        assert {"Scheduled", "Pulled", "Created", "Started"} <= set(reasons)
+
+        # The scheduler's event, then the kubelet's, as `kubectl describe` shows them (the
+        # scheduler's event recorder posts on its own time, maybe after the pod ran).
+        async def all_reported() -> bool:
+            reasons = await event_reasons(spawner_a, ok_name)
+            return {"Scheduled", "Pulled", "Created", "Started"} <= set(reasons)
+
+        await eventually(all_reported, f"the events of {ok_name}", 30)
 
         failed = await phase(spawner_a, failing_name, "Failed")
         state = status_of(failed).state.terminated
