@@ -15,6 +15,9 @@ For each workload, each policy replayed in the same run:
 - evicted GPUs beyond need, preemptors that evicted more than twice their need,
   preemptions while the preemptor's gang already fitted, the most preemptions of one
   job, lost GPU-hours, and the replay's wall time;
+- gpufleet's idle GPUs while work waits, by why (``idle_while_waiting_by_cause``,
+  docs/simulator.md): ``scheduler`` is its own shortfall, the rest the rules' and the
+  quotas' (held zones, lend limits, caps, gang shapes that fit no free block);
 - an audit of the eviction searches that are budget-bound (more candidates in a zone than
   ``eviction.EXACT_LIMIT``; smaller ones are exhaustive): each is searched again with
   ``AUDIT_BUDGET`` steps instead of 64, and the line says how often that found a set
@@ -162,6 +165,11 @@ def run_workload(
             f"{s.max_preemptions_per_job:>7} {s.lost_gpu_hours:>10.1f} {elapsed:>8.1f}"
         )
     print(audit)
+    idle = results["gpufleet"].summary.idle_while_waiting_by_cause
+    print(
+        "gpufleet idle while waiting, by why: "
+        + ", ".join(f"{cause} {share:.3f}" for cause, share in sorted(idle.items()))
+    )
     bound = options.min_run_time_s + options.job_checkpoint_grace_s
     groups = sorted({r.project for r in results["fifo"].records} | set(tree.projects))
     groups = [g for g in groups if not tree.children(g) or g not in tree.projects]

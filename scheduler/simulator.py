@@ -76,10 +76,13 @@ from .simulator_jobs import (
     with_trace_groups,
 )
 from .simulator_measures import (
+    IdleCause,
     PreemptionDecision,
     QuotaCeiling,
+    WaitingShape,
     free_for,
     gang_fits,
+    idle_by_cause,
     pod_need,
 )
 from .simulator_report import (
@@ -93,6 +96,7 @@ from .simulator_report import (
 from .snapshot import (
     Mode,
     NodeState,
+    Pending,
     Plan,
     Pod,
     Policy,
@@ -258,6 +262,11 @@ class _Replay(RecoveringReplay):
         # While some job waits, per moment, over the GPU types the waiting jobs ask for:
         # GPUs held, the fleet's GPUs, and the four ceilings. Stale once anything changed.
         self.while_waiting = (0, 0, 0.0, 0.0, 0.0, 0.0)
+        # The same moments' free GPUs by why they are idle (gpufleet only: the causes are
+        # its quotas'), and the shapes of what waits, kept as requests come and go.
+        self.idle: Counter[IdleCause] = Counter()
+        self.queued_shapes: Counter[WaitingShape] = Counter()
+        self.quota_limits = QuotaLimits(tree)
         self.measures_stale = False
         self.decisions: list[PreemptionDecision] = []
         # Every change to these is recorded and handed to the core with the next snapshot.
@@ -291,6 +300,7 @@ class _Replay(RecoveringReplay):
         held_s = held_waiting_s = waiting_s = 0.0
         events = self.events
         waiting_capacity_s = ceiling_s = ceiling_lend_s = ceiling_whole_s = ceiling_quotas_s = 0.0
+        idle_s: dict[IdleCause, float] = defaultdict(float)
         while events:
             now = events[0][0]
             elapsed = now - clock
@@ -307,6 +317,8 @@ class _Replay(RecoveringReplay):
                     ceiling_whole_s += ceiling_whole * elapsed
                     ceiling_quotas_s += ceiling_quotas * elapsed
                     waiting_s += elapsed
+                    for cause, gpus in self.idle.items():
+                        idle_s[cause] += gpus * elapsed
                 clock = now
             replan = False
             while events and events[0][0] == now:
@@ -364,6 +376,7 @@ class _Replay(RecoveringReplay):
             ceiling_within_lend_limits_while_waiting_gpu_s=ceiling_lend_s,
             ceiling_whole_requests_while_waiting_gpu_s=ceiling_whole_s,
             ceiling_whole_within_lend_limits_while_waiting_gpu_s=ceiling_quotas_s,
+            idle_while_waiting_gpu_s={cause.value: gpu_s for cause, gpu_s in idle_s.items()},
             waiting_s=waiting_s,
             admissions=self.admissions,
             plan_calls=self.plan_calls,
@@ -382,6 +395,19 @@ class _Replay(RecoveringReplay):
             sum(self.ceiling.permitted_whole(t) for t in types),
             sum(self.ceiling.permitted_by_quotas(t) for t in types),
         )
+        if self.policy.mode is Mode.GPUFLEET and self.queue:
+            held = set(self.last_plan.held)
+            kept = {g for r in self.queue.values() for pod in r.promised for g in pod.gpus}
+            self.idle = idle_by_cause(
+                self.nodes.values(),
+                self.queued_shapes,
+                self.running.values(),
+                kept,
+                held,
+                self.tree,
+                self.quota_limits,
+                self.gpus_by_type,
+            )
 
     def _could_admit(self) -> bool:
         """Whether some queued request is no larger than the free GPUs of its type. When
@@ -408,6 +434,7 @@ class _Replay(RecoveringReplay):
     def _enqueue(self, job: BookedJob) -> None:
         self.queue[job.wid] = job.pending
         self.queued_sizes[job.gpu_type][job.trace.num_gpus] += 1
+        self.queued_shapes[_shape(job.pending)] += 1
         self.ceiling.enqueue(job.project, job.gpu_type, job.trace.num_gpus)
         self.measures_stale = True
 
@@ -422,6 +449,10 @@ class _Replay(RecoveringReplay):
             sizes[job.trace.num_gpus] -= 1
             if not sizes[job.trace.num_gpus]:
                 del sizes[job.trace.num_gpus]
+            shape = _shape(job.pending)
+            self.queued_shapes[shape] -= 1
+            if not self.queued_shapes[shape]:
+                del self.queued_shapes[shape]
             self.ceiling.dequeue(job.project, job.gpu_type, job.trace.num_gpus)
             self._start(job, admission.cluster, admission.zone, admission.pods, now)
         for kept in plan.kept:  # a preemptor's placement, until it is admitted
@@ -780,3 +811,7 @@ def simulate(
         options=asdict(options),
         preemption_decisions=decisions,
     )
+
+
+def _shape(request: Pending) -> WaitingShape:
+    return (request.project, request.gpu_type, request.gpus_per_pod, request.pods)

@@ -143,6 +143,10 @@ class Summary:
     waits_by_project: Mapping[str, Waits] = field(default_factory=dict)
     waits_by_priority: Mapping[str, Waits] = field(default_factory=dict)
     mean_jct_by_project: Mapping[str, float | None] = field(default_factory=dict)
+    # While work waited, the free GPUs of the types it asked for by why they were idle
+    # (``simulator_measures.IdleCause``), as fractions of those types' GPUs (the
+    # denominator of ``allocation_while_waiting``, which they add up to 1 with); gpufleet.
+    idle_while_waiting_by_cause: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,8 @@ class ClockTotals:
     ceiling_within_lend_limits_while_waiting_gpu_s: float = 0.0  # less lend-limit reserves
     ceiling_whole_requests_while_waiting_gpu_s: float = 0.0  # requests counted whole
     ceiling_whole_within_lend_limits_while_waiting_gpu_s: float = 0.0  # both
+    # Free GPUs of those types by why they were idle (``simulator_measures.IdleCause``).
+    idle_while_waiting_gpu_s: Mapping[str, float] = field(default_factory=dict)
     waiting_s: float = 0.0
     admissions: int = 0
     plan_calls: int = 0
@@ -275,6 +281,12 @@ def summarise(
         waits_by_project={p: waits_of(w) for p, w in sorted(waits_by_project.items())},
         waits_by_priority={p: waits_of(w) for p, w in sorted(waits_by_priority.items())},
         mean_jct_by_project={p: _mean(j) for p, j in sorted(jct_by_project.items())},
+        idle_while_waiting_by_cause={
+            cause: gpu_s / waiting_fleet_gpu_s
+            for cause, gpu_s in sorted(totals.idle_while_waiting_gpu_s.items())
+        }
+        if waiting_fleet_gpu_s > 0
+        else {},
     )
 
 
@@ -359,6 +371,7 @@ def summary_json(s: Summary) -> dict[str, Any]:
         "allocation_ceiling_whole_within_lend_limits_while_waiting": (
             s.allocation_ceiling_whole_within_lend_limits_while_waiting
         ),
+        "idle_while_waiting_by_cause": dict(s.idle_while_waiting_by_cause),
         "waiting_s": s.waiting_s,
         "mean_jct_s": s.mean_jct_s,
         "preemptions": s.preemptions,

@@ -272,6 +272,12 @@ def print_summary(result: SimulationResult, console: Console) -> None:
             "  both: the quotas' tightest bound",
             _share(s.allocation_ceiling_whole_within_lend_limits_while_waiting),
         ),
+        *(
+            (f"  idle while waiting: {cause}", _share(share))
+            for cause, share in sorted(
+                s.idle_while_waiting_by_cause.items(), key=lambda item: -item[1]
+            )
+        ),
         ("time with work waiting", _duration(s.waiting_s)),
         ("wait p50 / p95 / p99", _waits(s.waits)),
         ("mean JCT", _duration(s.mean_jct_s)),

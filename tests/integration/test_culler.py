@@ -240,9 +240,7 @@ def test_a_kernel_running_code_keeps_its_session_whatever_the_browser_does(hub: 
         )
         started = time.monotonic()
         # Past the 20 s time-out and its warning, round after round: never warned.
-        wait_for(
-            lambda: time.monotonic() - started > 32, 60, "the time-out to pass, kernel busy"
-        )
+        wait_for(lambda: time.monotonic() - started > 32, 60, "the time-out to pass, kernel busy")
         rounds = culler_rounds(hub)  # earlier tests' rounds count too: two more from here
         wait_for(lambda: culler_rounds(hub) >= rounds + 2, 30, "two culler rounds past it")
         assert not {"session-idle-warning", "session-cull"} & set(kinds(hub, bob["id"]))
