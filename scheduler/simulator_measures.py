@@ -25,7 +25,8 @@ Pure helpers over plain values; ``simulator.py`` calls them as the replay runs.
   still waits (the scheduler's own shortfall); the zone is held for a gang and what fits
   may not enter; only requests that other projects' lend limits keep from them fit;
   only requests a cap refuses fit; no waiting request's pods fit them (gang packing,
-  fragmentation). The ceiling counts none of the last three.
+  fragmentation). The ceiling leaves out lend limits and gang shape, and counts caps
+  only in part.
 """
 
 from __future__ import annotations
