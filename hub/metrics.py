@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
 from ..recovery.classify import FaultClass
+from ..scheduler.idle import IdleCause
 from ..scheduler.snapshot import PreemptionCause
 from ..scheduler.store.models import (
     WORKLOAD_OUTCOMES,
@@ -110,8 +111,18 @@ class FleetCollector(Collector):
                 ratio = training_ratio(recovery, now)
                 if ratio is not None:
                     ettr.add_metric([str(job_id), name, project], ratio)
+        idle = GaugeMetricFamily(
+            "gpufleet_idle_gpus",
+            "Free GPUs of a type work waits for, after the last admission cycle, by why "
+            "nothing waiting uses them (docs/simulator.md, 'Idle while waiting, by why')",
+            labels=["gpu_type", "cause"],
+        )
+        for gpu_type, causes in self.store.idle_gpus().items():
+            for cause in IdleCause:
+                idle.add_metric([gpu_type, cause.value], causes.get(cause, 0))
         yield queued
         yield allocated
+        yield idle
         yield ettr
         yield capacity
         yield breakers

@@ -60,6 +60,7 @@ from functools import partial
 
 from .errors import InputError, SchedulerError
 from .holds import hand_back_holds
+from .idle import IdleCause, WaitingShape, idle_by_cause, waiting_shape
 from .inputs import TraceJob
 from .memo import PlanMemo
 from .model import FleetNode, ProjectTree
@@ -76,13 +77,10 @@ from .simulator_jobs import (
     with_trace_groups,
 )
 from .simulator_measures import (
-    IdleCause,
     PreemptionDecision,
     QuotaCeiling,
-    WaitingShape,
     free_for,
     gang_fits,
-    idle_by_cause,
     pod_need,
 )
 from .simulator_report import (
@@ -96,7 +94,6 @@ from .simulator_report import (
 from .snapshot import (
     Mode,
     NodeState,
-    Pending,
     Plan,
     Pod,
     Policy,
@@ -401,7 +398,7 @@ class _Replay(RecoveringReplay):
             self.idle = idle_by_cause(
                 self.nodes.values(),
                 self.queued_shapes,
-                self.running.values(),
+                ((r.project, r.gpu_type, r.gpus) for r in self.running.values()),
                 kept,
                 held,
                 self.tree,
@@ -434,7 +431,7 @@ class _Replay(RecoveringReplay):
     def _enqueue(self, job: BookedJob) -> None:
         self.queue[job.wid] = job.pending
         self.queued_sizes[job.gpu_type][job.trace.num_gpus] += 1
-        self.queued_shapes[_shape(job.pending)] += 1
+        self.queued_shapes[waiting_shape(job.pending)] += 1
         self.ceiling.enqueue(job.project, job.gpu_type, job.trace.num_gpus)
         self.measures_stale = True
 
@@ -449,7 +446,7 @@ class _Replay(RecoveringReplay):
             sizes[job.trace.num_gpus] -= 1
             if not sizes[job.trace.num_gpus]:
                 del sizes[job.trace.num_gpus]
-            shape = _shape(job.pending)
+            shape = waiting_shape(job.pending)
             self.queued_shapes[shape] -= 1
             if not self.queued_shapes[shape]:
                 del self.queued_shapes[shape]
@@ -811,7 +808,3 @@ def simulate(
         options=asdict(options),
         preemption_decisions=decisions,
     )
-
-
-def _shape(request: Pending) -> WaitingShape:
-    return (request.project, request.gpu_type, request.gpus_per_pod, request.pods)

@@ -19,27 +19,20 @@ Pure helpers over plain values; ``simulator.py`` calls them as the replay runs.
   request larger than its room under its own limit is counted at what it runs plus the
   largest sum of its waiting requests that fits, not at the limit. A fourth takes both
   at once (``permitted_by_quotas``): lend limits counted with waiting requests whole.
-- **Idle while waiting, by why** (``idle_by_cause``): the free GPUs of the types waited
-  for, each put down to one ``IdleCause`` per zone: kept for a preemptor whose victims
-  are stopping; on a node out of service; a request the quotas admit fits them and
-  still waits (the scheduler's own shortfall); the zone is held for a gang and what fits
-  may not enter; only requests that other projects' lend limits keep from them fit;
-  only requests a cap refuses fit; no waiting request's pods fit them (gang packing,
-  fragmentation). The ceiling leaves out lend limits and gang shape, and counts caps
-  only in part.
+- **Idle while waiting, by why** (``idle.idle_by_cause``, shared with the controller's
+  ``gpufleet_idle_gpus``): the free GPUs of the types waited for, by ``IdleCause``.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .model import ProjectTree
-from .quota import QuotaBook, QuotaLimits
-from .snapshot import Mode, NodeState, Pod, Running
+from .quota import QuotaLimits
+from .snapshot import Mode, NodeState, Pod
 
 UNLIMITED = math.inf
 
@@ -316,83 +309,3 @@ def pod_need(free_and_size: Iterable[tuple[int, int]], gpus_per_pod: int, pods: 
 
 def gang_fits(free_per_node: Iterable[int], gpus_per_pod: int, pods: int) -> bool:
     return sum(free // gpus_per_pod for free in free_per_node) >= pods
-
-
-class IdleCause(enum.StrEnum):
-    """Why free GPUs of a type some request waits for are not used (``idle_by_cause``),
-    in the order a zone's free GPUs are put down to them."""
-
-    STOPPING = "stopping"  # kept for a preemptor while its victims stop
-    OUT_OF_SERVICE = "out-of-service"  # on a node out of service (a fault's repair)
-    SCHEDULER = "scheduler"  # a request the quotas admit fits them, and waits
-    HELD = "held"  # in a zone held for a gang; what fits may not enter it
-    LEND_LIMITS = "lend-limits"  # what fits is kept from them by others' lend limits
-    CAPS = "caps"  # only requests a cap on their path refuses fit
-    SHAPE = "shape"  # no waiting request's pods fit them
-
-
-# (project, GPU type, GPUs per pod, pods): a waiting request as far as fitting counts.
-WaitingShape = tuple[str, str, int, int]
-
-
-def idle_by_cause(
-    nodes: Iterable[NodeState],
-    waiting: Iterable[WaitingShape],
-    running: Iterable[Running],
-    kept: set[str],
-    held_zones: set[tuple[str, str, str]],
-    tree: ProjectTree,
-    limits: QuotaLimits,
-    capacity: Mapping[str, int],
-) -> Counter[IdleCause]:
-    """The free GPUs of the types in ``waiting`` by why they are idle (``IdleCause``).
-    ``kept``: free GPUs kept for preemptors; ``held_zones``: (cluster, zone, type) held
-    for a gang. A zone's free GPUs all go to the first cause, in ``IdleCause`` order,
-    that one of the requests whose gang fits them has; the quotas are read with what
-    runs now counted (``running``), per-user caps not."""
-    shapes = set(waiting)
-    types = {shape[1] for shape in shapes}
-    zones: dict[tuple[str, str, str], list[int]] = defaultdict(list)
-    found: Counter[IdleCause] = Counter()
-    free_by_type: Counter[str] = Counter()
-    for node in nodes:
-        if node.gpu_type not in types:
-            continue
-        free = sum(1 for g in node.free if g not in kept)
-        if free < len(node.free):
-            found[IdleCause.STOPPING] += len(node.free) - free
-        if not free:
-            continue
-        if not node.schedulable:
-            found[IdleCause.OUT_OF_SERVICE] += free
-        else:
-            zones[(node.cluster, node.zone, node.gpu_type)].append(free)
-            free_by_type[node.gpu_type] += free
-    if not zones:
-        return found
-    book = QuotaBook(tree, ((r.project, r.gpu_type, r.gpus) for r in running), capacity, limits)
-
-    def cause_of(shape: WaitingShape) -> IdleCause:
-        project, gpu_type, per_pod, pods = shape
-        gpus = per_pod * pods
-        if not book.within_guarantee(project, gpu_type, gpus) and book.over_cap(
-            project, gpu_type, gpus
-        ):
-            return IdleCause.CAPS
-        if free_by_type[gpu_type] - book.withheld_from(project, gpu_type) < gpus:
-            return IdleCause.LEND_LIMITS
-        return IdleCause.SCHEDULER
-
-    causes = {shape: cause_of(shape) for shape in shapes}
-    order = list(IdleCause)
-    for zone, frees in zones.items():
-        fitting = [
-            cause
-            for shape, cause in causes.items()
-            if shape[1] == zone[2] and gang_fits(frees, shape[2], shape[3])
-        ]
-        cause = min(fitting, key=order.index, default=IdleCause.SHAPE)
-        if cause is IdleCause.SCHEDULER and zone in held_zones:
-            cause = IdleCause.HELD
-        found[cause] += sum(frees)
-    return found

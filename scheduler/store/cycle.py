@@ -17,6 +17,7 @@ position of a 10,000-long queue every cycle would cost more than the cycle itsel
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -27,9 +28,11 @@ from sqlalchemy.orm import Session
 
 from .. import failpoints
 from ..errors import CycleConflict
+from ..idle import IdleCause, idle_after_plan
 from ..memo import PlanMemo
 from ..plan import plan
-from ..snapshot import Plan, Policy, WaitCause, Waiting
+from ..quota import QuotaLimits
+from ..snapshot import Plan, Policy, SchedulingSnapshot, WaitCause, Waiting
 from .base import StoreBase
 from .collector import collector_paused
 from .mirror import ChangeTracker, Mirror, Shown, promised_json
@@ -73,6 +76,10 @@ class SchedulingStore(StoreBase):
         # The planner's indexes and answers from the last cycle (a cache: the plan is the
         # same without it); dropped with the mirror.
         self.plan_memo = PlanMemo()
+        # The last committed cycle's snapshot and plan (immutable: read by the metrics
+        # scrape in another thread, ``idle_gpus``).
+        self.last_cycle: tuple[SchedulingSnapshot, Plan] | None = None
+        self._idle_limits: QuotaLimits | None = None
 
     def refresh_mirror(self, now: datetime) -> None:
         """Bring the mirror up to date with what committed since it was last, and with the
@@ -95,7 +102,8 @@ class SchedulingStore(StoreBase):
     def _cycle(self, now: datetime, policy: Policy) -> CycleResult:
         self.refresh_mirror(now)
         moment = now.timestamp()
-        decided = plan(self.mirror.snapshot(policy), moment, self.plan_memo)
+        snapshot = self.mirror.snapshot(policy)
+        decided = plan(snapshot, moment, self.plan_memo)
         shown = self._to_show(decided.waiting, moment)
         committed = False
         try:
@@ -107,6 +115,11 @@ class SchedulingStore(StoreBase):
         finally:
             if not committed:  # whatever stopped it, the mirror may be ahead of the rows
                 self.forget_mirror()
+        # Only what ``idle_gpus`` reads: the plan's waits may hold the cycle's state.
+        self.last_cycle = (
+            snapshot,
+            Plan(admissions=decided.admissions, kept=decided.kept, held=decided.held),
+        )
         admitted = tuple(
             AdmittedWait(r.id, r.project, r.gpu_type, moment - r.created_at)
             for r in (self.mirror.pending[a.workload_id] for a in decided.admissions)
@@ -118,6 +131,17 @@ class SchedulingStore(StoreBase):
             *shown,
         )
         return CycleResult(admitted, stops, tuple(changed), decided)
+
+    def idle_gpus(self) -> dict[str, Counter[IdleCause]]:
+        """Per GPU type work waits for, once the last cycle's decisions are carried out:
+        its free GPUs by why nothing waiting uses them (``idle.idle_after_plan``)."""
+        last = self.last_cycle
+        if last is None:
+            return {}
+        snapshot, decided = last
+        if self._idle_limits is None or self._idle_limits.tree is not snapshot.projects:
+            self._idle_limits = QuotaLimits(snapshot.projects)
+        return idle_after_plan(snapshot, decided, self._idle_limits)
 
     # ---------------------------------------------------------------- commit
     def _to_show(self, waiting: Iterable[Waiting], moment: float) -> dict[int, Shown]:

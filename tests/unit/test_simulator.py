@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpufleet.scheduler.errors import InputError
+from gpufleet.scheduler.idle import IdleCause, idle_by_cause
 from gpufleet.scheduler.inputs import TraceJob, read_fleet, read_projects, read_trace
 from gpufleet.scheduler.model import FleetNode, ProjectTree, project_tree
 from gpufleet.scheduler.plan import plan
@@ -27,7 +28,7 @@ from gpufleet.scheduler.simulator import (
     TraceJobError,
     simulate,
 )
-from gpufleet.scheduler.simulator_measures import IdleCause, idle_by_cause, largest_sum
+from gpufleet.scheduler.simulator_measures import largest_sum
 from gpufleet.scheduler.simulator_report import (
     percentile,
     result_json,
@@ -756,7 +757,7 @@ def test_idle_gpus_are_put_down_to_why_nothing_that_waits_uses_them():
     idle = idle_by_cause(
         nodes,
         waiting,
-        running=[],
+        usage=[],
         kept={"c2-0"},
         held_zones={("c", "held", "V100")},
         tree=tree,

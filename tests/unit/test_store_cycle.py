@@ -9,9 +9,13 @@ import random
 from datetime import datetime
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select, text
 
+from gpufleet.hub.metrics import ControllerMetrics
 from gpufleet.scheduler.errors import CycleConflict
+from gpufleet.scheduler.idle import IdleCause
 from gpufleet.scheduler.snapshot import Policy, SchedulingSnapshot
 from gpufleet.scheduler.store.cycle import CycleResult
 from gpufleet.scheduler.store.fleet import FleetStore
@@ -248,3 +252,29 @@ def test_the_mirror_followed_through_random_changes_equals_one_read_afresh(
             with store.read() as session:
                 fresh.refresh(session, {EVERYTHING}, now.timestamp())
             assert _world(store.mirror.snapshot(NOW_POLICY)) == _world(fresh.snapshot(NOW_POLICY))
+
+
+def test_the_idle_gpus_after_a_cycle_say_why_nothing_waiting_uses_them(store: FleetStore) -> None:
+    """vision may hold 2 A100 and holds them; bob's third waits on its cap while 4 A100
+    are free: the metric puts those 4 down to the caps, not to the scheduler."""
+    assert store.idle_gpus() == {}  # no cycle yet
+    ask(store, t(1), "alice", gpus=2)
+    cycle(store, t(2))
+    assert store.idle_gpus() == {}  # nothing waits
+    bob = ask(store, t(3), "bob")
+    cycle(store, t(4))
+    assert "vision" in workload(store, bob).reason
+    assert store.idle_gpus() == {"A100": {IdleCause.CAPS: 4}}
+    scraped = {
+        sample.labels["cause"]: sample.value
+        for family in text_string_to_metric_families(
+            generate_latest(ControllerMetrics(store).registry).decode()
+        )
+        for sample in family.samples
+        if sample.name == "gpufleet_idle_gpus"
+    }
+    assert scraped == {cause.value: 4.0 if cause is IdleCause.CAPS else 0.0 for cause in IdleCause}
+    # carol's request fits the free GPUs and her project may have them: admitted.
+    ask(store, t(5), "carol", project="nlp", gpus=4)
+    cycle(store, t(6))
+    assert store.idle_gpus() == {"A100": {}}
