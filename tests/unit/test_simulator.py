@@ -17,11 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpufleet.scheduler.errors import InputError
-from gpufleet.scheduler.idle import IdleCause, idle_by_cause
 from gpufleet.scheduler.inputs import TraceJob, read_fleet, read_projects, read_trace
 from gpufleet.scheduler.model import FleetNode, ProjectTree, project_tree
 from gpufleet.scheduler.plan import plan
-from gpufleet.scheduler.quota import QuotaLimits
 from gpufleet.scheduler.simulator import (
     SimulationOptions,
     SimulationResult,
@@ -35,7 +33,6 @@ from gpufleet.scheduler.simulator_report import (
     within_guarantee_waits,
 )
 from gpufleet.scheduler.snapshot import (
-    NodeState,
     Plan,
     Preemption,
     PreemptionCause,
@@ -728,50 +725,6 @@ def test_the_quotas_tightest_bound_keeps_back_a_lenders_guarantee_it_cannot_use(
     # The 14 free GPUs idle because x2, the only request that fits them (l2's three pods
     # do not), is kept from them by the lender's lend limit: with what is held, the whole.
     assert s.idle_while_waiting_by_cause == {"lend-limits": pytest.approx(14 / 32)}
-
-
-def test_idle_gpus_are_put_down_to_why_nothing_that_waits_uses_them():
-    tree = project_tree(
-        [
-            {"name": "p", "quotas": {"V100": {"guaranteed": 16}}},
-            {"name": "capped", "quotas": {"V100": {"guaranteed": 0, "borrow_limit": 0}}},
-        ]
-    )
-
-    def node(name: str, zone: str, free: int, schedulable: bool = True) -> NodeState:
-        gpus = tuple(f"{name}-{i}" for i in range(free))
-        return NodeState(name, "c", zone, "V100", 8, gpus, schedulable)
-
-    nodes = [
-        node("a1", "held", 8),  # p's 8-GPU pod fits: a held zone, and it may not enter
-        node("a2", "held", 3),
-        node("b1", "open", 8),  # p's pod fits, not held: the scheduler's shortfall
-        node("c1", "small", 2),  # only capped's 2-GPU pod fits, which its cap refuses
-        node("c2", "small", 3),  # one of these 3 is kept for a preemptor
-        node("d1", "tiny", 1),  # nothing that waits fits one GPU
-        node("e1", "repair", 8, schedulable=False),
-        node("t1", "other", 8),  # a type nobody waits for is not counted
-    ]
-    nodes[-1] = replace(nodes[-1], gpu_type="T4")
-    waiting = [("p", "V100", 8, 1), ("capped", "V100", 2, 1)]
-    idle = idle_by_cause(
-        nodes,
-        waiting,
-        usage=[],
-        kept={"c2-0"},
-        held_zones={("c", "held", "V100")},
-        tree=tree,
-        limits=QuotaLimits(tree),
-        capacity={"V100": 56, "T4": 8},
-    )
-    assert idle == {
-        IdleCause.HELD: 11,
-        IdleCause.SCHEDULER: 8,
-        IdleCause.CAPS: 4,
-        IdleCause.STOPPING: 1,
-        IdleCause.SHAPE: 1,
-        IdleCause.OUT_OF_SERVICE: 8,
-    }
 
 
 @given(st.dictionaries(st.integers(1, 9), st.integers(1, 4), max_size=4), st.integers(-2, 30))
