@@ -277,9 +277,18 @@ def test_a_drain_scheduled_for_later_runs_then_from_the_database(fleet: Hub) -> 
     assert [j["id"] for j in listed] == [job["id"]]
     assert not _node(fleet, str(node))["cordoned"]
     wait_for(lambda: _node(fleet, str(node))["cordoned"], 30, "the drain at its time")
-    drained = [e for e in events(fleet, "node-drained") if e["node"] == node]
-    assert drained and str(drained[0]["message"]).endswith("rack move")
-    assert fleet.controller("GET", "/timed").json()["items"] == []
+    # The cordon, the drain's event and the timed job's end are separate writes: each polled.
+    drained = wait_for(
+        lambda: [e for e in events(fleet, "node-drained") if e["node"] == node],
+        30,
+        "the node-drained event",
+    )
+    assert str(drained[0]["message"]).endswith("rack move")
+    wait_for(
+        lambda: fleet.controller("GET", "/timed").json()["items"] == [],
+        30,
+        "the timed drain gone from the list",
+    )
     refused = fleet.controller("POST", f"/nodes/{node}/drain", json={"at": "yesterday"})
     assert refused.status_code == 400 and "neither HH:MM" in refused.text
 
