@@ -44,6 +44,11 @@ def waiting_shape(request: Pending) -> WaitingShape:
     return (request.project, request.gpu_type, request.gpus_per_pod, request.pods)
 
 
+def kept_gpus(waiting: Iterable[Pending]) -> set[str]:
+    """The GPUs kept for waiting preemptors (``Pending.promised``)."""
+    return {g for request in waiting for pod in request.promised for g in pod.gpus}
+
+
 def idle_by_cause(
     nodes: Iterable[NodeState],
     waiting: Iterable[WaitingShape],
@@ -118,7 +123,7 @@ def idle_after_plan(
     if not waiting:
         return {}
     taken = {g for a in plan.admissions for pod in a.pods for g in pod.gpus}
-    kept = {g for r in waiting for pod in r.promised for g in pod.gpus}
+    kept = kept_gpus(waiting)
     kept.update(g for k in plan.kept for pod in k.pods for g in pod.gpus)
     nodes = [n for n in snapshot.nodes if n.free]
     if taken:

@@ -60,7 +60,7 @@ from functools import partial
 
 from .errors import InputError, SchedulerError
 from .holds import hand_back_holds
-from .idle import IdleCause, WaitingShape, idle_by_cause, waiting_shape
+from .idle import IdleCause, WaitingShape, idle_by_cause, kept_gpus, waiting_shape
 from .inputs import TraceJob
 from .memo import PlanMemo
 from .model import FleetNode, ProjectTree
@@ -260,9 +260,8 @@ class _Replay(RecoveringReplay):
         # GPUs held, the fleet's GPUs, and the four ceilings. Stale once anything changed.
         self.while_waiting = (0, 0, 0.0, 0.0, 0.0, 0.0)
         # The same moments' free GPUs by why they are idle (gpufleet only: the causes are
-        # its quotas'), and the shapes of what waits, kept as requests come and go.
+        # its quotas').
         self.idle: Counter[IdleCause] = Counter()
-        self.queued_shapes: Counter[WaitingShape] = Counter()
         self.quota_limits = QuotaLimits(tree)
         self.measures_stale = False
         self.decisions: list[PreemptionDecision] = []
@@ -270,8 +269,9 @@ class _Replay(RecoveringReplay):
         self.stream = ChangeStream()
         self.running = self.stream.running
         self.queue = self.stream.queue
-        # GPU type -> GPUs asked -> queued requests of that size: what could start at all.
-        self.queued_sizes: dict[str, Counter[int]] = defaultdict(Counter)
+        # The shapes of the queued requests (project, type, GPUs per pod, pods) -> how
+        # many: what could start at all, and what the idle GPUs are measured against.
+        self.queued_shapes: Counter[WaitingShape] = Counter()
         self.events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         self.held = 0
@@ -383,7 +383,7 @@ class _Replay(RecoveringReplay):
         """Only the GPU types some queued request asks for count: GPUs of a type nobody
         waits for are not idle while work waits, however many are free."""
         self.measures_stale = False
-        types = [t for t, sizes in self.queued_sizes.items() if sizes]
+        types = list(dict.fromkeys(shape[1] for shape in self.queued_shapes))
         self.while_waiting = (
             sum(self.held_by_type[t] for t in types),
             sum(self.gpus_by_type[t] for t in types),
@@ -394,12 +394,11 @@ class _Replay(RecoveringReplay):
         )
         if self.policy.mode is Mode.GPUFLEET and self.queue:
             held = set(self.last_plan.held)
-            kept = {g for r in self.queue.values() for pod in r.promised for g in pod.gpus}
             self.idle = idle_by_cause(
                 self.nodes.values(),
                 self.queued_shapes,
                 ((r.project, r.gpu_type, r.gpus) for r in self.running.values()),
-                kept,
+                kept_gpus(self.queue.values()),
                 held,
                 self.tree,
                 self.quota_limits,
@@ -410,8 +409,8 @@ class _Replay(RecoveringReplay):
         """Whether some queued request is no larger than the free GPUs of its type. When
         none is, a cycle without preemption (fifo, static) cannot change anything."""
         return any(
-            sizes and self.free_by_type[gpu_type] >= min(sizes)
-            for gpu_type, sizes in self.queued_sizes.items()
+            self.free_by_type[gpu_type] >= per_pod * pods
+            for _, gpu_type, per_pod, pods in self.queued_shapes
         )
 
     def _snapshot(self) -> SchedulingSnapshot:
@@ -430,7 +429,6 @@ class _Replay(RecoveringReplay):
 
     def _enqueue(self, job: BookedJob) -> None:
         self.queue[job.wid] = job.pending
-        self.queued_sizes[job.gpu_type][job.trace.num_gpus] += 1
         self.queued_shapes[waiting_shape(job.pending)] += 1
         self.ceiling.enqueue(job.project, job.gpu_type, job.trace.num_gpus)
         self.measures_stale = True
@@ -442,10 +440,6 @@ class _Replay(RecoveringReplay):
             job = self.jobs[admission.workload_id]
             if self.queue.pop(job.wid, None) is None:
                 raise PlanConflict(f"admitted workload {job.wid} is not in the queue")
-            sizes = self.queued_sizes[job.gpu_type]
-            sizes[job.trace.num_gpus] -= 1
-            if not sizes[job.trace.num_gpus]:
-                del sizes[job.trace.num_gpus]
             shape = waiting_shape(job.pending)
             self.queued_shapes[shape] -= 1
             if not self.queued_shapes[shape]:
