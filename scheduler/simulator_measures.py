@@ -96,6 +96,7 @@ class QuotaCeiling:
         self.mode = mode
         self.capacity = capacity
         self.parent = {p.name: p.parent for p in tree}
+        self.inner = {parent for parent in self.parent.values() if parent is not None}
         # Children before their parents, so one pass sums a subtree before its root.
         depth = {name: len(tree.ancestors(name)) for name in self.parent}
         self.order = sorted(self.parent, key=lambda name: -depth[name])
@@ -155,6 +156,9 @@ class QuotaCeiling:
         """``permitted``, and each node's own demand as counted (children first)."""
         subtree: dict[str, float] = defaultdict(float)
         own_demand: dict[str, float] = {}
+        # Whole: what each node's children's subtrees run, and the sizes they wait for.
+        runs_below: dict[str, int] = defaultdict(int)
+        queued_below: dict[str, Counter[int]] = {}
         total = 0.0
         demand, limit = self.demand, self.limit
         for name in self.order:
@@ -164,18 +168,48 @@ class QuotaCeiling:
             own_demand[name] = own
             held = min(limit[(name, gpu_type)], own + subtree[name])
             parent = self.parent[name]
+            if whole:
+                runs, sizes = self._subtree_requests(name, gpu_type, runs_below, queued_below)
+                room = limit[(name, gpu_type)] - runs
+                if name in self.inner and sizes and sum(k * n for k, n in sizes.items()) > room:
+                    held = min(held, runs + largest_sum(sizes, int(room)))
+                if parent is not None:
+                    runs_below[parent] += runs
+                    if sizes:
+                        queued_below.setdefault(parent, Counter()).update(sizes)
             if parent is None:
                 total += held
             else:
                 subtree[parent] += held
         return min(total, self.capacity.get(gpu_type, 0)), own_demand
 
+    def _subtree_requests(
+        self,
+        name: str,
+        gpu_type: str,
+        runs_below: dict[str, int],
+        queued_below: dict[str, Counter[int]],
+    ) -> tuple[int, Counter[int] | None]:
+        """What the node's subtree runs, and the sizes of the requests it waits for (as
+        counted), from its own and what its children's passed up (taken from the maps)."""
+        own = self.queued.get((name, gpu_type))
+        waiting = sum(k * n for k, n in own.items()) if own else 0
+        runs = self.demand.get((name, gpu_type), 0) - waiting + runs_below.pop(name, 0)
+        sizes = queued_below.pop(name, None)
+        if own:
+            if sizes is None:
+                return runs, Counter(own)
+            sizes.update(own)
+        return runs, sizes
+
     def permitted_whole(self, gpu_type: str) -> float:
         """``permitted`` with each node's waiting requests counted whole: the node's own
         demand is what it runs plus the largest sum of its waiting requests that fits its
         room under its limit (its children's share taken first). A request no scheduler
         could start under the project's own limit until its running work ends is not
-        counted in part. Inner nodes still take their children's sum in part."""
+        counted in part; nor under an inner node's limit (a team's cap): it holds no more
+        than its subtree runs plus the largest sum of the subtree's waiting requests that
+        fits its limit (each child's own limit aside: still a bound)."""
         return self.permitted(gpu_type, whole=True)
 
     def _whole(self, name: str, gpu_type: str, demand: int, room: float) -> int:

@@ -64,6 +64,26 @@ PROJECTS = project_tree(
         },
     ]
 )
+# The same with the lab capped at 16 of the 28 GPUs: its projects' gangs meet its cap.
+CAPPED_PROJECTS = project_tree(
+    [
+        {
+            "name": "lab",
+            "kind": "organisation",
+            "quotas": {"V100": {"guaranteed": 12, "borrow_limit": 4}},
+        },
+        *(
+            {
+                "name": p.name,
+                "parent": "lab",
+                "quotas": {"V100": vars(p.quotas["V100"])},
+                "weight": p.weight,
+            }
+            for p in PROJECTS
+            if p.parent == "lab"
+        ),
+    ]
+)
 FLEET = fleet(("z1", 2, 8), ("z2", 3, 4))  # 28 GPUs; 16 in z1, 12 in z2
 
 
@@ -186,12 +206,16 @@ jobs_strategy = st.lists(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(jobs=jobs_strategy, policy=st.sampled_from(["gpufleet", "fifo", "static"]))
+@given(
+    jobs=jobs_strategy,
+    policy=st.sampled_from(["gpufleet", "fifo", "static"]),
+    tree=st.sampled_from([PROJECTS, CAPPED_PROJECTS]),
+)
 def test_every_job_is_accounted_for_and_no_gpu_is_used_twice(
-    jobs: list[TraceJob], policy: str
+    jobs: list[TraceJob], policy: str, tree: ProjectTree
 ) -> None:
     options = SimulationOptions(min_run_time_s=60, checkpoint_interval_s=500)
-    result = simulate(jobs, FLEET, PROJECTS, policy, options)
+    result = simulate(jobs, FLEET, tree, policy, options)
     records = check_accounting(result, jobs, FLEET)
     if policy != "gpufleet":
         assert all(r["preemptions"] == 0 for r in records.values())
@@ -643,6 +667,10 @@ def test_the_ceiling_is_what_the_quota_tree_permits_while_work_waits():
     assert s.allocation_while_waiting == pytest.approx(16 / 32)
     # a: min(8, 8), b: min(unbounded, 8), team: min(12, 16) = 12; other: 8. 20 of 32.
     assert s.allocation_ceiling_while_waiting == pytest.approx(20 / 32)
+    # Counted whole, b1 fits nothing beside a1 under the team's cap (8 + 8 > 12), as the
+    # replay found: team 8, other 8. The 16 free GPUs idle for the team's cap.
+    assert s.allocation_ceiling_whole_requests_while_waiting == pytest.approx(16 / 32)
+    assert s.idle_while_waiting_by_cause == {"caps": pytest.approx(16 / 32)}
     assert (
         result_json(result)["summary"]["allocation_ceiling_while_waiting"]
         == s.allocation_ceiling_while_waiting
