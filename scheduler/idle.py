@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import replace
 
 from .model import ProjectTree
@@ -57,19 +57,22 @@ def idle_by_cause(
     held_zones: set[tuple[str, str, str]],
     tree: ProjectTree,
     limits: QuotaLimits,
-    capacity: Mapping[str, int],
 ) -> Counter[IdleCause]:
-    """The free GPUs of the types in ``waiting`` by why they are idle. ``kept``: free
-    GPUs kept for preemptors; ``held_zones``: (cluster, zone, type) held for a gang;
-    ``usage``: what runs, for the quotas (per-user caps are not read)."""
+    """The free GPUs of the types in ``waiting`` by why they are idle. ``nodes``: all of
+    the fleet's (its schedulable GPUs are the quotas' capacity, as the planner counts
+    them); ``kept``: free GPUs kept for preemptors; ``held_zones``: (cluster, zone, type)
+    held for a gang; ``usage``: what runs, for the quotas (per-user caps are not read)."""
     shapes = set(waiting)
     types = {shape[1] for shape in shapes}
     zones: dict[tuple[str, str, str], list[int]] = defaultdict(list)
     found: Counter[IdleCause] = Counter()
     free_by_type: Counter[str] = Counter()
+    capacity: Counter[str] = Counter()
     for node in nodes:
         if node.gpu_type not in types:
             continue
+        if node.schedulable:
+            capacity[node.gpu_type] += node.total
         free = sum(1 for g in node.free if g not in kept)
         if free < len(node.free):
             found[IdleCause.STOPPING] += len(node.free) - free
@@ -125,14 +128,16 @@ def idle_after_plan(
     taken = {g for a in plan.admissions for pod in a.pods for g in pod.gpus}
     kept = kept_gpus(waiting)
     kept.update(g for k in plan.kept for pod in k.pods for g in pod.gpus)
-    nodes = [n for n in snapshot.nodes if n.free]
+    nodes = list(snapshot.nodes)
     if taken:
-        nodes = [replace(n, free=tuple(g for g in n.free if g not in taken)) for n in nodes]
+        nodes = [
+            replace(n, free=tuple(g for g in n.free if g not in taken))
+            if taken.intersection(n.free)
+            else n
+            for n in nodes
+        ]
     usage: list[Usage] = [(r.project, r.gpu_type, r.gpus) for r in snapshot.running]
     usage.extend((r.project, r.gpu_type, r.gpus) for r in snapshot.queue if r.id in admitted)
-    capacity: Counter[str] = Counter()
-    for node in snapshot.nodes:
-        capacity[node.gpu_type] += node.total
     limits = limits if limits is not None and limits.tree is snapshot.projects else None
     limits = limits or QuotaLimits(snapshot.projects)
     by_type: dict[str, list[WaitingShape]] = defaultdict(list)
@@ -147,7 +152,6 @@ def idle_after_plan(
             set(plan.held),
             snapshot.projects,
             limits,
-            capacity,
         )
         for gpu_type, shapes in sorted(by_type.items())
     }

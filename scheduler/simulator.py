@@ -402,7 +402,6 @@ class _Replay(RecoveringReplay):
                 held,
                 self.tree,
                 self.quota_limits,
-                self.gpus_by_type,
             )
 
     def _could_admit(self) -> bool:

@@ -53,7 +53,6 @@ def test_idle_gpus_are_put_down_to_why_nothing_that_waits_uses_them():
         held_zones={("c", "held", "V100")},
         tree=tree,
         limits=QuotaLimits(tree),
-        capacity={"V100": 56, "T4": 8},
     )
     assert idle == {
         IdleCause.HELD: 11,
