@@ -132,7 +132,9 @@ def stub() -> Iterator[str]:
     Stub.answers, Stub.seen = {}, []
     Stub.release.clear()
     server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-    server.daemon_threads = True
+    # server_close joins the handler threads (held requests are released first), so none
+    # of them outlives its test and writes to the next test's ``seen``.
+    server.daemon_threads = False
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}/api/v1"
@@ -149,6 +151,14 @@ def test_an_answer_that_is_not_json_is_a_refusal_not_a_traceback(
     assert code == 3 and "is this the gpufleet controller's API?" in err
 
 
+def _interruptible() -> None:
+    """In the child before exec: SIGINT as a terminal's foreground command has it. An
+    ignored SIGINT survives exec (and Python then never raises KeyboardInterrupt), as does
+    a blocked one; the test runner's process may have either, for reasons of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def cli(*args: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUFLEET", "JUPYTERHUB"))}
     return subprocess.Popen(
@@ -157,6 +167,7 @@ def cli(*args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interruptible,
     )
 
 
@@ -174,10 +185,10 @@ def test_a_reader_that_goes_away_ends_the_output_quietly(stub: str) -> None:
 
 
 def test_ctrl_c_while_following_exits_130_without_a_traceback(stub: str) -> None:
-    Stub.answers["/api/v1/jobs/7/logs"] = None  # a long poll that does not end
-    follower = cli("logs", "7", "-f", "--api-url", stub, "--token", "t")
+    Stub.answers["/api/v1/jobs/8/logs"] = None  # a long poll that does not end
+    follower = cli("logs", "8", "-f", "--api-url", stub, "--token", "t")
     deadline = time.monotonic() + 30
-    while "/api/v1/jobs/7/logs" not in Stub.seen:
+    while "/api/v1/jobs/8/logs" not in Stub.seen:
         assert time.monotonic() < deadline, "the command never asked for the log"
         assert follower.poll() is None, follower.communicate()
         time.sleep(0.05)
