@@ -26,19 +26,27 @@ For each workload, each policy replayed in the same run:
 - per project: waits of the jobs that asked within their guarantee (p99 / max; target
   max <= 330 s = minimum run time 300 s + job grace 30 s), leaving out those that other
   projects' within-guarantee work blocked (``simulator_report.within_guarantee_waits``),
-  counted apart with their longest wait; and the mean JCT.
+  counted apart with their longest wait; and the mean JCT;
+- with ``--relax``, what the rules the ceiling does not count cost: gpufleet replayed
+  again with each relaxed — no lend limits, every GPU type's nodes in one zone (gangs
+  place anywhere), no held zones (a gang waits for room to come free by itself) — and
+  with all three, each against its own ceiling. The scheduler's own shortfall is what is
+  left with all three relaxed.
 
     .venv/bin/python bench/scheduler_gangs.py                  # 3 seeds, 2 days each
     .venv/bin/python bench/scheduler_gangs.py --hours 6        # quick: 6 h of submissions
     .venv/bin/python bench/scheduler_gangs.py --seeds 1 2 --philly
+    .venv/bin/python bench/scheduler_gangs.py --seeds 1 --relax
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from gang_traces import gang_fleet, gang_projects, gang_trace, offered_load
@@ -46,7 +54,7 @@ from scheduler_policies import TRACE
 from scheduler_policies import fleet as philly_fleet
 from scheduler_policies import projects as philly_projects
 
-from gpufleet.scheduler import eviction, preemption
+from gpufleet.scheduler import eviction, holds, preemption
 from gpufleet.scheduler.inputs import TraceJob, read_trace
 from gpufleet.scheduler.model import FleetNode, ProjectTree
 from gpufleet.scheduler.simulator import PRIORITY_RANKS, SimulationOptions, simulate
@@ -191,6 +199,84 @@ def run_workload(
     print()
 
 
+def _without_lend_limits(tree: ProjectTree) -> ProjectTree:
+    return ProjectTree(
+        {
+            name: dataclasses.replace(
+                project,
+                quotas={
+                    t: dataclasses.replace(quota, lend_limit=None)
+                    for t, quota in project.quotas.items()
+                },
+            )
+            for name, project in tree.projects.items()
+        }
+    )
+
+
+def _one_zone(nodes: Sequence[FleetNode]) -> list[FleetNode]:
+    return [dataclasses.replace(n, cluster="all", zone="all") for n in nodes]
+
+
+@contextlib.contextmanager
+def _no_held_zones() -> Iterator[None]:
+    """Within ``with``: the planner holds no zone for a request that found no room."""
+    zone_to_hold = holds.HeldZones._zone_to_hold
+    holds.HeldZones._zone_to_hold = lambda *_: None  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        holds.HeldZones._zone_to_hold = zone_to_hold  # type: ignore[method-assign]
+
+
+RELAXED = ("lend limits", "zones", "held zones")
+
+
+def relax_rules(
+    jobs: Sequence[TraceJob],
+    nodes: Sequence[FleetNode],
+    tree: ProjectTree,
+    options: SimulationOptions,
+) -> None:
+    """gpufleet with each rule the ceiling does not count relaxed, then all three."""
+    print("gpufleet with the rules the ceiling does not count relaxed")
+    print(
+        f"{'relaxed':<36} {'alloc':>6} {'ceiling':>7} {'gap':>6} {'whole':>6} {'gap':>6}  "
+        "idle while waiting, by why"
+    )
+    for relaxed in [(), *((rule,) for rule in RELAXED), RELAXED]:
+        held = _no_held_zones() if "held zones" in relaxed else contextlib.nullcontext()
+        with held:
+            result = simulate(
+                jobs,
+                _one_zone(nodes) if "zones" in relaxed else nodes,
+                _without_lend_limits(tree) if "lend limits" in relaxed else tree,
+                "gpufleet",
+                options,
+            )
+        s = result.summary
+        alloc = s.allocation_while_waiting
+        ceiling, whole = (
+            s.allocation_ceiling_while_waiting,
+            s.allocation_ceiling_whole_requests_while_waiting,
+        )
+        gap, whole_gap = (
+            None if alloc is None or figure is None else figure - alloc
+            for figure in (ceiling, whole)
+        )
+        idle = ", ".join(
+            f"{cause} {share:.3f}"
+            for cause, share in sorted(s.idle_while_waiting_by_cause.items())
+            if share >= 0.0005
+        )
+        name = " + ".join(relaxed) if relaxed else "none (as configured)"
+        print(
+            f"{name:<36} {_f(alloc):>6} {_f(ceiling):>7} {_f(gap):>6} {_f(whole):>6} "
+            f"{_f(whole_gap):>6}  {idle}"
+        )
+    print()
+
+
 def _waits(waits: Sequence[GuaranteedWait]) -> str:
     if not waits:
         return "-"
@@ -221,6 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--philly", action="store_true", help="also the Philly window")
     parser.add_argument("--philly-nodes", type=int, default=24, help="nodes per zone (2 zones)")
+    parser.add_argument(
+        "--relax",
+        action="store_true",
+        help="also replay gpufleet with lend limits, zones and held zones relaxed",
+    )
     args = parser.parse_args(argv)
     options = SimulationOptions()
     nodes, tree = gang_fleet(), gang_projects()
@@ -229,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
         jobs = gang_trace(seed, hours)
         title = f"seed {seed}, {hours:g} h, offered load {offered_load(jobs, hours):.2f}"
         run_workload(title, jobs, nodes, tree, options)
+        if args.relax:
+            relax_rules(jobs, nodes, tree, options)
     if args.philly:
         jobs = read_trace(TRACE)
         title = "Philly window"
@@ -239,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
         nodes = philly_fleet(args.philly_nodes)
         tree = philly_projects(jobs, sum(n.gpus for n in nodes))
         run_workload(title, jobs, nodes, tree, options)
+        if args.relax:
+            relax_rules(jobs, nodes, tree, options)
 
 
 if __name__ == "__main__":
