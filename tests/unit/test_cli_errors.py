@@ -151,23 +151,18 @@ def test_an_answer_that_is_not_json_is_a_refusal_not_a_traceback(
     assert code == 3 and "is this the gpufleet controller's API?" in err
 
 
-def _interruptible() -> None:
-    """In the child before exec: SIGINT as a terminal's foreground command has it. An
-    ignored SIGINT survives exec (and Python then never raises KeyboardInterrupt), as does
-    a blocked one; the test runner's process may have either, for reasons of its own."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
 def cli(*args: str) -> subprocess.Popen[str]:
+    """The command as a terminal's foreground process has it: SIGINT at its default. An
+    ignored SIGINT survives exec (and Python then never raises KeyboardInterrupt); the test
+    runner's process may have it ignored, for reasons of its own. coreutils' ``env``
+    resets it and execs the command (no ``preexec_fn``: unsafe beside the stub's threads)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUFLEET", "JUPYTERHUB"))}
     return subprocess.Popen(
-        [str(GPUFLEET), *args],
+        ["env", "--default-signal=INT", str(GPUFLEET), *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_interruptible,
     )
 
 
