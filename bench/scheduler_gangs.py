@@ -61,6 +61,7 @@ from gpufleet.scheduler.simulator import PRIORITY_RANKS, SimulationOptions, simu
 from gpufleet.scheduler.simulator_report import (
     GuaranteedWait,
     SimulationResult,
+    Summary,
     percentile,
     within_guarantee_waits,
 )
@@ -150,18 +151,11 @@ def run_workload(
             elapsed = time.perf_counter() - started
         results[policy] = result
         s = result.summary
-        gap = (
-            None
-            if s.allocation_while_waiting is None or s.allocation_ceiling_while_waiting is None
-            else s.allocation_ceiling_while_waiting - s.allocation_while_waiting
-        )
         whole = s.allocation_ceiling_whole_requests_while_waiting
         both = s.allocation_ceiling_whole_within_lend_limits_while_waiting
-        whole_gap, both_gap = (
-            None
-            if s.allocation_while_waiting is None or figure is None
-            else figure - s.allocation_while_waiting
-            for figure in (whole, both)
+        gap, whole_gap, both_gap = (
+            _gap(s.allocation_while_waiting, figure)
+            for figure in (s.allocation_ceiling_while_waiting, whole, both)
         )
         print(
             f"{policy:<9} {_f(s.allocation_while_waiting):>6} "
@@ -173,11 +167,7 @@ def run_workload(
             f"{s.max_preemptions_per_job:>7} {s.lost_gpu_hours:>10.1f} {elapsed:>8.1f}"
         )
     print(audit)
-    idle = results["gpufleet"].summary.idle_while_waiting_by_cause
-    print(
-        "gpufleet idle while waiting, by why: "
-        + ", ".join(f"{cause} {share:.3f}" for cause, share in sorted(idle.items()))
-    )
+    print(f"gpufleet idle while waiting, by why: {_idle_split(results['gpufleet'].summary)}")
     bound = options.min_run_time_s + options.job_checkpoint_grace_s
     groups = sorted({r.project for r in results["fifo"].records} | set(tree.projects))
     groups = [g for g in groups if not tree.children(g) or g not in tree.projects]
@@ -197,6 +187,16 @@ def run_workload(
         jct = result.summary.mean_jct_by_project
         print(f"{policy:<9} " + " ".join(f"{_h(jct.get(g)):>10}" for g in groups))
     print()
+
+
+def _gap(achieved: float | None, bound: float | None) -> float | None:
+    return None if achieved is None or bound is None else bound - achieved
+
+
+def _idle_split(summary: Summary, at_least: float = 0.0) -> str:
+    """The idle-while-waiting shares by cause, those of at least ``at_least``."""
+    shares = sorted(summary.idle_while_waiting_by_cause.items())
+    return ", ".join(f"{cause} {share:.3f}" for cause, share in shares if share >= at_least)
 
 
 def _without_lend_limits(tree: ProjectTree) -> ProjectTree:
@@ -260,15 +260,8 @@ def relax_rules(
             s.allocation_ceiling_while_waiting,
             s.allocation_ceiling_whole_requests_while_waiting,
         )
-        gap, whole_gap = (
-            None if alloc is None or figure is None else figure - alloc
-            for figure in (ceiling, whole)
-        )
-        idle = ", ".join(
-            f"{cause} {share:.3f}"
-            for cause, share in sorted(s.idle_while_waiting_by_cause.items())
-            if share >= 0.0005
-        )
+        gap, whole_gap = (_gap(alloc, figure) for figure in (ceiling, whole))
+        idle = _idle_split(s, at_least=0.0005)
         name = " + ".join(relaxed) if relaxed else "none (as configured)"
         print(
             f"{name:<36} {_f(alloc):>6} {_f(ceiling):>7} {_f(gap):>6} {_f(whole):>6} "

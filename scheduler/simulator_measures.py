@@ -156,7 +156,8 @@ class QuotaCeiling:
         """``permitted``, and each node's own demand as counted (children first)."""
         subtree: dict[str, float] = defaultdict(float)
         own_demand: dict[str, float] = {}
-        # Whole: what each node's children's subtrees run, and the sizes they wait for.
+        # Whole, where some node has children (a team's cap): what each node's children's
+        # subtrees run, and the sizes they wait for.
         runs_below: dict[str, int] = defaultdict(int)
         queued_below: dict[str, Counter[int]] = {}
         total = 0.0
@@ -168,10 +169,10 @@ class QuotaCeiling:
             own_demand[name] = own
             held = min(limit[(name, gpu_type)], own + subtree[name])
             parent = self.parent[name]
-            if whole:
+            if whole and self.inner:
                 runs, sizes = self._subtree_requests(name, gpu_type, runs_below, queued_below)
                 room = limit[(name, gpu_type)] - runs
-                if name in self.inner and sizes and sum(k * n for k, n in sizes.items()) > room:
+                if name in self.inner and sizes and queued_gpus(sizes) > room:
                     held = min(held, runs + largest_sum(sizes, int(room)))
                 if parent is not None:
                     runs_below[parent] += runs
@@ -193,12 +194,12 @@ class QuotaCeiling:
         """What the node's subtree runs, and the sizes of the requests it waits for (as
         counted), from its own and what its children's passed up (taken from the maps)."""
         own = self.queued.get((name, gpu_type))
-        waiting = sum(k * n for k, n in own.items()) if own else 0
+        waiting = queued_gpus(own) if own else 0
         runs = self.demand.get((name, gpu_type), 0) - waiting + runs_below.pop(name, 0)
         sizes = queued_below.pop(name, None)
         if own:
             if sizes is None:
-                return runs, Counter(own)
+                return runs, own  # read only: the parent's count copies it
             sizes.update(own)
         return runs, sizes
 
@@ -214,7 +215,7 @@ class QuotaCeiling:
 
     def _whole(self, name: str, gpu_type: str, demand: int, room: float) -> int:
         sizes = self.queued[(name, gpu_type)]
-        waiting = sum(size * n for size, n in sizes.items())
+        waiting = queued_gpus(sizes)
         runs = demand - waiting
         if runs + waiting <= room:
             return demand
@@ -259,6 +260,11 @@ class QuotaCeiling:
         held, own_demand = self._pass(gpu_type, whole=True)
         room = self.capacity.get(gpu_type, 0) - self.kept_back(gpu_type, own_demand)
         return min(held, max(0.0, room))
+
+
+def queued_gpus(sizes: Mapping[int, int]) -> int:
+    """The GPUs of the requests counted in ``sizes`` (size -> how many)."""
+    return sum(size * n for size, n in sizes.items())
 
 
 def largest_sum(sizes: Mapping[int, int], room: int) -> int:
