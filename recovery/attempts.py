@@ -21,8 +21,9 @@ The rules (docs/recovery.md, "Attempts"):
   fault that repeats at once does not spin, and a job that ran well starts afresh; but
   the first such restart away from hardware newly blamed goes at once, since what failed
   is left out (a second quick fault in a row waits as usual);
-- a restart "elsewhere" never lands on the GPUs and nodes blamed, for the rest of the
-  job's life; a restart "in place" may use the same GPUs again;
+- a restart "elsewhere" never lands on the GPUs and nodes blamed, until they pass
+  maintenance (``scheduler/store/maintenance.py`` then drops them from the job's record);
+  a restart "in place" may use the same GPUs again;
 - the next attempt resumes from the newest checkpoint any attempt saved.
 """
 

@@ -17,6 +17,7 @@ import bisect
 import itertools
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from itertools import compress
 from operator import attrgetter, is_not
 
@@ -174,6 +175,21 @@ def _indexed_as(node: NodeState) -> tuple[str, ZoneKey, tuple[str, str], int]:
     )
 
 
+@dataclass(frozen=True)
+class Reach:
+    """What a particular request (``Pending.particular``) could get now, for its reason
+    (``Capacity.reach``)."""
+
+    # As ``Capacity.largest_block`` gives it, over the nodes and GPUs the request may use.
+    block: tuple[int, str] | None
+    # The node (one pod) or zone (a gang) whose free GPUs would hold it but for nodes
+    # and GPUs it avoids, and those: None when what it avoids keeps it from nothing.
+    avoided_at: str | None = None
+    free_there: int = 0  # free GPUs of its type on that node (one pod)
+    avoided_nodes: tuple[str, ...] = ()
+    avoided_gpus: tuple[str, ...] = ()
+
+
 class Capacity:
     """One cycle's free GPUs: what it takes comes off here, never off the ``FreeIndex`` it
     reads (a zone's buckets are copied before the first take from it)."""
@@ -197,6 +213,7 @@ class Capacity:
         # it was computed.
         self._version: dict[str, int] = defaultdict(int)
         self._block: dict[tuple[str, int], tuple[int, tuple[int, str] | None]] = {}
+        self._reach: dict[tuple[object, ...], tuple[int, Reach]] = {}  # likewise
 
     def _taking_from(self, zone: ZoneKey) -> dict[int, dict[tuple[str, str], None]]:
         """The zone's buckets, this cycle's own copy (made on the first take)."""
@@ -328,6 +345,77 @@ class Capacity:
             key = min((k for k in keys if usable(k) >= per_pod), key=lambda k: (usable(k), k))
             placed.append(Pod(key[0], self.take(key, per_pod, avoid_gpus)))
         return zone, tuple(placed)
+
+    def reach(
+        self,
+        gpu_type: str,
+        per_pod: int,
+        pods: int,
+        selector: Mapping[str, str],
+        avoid_nodes: frozenset[str],
+        avoid_gpus: frozenset[str],
+    ) -> Reach:
+        """What a particular request could get now over the nodes its selector picks, the
+        nodes and GPUs it avoids apart (see ``Reach``). For its reason only: one pass over
+        the fleet, kept while the type's free GPUs do not change (the requests of one
+        selector share it)."""
+        memo = (gpu_type, per_pod, pods, tuple(sorted(selector.items())), avoid_nodes, avoid_gpus)
+        cached = self._reach.get(memo)
+        if cached is not None and cached[0] == self._version[gpu_type]:
+            return cached[1]
+        found = self._reach_afresh(gpu_type, per_pod, pods, selector, avoid_nodes, avoid_gpus)
+        self._reach[memo] = (self._version[gpu_type], found)
+        return found
+
+    def _reach_afresh(
+        self,
+        gpu_type: str,
+        per_pod: int,
+        pods: int,
+        selector: Mapping[str, str],
+        avoid_nodes: frozenset[str],
+        avoid_gpus: frozenset[str],
+    ) -> Reach:
+        by_zone: dict[ZoneKey, list[tuple[str, Sequence[str], tuple[str, ...]]]]
+        by_zone = defaultdict(list)
+        for key, node in self.nodes.items():
+            if node.gpu_type != gpu_type or any(
+                node.labels.get(k) != v for k, v in selector.items()
+            ):
+                continue
+            taken = self.free.get(key)
+            free: Sequence[str] = taken if taken is not None else node.free
+            avoided = tuple(free if node.name in avoid_nodes else avoid_gpus.intersection(free))
+            by_zone[self.zone_of[key]].append((node.name, free, avoided))
+        block: tuple[int, str] | None = None
+        # Where avoidance alone keeps it out: (free GPUs there, where, nodes, GPUs avoided).
+        blocked: list[tuple[int, str, tuple[str, ...], tuple[str, ...]]] = []
+        for zone, nodes in sorted(by_zone.items()):
+            if pods > 1:
+                size = per_pod * sum((len(f) - len(a)) // per_pod for _, f, a in nodes)
+                if size < per_pod * pods <= per_pod * sum(len(f) // per_pod for _, f, _ in nodes):
+                    blocked.append(
+                        (
+                            sum(len(f) for _, f, _ in nodes),
+                            zone[1],
+                            tuple(sorted(n for n, _, a in nodes if a and n in avoid_nodes)),
+                            tuple(g for n, _, a in nodes if n not in avoid_nodes for g in a),
+                        )
+                    )
+            else:
+                size = max(len(f) - len(a) for _, f, a in nodes)
+                for name, f, a in nodes:
+                    if len(f) - len(a) < per_pod <= len(f):
+                        on_node = name in avoid_nodes
+                        blocked.append(
+                            (len(f), name, (name,) if on_node else (), () if on_node else a)
+                        )
+            if block is None or size > block[0]:
+                block = (size, zone[1])
+        if not blocked:
+            return Reach(block)
+        most, where, names, uuids = min(blocked, key=lambda b: (-b[0], b[1]))
+        return Reach(block, where, most, names, tuple(sorted(uuids)))
 
     def hold_for_gang(
         self, zone: ZoneKey, per_pod: int, pods: int, coming: Mapping[tuple[str, str], list[str]]

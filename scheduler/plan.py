@@ -740,10 +740,13 @@ class _Planner(Reasons, CapRoom, HeldZones):
         within = self.mode is not Mode.FIFO and self.book.within_guarantee(
             request.project, t, request.gpus
         )
-        said = (request.project, t, k, pods, within)
-        reason = self.no_room_reasons.get(said)  # per cycle: see _decide on staleness
+        # Per cycle (see _decide on staleness); a particular request's reason is its own.
+        said = None if request.particular else (request.project, t, k, pods, within)
+        reason = self.no_room_reasons.get(said) if said is not None else None
         if reason is None:
-            reason = self.no_room_reasons[said] = self._no_room_reason(request, block, within)
+            reason = self._no_room_reason(request, block, within)
+            if said is not None:
+                self.no_room_reasons[said] = reason
         holder = self.reserved.get(t)
         if holder is None and block is not None and not request.particular:
             closest = self._zone_to_hold(request, within)

@@ -116,7 +116,9 @@ class Reasons:
             where = f"{gpus_word(request.gpus)} in one zone ({pods} pods × {k})"
         else:
             where = f"{gpus_word(k)} on one node"
-        if block is None:
+        if request.particular:
+            free = self._particular_free(request)
+        elif block is None:
             free = f"every node with {t} is cordoned, unhealthy or silent right now"
         elif block[0] == 0:
             free = f"every {t} is in use" if pods == 1 else f"no node has {k} × {t} free"
@@ -133,6 +135,53 @@ class Reasons:
                 f"{t} back for themselves"
             )
         return f"Waiting for {where}: {free}{self._quota_said(request.project, t, within)}"
+
+    def _particular_free(self, request: Pending) -> str:
+        """What a particular request may use now, and — when nodes or GPUs it avoids (a
+        fault of this job blamed them) are what keeps it out — which ones, where."""
+        t, k, pods = request.gpu_type, request.gpus_per_pod, request.pods
+        reach = self.capacity.reach(
+            t, k, pods, request.node_selector, request.avoid_nodes, request.avoid_gpus
+        )
+        block = reach.block
+        if block is None:
+            matching = " that matches its node selector" if request.node_selector else ""
+            free = f"every node with {t}{matching} is cordoned, unhealthy or silent right now"
+        elif block[0] == 0:
+            free = (
+                f"no {t} it may use is free"
+                if pods == 1
+                else f"no node it may use has {n_of(k, t)} free"
+            )
+        elif pods > 1:
+            free = f"the most its pods may use in one zone is {n_of(block[0], t)}, in {block[1]}"
+        else:
+            free = f"the most it may use on one node is {n_of(block[0], t)}, in {block[1]}"
+        if reach.avoided_at is None:
+            return free
+        gpus, nodes = reach.avoided_gpus, reach.avoided_nodes
+        if pods > 1:
+            named = ", ".join((*(f"node {n}" for n in nodes), *gpus))
+            are = "is" if len(nodes) + len(gpus) == 1 else "are"
+            avoided = (
+                f"zone {reach.avoided_at} has room for its {pods} pods, but {named} there "
+                f"failed this job before and {are} avoided"
+            )
+        else:
+            if nodes:
+                which, are = "the node", "is"
+            elif len(gpus) == reach.free_there:
+                which = f"{'it' if len(gpus) == 1 else 'all of them'}, {', '.join(gpus)},"
+                are = "is" if len(gpus) == 1 else "are"
+            elif len(gpus) == 1:
+                which, are = f"one of them, {gpus[0]},", "is"
+            else:
+                which, are = f"{len(gpus)} of them, {', '.join(gpus)},", "are"
+            avoided = (
+                f"node {reach.avoided_at} has {n_of(reach.free_there, t)} free, but {which} "
+                f"failed this job before and {are} avoided"
+            )
+        return f"{avoided}; {free}"
 
     def _quota_said(self, p: str, t: str, within: bool) -> str:
         if self.mode is Mode.FIFO:

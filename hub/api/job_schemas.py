@@ -107,7 +107,8 @@ class JobOut(WorkloadOut):
         default=None, description="a waiting attempt's back-off ends then (null: none)"
     )
     avoids: list[str] = Field(
-        default_factory=list, description="nodes and GPUs earlier faults blamed: never used"
+        default_factory=list,
+        description="nodes and GPUs earlier faults blamed: not used until they pass maintenance",
     )
     effective_training_ratio: float | None = Field(
         default=None,

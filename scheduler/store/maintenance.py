@@ -15,6 +15,8 @@ Invariants:
   while it resets;
 - only a pass returns anything to service, and never a lemon; a failure, or an agent that
   stops reporting on a running operation, leaves it out of service with an event;
+- what a pass returns to service is no longer avoided by any job whose faults blamed it
+  (``lapse_avoidance``; docs/recovery.md, "What the job avoids");
 - each step is one operation at a time (due -> in flight -> None or the next step).
 """
 
@@ -29,7 +31,16 @@ from sqlalchemy.orm import Session
 from .attempts import AttemptStore, DrainStops, _node_named
 from .base import _event
 from .maintenance_plan import GPU_STEPS, MAINTENANCE_KINDS, NODE_STEPS, OPERATION_OF
-from .models import Allocation, Gpu, Node, NodeHealth, NodeOperation
+from .models import (
+    Allocation,
+    Gpu,
+    Node,
+    NodeHealth,
+    NodeOperation,
+    Workload,
+    WorkloadKind,
+    WorkloadState,
+)
 
 # A running operation's agent reports on it every half second; silence this long ends it.
 STALE_OPERATION = timedelta(seconds=120)
@@ -135,6 +146,9 @@ class MaintenanceStore(AttemptStore):
             else f"GPU {', '.join(request.get('uuids', []))} of node {row.node}"
         )
         said = str((row.result or {}).get("summary") or "") if passed else row.error
+        # What the pass returns to service: the jobs that avoid it since a fault no longer do.
+        returned_nodes: list[str] = []
+        returned_gpus: list[str] = []
         if request.get("scope") == "node":
             node = session.scalar(select(Node).where(Node.name == row.node))
             if node is None:
@@ -143,9 +157,11 @@ class MaintenanceStore(AttemptStore):
             if passed and row.kind == "diagnose":
                 node.cordoned = False
                 node.recovery_cordoned_at = None
+                returned_nodes.append(node.name)
                 for gpu in node.gpus:
                     if not gpu.lemon:
                         gpu.cordoned = False
+                        returned_gpus.append(gpu.uuid)
             outcome = (
                 "its diagnostics follow"
                 if node.maintenance
@@ -159,9 +175,15 @@ class MaintenanceStore(AttemptStore):
                 gpu.maintenance = None
                 if passed and not gpu.lemon:
                     gpu.cordoned = False
+                    returned_gpus.append(gpu.uuid)
             outcome = (
                 "it takes work again" if passed else "it stays out of service until an admin acts"
             )
+        lapsed = lapse_avoidance(session, returned_nodes, returned_gpus)
+        if len(lapsed) == 1:
+            outcome += f"; job {lapsed[0]} no longer avoids it"
+        elif lapsed:
+            outcome += f"; jobs {', '.join(map(str, lapsed))} no longer avoid it"
         _event(
             session,
             now,
@@ -172,8 +194,51 @@ class MaintenanceStore(AttemptStore):
             reason=row.kind,
             node=row.node,
             cause=str(request.get("by") or "recovery"),
-            data={"operation": row.id, **request},
+            data={
+                "operation": row.id,
+                **request,
+                **({"no_longer_avoided_by": lapsed} if lapsed else {}),
+            },
         )
+
+
+def lapse_avoidance(session: Session, nodes: Sequence[str], gpus: Sequence[str]) -> list[int]:
+    """Every job that avoids any of these nodes or GPUs since a fault blamed them stops
+    avoiding them: they passed maintenance, so they are as healthy as any other. Returns
+    the jobs changed.
+
+    It ends what jobs avoid at this moment; hardware an attempt held cannot pass before
+    that attempt's restart is queued with what it avoids: an attempt holds its GPUs (and
+    with them its nodes) until every pod of it is gone, and maintenance acts only where
+    nothing is held."""
+    if not (nodes or gpus):
+        return []
+    passed_nodes, passed_gpus = set(nodes), set(gpus)
+    rows = session.execute(
+        select(Workload.id, Workload.recovery).where(
+            Workload.kind == WorkloadKind.job,
+            Workload.state != WorkloadState.ended,
+            Workload.recovery.is_not(None),
+        )
+    ).all()
+    changed: list[int] = []
+    for workload_id, recovery in rows:
+        avoid_nodes = list((recovery or {}).get("avoid_nodes", ()))
+        avoid_gpus = list((recovery or {}).get("avoid_gpus", ()))
+        kept_nodes = [n for n in avoid_nodes if n not in passed_nodes]
+        kept_gpus = [g for g in avoid_gpus if g not in passed_gpus]
+        if (kept_nodes, kept_gpus) == (avoid_nodes, avoid_gpus):
+            continue
+        workload = session.get(Workload, workload_id)
+        assert workload is not None
+        # A new dict: the column sees an assignment, not a change inside its value.
+        workload.recovery = {
+            **(workload.recovery or {}),
+            "avoid_nodes": kept_nodes,
+            "avoid_gpus": kept_gpus,
+        }
+        changed.append(workload_id)
+    return changed
 
 
 def _ask(

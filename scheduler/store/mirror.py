@@ -158,10 +158,12 @@ class Mirror:
         self.pending = self.stream.queue
         # Jobs whose next attempt waits out its back-off: out of the queue until then.
         self.backing_off: dict[int, float] = {}
-        # Waiting next attempts that must avoid nodes or GPUs earlier faults blamed: what
-        # they avoid. Only what is in service counts (``_avoiding``): a blamed node that is
-        # cordoned is out of reach anyway, and a request with nothing to avoid keeps the
-        # whole policy — holding a zone, preempting — that a particular one does without.
+        # Waiting next attempts that must avoid nodes or GPUs earlier faults blamed (and
+        # that have not passed maintenance since: the store drops those from the row):
+        # what they avoid. Only what is in service counts (``_avoiding``): a blamed node
+        # that is cordoned is out of reach anyway, and a request with nothing to avoid
+        # keeps the whole policy — holding a zone, preempting — that a particular one
+        # does without.
         self.avoiding: dict[int, tuple[frozenset[str], frozenset[str]]] = {}
         self.now = 0.0
         self.project_ids: dict[str, int] = {}

@@ -209,6 +209,56 @@ def test_a_next_attempt_avoids_the_nodes_and_gpus_a_fault_blamed() -> None:
     assert result.admissions == () and result.waiting[0].workload_id == 1
 
 
+def reason_of(nodes: Sequence[NodeState], request: Pending) -> str:
+    result = plan(snap(nodes, [request], tree=projects(vision=32)), NOW)
+    assert result.admissions == ()
+    [waiting] = result.waiting
+    return waiting.reason
+
+
+def test_a_waiting_restart_is_told_which_avoided_gpu_or_node_keeps_it_out() -> None:
+    # Two free GPUs on one node, one of which failed this job before.
+    bad_gpu = replace(pending(1, "vision", 2), avoid_gpus=frozenset(ids("a", 1)))
+    assert reason_of([node("a", free=[0, 1]), node("b", free=[0])], bad_gpu) == (
+        "Waiting for 2 GPUs on one node: node a has 2 × H100 free, but one of them, a/1, "
+        "failed this job before and is avoided; the most it may use on one node is 1 × H100, "
+        "in z1; within project vision's guarantee (0/32 used)"
+    )
+    both = replace(bad_gpu, avoid_gpus=frozenset(ids("a", 0, 1)))
+    assert reason_of([node("a", free=[0, 1]), node("b", free=[])], both).startswith(
+        "Waiting for 2 GPUs on one node: node a has 2 × H100 free, but all of them, a/0, a/1, "
+        "failed this job before and are avoided; no H100 it may use is free;"
+    )
+    bad_node = replace(pending(1, "vision", 2), avoid_nodes=frozenset({"a"}))
+    assert reason_of([node("a", free=[0, 1, 2]), node("b", free=[])], bad_node).startswith(
+        "Waiting for 2 GPUs on one node: node a has 3 × H100 free, but the node failed this "
+        "job before and is avoided; no H100 it may use is free;"
+    )
+    # A gang: its zone would hold both pods but for one GPU of a2.
+    gang = replace(pending(1, "vision", 8, pods=2), avoid_gpus=frozenset(ids("a2", 3)))
+    assert reason_of([node("a1"), node("a2")], gang).startswith(
+        "Waiting for 16 GPUs in one zone (2 pods × 8): zone z1 has room for its 2 pods, but "
+        "a2/3 there failed this job before and is avoided; the most its pods may use in one "
+        "zone is 8 × H100, in z1;"
+    )
+
+
+def test_an_avoided_gpu_that_keeps_a_request_from_nothing_is_not_blamed() -> None:
+    # Node a has 3 free, one avoided: 4 would not fit there anyway.
+    request = replace(pending(1, "vision", 4), avoid_gpus=frozenset(ids("a", 0)))
+    assert reason_of([node("a", free=[0, 1, 2]), node("b", free=[0])], request).startswith(
+        "Waiting for 4 GPUs on one node: the most it may use on one node is 2 × H100, in z1;"
+    )
+
+
+def test_a_selectors_reason_counts_only_the_nodes_it_selects() -> None:
+    request = pending(1, "vision", 2, node_selector={"network": "ib"})
+    nodes = [node("plain", free=[0, 1]), node("ib", free=[], labels={"network": "ib"})]
+    assert reason_of(nodes, request).startswith(
+        "Waiting for 2 GPUs on one node: no H100 it may use is free;"
+    )
+
+
 def test_a_request_no_zone_could_ever_hold_is_told_so() -> None:
     result = plan(snap([node("n1"), node("n2", zone="z2")], [pending(1, "v", 8, pods=2)]), NOW)
     assert result.waiting == (
