@@ -176,9 +176,14 @@ class TimedWork:
         return True
 
 
+# The last second Python's datetime holds in UTC, which APScheduler converts every run
+# time to: a later one ("9999-12-31T23:59:59-14:00") cannot be kept.
+LATEST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)
+
+
 def when(text: str, now: datetime) -> datetime:
-    """``HH:MM`` (the next such time, UTC) or an ISO date and time (UTC unless it says);
-    ValueError says what to write instead."""
+    """``HH:MM`` (the next such time, UTC) or an ISO date and time (UTC unless it says),
+    in UTC; ValueError says what to write instead."""
     now = now if now.tzinfo else now.replace(tzinfo=UTC)
     try:
         hours, minutes = (int(part) for part in text.split(":"))
@@ -196,6 +201,16 @@ def when(text: str, now: datetime) -> datetime:
             f"{text!r} is neither HH:MM nor an ISO date and time (2026-12-04T02:00)"
         ) from None
     at = at if at.tzinfo else at.replace(tzinfo=UTC)
+    latest = f"{text} is later than {LATEST:%Y-%m-%dT%H:%M:%S}Z, the latest time a drain takes"
+    try:
+        at = at.astimezone(UTC)
+    except OverflowError:
+        # Only the first day of year 1 (ahead of UTC) and the last of 9999 (behind it)
+        # fall outside what datetime holds once in UTC.
+        passed = f"{text} has passed; give a time to come"
+        raise ValueError(latest if at.year == 9999 else passed) from None
+    if at > LATEST:
+        raise ValueError(latest)
     if at <= now:
         raise ValueError(f"{text} has passed; give a time to come")
     return at

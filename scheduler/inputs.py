@@ -21,6 +21,8 @@ Projects file: ``projects:`` followed by the same entries as ``c.FleetController
 from __future__ import annotations
 
 import csv
+import io
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,53 +50,106 @@ class TraceJob:
     gpus_per_pod: int | None = None  # None: the simulator packs whole nodes
 
 
-def _number(row: Mapping[str, str], column: str, where: str, whole: bool = False) -> float:
+# The most seconds a trace time may be (about 317 years): room for Unix times as
+# ``submit_s``, and a bound on how far the replay's clock runs (NaN, infinity and
+# ``1e400``, which reads as infinity, would run it forever).
+MAX_SECONDS = 10**10  # "1e10" in the messages
+# A GPU count has at most this many digits (Python's int() refuses past 4,300).
+MAX_WHOLE_DIGITS = 16
+MAX_SHOWN = 40  # characters of a bad value a message repeats
+
+
+def _shown(raw: str) -> str:
+    return repr(raw if len(raw) <= MAX_SHOWN else raw[: MAX_SHOWN - 1] + "…")
+
+
+def _seconds(row: Mapping[str, str], column: str, where: str, zero: bool) -> float:
+    """A time of the trace: a finite number of seconds up to ``MAX_SECONDS``; 0 only
+    where ``zero``."""
     raw = (row.get(column) or "").strip()
     try:
-        value = int(raw) if whole else float(raw)
+        value = float(raw)
     except ValueError:
-        kind = "a whole number" if whole else "a number"
-        raise InputError(f"{where}: {column} must be {kind}, not {raw!r}") from None
-    if value < 0 or (whole and value == 0 and column != "submit_s"):
-        raise InputError(f"{where}: {column} must be positive, not {raw!r}")
+        value = math.nan
+    if not ((value >= 0 if zero else value > 0) and value <= MAX_SECONDS):
+        least = "from 0" if zero else "more than 0"
+        raise InputError(
+            f"{where}: {column} must be a number of seconds {least} up to 1e10 "
+            f"(about 317 years), not {_shown(raw)}"
+        )
     return value
 
 
+def _whole(row: Mapping[str, str], column: str, where: str) -> int:
+    """A GPU count of the trace: ASCII digits, 1 or more."""
+    raw = (row.get(column) or "").strip()
+    digits = raw.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit()):
+        raise InputError(f"{where}: {column} must be a whole number, not {_shown(raw)}")
+    if len(digits) > MAX_WHOLE_DIGITS:
+        raise InputError(
+            f"{where}: {column} must be a whole number of at most {MAX_WHOLE_DIGITS} digits, "
+            f"not {_shown(raw)}"
+        )
+    if raw.startswith("-") or int(digits) == 0:
+        raise InputError(f"{where}: {column} must be positive, not {raw!r}")
+    return int(digits)
+
+
+def _text(path: Path) -> str:
+    """The trace's text: UTF-8, a byte-order mark (which spreadsheets write) dropped."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise InputError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); save the trace as "
+            "CSV in UTF-8"
+        ) from None
+
+
 def read_trace(path: Path) -> list[TraceJob]:
-    """Every job of the trace, in file order; the first bad line stops with its number."""
-    with Path(path).open(newline="") as f:
-        reader = csv.DictReader(f)
+    """Every job of the trace, in file order; the first bad line stops with its number
+    (data lines from 2, after the header, in file order)."""
+    reader = csv.DictReader(io.StringIO(_text(path), newline=""))
+    jobs: list[TraceJob] = []
+    seen: set[str] = set()
+    header_read = False
+    try:
         missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
             raise InputError(f"{path}: the trace lacks the column(s) {', '.join(missing)}")
-        jobs = []
-        seen: set[str] = set()
+        header_read = True
         for line, row in enumerate(reader, start=2):
-            where = f"{path}:{line}"
-            job_id = (row["job_id"] or "").strip()
-            if not job_id or job_id in seen:
-                raise InputError(f"{where}: job_id must be present and unique, not {job_id!r}")
-            seen.add(job_id)
-            kind = (row.get("kind") or "job").strip()
-            if kind not in KINDS:
-                raise InputError(f"{where}: kind must be session or job, not {kind!r}")
-            per_pod = (row.get("gpus_per_pod") or "").strip()
-            jobs.append(
-                TraceJob(
-                    job_id=job_id,
-                    submit_s=_number(row, "submit_s", where),
-                    duration_s=_number(row, "duration_s", where),
-                    num_gpus=int(_number(row, "num_gpus", where, whole=True)),
-                    group=(row["group"] or "").strip() or "default",
-                    kind=kind,
-                    priority=(row.get("priority") or "").strip() or None,
-                    gpu_type=(row.get("gpu_type") or "").strip() or None,
-                    gpus_per_pod=int(_number(row, "gpus_per_pod", where, whole=True))
-                    if per_pod
-                    else None,
-                )
-            )
-        return jobs
+            jobs.append(_trace_job(row, f"{path}:{line}", seen))
+    except csv.Error as e:
+        # Each line read became a job: the one the reader choked on is the next.
+        line = len(jobs) + 2 if header_read else 1
+        raise InputError(f"{path}:{line}: not CSV as the trace needs it: {e}") from None
+    return jobs
+
+
+def _trace_job(row: Mapping[str, str], where: str, seen: set[str]) -> TraceJob:
+    job_id = (row["job_id"] or "").strip()
+    if not job_id or job_id in seen:
+        raise InputError(f"{where}: job_id must be present and unique, not {_shown(job_id)}")
+    seen.add(job_id)
+    kind = (row.get("kind") or "job").strip()
+    if kind not in KINDS:
+        raise InputError(f"{where}: kind must be session or job, not {_shown(kind)}")
+    per_pod = (row.get("gpus_per_pod") or "").strip()
+    return TraceJob(
+        job_id=job_id,
+        submit_s=_seconds(row, "submit_s", where, zero=True),
+        duration_s=_seconds(row, "duration_s", where, zero=False),
+        num_gpus=_whole(row, "num_gpus", where),
+        group=(row["group"] or "").strip() or "default",
+        kind=kind,
+        priority=(row.get("priority") or "").strip() or None,
+        gpu_type=(row.get("gpu_type") or "").strip() or None,
+        gpus_per_pod=_whole(row, "gpus_per_pod", where) if per_pod else None,
+    )
 
 
 def _load_yaml(path: Path, top: str) -> Any:

@@ -61,7 +61,7 @@ from functools import partial
 from .errors import InputError, SchedulerError
 from .holds import hand_back_holds
 from .idle import IdleCause, WaitingShape, idle_by_cause, kept_gpus, waiting_shape
-from .inputs import TraceJob
+from .inputs import MAX_SECONDS, TraceJob
 from .memo import PlanMemo
 from .model import FleetNode, ProjectTree
 from .plan import plan
@@ -73,6 +73,7 @@ from .simulator_jobs import (
     BookedJob,
     FleetRoom,
     TraceJobError,
+    check_checkpoints,
     shape,
     with_trace_groups,
 )
@@ -142,21 +143,30 @@ class SimulationOptions:
     spare_nodes_per_zone: int = 0
 
     def __post_init__(self) -> None:
-        if not self.checkpoint_interval_s > 0:
+        # Each check says what must hold: NaN fails every comparison. Past MAX_SECONDS
+        # (infinity too) the virtual clock would run on for ever.
+        if not 0 < self.checkpoint_interval_s <= MAX_SECONDS:
             raise InputError(
-                f"checkpoint_interval_s must be positive, not {self.checkpoint_interval_s}"
+                "checkpoint_interval_s must be a number of seconds more than 0 up to 1e10, "
+                f"not {self.checkpoint_interval_s}"
             )
         for name in (
             "session_snapshot_s",
             "job_checkpoint_grace_s",
             "min_run_time_s",
-            "fault_rate_per_gpu_hour",
             "fault_detect_s",
             "fault_restart_s",
             "fault_repair_s",
         ):
-            if not getattr(self, name) >= 0:
-                raise InputError(f"{name} must be zero or more, not {getattr(self, name)}")
+            if not 0 <= (value := getattr(self, name)) <= MAX_SECONDS:
+                raise InputError(
+                    f"{name} must be a number of seconds from 0 up to 1e10, not {value}"
+                )
+        if not 0 <= self.fault_rate_per_gpu_hour < math.inf:
+            raise InputError(
+                f"fault_rate_per_gpu_hour must be a finite number, 0 or more, not "
+                f"{self.fault_rate_per_gpu_hour}"
+            )
         if self.fault_budget < 0:
             raise InputError("fault_budget must be zero or more")
         if self.spare_nodes_per_zone < 0:
@@ -763,6 +773,8 @@ def simulate(
         raise InputError(
             f"policy must be one of {', '.join(m.value for m in Mode)}, not {policy!r}"
         ) from None
+    if mode is Mode.GPUFLEET:
+        check_checkpoints(jobs, options.checkpoint_interval_s)
     tree = with_trace_groups(projects, jobs)
     fleet = FleetRoom(nodes)
     limits = QuotaLimits(tree)

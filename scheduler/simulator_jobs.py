@@ -118,6 +118,24 @@ class FleetRoom:
         return room
 
 
+# The replay steps through every checkpoint of every job (a few microseconds each):
+# more than this many would keep it busy for minutes (one 1e10 s job at the default
+# interval: 5.6e6, some 25 s).
+MAX_CHECKPOINTS = 10**7
+
+
+def check_checkpoints(jobs: Sequence[TraceJob], interval_s: float) -> None:
+    """Refuse a trace whose jobs would checkpoint more than ``MAX_CHECKPOINTS`` times."""
+    checkpoints = sum(j.duration_s for j in jobs if j.kind == "job") / interval_s
+    if checkpoints > MAX_CHECKPOINTS:
+        raise InputError(
+            f"the trace's jobs run long enough for {checkpoints:,.0f} checkpoints at one "
+            f"every {interval_s:g} s, and the replay steps through each: at most "
+            f"{MAX_CHECKPOINTS:,}; checkpoint less often (checkpoint_interval_s, "
+            "--checkpoint-interval) or shorten the jobs"
+        )
+
+
 class TraceJobError(InputError):
     """A trace job that cannot be used as written; ``job_id`` names it, so whoever read
     the file can point at its line."""

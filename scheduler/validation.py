@@ -99,15 +99,23 @@ def check_names(**names: str | None) -> None:
 
 
 def parse_gpu_count(value: object) -> int:
+    """A GPU count as sent: a whole number, or text of ASCII digits alone (what the spawn
+    form's field held; the form's reader strips what the browser kept around it). Text
+    with anything else in it, spaces included, is refused saying what to type: a client
+    that sends " 1" sends something other than the number it meant."""
     whole_number = "the GPU count must be a whole number such as 1 or 2"
     if isinstance(value, bool):  # True is an int to Python, but nobody means 1 by it
         raise InvalidRequest(whole_number)
     if isinstance(value, int):
         count = value
-    elif isinstance(value, str) and COUNT_TEXT.fullmatch(text := value.strip()):
-        if len(text.lstrip("-")) > MAX_COUNT_DIGITS:  # zeros too: int() counts them
+    elif isinstance(value, str) and COUNT_TEXT.fullmatch(value):
+        if len(value.lstrip("-")) > MAX_COUNT_DIGITS:  # zeros too: int() counts them
             raise InvalidRequest(f"{whole_number} up to {MAX_COUNT}, not {shown(value)}")
-        count = int(text)
+        count = int(value)
+    elif isinstance(value, str) and COUNT_TEXT.fullmatch(value.strip()):
+        raise InvalidRequest(
+            f"{whole_number}, not {shown(value)}: send the digits alone, without spaces"
+        )
     else:
         raise InvalidRequest(f"{whole_number}, not {shown(value)}")
     if count < 1:

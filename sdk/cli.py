@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -109,10 +110,10 @@ def _add_simulate(commands: Any) -> None:
         help="where to write the JSON result; '-' for standard output, the table then "
         "going to standard error (default: %(default)s)",
     )
-    sim.add_argument("--min-run-time", type=float, default=300.0, metavar="SECONDS")
-    sim.add_argument("--checkpoint-interval", type=float, default=1800.0, metavar="SECONDS")
-    sim.add_argument("--session-snapshot", type=float, default=20.0, metavar="SECONDS")
-    sim.add_argument("--job-grace", type=float, default=30.0, metavar="SECONDS")
+    sim.add_argument("--min-run-time", type=_seconds, default=300.0, metavar="SECONDS")
+    sim.add_argument("--checkpoint-interval", type=_interval, default=1800.0, metavar="SECONDS")
+    sim.add_argument("--session-snapshot", type=_seconds, default=20.0, metavar="SECONDS")
+    sim.add_argument("--job-grace", type=_seconds, default=30.0, metavar="SECONDS")
     sim.add_argument(
         "--fault-rate",
         default="0",
@@ -123,11 +124,11 @@ def _add_simulate(commands: Any) -> None:
         "restarts at once, spending --fault-restart seconds to start and load it "
         "(default: none)",
     )
-    sim.add_argument("--fault-detect", type=float, default=60.0, metavar="SECONDS")
-    sim.add_argument("--fault-restart", type=float, default=60.0, metavar="SECONDS")
+    sim.add_argument("--fault-detect", type=_seconds, default=60.0, metavar="SECONDS")
+    sim.add_argument("--fault-restart", type=_seconds, default=60.0, metavar="SECONDS")
     sim.add_argument(
         "--fault-repair",
-        type=float,
+        type=_seconds,
         default=0.0,
         metavar="SECONDS",
         help="how long the faulty node (one of the job's) stays out of service once the "
@@ -151,6 +152,30 @@ def _add_simulate(commands: Any) -> None:
         "restarting after a fault, lent to preemptible work meanwhile, as "
         "c.FleetController.recovery_spares = {'*': N} (default: none)",
     )
+
+
+# scheduler/inputs.py's MAX_SECONDS, which the trace's times share: that module needs the
+# server extra, and the options are read before anything says whether it is installed.
+MAX_SECONDS = 10**10  # "1e10" in the messages
+
+
+def _seconds(text: str, least: str = "from 0") -> float:
+    """A SECONDS option: a number of seconds up to MAX_SECONDS. NaN, infinity and 1e400
+    (which reads as infinity) would run the replay's clock forever; argparse names the
+    option and exits 2 with this message."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not ((value > 0 if least == "more than 0" else value >= 0) and value <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds {least} up to 1e10, not {text!r}"
+        )
+    return value
+
+
+def _interval(text: str) -> float:
+    return _seconds(text, "more than 0")
 
 
 def simulate_command(args: argparse.Namespace) -> int:
@@ -222,11 +247,15 @@ def _fault_rate(given: str) -> float:
     if given.strip().lower() == "llama3":
         return LLAMA3_FAULTS_PER_GPU_HOUR
     try:
-        return float(given)
+        rate = float(given)
     except ValueError:
+        rate = math.nan
+    if not 0 <= rate < math.inf:
         raise InputError(
-            f"--fault-rate must be a number of faults per GPU-hour or 'llama3', not {given!r}"
-        ) from None
+            "--fault-rate must be a number of faults per GPU-hour (0 or more) or 'llama3', "
+            f"not {given!r}"
+        )
+    return rate
 
 
 def _duration(seconds: float | None) -> str:

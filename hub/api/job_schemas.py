@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from .schemas import MAX_INT, Count, Name, Strict, WorkloadOut
+from .schemas import MAX_INT, Count, Instant, Name, Strict, WorkloadOut
 
 MAX_PODS = 100_000
 
@@ -155,13 +155,13 @@ class LogChunkIn(Strict):
 
 class StartedIn(Strict):
     step: int = Field(ge=0, le=MAX_INT)
-    at: datetime
+    at: Instant
 
 
 class SavedIn(Strict):
     uri: str = Field(max_length=2000)
     step: int = Field(ge=0, le=MAX_INT)
-    at: datetime
+    at: Instant
 
 
 class PodProgressIn(Strict):
@@ -170,7 +170,7 @@ class PodProgressIn(Strict):
     workload_id: int = Field(ge=1, le=MAX_INT)
     pod_index: int = Field(ge=0, le=MAX_PODS)
     step: int | None = Field(default=None, ge=0, le=MAX_INT)
-    step_at: datetime | None = None
+    step_at: Instant | None = None
     step_times_s: list[float] = Field(default_factory=list, max_length=512)
     metrics: dict[str, float] = Field(default_factory=dict, max_length=32)
     checkpoint_started: StartedIn | None = None

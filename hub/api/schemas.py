@@ -52,8 +52,9 @@ def _as_utc(at: datetime) -> datetime:
 # A user, server, project, GPU type, profile, priority class, node or GPU name: no NUL,
 # control or bidirectional-control character (scheduler/validation.py says why).
 Name = Annotated[str, AfterValidator(_plain_name)]
-# A GPU count as sent: a JSON number, or the text a form field held ("2"), which
-# scheduler/validation.py reads with a message saying what to type. JSON true is not 1.
+# A GPU count as sent: a JSON number, or the text a form field held ("2": ASCII digits
+# alone, " 1" is refused), which scheduler/validation.py reads with a message saying what
+# to type. JSON true is not 1.
 Count = Annotated[int | str, BeforeValidator(_count_as_sent)]
 # A time a client reports (kernel activity, a keep-alive's end), as an aware UTC datetime.
 Instant = Annotated[datetime, AfterValidator(_as_utc)]
@@ -270,7 +271,8 @@ class GpuSampleIn(Strict):
 
     uuid: Name = Field(min_length=1, max_length=96)
     index: int = Field(ge=0, le=MAX_INT)
-    at: float
+    # NaN and Infinity are JSON to pydantic, not to PostgreSQL's json nor to the pages.
+    at: float = Field(allow_inf_nan=False, description="when it was read (Unix seconds)")
     lost: bool = False
     utilization_gpu_pct: int | None = Field(default=None, ge=0, le=100)
     utilization_memory_pct: int | None = Field(default=None, ge=0, le=100)

@@ -25,6 +25,7 @@ from gpufleet.hub import scopes
 from gpufleet.hub.api.handlers import routes
 from gpufleet.hub.api.identity import Identity
 from gpufleet.hub.api.schemas import SessionRequestIn
+from gpufleet.hub.timed import TimedWork
 from gpufleet.scheduler.store import db
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
@@ -57,6 +58,8 @@ class Controller:
     job_checkpoint_store: str = ""
     job_stop_grace_seconds: float = 5.0
     request_lease: timedelta = timedelta(minutes=5)
+    gpu_busy_utilization: float = 5.0
+    timed: TimedWork | None = None
 
     def now(self) -> datetime:
         return datetime.now(UTC)
@@ -69,6 +72,12 @@ class Controller:
 
     async def refresh_memberships(self, max_age: float) -> None:
         return
+
+    async def drain(self, node: str, by: str, why: str) -> None:  # a timed job's, never run
+        raise AssertionError(f"no drain of {node} is due in a test")
+
+    async def run_snapshot_retention(self) -> None:
+        raise AssertionError("no snapshot retention is due in a test")
 
 
 def fleet_store(path: Path) -> FleetStore:
@@ -110,6 +119,22 @@ async def api(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     async for url in serve(web.Application(routes(PREFIX, controller))):
         async with httpx.AsyncClient(base_url=f"{url}{PREFIX}api/v1", timeout=30) as client:
             yield client
+
+
+@pytest.fixture
+async def admin_api(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """``api``, with the controller's timed work (APScheduler over the same database)
+    running, as on the controller that holds the lease."""
+    alice = Identity("user", "alice", frozenset({scopes.ADMIN, scopes.USE}), by_cookie=False)
+    controller = Controller(fleet_store(tmp_path / "gpufleet.sqlite"), alice)
+    controller.timed = TimedWork(controller, controller.store.engine)
+    controller.timed.lead()
+    try:
+        async for url in serve(web.Application(routes(PREFIX, controller))):
+            async with httpx.AsyncClient(base_url=f"{url}{PREFIX}api/v1", timeout=30) as client:
+                yield client
+    finally:
+        controller.timed.scheduler.shutdown(wait=False)
 
 
 def refused(response: httpx.Response, status: int = 400) -> str:
@@ -227,6 +252,23 @@ async def test_a_count_as_a_form_types_it_is_still_read(api: httpx.AsyncClient) 
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/sessions", {**SESSION, "gpus": " 1"}),
+        ("/jobs", {**JOB, "gpus": "1 "}),
+        ("/jobs", {**JOB, "gpus": 2, "gpus_per_pod": " 1"}),
+    ],
+)
+async def test_a_count_in_text_with_spaces_is_a_400_saying_to_send_the_digits_alone(
+    api: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> None:
+    message = refused(await api.post(path, json=body))
+    assert "must be a whole number such as 1 or 2, not '" in message
+    assert message.endswith(": send the digits alone, without spaces")
+    assert (await api.get("/workloads")).json()["total"] == 0  # nothing was queued
+
+
 # --------------------------------------------------------------------- names
 @pytest.mark.parametrize(
     ("path", "field_name", "body"),
@@ -307,6 +349,55 @@ async def test_a_name_in_the_path_with_nul_or_a_bidi_control_is_a_400(
 async def test_a_query_parameter_with_nul_is_a_400(api: httpx.AsyncClient) -> None:
     message = refused(await api.get("/workloads", params={"username": "al\0ice"}))
     assert message == "query parameter 'username' holds a NUL character (U+0000)"
+
+
+# --------------------------------------------------------------------- times
+async def test_a_drain_later_than_the_scheduler_can_keep_is_a_400_naming_the_latest(
+    admin_api: httpx.AsyncClient,
+) -> None:
+    # Once in UTC this is past 9999-12-31: APScheduler's conversion overflowed (a 500).
+    at = "9999-12-31T23:59:59-14:00"
+    message = refused(await admin_api.post("/nodes/a1/drain", json={"at": at}))
+    assert message == f"{at} is later than 9999-12-31T23:59:59Z, the latest time a drain takes"
+    assert (await admin_api.get("/timed")).json() == {"items": []}
+
+
+async def test_a_drain_at_the_latest_time_is_kept_as_a_timed_job(
+    admin_api: httpx.AsyncClient,
+) -> None:
+    response = await admin_api.post(
+        "/nodes/a1/drain", json={"at": "9999-12-31T23:59:59Z", "reason": "end of an era"}
+    )
+    assert response.status_code == 202, response.text
+    assert response.json()["at"] == "9999-12-31T23:59:59Z"
+    listed = (await admin_api.get("/timed")).json()["items"]  # read back from the job store
+    assert [job["at"] for job in listed] == ["9999-12-31T23:59:59Z"]
+
+
+@pytest.mark.parametrize(
+    "progress",
+    [
+        {"step": 5, "step_at": "9999-12-31T23:59:59-14:00"},
+        {"checkpoint_started": {"step": 5, "at": "9999-12-31T23:59:59-14:00"}},
+        {"checkpoints_saved": [{"uri": "s3://c/5", "step": 5, "at": "0001-01-01T00:00+01:00"}]},
+    ],
+    ids=["step_at", "checkpoint_started", "checkpoints_saved"],
+)
+async def test_a_job_progress_time_outside_what_utc_holds_is_a_400(
+    api: httpx.AsyncClient, progress: dict[str, Any]
+) -> None:
+    # A running job's record converts each to UTC: an OverflowError there was a 500.
+    body = {"nodes": ["a1"], "progress": [{"workload_id": 1, "pod_index": 0, **progress}]}
+    message = refused(await api.post("/agent/pods", json=body))
+    assert "is outside the years 1-9999 in UTC" in message
+
+
+@pytest.mark.parametrize("at", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
+async def test_a_gpu_sample_at_no_finite_time_is_a_400(api: httpx.AsyncClient, at: bytes) -> None:
+    # Python's and pydantic's JSON readers take NaN and Infinity; no store or page should.
+    body = b'{"samples": [{"uuid": "GPU-a1-0", "index": 0, "at": ' + at + b"}]}"
+    message = refused(await api.post("/agent/samples", content=body))
+    assert "samples.0.at: Input should be a finite number" in message
 
 
 # --------------------------------------------------------------- media types

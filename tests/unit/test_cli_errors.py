@@ -191,3 +191,116 @@ def test_ctrl_c_while_following_exits_130_without_a_traceback(stub: str) -> None
     _, err = follower.communicate(timeout=30)
     assert follower.returncode == 130
     assert "Traceback" not in err and "interrupted" in err
+
+
+# ------------------------------------------------------------------- simulate
+FLEET = """clusters:
+  - name: east
+    zones:
+      - name: a
+        pools:
+          - {name: p, count: 1, gpus_per_node: 8, gpu_type: A100}
+"""
+HEADER = b"job_id,submit_s,duration_s,num_gpus,group\n"
+# Each run starts Python and reads a two-line trace: well under a second when nothing is
+# wrong. A run still going at the deadline is one whose virtual clock never ends.
+DEADLINE_S = 60
+
+
+def simulate(tmp_path: Path, trace: bytes, *options: str) -> tuple[int, str, str]:
+    """``gpufleet simulate t.csv`` in ``tmp_path``: its exit code, output and error."""
+    (tmp_path / "fleet.yaml").write_text(FLEET)
+    (tmp_path / "t.csv").write_bytes(trace)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUFLEET", "JUPYTERHUB"))}
+    command = [str(GPUFLEET), "simulate", "t.csv", "--fleet", "fleet.yaml", "--out", "-"]
+    try:
+        done = subprocess.run(
+            [*command, *options],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE_S,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"gpufleet simulate {' '.join(options)} still ran after {DEADLINE_S} s")
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.returncode, done.stdout, " ".join(done.stderr.split())
+
+
+@pytest.mark.parametrize("duration", ["nan", "inf", "1e400", "0", "-5"])
+def test_a_duration_that_is_no_time_to_run_exits_2_naming_the_line(
+    tmp_path: Path, duration: str
+) -> None:
+    code, _, err = simulate(tmp_path, HEADER + f"a,0,{duration},1,g\n".encode())
+    assert code == 2
+    assert err == (
+        "gpufleet simulate: t.csv:2: duration_s must be a number of seconds more than 0 up "
+        f"to 1e10 (about 317 years), not '{duration}'"
+    )
+
+
+def test_a_trace_that_is_not_utf8_exits_2_naming_the_line(tmp_path: Path) -> None:
+    trace = HEADER + b"a,0,5,1,g\nb,0,5,1,r\xe9seau\n"  # Latin-1, as an old export writes
+    code, _, err = simulate(tmp_path, trace)
+    assert code == 2
+    assert err == (
+        "gpufleet simulate: t.csv:3: not UTF-8 text (byte 0xe9); save the trace as CSV in UTF-8"
+    )
+
+
+def test_a_trace_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    # What a spreadsheet's "CSV UTF-8" export writes before the header.
+    code, out, err = simulate(tmp_path, b"\xef\xbb\xbf" + HEADER + b"a,0,5,1,g\n")
+    assert code == 0, err
+    assert [job["job_id"] for job in json.loads(out)["jobs"]] == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            ["--min-run-time", "nan"],
+            "argument --min-run-time: must be a number of seconds from 0 up to 1e10, not 'nan'",
+        ),
+        (
+            ["--job-grace", "1e400"],
+            "argument --job-grace: must be a number of seconds from 0 up to 1e10, not '1e400'",
+        ),
+        (
+            ["--checkpoint-interval", "inf"],
+            "argument --checkpoint-interval: must be a number of seconds more than 0 up to "
+            "1e10, not 'inf'",
+        ),
+        (
+            ["--fault-repair=-inf"],
+            "argument --fault-repair: must be a number of seconds from 0 up to 1e10, not '-inf'",
+        ),
+        (
+            ["--fault-rate", "inf"],
+            "gpufleet simulate: --fault-rate must be a number of faults per GPU-hour (0 or "
+            "more) or 'llama3', not 'inf'",
+        ),
+        (
+            ["--checkpoint-interval", "1e-9"],
+            "gpufleet simulate: the trace's jobs run long enough for 5,000,000,000 checkpoints "
+            "at one every 1e-09 s, and the replay steps through each: at most 10,000,000; "
+            "checkpoint less often (checkpoint_interval_s, --checkpoint-interval) or shorten "
+            "the jobs",
+        ),
+    ],
+    ids=["nan", "1e400", "inf-interval", "minus-inf", "inf-rate", "tiny-interval"],
+)
+def test_an_option_that_would_run_the_clock_forever_exits_2_naming_it(
+    tmp_path: Path, options: list[str], message: str
+) -> None:
+    code, _, err = simulate(tmp_path, HEADER + b"a,0,5,1,g\n", *options)
+    assert code == 2
+    assert err.endswith(message)
+
+
+def test_the_options_and_the_trace_share_one_bound_on_seconds() -> None:
+    from gpufleet import cli
+    from gpufleet.scheduler import inputs
+
+    assert cli.MAX_SECONDS == inputs.MAX_SECONDS

@@ -54,7 +54,7 @@ def test_optional_columns(tmp_path: Path) -> None:
         ),
         (
             "job_id,submit_s,duration_s,num_gpus,group\na,0,-5,1,g\n",
-            "t.csv:2: duration_s must be positive",
+            "t.csv:2: duration_s must be a number of seconds more than 0 up to 1e10",
         ),
         (
             "job_id,submit_s,duration_s,num_gpus,group\na,0,5,1,g\na,1,5,1,g\n",
@@ -70,6 +70,80 @@ def test_bad_traces_say_where_and_what(tmp_path: Path, rows: str, message: str) 
     trace = tmp_path / "t.csv"
     trace.write_text(rows)
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_trace(trace)
+
+
+HEADER = "job_id,submit_s,duration_s,num_gpus,group\n"
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("a,0,nan,1,g", "duration_s must be a number of seconds more than 0 up to 1e10"),
+        ("a,0,inf,1,g", "duration_s must be a number of seconds more than 0 up to 1e10"),
+        ("a,0,1e400,1,g", "duration_s must be a number of seconds more than 0 up to 1e10"),
+        ("a,0,0,1,g", "duration_s must be a number of seconds more than 0 up to 1e10"),
+        ("a,0,1e11,1,g", "duration_s must be a number of seconds more than 0 up to 1e10"),
+        ("a,nan,5,1,g", "submit_s must be a number of seconds from 0 up to 1e10"),
+        ("a,-1,5,1,g", "submit_s must be a number of seconds from 0 up to 1e10"),
+        ("a,-inf,5,1,g", "submit_s must be a number of seconds from 0 up to 1e10"),
+        ("a,0,5,-1,g", "num_gpus must be positive, not '-1'"),
+        ("a,0,5,+1,g", "num_gpus must be a whole number, not '+1'"),
+        ("a,0,5,\u0661,g", "num_gpus must be a whole number, not '\u0661'"),
+        ("a,0,5," + "9" * 5000 + ",g", "num_gpus must be a whole number of at most 16 digits"),
+    ],
+    ids=[
+        "nan",
+        "inf",
+        "1e400",
+        "zero",
+        "past-1e10",
+        "submit-nan",
+        "submit-negative",
+        "submit-inf",
+        "gpus-negative",
+        "gpus-plus",
+        "gpus-arabic-digit",
+        "gpus-5000-digits",
+    ],
+)
+def test_a_time_or_count_that_is_no_plain_number_is_refused_with_its_line(
+    tmp_path: Path, row: str, message: str
+) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(HEADER + "a0,0,5,1,g\n" + row + "\n")
+    with pytest.raises(InputError) as caught:
+        read_trace(trace)
+    assert str(caught.value).startswith(f"{trace}:3: {message}")
+    assert len(str(caught.value)) < 200  # a 5,000-digit value is not echoed whole
+
+
+def test_times_at_the_bounds_are_read(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(HEADER + "a,0,1e-3,1,g\nb,1e10,1e10,1,g\n")
+    assert [(j.submit_s, j.duration_s) for j in read_trace(trace)] == [
+        (0.0, 0.001),
+        (1e10, 1e10),
+    ]
+
+
+def test_a_byte_order_mark_before_the_header_is_dropped(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_bytes(b"\xef\xbb\xbf" + (HEADER + "a,0,5,1,g\n").encode())
+    assert read_trace(trace) == [TraceJob("a", 0.0, 5.0, 1, "g")]
+
+
+def test_a_trace_that_is_not_utf8_names_the_line_of_the_first_bad_byte(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_bytes((HEADER + "a,0,5,1,g\n").encode() + b"b,0,5,1,r\xe9seau\n")
+    with pytest.raises(InputError, match=r"t\.csv:3: not UTF-8 text \(byte 0xe9\); save the"):
+        read_trace(trace)
+
+
+def test_a_field_past_what_the_csv_reader_holds_is_an_input_error(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(HEADER + "a,0,5,1," + "g" * 200_000 + "\n")
+    with pytest.raises(InputError, match=r"t\.csv:2: not CSV as the trace needs it: field larger"):
         read_trace(trace)
 
 

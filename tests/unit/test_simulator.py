@@ -4,6 +4,7 @@ counted as documented, the baselines behaving as their names say, and the CLI.""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections import defaultdict
@@ -351,7 +352,9 @@ def test_a_fault_costs_the_work_since_the_checkpoint_its_detection_and_the_resta
 
 
 def test_a_negative_fault_rate_is_refused() -> None:
-    with pytest.raises(InputError, match="fault_rate_per_gpu_hour must be zero or more"):
+    with pytest.raises(
+        InputError, match="fault_rate_per_gpu_hour must be a finite number, 0 or more"
+    ):
         SimulationOptions(fault_rate_per_gpu_hour=-1)
 
 
@@ -481,6 +484,41 @@ def test_bad_options_and_policies_are_input_errors():
         simulate([], FLEET, PROJECTS, "fair")
 
 
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e11])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "session_snapshot_s",
+        "job_checkpoint_grace_s",
+        "checkpoint_interval_s",
+        "min_run_time_s",
+        "fault_detect_s",
+        "fault_restart_s",
+        "fault_repair_s",
+    ],
+)
+def test_a_time_option_the_clock_cannot_reach_is_an_input_error(name: str, value: float) -> None:
+    # NaN passed "must be zero or more" (no comparison holds for it); infinity ran forever.
+    with pytest.raises(InputError, match=f"{name} must be a number of seconds .* up to 1e10"):
+        SimulationOptions(**{name: value})
+
+
+@pytest.mark.parametrize("rate", [math.nan, math.inf])
+def test_a_fault_rate_that_is_no_finite_number_is_an_input_error(rate: float) -> None:
+    with pytest.raises(InputError, match="fault_rate_per_gpu_hour must be a finite number"):
+        SimulationOptions(fault_rate_per_gpu_hour=rate)
+
+
+def test_jobs_checkpointing_more_often_than_the_replay_steps_through_are_refused() -> None:
+    jobs = [TraceJob("x", 0.0, 1e10, 1, "vision"), TraceJob("y", 0.0, 1e10, 1, "vision")]
+    with pytest.raises(InputError, match=r"11,111,111 checkpoints at one every 1800 s"):
+        simulate(jobs, FLEET, PROJECTS)
+    # Sessions take no checkpoints, and only the gpufleet policy steps through them.
+    sessions = [TraceJob("x", 0.0, 1e10, 1, "vision", kind="session")]
+    assert simulate(sessions, FLEET, PROJECTS).summary.finished == 1
+    assert simulate(jobs, FLEET, PROJECTS, "fifo").summary.finished == 2
+
+
 def test_percentiles_interpolate_between_ranks():
     assert percentile([], 0.5) is None
     assert percentile([10.0], 0.99) == 10.0
@@ -596,13 +634,10 @@ def test_cli_refuses_a_fault_rate_it_cannot_read(tmp_path: Path) -> None:
     write_inputs(tmp_path)
     done = run_cli(tmp_path, "--fault-rate", "often")
     assert done.returncode == 2
-    assert "--fault-rate must be a number of faults per GPU-hour or 'llama3', not 'often'" in (
-        done.stderr
-    )
+    refusal = "--fault-rate must be a number of faults per GPU-hour (0 or more) or 'llama3'"
+    assert f"{refusal}, not 'often'" in done.stderr
     negative = run_cli(tmp_path, "--fault-rate", "-2")
-    assert negative.returncode == 2 and "fault_rate_per_gpu_hour must be zero or more" in (
-        negative.stderr
-    )
+    assert negative.returncode == 2 and f"{refusal}, not '-2'" in negative.stderr
 
 
 def test_cli_missing_file_exits_2(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gpufleet.hub.timed import when
+from gpufleet.hub.timed import LATEST, when
 
 NOW = datetime(2026, 12, 3, 15, 30, tzinfo=UTC)
 
@@ -35,3 +35,29 @@ def test_what_cannot_be_a_time_to_come_is_refused_saying_what_to_write(
 ) -> None:
     with pytest.raises(ValueError, match=says):
         when(text, NOW)
+
+
+def test_the_latest_second_python_holds_in_utc_is_taken() -> None:
+    assert when("9999-12-31T23:59:59Z", NOW) == LATEST
+    assert when("9999-12-31T23:59:59+14:00", NOW) == datetime(9999, 12, 31, 9, 59, 59, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "9999-12-31T23:59:59-14:00",  # past datetime's range once in UTC: an OverflowError
+        "9999-12-31T23:59:59.5",
+        "9999-12-31T23:59:59.999999+00:00",
+    ],
+)
+def test_a_time_past_the_latest_is_refused_naming_the_latest(text: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        when(text, NOW)
+    assert str(caught.value) == (
+        f"{text} is later than 9999-12-31T23:59:59Z, the latest time a drain takes"
+    )
+
+
+def test_a_time_before_year_1_in_utc_has_passed() -> None:
+    with pytest.raises(ValueError, match="has passed; give a time to come"):
+        when("0001-01-01T00:00+01:00", NOW)

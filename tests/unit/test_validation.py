@@ -72,9 +72,29 @@ def test_a_malformed_number_gets_the_whole_number_message(value: str) -> None:
         parse_gpu_count(value)
 
 
-@pytest.mark.parametrize(("value", "count"), [(1, 1), ("2", 2), (" 3 ", 3), (8, 8)])
+@pytest.mark.parametrize(("value", "count"), [(1, 1), ("2", 2), ("3", 3), (8, 8)])
 def test_a_gpu_count_as_typed_in_a_form_becomes_an_int(value: object, count: int) -> None:
     assert parse_gpu_count(value) == count
+
+
+@pytest.mark.parametrize("value", [" 1", "1 ", " 3 ", "\t2", "2\n", "\u00a02"])
+def test_a_count_with_spaces_around_its_digits_is_refused_saying_to_send_them_alone(
+    value: str,
+) -> None:
+    # The spawn form's reader strips the field (spawner/form.py): only another client sends
+    # these, and it sends something other than the number it meant.
+    assert rejection(request(gpus=value)) == (
+        f"the GPU count must be a whole number such as 1 or 2, not {value!r}: send the "
+        "digits alone, without spaces"
+    )
+
+
+@pytest.mark.parametrize("value", ["+1", "1_0", "1e0", "\u0661", "\uff11"])
+def test_a_count_in_text_that_int_would_read_is_still_refused(value: str) -> None:
+    # int() reads each of these (a sign, an underscore, Arabic-Indic and fullwidth digits).
+    assert rejection(request(gpus=value)) == (
+        f"the GPU count must be a whole number such as 1 or 2, not {value!r}"
+    )
 
 
 @pytest.mark.parametrize(
