@@ -8,6 +8,7 @@ the same ``jupyterhub_config.py`` as the hub (``c.FleetController.*``).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
@@ -58,6 +59,7 @@ from .reconciler import Reconciler
 from .recovery_options import RecoveryOptions
 from .secrets import SecretFileError, check_secret_file
 from .timed import TimedOptions, TimedWork
+from .uid_claims import DEFAULT_REGISTRY, Claim, ClaimError, HeldClaim, claim, deployment_identity
 from .victims import VictimStopper
 
 DEFAULT_PRIORITY_CLASSES = [
@@ -269,7 +271,18 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         minlen=2,
         maxlen=2,
         help="The first and last uid given to hub users in 'sandbox' mode. No account of "
-        "the machine may have a uid in it (checked at start).",
+        "the machine may have a uid in it, nor the range of another deployment running on "
+        "the machine (both checked at start).",
+    ).tag(config=True)
+
+    sandbox_uid_registry = Unicode(
+        DEFAULT_REGISTRY,
+        help="The directory where each controller of this machine in 'sandbox' mode claims "
+        "its sandbox_uids for as long as it runs; a range that overlaps another running "
+        "deployment's stops the start (docs/containment.md). Every deployment of the "
+        "machine must name the same directory; the controller makes it (mode 0755) where it "
+        "may, and must be able to write it. '' turns the check off, for a controller whose "
+        "researchers' processes share no machine with another deployment's.",
     ).tag(config=True)
 
     snapshot_index_min_interval = Float(
@@ -406,6 +419,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
 
     def _configure_accounts(self) -> None:
         first, last = self.sandbox_uids
+        self.uid_claim: HeldClaim | None = None
         if self.user_mode == "sandbox":
             problem = check_range(first, last, ((e.pw_name, e.pw_uid) for e in pwd.getpwall()))
             if problem:
@@ -418,6 +432,28 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
                 check_secret_file(key, "the snapshot master key")
             except SecretFileError as e:
                 self.exit_with(str(e), code=2)
+        if self.user_mode == "sandbox" and self.sandbox_uid_registry:
+            self._claim_sandbox_uids(first, last)
+
+    def _claim_sandbox_uids(self, first: int, last: int) -> None:
+        """Hold this deployment's claim on its range for the controller's life, or stop
+        (exit 2) where another deployment of the machine holds an overlapping one."""
+        registry = Path(self.sandbox_uid_registry).absolute()
+        mine = Claim(
+            first,
+            last,
+            deployment_identity(self.db_url),
+            os.path.realpath(self.data_dir),
+            os.getpid(),
+        )
+        accounts = [(e.pw_uid, e.pw_uid) for e in pwd.getpwall()]
+        try:
+            self.uid_claim = claim(registry, mine, accounts)
+        except ClaimError as e:
+            self.exit_with(f"{e.setting}: {e}", code=2)
+            return
+        atexit.register(self.uid_claim.release)
+        self.log.info("sandbox uids %d-%d claimed in %s", first, last, registry)
 
     # ----------------------------------------------------------- plumbing
     @staticmethod

@@ -95,6 +95,12 @@ c.LocalGPUSpawner.lease_renew_interval = 1
 c.NodeAgent.heartbeat_interval = 1
 c.NodeAgent.sample_interval = 0.5
 c.JupyterHub.log_level = "INFO"
+# Sandbox uids of this hub's own (docs/containment.md): several test hubs, and a demo at the
+# default range, may run on this machine at once, and a range another holds stops the start.
+# The hub's base port is its own while it runs, so the block of 1000 uids numbered by it is
+# too; every process of the hub reads the same block, across restarts of the controller.
+_block = 1_000_000 + 1_000 * int(os.environ.get("GPUFLEET_BASE_PORT", "8000"))
+c.FleetController.sandbox_uids = [_block, _block + 999]
 """
 
 

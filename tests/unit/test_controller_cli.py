@@ -16,7 +16,11 @@ CONTROLLER = str(Path(sys.executable).parent / "gpufleet-controller")
 
 def write_config(tmp_path: Path, db_path: Path) -> Path:
     config = tmp_path / "jupyterhub_config.py"
-    config.write_text(f"c = get_config()\nc.FleetController.db_url = 'sqlite:///{db_path}'\n")
+    config.write_text(
+        f"c = get_config()\nc.FleetController.db_url = 'sqlite:///{db_path}'\n"
+        # A registry of its own: a deployment running on this machine is not these tests'.
+        f"c.FleetController.sandbox_uid_registry = '{tmp_path / 'sandbox-uids'}'\n"
+    )
     return config
 
 
