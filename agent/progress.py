@@ -38,13 +38,17 @@ class StartedIn(_Strict):
 class SavedIn(_Strict):
     uri: str = Field(max_length=2000)
     step: int = Field(ge=0, le=2**53)
+    epoch: int | None = Field(default=None, ge=0, le=2**53)
     age_s: Seconds
 
 
 class RankReport(_Strict):
-    """What sdk/reporting.py sends."""
+    """What sdk/reporting.py sends. ``step_age_s`` is the age of the rank's latest
+    ``gpufleet.progress`` call, with or without a number; ``step`` and ``epoch`` are the
+    numbers it was last given (None: never)."""
 
     step: int | None = Field(default=None, ge=0, le=2**53)
+    epoch: int | None = Field(default=None, ge=0, le=2**53)
     step_age_s: Seconds | None = None
     step_times_s: list[Seconds] = Field(default_factory=list, max_length=MAX_STEP_TIMES)
     metrics: dict[Annotated[str, Field(max_length=64)], float] = Field(
@@ -59,20 +63,31 @@ def _at(now: datetime, age_s: float) -> str:
 
 
 def merge(kept: dict[str, Any] | None, report: RankReport, now: datetime) -> dict[str, Any]:
-    """What the agent sends for a pod: the latest step, every step time and saved
-    checkpoint since the last sync (the most recent ones, within bounds), the checkpoint
-    in flight (one saved after it ends it), the latest metrics."""
+    """What the agent sends for a pod: the latest step (its number and epoch where the
+    rank gave them, and when: a step without a number is progress too), every step time
+    and saved checkpoint since the last sync (the most recent ones, within bounds), the
+    checkpoint in flight (one saved after it ends it), the latest metrics. An epoch is
+    sent only where there is one, so that a controller older than it still takes the
+    report."""
     merged: dict[str, Any] = dict(kept or {})
-    if report.step is not None:
+    if report.step is not None or report.step_age_s is not None:
         merged["step"] = report.step
         merged["step_at"] = _at(now, report.step_age_s or 0.0)
+        merged.pop("epoch", None)
+        if report.epoch is not None:
+            merged["epoch"] = report.epoch
     times = [*merged.get("step_times_s", []), *report.step_times_s]
     merged["step_times_s"] = times[-MAX_STEP_TIMES:]
     merged["metrics"] = {**merged.get("metrics", {}), **report.metrics}
     saved = [
         *merged.get("checkpoints_saved", []),
         *(
-            {"uri": c.uri, "step": c.step, "at": _at(now, c.age_s)}
+            {
+                "uri": c.uri,
+                "step": c.step,
+                "at": _at(now, c.age_s),
+                **({} if c.epoch is None else {"epoch": c.epoch}),
+            }
             for c in report.checkpoints_saved
         ),
     ]

@@ -1,26 +1,33 @@
-"""Each GPU's utilisation and memory over time, drawn as SVG on the server (no JavaScript),
-from the history the controller keeps of the node agents' samples (``gpu_history``;
-docs/monitoring.md says what it keeps).
+"""Charts drawn as SVG on the server (no JavaScript): each GPU's utilisation and memory
+over time, from the history the controller keeps of the node agents' samples
+(``gpu_history``; docs/monitoring.md says what it keeps), and a job's steps and loss, from
+the thinned history its progress keeps (store/progress.py, ``history``).
 
-:func:`chart_svg` is pure: series in, an SVG string out, every text escaped. The rest reads
-what it needs for a workload's chart: the GPUs its allocations held, and their points
-while they held them. The job page draws :func:`job_chart`; the sessions page
+:func:`chart_svg` and :func:`progress_svg` are pure: series in, an SVG string out, every
+text escaped. Their time labels never overlap, whatever the window: how many there are
+and how they read (seconds, minutes, days) follow from the window and the width the
+labels take (:func:`time_ticks`). The rest reads what a chart needs: the GPUs a
+workload's allocations held, and their points while they held them. The job page draws
+:func:`job_charts` (its progress and its GPUs over one window); the sessions page
 :func:`session_charts`.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from html import escape
+from typing import Protocol, TypeVar
 
 from markupsafe import Markup
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..scheduler.store.inventory import GpuPoint, InventoryStore
-from ..scheduler.store.models import Allocation, Gpu, Node
+from ..scheduler.store.models import Allocation, Gpu, JobProgress, Node
+from ..scheduler.store.progress import ProgressPoint, history_points
 
 # The usage page's colours, in the same order (hub/pages.py).
 PALETTE = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6")
@@ -31,8 +38,19 @@ UTIL_TOP, MEM_TOP = 24, 158  # each panel's plot area: top to top + PANEL_H
 AXIS_Y = MEM_TOP + PANEL_H + 16  # the time labels
 LEGEND_Y, LEGEND_LINE = AXIS_Y + 22, 18
 GIB = 2**30
-TICK_STEPS_MIN = (1, 2, 5, 10, 15, 30, 60, 120, 180, 360, 720, 1440)
 SESSION_WINDOW = timedelta(hours=24)
+# Round times a time label may stand at, in seconds: from one second to four weeks.
+TICK_STEPS_S: tuple[int, ...] = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
+TICK_STEPS_S += (7200, 10800, 21600, 43200, 86400, 2 * 86400, 7 * 86400, 14 * 86400, 28 * 86400)
+# The labels' font is 11 px. A time label's characters (digits, ':', ' ', 'UTC', a month)
+# average under 0.62 em even in the widest sans-serif fonts (DejaVu Sans sets "09:00 UTC"
+# in 57 px, this reckons 61), and ``LABEL_GAP`` leaves room besides.
+FONT_PX = 11
+CHAR_PX = 0.62 * FONT_PX
+LABEL_GAP = 12  # the least room between two time labels
+# The progress chart's panels lie where the GPU chart's do, so the two read as one.
+STEP_TOP, LOSS_TOP = UTIL_TOP, MEM_TOP
+PROGRESS_H = AXIS_Y + 8
 
 
 @dataclass(frozen=True)
@@ -48,10 +66,6 @@ def gpu_label(node: str, index: int, uuid: str) -> str:
     """``gpu-node-a GPU 0 (GPU-3f2a9b1c…)``: where it is, and enough of its UUID."""
     short = uuid if len(uuid) <= 13 else uuid[:12] + "…"
     return f"{node} GPU {index} ({short})"
-
-
-def hhmm(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%H:%M UTC")
 
 
 def chart_svg(series: Sequence[GpuSeries], since: datetime, until: datetime, title: str) -> Markup:
@@ -79,25 +93,13 @@ def chart_svg(series: Sequence[GpuSeries], since: datetime, until: datetime, tit
         + [1.0]
     )
     parts = [
-        f'<svg class="gpu-chart" xmlns="http://www.w3.org/2000/svg" '
-        f'viewBox="0 0 {WIDTH} {_height(len(series))}" width="{WIDTH}" '
-        f'height="{_height(len(series))}" role="img" aria-label="{escape(title)}, from '
-        f'{since.astimezone(UTC):%Y-%m-%d %H:%M} to {until.astimezone(UTC):%Y-%m-%d %H:%M} UTC">',
-        f"<title>{escape(title)}</title>",
-        '<g font-family="system-ui, sans-serif" font-size="11" fill="#444">',
+        *_svg_open("gpu-chart", _height(len(series)), title, since, until),
         f'<text x="{LEFT}" y="{UTIL_TOP - 8}" font-weight="bold">GPU utilisation (%)</text>',
         f'<text x="{LEFT}" y="{MEM_TOP - 8}" font-weight="bold">Memory used (GiB)</text>',
     ]
-    parts += _y_axis(UTIL_TOP, 100.0, lambda v: f"{v:.0f} %")
-    parts += _y_axis(MEM_TOP, memory_max, _gib)
-    for tick, anchor in _time_ticks(since, until):
-        x = round(x_of(tick), 1)
-        parts.append(
-            f'<line class="time-tick" x1="{x}" x2="{x}" y1="{UTIL_TOP}" '
-            f'y2="{MEM_TOP + PANEL_H}" stroke="#eee"></line>'
-            f'<text class="time" x="{x}" y="{AXIS_Y}" text-anchor="{anchor}">'
-            f"{hhmm(tick)}</text>"
-        )
+    parts += _y_axis(UTIL_TOP, 0.0, 100.0, lambda v: f"{v:.0f} %")
+    parts += _y_axis(MEM_TOP, 0.0, memory_max, _gib)
+    parts += _time_axis(since, until)
     if not any(inside):
         for top in (UTIL_TOP, MEM_TOP):
             parts.append(
@@ -133,6 +135,100 @@ def chart_svg(series: Sequence[GpuSeries], since: datetime, until: datetime, tit
     return Markup("".join(parts))
 
 
+def progress_svg(
+    points: Sequence[ProgressPoint], since: datetime, until: datetime, title: str
+) -> Markup:
+    """Two panels over ``[since, until]``, laid out as :func:`chart_svg`'s: the step
+    number each report gave (a new attempt resuming from an older checkpoint drops back; a
+    counter that restarts every epoch saws, with a faint line where each epoch begins),
+    and the loss (the ``loss`` metric; a NaN is a gap). Points outside the window are left
+    out. Every text in it is escaped here, so it is ``Markup``."""
+    if until <= since:
+        until = since + timedelta(minutes=1)
+    span = (until - since).total_seconds()
+
+    def x_of(at: datetime) -> float:
+        return LEFT + (at - since).total_seconds() / span * PLOT_W
+
+    inside = [p for p in points if since <= p.at <= until]
+    steps = [float(p.step) for p in inside if p.step is not None]
+    losses = [p.loss for p in inside if p.loss is not None]
+    step_high = max([*steps, 1.0])
+    loss_low, loss_high = (min(losses), max(losses)) if losses else (0.0, 1.0)
+    if loss_high - loss_low < 1e-12:
+        loss_low, loss_high = loss_low - 0.5, loss_high + 0.5
+    parts = [
+        *_svg_open("progress-chart", PROGRESS_H, title, since, until),
+        f'<text x="{LEFT}" y="{STEP_TOP - 8}" font-weight="bold">Step</text>',
+        f'<text x="{LEFT}" y="{LOSS_TOP - 8}" font-weight="bold">Loss</text>',
+    ]
+    parts += _y_axis(STEP_TOP, 0.0, step_high, _count)
+    parts += _y_axis(LOSS_TOP, loss_low, loss_high, lambda v: f"{v:.3g}")
+    parts += _time_axis(since, until)
+    for top, drawn, what in ((STEP_TOP, steps, "step numbers"), (LOSS_TOP, losses, "loss")):
+        if not drawn:
+            parts.append(
+                f'<text class="no-samples" x="{LEFT + PLOT_W / 2}" y="{top + PANEL_H / 2}" '
+                f'text-anchor="middle">No {what} reported in this window</text>'
+            )
+    parts.append("</g>")
+    parts += _epoch_lines(inside, x_of)
+
+    def y_of(top: int, low: float, high: float, value: float) -> float:
+        return top + PANEL_H - min(max((value - low) / (high - low), 0.0), 1.0) * PANEL_H
+
+    lines = (
+        ("steps", STEP_TOP, 0.0, step_high, lambda p: None if p.step is None else float(p.step)),
+        ("loss", LOSS_TOP, loss_low, loss_high, lambda p: p.loss),
+    )
+    for kind, top, low, high, value in lines:
+        for run in _runs(inside, value):
+            coords = " ".join(f"{x_of(at):.1f},{y_of(top, low, high, v):.1f}" for at, v in run)
+            parts.append(
+                f'<polyline class="series {kind}" fill="none" stroke="{PALETTE[0]}" '
+                f'stroke-width="1.5" points="{coords}"><title>{kind}</title></polyline>'
+            )
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def _runs(
+    points: Sequence[ProgressPoint], value: Callable[[ProgressPoint], float | None]
+) -> list[list[tuple[datetime, float]]]:
+    """The points with a value, as runs broken where a point has none (a NaN loss); always
+    at least one run, perhaps empty, so that every panel has its line."""
+    runs: list[list[tuple[datetime, float]]] = [[]]
+    for point in points:
+        reading = value(point)
+        if reading is None:
+            if runs[-1]:
+                runs.append([])
+            continue
+        runs[-1].append((point.at, reading))
+    return [r for r in runs if r] or [[]]
+
+
+def _epoch_lines(points: Sequence[ProgressPoint], x_of: Callable[[datetime], float]) -> list[str]:
+    """A faint line down the step panel where each epoch after the first begins."""
+    lines = []
+    numbered = [p for p in points if p.epoch is not None]
+    for before, after in itertools.pairwise(numbered):
+        if after.epoch != before.epoch:
+            x = round(x_of(after.at), 1)
+            lines.append(
+                f'<line class="epoch" x1="{x}" x2="{x}" y1="{STEP_TOP}" '
+                f'y2="{STEP_TOP + PANEL_H}" stroke="#bbb" stroke-dasharray="3 3">'
+                f"<title>epoch {after.epoch} begins</title></line>"
+            )
+    return lines
+
+
+def _count(value: float) -> str:
+    if value >= 1e6:
+        return f"{value / 1e6:.3g}M"
+    return f"{value / 1e3:.3g}k" if value >= 1e4 else f"{value:.0f}"
+
+
 def _height(gpus: int) -> int:
     return LEGEND_Y + max(gpus, 1) * LEGEND_LINE - 4
 
@@ -145,22 +241,57 @@ def _used_gib(point: GpuPoint) -> float | None:
     return None if point.memory_used_bytes is None else point.memory_used_bytes / GIB
 
 
-def _y_axis(top: int, full: float, text: Callable[[float], str]) -> list[str]:
-    """Grid lines and labels at 0, half and full."""
+def _svg_open(kind: str, height: int, title: str, since: datetime, until: datetime) -> list[str]:
+    return [
+        f'<svg class="{kind}" xmlns="http://www.w3.org/2000/svg" '
+        f'viewBox="0 0 {WIDTH} {height}" width="{WIDTH}" '
+        f'height="{height}" role="img" aria-label="{escape(title)}, from '
+        f'{since.astimezone(UTC):%Y-%m-%d %H:%M} to {until.astimezone(UTC):%Y-%m-%d %H:%M} UTC">',
+        f"<title>{escape(title)}</title>",
+        f'<g font-family="system-ui, sans-serif" font-size="{FONT_PX}" fill="#444">',
+    ]
+
+
+def _y_axis(top: int, low: float, high: float, text: Callable[[float], str]) -> list[str]:
+    """Grid lines and labels at the bottom (``low``), half way and the top (``high``)."""
     parts = []
     for fraction in (0.0, 0.5, 1.0):
         y = top + PANEL_H - fraction * PANEL_H
+        value = low + (high - low) * fraction
         parts.append(
             f'<line x1="{LEFT}" x2="{LEFT + PLOT_W}" y1="{y}" y2="{y}" stroke="#ddd"></line>'
-            f'<text x="{LEFT - 6}" y="{y + 4}" text-anchor="end">{text(full * fraction)}</text>'
+            f'<text x="{LEFT - 6}" y="{y + 4}" text-anchor="end">{text(value)}</text>'
         )
     return parts
 
 
+def _time_axis(since: datetime, until: datetime) -> list[str]:
+    """A grid line down both panels and a label under them at each of ``time_ticks``."""
+    span = (until - since).total_seconds()
+    parts = []
+    for tick, anchor, label in time_ticks(since, until):
+        x = round(LEFT + (tick - since).total_seconds() / span * PLOT_W, 1)
+        parts.append(
+            f'<line class="time-tick" x1="{x}" x2="{x}" y1="{UTIL_TOP}" '
+            f'y2="{MEM_TOP + PANEL_H}" stroke="#eee"></line>'
+            f'<text class="time" x="{x}" y="{AXIS_Y}" text-anchor="{anchor}">'
+            f"{escape(label)}</text>"
+        )
+    return parts
+
+
+class _Timed(Protocol):
+    @property
+    def at(self) -> datetime: ...
+
+
+P = TypeVar("P", bound=_Timed)
+
+
 def _columns(
-    points: Iterable[GpuPoint],
+    points: Iterable[P],
     x_of: Callable[[datetime], float],
-    value: Callable[[GpuPoint], float | None],
+    value: Callable[[P], float | None],
 ) -> list[tuple[float, float]]:
     """(x, value) per pixel column that has a reading: the mean of its points' x and value."""
     columns: dict[int, list[tuple[float, float]]] = {}
@@ -176,22 +307,63 @@ def _columns(
     ]
 
 
-def _time_ticks(since: datetime, until: datetime) -> list[tuple[datetime, str]]:
-    """Both ends, and the round times between them (at most five intervals) that are
-    not too close to an end to be read; with each label's text anchor."""
+def time_format(span: timedelta, step_s: int) -> str:
+    """How a time label reads: to the second where labels stand seconds apart, with the
+    day where the window is longer than a day; always in UTC."""
+    if step_s < 60:
+        return "%H:%M:%S UTC"
+    return "%H:%M UTC" if span <= timedelta(days=1) else "%d %b %H:%M UTC"
+
+
+def label_px(text: str) -> float:
+    """The most width ``text`` takes as a time label."""
+    return len(text) * CHAR_PX
+
+
+def time_ticks(
+    since: datetime, until: datetime, width: float = PLOT_W
+) -> list[tuple[datetime, str, str]]:
+    """The time labels of a chart ``width`` wide: both ends, and between them the round
+    times of the finest step that leaves each label half its width again of room, less
+    any that would come closer than ``LABEL_GAP`` to a neighbour (next to an end). Each
+    with its text anchor and its text."""
     span = until - since
-    step = next(
-        (timedelta(minutes=m) for m in TICK_STEPS_MIN if span / timedelta(minutes=m) <= 5),
-        timedelta(days=1),
-    )
+    seconds = span.total_seconds() or 1.0
+    for step_s in TICK_STEPS_S:
+        widest = label_px(since.astimezone(UTC).strftime(time_format(span, step_s)))
+        if step_s / seconds * width >= 1.5 * (widest + LABEL_GAP):
+            return _ticks_of(since, until, width, step_s)
+    return _ticks_of(since, until, width, TICK_STEPS_S[-1])
+
+
+def _ticks_of(
+    since: datetime, until: datetime, width: float, step_s: int
+) -> list[tuple[datetime, str, str]]:
+    """Both ends, and the multiples of ``step_s`` between them whose labels keep
+    ``LABEL_GAP`` from their neighbours'."""
+    span = until - since
+    seconds = span.total_seconds() or 1.0
+    fmt = time_format(span, step_s)
+
+    def label(moment: datetime) -> str:
+        return moment.astimezone(UTC).strftime(fmt)
+
+    ticks = [(since, "start", label(since))]
+    right = label_px(ticks[0][2])  # where the last label kept ends
+    last = (until, "end", label(until))
+    end_left = width - label_px(last[2])
+    step = timedelta(seconds=step_s)
     epoch = datetime(1970, 1, 1, tzinfo=UTC)
     tick = epoch + ((since - epoch) // step + 1) * step
-    ticks = [(since, "start")]
     while tick < until:
-        if min(tick - since, until - tick) >= span * 0.12:
-            ticks.append((tick, "middle"))
+        text = label(tick)
+        half = label_px(text) / 2
+        x = (tick - since).total_seconds() / seconds * width
+        if x - half >= right + LABEL_GAP and x + half <= end_left - LABEL_GAP:
+            ticks.append((tick, "middle", text))
+            right = x + half
         tick += step
-    return [*ticks, (until, "end")]
+    return [*ticks, last]
 
 
 # ----------------------------------------------------------------- the reads
@@ -274,9 +446,37 @@ def workload_charts(
     }
 
 
-def job_chart(store: InventoryStore, job_id: int, now: datetime) -> Markup:
-    """The job's GPUs over its whole life; empty while it has held none."""
-    return workload_charts(store, [job_id], now, "GPUs of job {id}").get(job_id, Markup())
+@dataclass(frozen=True)
+class JobCharts:
+    """The job page's charts, over one window so that they line up."""
+
+    progress: Markup  # empty before its first report
+    gpus: Markup  # empty while it has held no GPU
+
+
+def job_charts(store: InventoryStore, job_id: int, now: datetime) -> JobCharts:
+    """The job's progress and its GPUs over its whole life: from its first allocation or
+    report to now while it holds GPUs, else to the last of either."""
+    with store.read() as session:
+        held = held_gpus(session, [job_id]).get(job_id, [])
+        row = session.get(JobProgress, job_id)
+        points = history_points(row) if row is not None else []
+    moments = [
+        *(h.opened for h in held),
+        *(h.closed or now for h in held),
+        *(p.at for p in points),
+    ]
+    if not moments:
+        return JobCharts(Markup(), Markup())
+    since, until = min(moments), max(moments)
+    gpus = Markup()
+    if held:
+        history = store.gpu_history({h.uuid for h in held}, since, until)
+        gpus = chart_svg(workload_series(held, history), since, until, f"GPUs of job {job_id}")
+    progress = (
+        progress_svg(points, since, until, f"Progress of job {job_id}") if points else Markup()
+    )
+    return JobCharts(progress, gpus)
 
 
 def session_charts(

@@ -1,9 +1,14 @@
 """The researcher's job pages: ``jobs`` (their jobs; everyone's for admins) and
-``jobs/<id>`` (its pods, its GPUs' utilisation and memory over time, one rank's output, a
-cancel button). Server-drawn HTML and SVG: the page of a job that has not ended reloads
-itself every few seconds, so the output and the chart follow without any JavaScript.
-Cancel is a form posted back here with the XSRF token and goes through the store as the
-API's does.
+``jobs/<id>`` (its pods, its progress — step, epoch, loss, checkpoints — and what happened
+to it, its steps and loss beside its GPUs' utilisation and memory over time, one rank's
+output, a cancel button). Server-drawn HTML and SVG: the page of a job that has not ended
+reloads itself every few seconds, so the output and the charts follow without any
+JavaScript. Cancel is a form posted back here with the XSRF token and goes through the
+store as the API's does.
+
+"What happened" lists the job's turns: attempts, faults, drains, its end. Checkpoints are
+progress (the last one and how many), not events: one a few minutes would push the rest
+off the page.
 """
 
 from __future__ import annotations
@@ -14,11 +19,11 @@ from sqlalchemy import select
 from tornado import web
 
 from ..scheduler.errors import InvalidRequest
-from ..scheduler.store.models import Event, Workload, WorkloadKind
+from ..scheduler.store.models import Event, JobProgress, Workload, WorkloadKind
 from .api.job_schemas import JobOut
 from .api.jobs import cancel_job, job_out, load_job
 from .api.views import WORKLOAD_DETAILS
-from .gpu_charts import job_chart
+from .gpu_charts import job_charts
 from .pages import PageHandler, project_names
 
 LOG_TAIL = 64 * 1024
@@ -28,9 +33,9 @@ TIMELINE_EVENTS = (
     "admitted",
     "started",
     "job-fault",
+    "job-drained",
     "job-failed",
     "job-restarting",
-    "job-checkpoint-saved",
     "job-cancelled",
     "preempting",
     "ended",
@@ -73,7 +78,7 @@ class JobPage(PageHandler):
         store = self.controller.store
         start = max(0, store.log_size(job_id, rank, stream) - LOG_TAIL)
         log = store.read_log(job_id, rank, stream, start, LOG_TAIL).data
-        gpu_chart = job_chart(store, job_id, self.controller.now())
+        charts = job_charts(store, job_id, self.controller.now())
         with store.read() as session:
             names = display_names(session)
             events = timeline(session, job_id)
@@ -95,7 +100,8 @@ class JobPage(PageHandler):
             tail=LOG_TAIL,
             refresh=REFRESH_S,
             error=error,
-            gpu_chart=gpu_chart,
+            gpu_chart=charts.gpus,
+            progress_chart=charts.progress,
             project_names=names,
             timeline=events,
         )
@@ -105,7 +111,7 @@ class JobPage(PageHandler):
         with self.controller.store.read() as session:
             workload = load_job(session, identity, job_id)
             pods = self.controller.store.job_pods(job_id)
-            return job_out(workload, pods)
+            return job_out(workload, pods, session.get(JobProgress, job_id))
 
 
 class JobCancelForm(JobPage):
@@ -132,7 +138,7 @@ def shown_state(job: JobOut) -> str:
 
 
 def timeline(session: Any, job_id: int) -> list[Event]:
-    """The job's life as its events tell it, oldest first: attempts, faults, checkpoints."""
+    """The job's life as its events tell it, oldest first: attempts, faults, drains."""
     return list(
         session.scalars(
             select(Event)

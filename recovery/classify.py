@@ -608,7 +608,7 @@ def _how(signal: PodOutcome) -> str:
 
 def _hang(signal: NoProgress) -> Verdict:
     what = {
-        "step": "no step reported",
+        "step": "no progress reported",
         "checkpoint": "a checkpoint started and not saved",
         "silent": "no output and idle GPUs",
     }.get(signal.kind, signal.kind)
@@ -623,7 +623,9 @@ def _hang(signal: NoProgress) -> Verdict:
 # ------------------------------------------------------------------ hangs
 @dataclass(frozen=True)
 class JobProgress:
-    """What the controller knows of a running attempt's progress (seconds since epoch)."""
+    """What the controller knows of a running attempt's progress (seconds since epoch).
+    ``last_step_at`` is when its ranks last reported progress — a step with a number or
+    without, whatever the number did (a counter may restart every epoch)."""
 
     started_at: float
     last_step_at: float | None = None
@@ -634,8 +636,9 @@ class JobProgress:
 
 
 def hang_of(progress: JobProgress, now: float, policy: RecoveryPolicy) -> NoProgress | None:
-    """The hang of a running attempt, or None. A checkpoint in flight has its own, longer
-    limit; a job that never reported a step is judged by its output and GPUs."""
+    """The hang of a running attempt, or None: a job is hung when it stops reporting, not
+    when its step number stops rising. A checkpoint in flight has its own, longer limit;
+    a job that never reported progress is judged by its output and GPUs."""
     if progress.checkpoint_started_at is not None:
         quiet = now - progress.checkpoint_started_at
         if quiet > policy.checkpoint_limit_s:

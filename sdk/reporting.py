@@ -1,5 +1,9 @@
-"""Progress from inside training: ``gpufleet.progress(step, **metrics)``,
+"""Progress from inside training: ``gpufleet.progress(step, epoch=..., **metrics)``,
 ``gpufleet.checkpoint_started(step)`` and ``gpufleet.checkpoint_saved(uri, step)``.
+
+A step is any call of ``progress``: its number may be global, may restart every epoch
+(then pass ``epoch``), or may be left out; the controller counts every call as a sign of
+life (its hang check reads when the last came, never the number).
 
 Cheap enough to call every step: a call records the step under a lock and returns; a
 daemon thread sends what is new every ``GPUFLEET_PROGRESS_INTERVAL`` seconds (5), at once
@@ -36,6 +40,7 @@ ATTEMPT_VARIABLE = "GPUFLEET_ATTEMPT"
 MARKER_HEADER = "X-Gpufleet-Marker"
 MAX_STEP_TIMES = 256  # per report: the most recent steps' durations
 MAX_METRICS = 32
+MAX_NUMBER = 2**53  # what the node agent takes as a step or an epoch
 
 
 class Reporter:
@@ -46,23 +51,38 @@ class Reporter:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._step: int | None = None
-        self._step_at: float | None = None  # time.monotonic() of the latest step
+        self._epoch: int | None = None
+        self._step_at: float | None = None  # time.monotonic() of the latest call
+        self._numbered_at: float | None = None  # ... of the latest call with a number
         self._step_times: list[float] = []
         self._metrics: dict[str, float] = {}
         self._in_flight: tuple[int, float] | None = None  # a checkpoint started, not saved
-        self._saved: list[tuple[str, int, float]] = []
+        self._saved: list[tuple[str, int, int | None, float]] = []
         self._dirty = False
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ the rank's calls
-    def progress(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def progress(
+        self, step: int | None, metrics: Mapping[str, Any], epoch: int | None = None
+    ) -> None:
         now = time.monotonic()
         with self._lock:
-            if self._step is not None and self._step_at is not None and step > self._step:
-                per_step = (now - self._step_at) / (step - self._step)
-                self._step_times.append(per_step)
-                del self._step_times[:-MAX_STEP_TIMES]
-            self._step, self._step_at = int(step), now
+            # A call without numbers keeps the last ones; a step time is taken only
+            # between two steps of one epoch: a counter that restarts (a new epoch, a
+            # resumed attempt) says nothing of the time.
+            if step is not None or epoch is not None:
+                if (
+                    step is not None
+                    and self._step is not None
+                    and self._numbered_at is not None
+                    and epoch == self._epoch
+                    and step > self._step
+                ):
+                    per_step = (now - self._numbered_at) / (step - self._step)
+                    self._step_times.append(per_step)
+                    del self._step_times[:-MAX_STEP_TIMES]
+                self._step, self._epoch, self._numbered_at = step, epoch, now
+            self._step_at = now
             for name, value in list(metrics.items())[:MAX_METRICS]:
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     self._metrics[str(name)[:64]] = float(value)
@@ -76,10 +96,10 @@ class Reporter:
         self._started()
         self._wake.set()
 
-    def checkpoint_saved(self, uri: str, step: int) -> None:
+    def checkpoint_saved(self, uri: str, step: int, epoch: int | None = None) -> None:
         with self._lock:
             self._in_flight = None
-            self._saved.append((str(uri)[:2000], int(step), time.monotonic()))
+            self._saved.append((str(uri)[:2000], int(step), epoch, time.monotonic()))
             self._dirty = True
         self._started()
         self._wake.set()
@@ -110,6 +130,8 @@ class Reporter:
                 return None
             body: dict[str, Any] = {
                 "step": self._step,
+                # An epoch only where there is one: an agent older than it refuses the key.
+                **({} if self._epoch is None else {"epoch": self._epoch}),
                 "step_age_s": None if self._step_at is None else now - self._step_at,
                 "step_times_s": self._step_times,
                 "metrics": dict(self._metrics),
@@ -119,7 +141,13 @@ class Reporter:
                     else {"step": self._in_flight[0], "age_s": now - self._in_flight[1]}
                 ),
                 "checkpoints_saved": [
-                    {"uri": uri, "step": step, "age_s": now - at} for uri, step, at in self._saved
+                    {
+                        "uri": uri,
+                        "step": step,
+                        **({} if epoch is None else {"epoch": epoch}),
+                        "age_s": now - at,
+                    }
+                    for uri, step, epoch, at in self._saved
                 ],
             }
             self._step_times, self._saved, self._dirty = [], [], False
@@ -144,7 +172,7 @@ class Reporter:
             # Dropped, but a saved checkpoint is said again with the next report.
             with self._lock:
                 saved = [
-                    (c["uri"], c["step"], time.monotonic() - c["age_s"])
+                    (c["uri"], c["step"], c.get("epoch"), time.monotonic() - c["age_s"])
                     for c in body["checkpoints_saved"]
                 ]
                 self._saved[:0] = saved
@@ -155,13 +183,15 @@ class Reporter:
 class _Silent:
     """Outside a gpufleet job, or on a rank other than a pod's first: nothing to do."""
 
-    def progress(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def progress(
+        self, step: int | None, metrics: Mapping[str, Any], epoch: int | None = None
+    ) -> None:
         return
 
     def checkpoint_started(self, step: int) -> None:
         return
 
-    def checkpoint_saved(self, uri: str, step: int) -> None:
+    def checkpoint_saved(self, uri: str, step: int, epoch: int | None = None) -> None:
         return
 
 
@@ -185,19 +215,42 @@ def _the_reporter() -> Reporter | _Silent:
     return _reporter
 
 
-def progress(step: int, **metrics: Any) -> None:
-    """Training reached ``step`` (numeric ``metrics`` go along: loss, tokens/s...)."""
-    _the_reporter().progress(step, metrics)
+def progress(step: int | None = None, *, epoch: int | None = None, **metrics: Any) -> None:
+    """Training took a step: ``step`` is its number — a global step, or the step within
+    ``epoch`` when the counter restarts every epoch — or None where the loop does not
+    number its steps; every call counts as progress. Numeric ``metrics`` go along (loss,
+    tokens/s...; the job page charts ``loss``). A step or epoch that is not a whole
+    number from 0 raises ValueError or TypeError, inside a job and out."""
+    step, epoch = _number(step, "step"), _number(epoch, "epoch")
+    _the_reporter().progress(step, metrics, epoch)
 
 
 def checkpoint_started(step: int) -> None:
     """A checkpoint of ``step`` is being written (it gets a longer limit than a step)."""
-    _the_reporter().checkpoint_started(step)
+    _the_reporter().checkpoint_started(_whole(step, "step"))
 
 
-def checkpoint_saved(uri: str, step: int) -> None:
-    """The checkpoint of ``step`` is complete at ``uri``: a restart resumes from it."""
-    _the_reporter().checkpoint_saved(uri, step)
+def checkpoint_saved(uri: str, step: int, epoch: int | None = None) -> None:
+    """The checkpoint of ``step`` (of ``epoch``, with a counter that restarts every epoch)
+    is complete at ``uri``: a restart resumes from it."""
+    _the_reporter().checkpoint_saved(uri, _whole(step, "step"), _number(epoch, "epoch"))
+
+
+def _number(value: Any, what: str) -> int | None:
+    return None if value is None else _whole(value, what)
+
+
+def _whole(value: Any, what: str) -> int:
+    """``value`` as a step or epoch number (a numpy integer or a whole float will do)."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise TypeError(f"gpufleet: the {what} must be a whole number, not {value!r}") from None
+    if isinstance(value, bool) or number != value or not 0 <= number <= MAX_NUMBER:
+        raise ValueError(
+            f"gpufleet: the {what} must be a whole number from 0 to 2**53, not {value!r}"
+        )
+    return number
 
 
 def resume_from() -> str | None:

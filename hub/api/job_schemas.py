@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from .schemas import MAX_INT, Count, Instant, Name, Strict, WorkloadOut
 
@@ -68,6 +68,7 @@ class JobPodOut(BaseModel):
 class CheckpointOut(BaseModel):
     uri: str
     step: int
+    epoch: int | None = Field(default=None, description="the epoch it was saved in, if given")
     at: datetime | None
 
 
@@ -77,13 +78,26 @@ class InFlightOut(BaseModel):
 
 
 class JobProgressOut(BaseModel):
-    last_step: int | None
-    last_step_at: datetime | None
+    # A loss gone NaN reads "NaN" (JSON has no NaN), which a float field takes back.
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
+    last_step: int | None = Field(description="the step number last reported; null: none given")
+    last_epoch: int | None = Field(
+        default=None, description="the epoch last reported with it (gpufleet.progress(epoch=))"
+    )
+    last_step_at: datetime | None = Field(
+        description="when the ranks last reported progress, with a step number or without: "
+        "the hang check's clock"
+    )
     step_time_p50_s: float | None
     step_time_p99_s: float | None
     metrics: dict[str, float]
     checkpoint_in_flight: InFlightOut | None
     last_checkpoint: CheckpointOut | None
+    checkpoints_saved: int = Field(default=0, description="checkpoints saved, by all attempts")
+    checkpoints_saved_by_attempt: dict[int, int] = Field(
+        default_factory=dict, description="checkpoints saved by each attempt that saved any"
+    )
     updated_at: datetime
 
 
@@ -161,6 +175,7 @@ class StartedIn(Strict):
 class SavedIn(Strict):
     uri: str = Field(max_length=2000)
     step: int = Field(ge=0, le=MAX_INT)
+    epoch: int | None = Field(default=None, ge=0, le=MAX_INT)
     at: Instant
 
 
@@ -170,6 +185,7 @@ class PodProgressIn(Strict):
     workload_id: int = Field(ge=1, le=MAX_INT)
     pod_index: int = Field(ge=0, le=MAX_PODS)
     step: int | None = Field(default=None, ge=0, le=MAX_INT)
+    epoch: int | None = Field(default=None, ge=0, le=MAX_INT)
     step_at: Instant | None = None
     step_times_s: list[float] = Field(default_factory=list, max_length=512)
     metrics: dict[str, float] = Field(default_factory=dict, max_length=32)

@@ -337,7 +337,8 @@ class AgentPodsHandler(APIHandler):
                     p.checkpoint_started.step,
                     p.checkpoint_started.at,
                 ),
-                [Saved(c.uri, c.step, c.at) for c in p.checkpoints_saved],
+                [Saved(c.uri, c.step, c.at, c.epoch) for c in p.checkpoints_saved],
+                epoch=p.epoch,
             )
             for p in body.progress
         ]

@@ -390,10 +390,26 @@ class AttemptStore(StoreBase):
         stops: list[Stop] = []
         for workload in workloads:
             if workload.kind == WorkloadKind.job:
+                # An admin's operation, not a fault: a ``job-drained`` event of its own
+                # that names who drained which node (the event's time says when).
                 drained = PodOutcome(None, None, "Drained", None, (), (node.name,), 0.0)
                 verdict = classify(drained, (), self.recovery_policy)
                 verdict = replace(verdict, reason=f"{said}; {verdict.reason}")
-                self._fault_stops(session, now, workload, verdict, node.name, drained=by)
+                stopping_for(workload, verdict, now, verdict.reason)
+                workload.version += 1
+                _event(
+                    session,
+                    now,
+                    "job-drained",
+                    f"attempt {workload.attempt}: {said}; every rank gets the checkpoint "
+                    "signal, and the job restarts on another node without spending its "
+                    "retry budget",
+                    reason=verdict.fault.value,
+                    cause=by,
+                    workload=workload,
+                    node=node.name,
+                    data={"attempt": workload.attempt, "node": node.name, "by": by, "why": why},
+                )
                 continue
             workload.state = WorkloadState.stopping
             workload.reason = f"{said}; the session is snapshotted and stops"

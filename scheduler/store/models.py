@@ -469,21 +469,35 @@ class NodeOperation(Base):
 class JobProgress(Base):
     """What a job's ranks last said of their progress (``gpufleet.progress``,
     ``checkpoint_started``, ``checkpoint_saved``), through their node agents: one row per
-    job, the pods' reports merged (the highest step; every step time, of the most recent
-    ``step_times`` kept; the latest metrics)."""
+    job, the pods' reports merged (store/progress.py): the latest report by its time, never
+    by its step number (a counter may restart every epoch); every step time, of the most
+    recent ``step_times`` kept; the latest metrics; a thinned history of (time, step,
+    epoch, loss) for the job page's charts; the last checkpoint and how many were saved."""
 
     __tablename__ = "job_progress"
 
     workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"), primary_key=True)
+    # The step number and epoch of the latest report (None: the job gave none) ...
     last_step: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    last_epoch: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    # ... and when it was made: any ``gpufleet.progress`` call, with or without a number,
+    # is a step. The hang rule's clock (recovery/classify.py, ``hang_of``).
     last_step_at: Mapped[datetime | None] = mapped_column(default=None)
     step_times: Mapped[list[float]] = mapped_column(JSON, default=list)  # seconds per step
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # {"every_s": the least spacing of its points, "points": [[unix time, step, epoch,
+    # loss], ...]}: at most ``progress.HISTORY_POINTS``, spread over the job's whole life.
+    history: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict, server_default="{}")
     checkpoint_started_step: Mapped[int | None] = mapped_column(BigInteger, default=None)
     checkpoint_started_at: Mapped[datetime | None] = mapped_column(default=None)
     last_checkpoint_uri: Mapped[str] = mapped_column(Text, default="")
     last_checkpoint_step: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    last_checkpoint_epoch: Mapped[int | None] = mapped_column(BigInteger, default=None)
     last_checkpoint_at: Mapped[datetime | None] = mapped_column(default=None)
+    # Checkpoints saved, by attempt: {"1": 12, "2": 3}. A count, not an event each.
+    checkpoints_saved: Mapped[dict[str, Any]] = mapped_column(
+        JSON, default=dict, server_default="{}"
+    )
     updated_at: Mapped[datetime]
 
 

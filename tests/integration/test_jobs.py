@@ -106,11 +106,38 @@ def test_a_job_reports_its_steps_and_checkpoints_through_its_node_agent(
     assert progress.checkpoint_in_flight is None
     assert progress.last_checkpoint is not None and progress.last_checkpoint.step == 30
     assert Path(progress.last_checkpoint.uri).read_text() == "checkpoint of step 30"
-    saved = [
-        e.message for e in alice.events(workload_id=job_id) if e.kind == "job-checkpoint-saved"
-    ]
-    # Newest first, one event per checkpoint (the job's one pod reports through rank 0).
-    assert [m.split("step ")[1].split(" ")[0] for m in saved] == ["30", "20", "10"]
+    # Counted, not an event each (the job's one pod reports through rank 0).
+    assert progress.checkpoints_saved == 3 and progress.checkpoints_saved_by_attempt == {1: 3}
+    kinds = {e.kind for e in alice.events(workload_id=job_id)}
+    assert "job-checkpoint-saved" not in kinds and {"started", "ended"} <= kinds
+
+
+EPOCH_COUNTER = textwrap.dedent(
+    """
+    import time
+    import gpufleet
+
+    for epoch in range(2):
+        for step in range(150):  # 15 s an epoch, past the hang limit here (10 s)
+            time.sleep(0.1)
+            gpufleet.progress(step, epoch=epoch, loss=1.0)
+    print("trained", flush=True)
+    """
+)
+
+
+def test_a_step_counter_that_restarts_every_epoch_is_not_taken_for_a_hang(
+    fleet: Hub, alice: Client
+) -> None:
+    job_id = submit(alice, EPOCH_COUNTER, name="epochs", env={"GPUFLEET_PROGRESS_INTERVAL": "1"})
+    job = alice.wait(job_id, timeout=180)
+    assert (job.outcome, job.attempt, job.faults) == ("succeeded", 1, 0), job.reason
+    progress = job.progress
+    assert progress is not None
+    assert (progress.last_epoch, progress.last_step) == (1, 149)
+    # Step times only within an epoch: about 0.1 s, never an epoch's length.
+    assert progress.step_time_p99_s is not None and progress.step_time_p99_s < 1
+    assert not [e for e in alice.events(workload_id=job_id) if e.kind == "job-fault"]
 
 
 def test_a_gang_of_two_pods_is_one_world(fleet: Hub, alice: Client) -> None:

@@ -1,18 +1,25 @@
 """The controller's own pages, reached through the hub's OAuth in headless Chromium: my
-sessions and the queue; GPU usage per project, user and week."""
+sessions and the queue; GPU usage per project, user and week; a job's page with its steps
+and loss beside its GPUs, and time labels that Chromium lays out apart at any window."""
 
 from __future__ import annotations
 
 import csv
 import io
+import itertools
 import re
+import textwrap
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import httpx
 import pytest
 from playwright.sync_api import Browser, expect
 
 from gpufleet.client import Client
+from gpufleet.hub.gpu_charts import progress_svg
+from gpufleet.scheduler.store.progress import ProgressPoint
 
 from . import browser as ui
 from .browser import login, new_context
@@ -189,3 +196,104 @@ def test_the_admin_panel_says_each_kind_once_and_every_time_one_way(
         assert times and all(TIME.match(t) for t in times), times[:3]
     finally:
         context.close()
+
+
+EPOCHS = textwrap.dedent(
+    """
+    import os, time
+    import gpufleet
+
+    where = os.environ["GPUFLEET_CHECKPOINT_URI"]
+    for epoch in range(2):
+        for step in range(25):  # the counter restarts every epoch
+            time.sleep(0.2)
+            gpufleet.progress(step, epoch=epoch, loss=3.0 / (1 + 25 * epoch + step))
+        gpufleet.checkpoint_saved(f"{where}/epoch-{epoch}", 24, epoch=epoch)
+    print("trained", flush=True)
+    """
+)
+# The charts' time labels, each one's box as Chromium lays it out, with the chart's.
+LABEL_BOXES = """svgs => svgs.map(svg => {
+    const box = r => { const b = r.getBoundingClientRect(); return [b.left, b.right]; };
+    return {chart: box(svg), labels: [...svg.querySelectorAll("text.time")].map(box)};
+})"""
+
+
+def assert_apart(charts: list[dict[str, Any]]) -> None:
+    """No two time labels of a chart overlap (nor touch), and each lies within its chart."""
+    for chart in charts:
+        left, right = chart["chart"]
+        labels = sorted(chart["labels"])
+        assert len(labels) >= 2, chart
+        assert all(left - 0.5 <= a and b <= right + 0.5 for a, b in labels), chart
+        for (_, end), (start, _) in itertools.pairwise(labels):
+            assert start - end >= 2, chart
+
+
+def test_the_job_page_charts_steps_and_loss_beside_its_gpus_with_labels_apart(
+    fleet: Hub, chromium: Browser
+) -> None:
+    with Client(fleet.controller_api, fleet.user_token("alice")) as alice:
+        job = alice.submit(
+            EPOCHS,
+            gpus=2,
+            gpu_type="A100-80GB",
+            project="vision",
+            name="epochs",
+            env={"GPUFLEET_PROGRESS_INTERVAL": "0.3"},
+        )
+        ended = alice.wait(job.id, timeout=120)
+    assert ended.outcome == "succeeded", ended.reason
+    context = new_context(chromium, fleet.url)
+    try:
+        page = login(context, "alice")
+        page.goto(f"/services/gpufleet/jobs/{job.id}")
+        expect(page.locator("#last-step")).to_contain_text("Epoch 1, step 24")
+        expect(page.locator("#checkpoints")).to_contain_text("2 checkpoint(s) saved")
+        expect(page.locator("#checkpoints")).to_contain_text("epoch 1, step 24")
+        steps = page.locator("#progress-chart svg polyline.series.steps")
+        loss = page.locator("#progress-chart svg polyline.series.loss")
+        expect(steps).to_have_count(1)
+        expect(loss).to_have_count(1)
+        # A point for each report: the saw of two epochs, and the loss falling.
+        assert len((steps.get_attribute("points") or "").split()) >= 6
+        assert len((loss.get_attribute("points") or "").split()) >= 6
+        expect(page.locator("#progress-chart svg line.epoch")).to_have_count(1)
+        expect(page.locator("#gpu-chart svg polyline.series.utilization").first).to_be_attached()
+        # Both charts span one window: the same time labels, none overlapping.
+        charts = page.locator("#charts svg").evaluate_all(LABEL_BOXES)
+        assert len(charts) == 2
+        assert_apart(charts)
+        texts = [
+            page.locator(f"{c} svg text.time").all_text_contents()
+            for c in ("#progress-chart", "#gpu-chart")
+        ]
+        assert texts[0] == texts[1] and all(
+            re.fullmatch(r"\d\d:\d\d(:\d\d)? UTC", t) for t in texts[0]
+        )
+        kinds = page.locator("#timeline tr[class^=event-]").evaluate_all(
+            "rows => rows.map(r => r.className)"
+        )
+        assert "event-job-checkpoint-saved" not in kinds and "event-ended" in kinds
+    finally:
+        context.close()
+
+
+def test_time_labels_stay_apart_in_chromium_at_every_window(chromium: Browser) -> None:
+    since = datetime(2026, 1, 12, 9, 0, 55, 250_000, tzinfo=UTC)
+    spans = [timedelta(seconds=s) for s in (1, 5, 12, 40, 95, 200, 420, 1000, 3600, 5400)]
+    spans += [timedelta(hours=h) for h in (9, 24, 30)] + [timedelta(days=d) for d in (4, 20, 60)]
+    svgs = []
+    for span in spans:
+        for offset in (timedelta(0), timedelta(seconds=10), timedelta(minutes=59, seconds=5)):
+            start = since + offset
+            points = [ProgressPoint(start, 1, None, 1.0), ProgressPoint(start + span, 9, None, 0.5)]
+            svgs.append(progress_svg(points, start, start + span, "t"))
+    page = chromium.new_page()
+    try:
+        page.set_content("<!doctype html><body>" + "".join(f"<div>{s}</div>" for s in svgs))
+        charts = page.locator("svg").evaluate_all(LABEL_BOXES)
+    finally:
+        page.close()
+    assert len(charts) == len(svgs)
+    assert_apart(charts)

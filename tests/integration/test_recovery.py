@@ -201,7 +201,7 @@ def test_a_rank_that_hangs_is_found_stopped_and_the_job_resumes(fleet: Hub, alic
         "the hang found",
     )
     assert fault["reason"] == "hang" and fault["data"]["hang"] == "step"
-    assert "no step reported for" in str(fault["message"])
+    assert "no progress reported for" in str(fault["message"])
     ended = alice.wait(job_id, timeout=120)
     assert (ended.outcome, ended.attempt, ended.faults) == ("succeeded", 2, 1), ended.reason
     after = "".join(alice.logs(job_id, rank=0)).partition("--- gpufleet: attempt 2: ")[2]
@@ -236,6 +236,15 @@ def test_a_drain_snapshots_and_stops_the_session_and_the_job_resumes_elsewhere(
     assert int(str(restarted[0]["data"]["resume_from"]).rsplit("step-", 1)[1]) >= checkpoint.step
     drained_events = [e for e in events(fleet, "node-drained") if e["node"] == node]
     assert drained_events and str(drained_events[0]["message"]).endswith("firmware update")
+    # The job's side of it: an admin's drain, never a fault.
+    [drained_job] = [e for e in events(fleet, "job-drained") if e["workload_id"] == job_id]
+    assert drained_job["data"] == {
+        "attempt": 1,
+        "node": node,
+        "by": "test-admin",
+        "why": "firmware update",
+    }
+    assert not [e for e in events(fleet, "job-fault") if e["workload_id"] == job_id]
 
 
 def test_faults_on_most_of_a_cluster_open_the_breaker_and_it_says_so(

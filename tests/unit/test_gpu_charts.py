@@ -1,25 +1,36 @@
-"""The GPU charts (``hub/gpu_charts.py``) from literal series: their structure, where the
-points land in the view box, the labels, and which points a workload's chart shows."""
+"""The charts (``hub/gpu_charts.py``) from literal series: their structure, where the
+points land in the view box, the labels (time labels that never overlap, whatever the
+window), which points a workload's chart shows, and a job's steps and loss."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import xml.etree.ElementTree as ET
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from gpufleet.hub.gpu_charts import (
+    LABEL_GAP,
     LEFT,
+    LOSS_TOP,
     MEM_TOP,
     PANEL_H,
     PLOT_W,
+    STEP_TOP,
     UTIL_TOP,
     GpuSeries,
     HeldGpu,
     chart_svg,
     gpu_label,
+    label_px,
+    progress_svg,
+    time_ticks,
     workload_series,
 )
 from gpufleet.scheduler.store.inventory import GpuPoint
+from gpufleet.scheduler.store.progress import ProgressPoint
 
 SVG = "{http://www.w3.org/2000/svg}"
 T0 = datetime(2026, 1, 12, 9, 0, tzinfo=UTC)
@@ -138,3 +149,94 @@ def test_a_workloads_series_hold_only_the_points_of_its_own_allocations() -> Non
         GpuSeries("GPU-a", "node-a GPU 0 (GPU-a)", [point(5, 1, 1), point(25, 1, 1)]),
         GpuSeries("GPU-b", "node-a GPU 1 (GPU-b)", [point(5, 1, 1)]),
     ]
+
+
+# ------------------------------------------------------------ time labels
+SPANS = [
+    timedelta(seconds=s)
+    for s in (1, 3, 5, 12, 40, 95, 200, 420, 1000, 3600, 5400, 9 * 3600, 86400, 30 * 3600)
+] + [timedelta(days=d) for d in (2, 4, 9, 20, 60, 400)]
+
+
+@pytest.mark.parametrize("span", SPANS, ids=str)
+@pytest.mark.parametrize("width", [PLOT_W, 300])
+def test_time_labels_never_overlap_whatever_the_window_and_width(
+    span: timedelta, width: float
+) -> None:
+    for offset_s in (0, 1, 7, 55, 65, 3599, 86399):
+        since = T0 + timedelta(seconds=offset_s, microseconds=250_000)
+        ticks = time_ticks(since, since + span, width)
+        assert ticks[0][0] == since and ticks[-1][0] == since + span
+        boxes = []
+        for tick, anchor, text in ticks:
+            x = (tick - since) / span * width
+            w = label_px(text)
+            left = {"start": x, "middle": x - w / 2, "end": x - w}[anchor]
+            boxes.append((left, left + w))
+        assert boxes[0][0] == 0 and abs(boxes[-1][1] - width) < 1e-6
+        for (_, right), (left, _) in itertools.pairwise(boxes):
+            assert left - right >= LABEL_GAP - 1e-6, (span, offset_s, ticks)
+
+
+def test_time_labels_read_to_the_second_in_a_short_window_and_with_the_day_in_a_long_one() -> None:
+    short = [text for _, _, text in time_ticks(T0, T0 + timedelta(seconds=40))]
+    assert short == ["09:00:00 UTC", "09:00:15 UTC", "09:00:30 UTC", "09:00:40 UTC"]
+    long = [text for _, _, text in time_ticks(T0, T0 + timedelta(days=4))]
+    assert long[0] == "12 Jan 09:00 UTC" and long[-1] == "16 Jan 09:00 UTC"
+
+
+# ------------------------------------------------------------ a job's progress
+def step(
+    minutes: float, number: int | None, loss: float | None, epoch: int | None = None
+) -> ProgressPoint:
+    return ProgressPoint(at(minutes), number, epoch, loss)
+
+
+def test_the_progress_chart_draws_steps_and_loss_on_the_gpu_charts_time_axis() -> None:
+    points = [step(0, 0, 4.0), step(30, 500, 2.0), step(60, 1000, 1.0)]
+    root = parse(progress_svg(points, T0, at(60), "Progress of job 7 <&>"))
+    assert root.get("class") == "progress-chart"
+    [steps] = [p for p in root.iter(f"{SVG}polyline") if p.get("class") == "series steps"]
+    [loss] = [p for p in root.iter(f"{SVG}polyline") if p.get("class") == "series loss"]
+    assert coords(steps) == [
+        (LEFT, STEP_TOP + PANEL_H),
+        (LEFT + PLOT_W / 2, STEP_TOP + PANEL_H / 2),
+        (LEFT + PLOT_W, STEP_TOP),
+    ]
+    # The loss from its lowest (bottom) to its highest (top).
+    assert coords(loss) == [
+        (LEFT, LOSS_TOP),
+        (LEFT + PLOT_W / 2, round(LOSS_TOP + PANEL_H * 2 / 3, 1)),
+        (LEFT + PLOT_W, LOSS_TOP + PANEL_H),
+    ]
+    labels = [t.text for t in root.iter(f"{SVG}text")]
+    assert {"Step", "Loss", "0", "500", "1000", "1", "2.5", "4"} <= set(labels)
+    times = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "time"]
+    gpu = parse(chart_svg(SERIES, T0, at(60), "GPUs of job 7"))
+    assert times == [t.text for t in gpu.iter(f"{SVG}text") if t.get("class") == "time"]
+    assert root.findtext(f"{SVG}title") == "Progress of job 7 <&>"
+
+
+def test_an_epoch_counter_saws_with_a_line_at_each_epoch_and_a_nan_loss_is_a_gap() -> None:
+    points = [
+        step(0, 0, 3.0, epoch=0),
+        step(10, 90, 2.0, epoch=0),
+        step(20, 10, None, epoch=1),  # the loss went NaN here
+        step(30, 90, 1.5, epoch=1),
+        step(40, 5, 1.0, epoch=2),
+    ]
+    root = parse(progress_svg(points, T0, at(40), "t"))
+    epochs = [line.findtext(f"{SVG}title") for line in root.iter(f"{SVG}line")]
+    assert [e for e in epochs if e] == ["epoch 1 begins", "epoch 2 begins"]
+    steps = [p for p in root.iter(f"{SVG}polyline") if p.get("class") == "series steps"]
+    assert len(steps) == 1 and len(coords(steps[0])) == 5
+    losses = [p for p in root.iter(f"{SVG}polyline") if p.get("class") == "series loss"]
+    assert [len(coords(p)) for p in losses] == [2, 2]
+
+
+def test_a_job_that_numbers_no_step_has_its_loss_drawn_and_says_so_of_steps() -> None:
+    root = parse(progress_svg([step(0, None, 2.0), step(5, None, 1.0)], T0, at(5), "t"))
+    missing = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "no-samples"]
+    assert missing == ["No step numbers reported in this window"]
+    losses = [p for p in root.iter(f"{SVG}polyline") if p.get("class") == "series loss"]
+    assert len(coords(losses[0])) == 2

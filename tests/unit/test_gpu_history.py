@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import Engine
 
-from gpufleet.hub.gpu_charts import job_chart, session_charts
+from gpufleet.hub.gpu_charts import JobCharts, job_charts, session_charts
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.inventory import (
     HISTORY_MAX_POINTS,
@@ -171,4 +171,4 @@ def test_a_sessions_chart_draws_its_gpus_while_it_held_them(store: FleetStore) -
         assert len(line.split('points="')[1].split('"')[0].split()) == 3
     assert f"GPUs of session {wid}" in charts[wid]
     assert all(f"GPU {u[-1]} ({u})</text>" in charts[wid] for u in held)
-    assert job_chart(store, waiting, t(20)) == ""
+    assert job_charts(store, waiting, t(20)) == JobCharts("", "")

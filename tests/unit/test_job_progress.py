@@ -5,6 +5,7 @@ PostgreSQL."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -16,14 +17,29 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 
 from gpufleet import reporting as sdk_progress
 from gpufleet.agent.progress import RankReport, merge, progress_app
+from gpufleet.hub.api.job_schemas import JobProgressOut, PodProgressIn
+from gpufleet.recovery.classify import JobProgress as JobProgressSeen
+from gpufleet.recovery.classify import RecoveryPolicy, hang_of
+from gpufleet.scheduler.store import db
 from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.models import Event, JobProgress
-from gpufleet.scheduler.store.progress import ProgressReport, Saved, percentile, progress_json
+from gpufleet.scheduler.store.models import Event, JobProgress, Workload
+from gpufleet.scheduler.store.progress import (
+    HISTORY_POINTS,
+    ProgressReport,
+    Saved,
+    add_point,
+    history_points,
+    merge_report,
+    new_progress,
+    percentile,
+    progress_json,
+)
 
 from .test_store import make_store, t, workload
 from .test_store_jobs import NODES, PodReport, submit
@@ -236,11 +252,11 @@ def test_the_store_keeps_a_jobs_progress_and_its_last_checkpoint(store: FleetSto
     assert shown["last_step"] == 40 and shown["last_step_at"] == at
     assert shown["step_time_p50_s"] == 1.0 and shown["step_time_p99_s"] == 2.0
     assert shown["checkpoint_in_flight"] is None
-    assert shown["last_checkpoint"] == {"uri": "/c/40", "step": 40, "at": t(29)}
+    assert shown["last_checkpoint"] == {"uri": "/c/40", "step": 40, "epoch": None, "at": t(29)}
+    assert shown["checkpoints_saved"] == 1 and shown["checkpoints_saved_by_attempt"] == {1: 1}
     assert workload(store, job).last_checkpoint_at == t(29)
-    assert [e.message for e in events if e.kind == "job-checkpoint-saved"] == [
-        "job train: the checkpoint of step 40 is saved (/c/40)"
-    ]
+    # A checkpoint is progress, not an event: the job's events stay its life's turns.
+    assert [e.kind for e in events] == ["requested", "admitted", "started"]
     # An older checkpoint reported late does not replace it.
     store.agent_sync(
         t(31),
@@ -274,3 +290,221 @@ def test_percentiles_are_nearest_rank(
     values: list[float], share: float, expected: float | None
 ) -> None:
     assert percentile(values, share) == expected
+
+
+# ------------------------------------------------------------ the merge, alone
+def seconds(n: float) -> timedelta:
+    return timedelta(seconds=n)
+
+
+def detached(attempt: int = 1) -> tuple[Workload, JobProgress]:
+    return Workload(id=7, attempt=attempt), new_progress(7, NOW)
+
+
+def test_a_step_counter_that_restarts_every_epoch_is_progress_and_no_hang() -> None:
+    # 1,000 steps an epoch, numbered from 0 in each, one a second; a report every 5 s.
+    job, row = detached()
+    for second in range(0, 1705, 5):
+        epoch, step = divmod(second, 1000)
+        at = NOW + seconds(second)
+        report = ProgressReport(7, 0, step, at, [1.0] * 5 if second else [], epoch=epoch)
+        merge_report(job, row, report, at, first=second == 0)
+    assert (row.last_epoch, row.last_step, row.last_step_at) == (1, 700, NOW + seconds(1700))
+    seen = JobProgressSeen(
+        started_at=NOW.timestamp(),
+        last_step_at=row.last_step_at.timestamp(),
+        p99_step_s=percentile(row.step_times, 0.99),
+    )
+    # Ten minutes after epoch 0's highest step, the job still steps every second.
+    assert hang_of(seen, (NOW + seconds(1705)).timestamp(), RecoveryPolicy()) is None
+    hang = hang_of(seen, (NOW + seconds(2301)).timestamp(), RecoveryPolicy())
+    assert hang is not None and (hang.kind, hang.quiet_s) == ("step", 601)
+
+
+def test_a_step_without_a_number_is_progress_and_its_loss_is_charted() -> None:
+    job, row = detached()
+    for second, loss in ((0, 2.0), (5, 1.5), (10, float("nan"))):
+        at = NOW + seconds(second)
+        report = ProgressReport(7, 0, step_at=at, metrics={"loss": loss})
+        merge_report(job, row, report, at, first=second == 0)
+    assert row.last_step is None and row.last_step_at == NOW + seconds(10)
+    # A loss gone NaN is a gap in the chart, and stays NaN in the metrics.
+    assert [(p.at, p.step, p.loss) for p in history_points(row)] == [
+        (NOW, None, 2.0),
+        (NOW + seconds(5), None, 1.5),
+        (NOW + seconds(10), None, None),
+    ]
+    shown = JobProgressOut(**progress_json(row))
+    assert str(shown.metrics["loss"]) == "nan"
+    assert JobProgressOut.model_validate_json(shown.model_dump_json()).last_step is None
+
+
+def test_the_history_keeps_at_most_its_points_spread_over_the_jobs_whole_life() -> None:
+    history: dict[str, Any] = {}
+    for second in range(20_000):
+        history = add_point(history, [float(second), second, None, 1.0 / (second + 1)], keep=64)
+        assert len(history["points"]) <= 64
+    points, every = history["points"], history["every_s"]
+    assert points[0][0] == 0 and points[-1][0] == 19_999  # the first and the latest
+    assert len(points) >= 32
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(points[:-1])]
+    assert all(every <= gap <= 2 * every for gap in gaps), (every, gaps)
+    # A report from another node that arrives late takes its place in time.
+    late = add_point(
+        {"every_s": 0.0, "points": [[1.0, 1, None, None], [3.0, 3, None, None]]},
+        [2.0, 2, None, None],
+    )
+    assert [p[0] for p in late["points"]] == [1.0, 2.0, 3.0]
+    assert HISTORY_POINTS >= 64
+
+
+def test_reports_of_one_moment_keep_the_step_further_on_and_an_epoch_orders_too() -> None:
+    job, row = detached()
+    merge_report(job, row, ProgressReport(7, 0, 40, NOW), NOW, first=True)
+    merge_report(job, row, ProgressReport(7, 1, 39, NOW), NOW, first=False)
+    assert row.last_step == 40
+    merge_report(job, row, ProgressReport(7, 1, 3, NOW, epoch=2), NOW, first=False)
+    assert (row.last_epoch, row.last_step) == (2, 3)
+    # An older report that arrives late changes nothing.
+    merge_report(job, row, ProgressReport(7, 0, 90, NOW - seconds(1)), NOW, first=False)
+    assert (row.last_epoch, row.last_step) == (2, 3)
+
+
+# ------------------------------------------------------------ the SDK and the agent
+def test_a_counter_that_restarts_every_epoch_times_steps_only_within_an_epoch(
+    endpoint: Endpoint,
+) -> None:
+    reporter = sdk_progress.Reporter(endpoint.url, "marker-1", interval=3600)
+    for epoch in range(2):
+        for step in range(5):
+            reporter.progress(step, {}, epoch)
+            time.sleep(0.01)
+    reporter.progress(None, {"loss": 0.5})  # a step without a number keeps the last ones
+    reporter.checkpoint_saved("/ckpt/e1", 4, epoch=1)
+    assert reporter.flush()
+    body = endpoint.received[-1][1]
+    assert (body["epoch"], body["step"]) == (1, 4)
+    # Four step times in each epoch: none from step 4 of epoch 0 to step 0 of epoch 1.
+    assert len(body["step_times_s"]) == 8
+    assert all(0.005 < s < 1 for s in body["step_times_s"])
+    assert [(c["step"], c["epoch"]) for c in body["checkpoints_saved"]] == [(4, 1)]
+    # The agent takes it as it is.
+    assert RankReport.model_validate(body).epoch == 1
+
+
+def test_a_report_without_an_epoch_does_not_name_one() -> None:
+    # An agent or a controller older than the epoch refuses a key it does not know.
+    reporter = sdk_progress.Reporter("http://127.0.0.1:9/progress", "m", interval=3600)
+    reporter.progress(3, {})
+    reporter.checkpoint_saved("/c", 3)
+    body = reporter.take()
+    assert body is not None and "epoch" not in body
+    assert "epoch" not in body["checkpoints_saved"][0]
+    kept = merge(None, RankReport.model_validate({"step": 3, "step_age_s": 0.0}), NOW)
+    assert "epoch" not in kept
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "says"),
+    [
+        (lambda: sdk_progress.progress(-1), ValueError, "the step must be a whole number from 0"),
+        (lambda: sdk_progress.progress(2.5), ValueError, "the step must be a whole number"),
+        (lambda: sdk_progress.progress(3, epoch="one"), TypeError, "the epoch must be a whole"),
+        (lambda: sdk_progress.checkpoint_saved("/c", 3, epoch=-2), ValueError, "the epoch"),
+        (lambda: sdk_progress.checkpoint_started(True), ValueError, "the step must be"),
+    ],
+)
+def test_a_step_or_epoch_that_is_no_whole_number_is_refused_saying_so(
+    monkeypatch: pytest.MonkeyPatch, call: Any, error: type[Exception], says: str
+) -> None:
+    # Outside a job too: a script that runs on a laptop runs the same in a job.
+    monkeypatch.setattr(sdk_progress, "_reporter", sdk_progress._Silent())
+    with pytest.raises(error, match=says):
+        call()
+    sdk_progress.progress()  # no number at all is a step too
+    sdk_progress.progress(3.0, epoch=1, loss=0.5)  # a whole float will do
+
+
+def test_the_agent_keeps_the_epoch_and_a_step_without_a_number() -> None:
+    numbered = {
+        "step": 7,
+        "epoch": 2,
+        "step_age_s": 1.0,
+        "checkpoints_saved": [{"uri": "/c/e2", "step": 7, "epoch": 2, "age_s": 0.0}],
+    }
+    kept = merge(None, RankReport.model_validate(numbered), NOW)
+    assert (kept["step"], kept["epoch"]) == (7, 2)
+    assert kept["checkpoints_saved"][0]["epoch"] == 2
+    # A rank that never numbers its steps: its calls are progress all the same.
+    kept = merge(kept, RankReport.model_validate({"step_age_s": 0.5}), NOW)
+    assert kept["step"] is None and "epoch" not in kept
+    assert kept["step_at"] == (NOW - timedelta(seconds=0.5)).isoformat()
+    # What the agent sends, the controller takes.
+    sent = json.dumps({"workload_id": 1, "pod_index": 0, **kept})
+    shown = PodProgressIn.model_validate_json(sent)
+    assert shown.step is None and shown.checkpoints_saved[0].epoch == 2
+
+
+# ------------------------------------------------------------ the store, checkpoints
+def test_a_checkpoint_adds_no_event_and_counts_once_whichever_pod_reports_it(
+    store: FleetStore,
+) -> None:
+    job = submit(store)
+    store.agent_sync(t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], [])
+
+    def saved(at: float, pod: int, *checkpoints: Saved) -> None:
+        store.agent_sync(
+            t(at), NODES, [], [], [ProgressReport(job, pod, checkpoints_saved=checkpoints)]
+        )
+
+    saved(21, 0, Saved("/c/e0", 1000, t(20), epoch=0))
+    saved(22, 1, Saved("/c/e0", 1000, t(20.5), epoch=0))  # the other pod's word on it
+    # The same step number, an epoch later: another checkpoint.
+    saved(41, 0, Saved("/c/e1", 1000, t(40), epoch=1))
+    saved(42, 1, Saved("/c/old", 500, t(15), epoch=0))  # an older one, late
+    with store.read() as session:
+        row = session.get(JobProgress, job)
+        assert row is not None
+        shown = progress_json(row)
+        kinds = session.scalars(select(Event.kind).where(Event.workload_id == job)).all()
+    assert shown["checkpoints_saved"] == 2 and shown["checkpoints_saved_by_attempt"] == {1: 2}
+    assert shown["last_checkpoint"] == {"uri": "/c/e1", "step": 1000, "epoch": 1, "at": t(40)}
+    assert workload(store, job).last_checkpoint_at == t(40)
+    assert list(kinds) == ["requested", "admitted", "started"]
+
+
+def test_a_loss_gone_nan_is_kept_and_breaks_no_sync(store: FleetStore) -> None:
+    # JSON has no NaN: PostgreSQL refused the whole sync, every pod's report with it.
+    job = submit(store)
+    store.agent_sync(t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], [])
+    nan = ProgressReport(job, 0, 40, t(20), [], {"loss": float("nan"), "tokens": 512.0})
+    store.agent_sync(t(21), NODES, [], [], [nan, ProgressReport(job, 1, 40, t(20))])
+    with store.read() as session:
+        row = session.get(JobProgress, job)
+        assert row is not None
+        shown = JobProgressOut(**progress_json(row))
+        points = history_points(row)
+    assert str(shown.metrics["loss"]) == "nan" and shown.metrics["tokens"] == 512.0
+    assert [(p.step, p.loss) for p in points] == [(40, None), (40, None)]
+
+
+def test_the_migration_counts_the_checkpoints_saved_before_it_by_attempt(
+    engine: Engine, store: FleetStore
+) -> None:
+    job = submit(store)
+    store.agent_sync(t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], [])
+    store.agent_sync(t(13), NODES, [], [], [ProgressReport(job, 0, 1, t(13))])
+    with Session(engine) as session, session.begin():
+        for at, kind, data in (
+            (20, "job-checkpoint-saved", {"step": 10}),
+            (30, "job-checkpoint-saved", {"step": 20}),
+            (40, "job-restarting", {"attempt": 2}),
+            (50, "job-checkpoint-saved", {"step": 30}),
+        ):
+            session.add(Event(at=t(at), kind=kind, message="", workload_id=job, data=data))
+    db.downgrade(engine, "0019")
+    db.upgrade(engine)
+    with Session(engine) as session:
+        row = session.get(JobProgress, job)
+        assert row is not None and row.checkpoints_saved == {"1": 2, "2": 1}
+        assert row.history == {} and row.last_epoch is None

@@ -346,6 +346,11 @@ def test_what_the_user_reads_names_the_evidence_and_the_decision() -> None:
         "days: it goes on the lemon list (cordoned until an admin clears it) and the job "
         "restarts without it"
     )
+    # The clock is the last report, whatever its step number did: it says progress.
+    hung = classify(NoProgress("step", 603, 600, T))
+    assert hung.reason == (
+        "no progress reported for 603 s (limit 600 s): the job is killed and restarts"
+    )
 
 
 def test_signals_after_the_one_judged_are_not_evidence() -> None:

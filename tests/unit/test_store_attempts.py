@@ -24,7 +24,12 @@ from gpufleet.scheduler.store.models import (
     Node,
     WorkloadState,
 )
-from gpufleet.scheduler.store.progress import ProgressReport, Saved, training_ratio
+from gpufleet.scheduler.store.progress import (
+    ProgressReport,
+    Saved,
+    progress_json,
+    training_ratio,
+)
 from gpufleet.scheduler.validation import JobRequest
 
 from .test_store import ask, events, make_store, t, workload
@@ -245,13 +250,67 @@ def test_a_job_that_stops_stepping_is_stopped_as_hung_and_its_restart_is_not_jud
     assert store.stop_hung_jobs(t(621)) == [job]
     hung = workload(store, job)
     assert hung.state == WorkloadState.stopping
-    assert hung.reason == "no step reported for 601 s (limit 600 s): the job is killed and restarts"
+    assert hung.reason == (
+        "no progress reported for 601 s (limit 600 s): the job is killed and restarts"
+    )
     report(store, 622, PodReport(job, 0, "stopped", signal=15))
     assert (workload(store, job).attempt, workload(store, job).faults) == (2, 1)
     store.scheduling_cycle(t(700), NOW_POLICY)
     running(store, 701, job, pods=1, attempt=2)
     # No step of its own yet: an attempt loading its checkpoint is not hung after 600 s.
     assert store.stop_hung_jobs(t(1400)) == []
+
+
+def test_a_job_whose_step_counter_restarts_every_epoch_is_not_hung(store: FleetStore) -> None:
+    # 1,000 steps an epoch, numbered from 0 in each, one a second; a report every 10 s.
+    job = submit(store, 10, gpus=2)
+    running(store, 12, job, pods=1)
+    for second in range(20, 1730, 10):
+        epoch, step = divmod(second - 20, 1000)
+        report = ProgressReport(job, 0, step, t(second), [1.0] * 10, epoch=epoch)
+        store.agent_sync(t(second), NODES, [], [], [report])
+        assert store.stop_hung_jobs(t(second + 5)) == [], second
+    # Then it stops reporting: hung once the floor has passed since its last report.
+    assert store.stop_hung_jobs(t(1720 + 600)) == []
+    assert store.stop_hung_jobs(t(1720 + 601)) == [job]
+
+
+def test_a_job_that_reports_progress_without_numbers_is_judged_by_when_it_reports(
+    store: FleetStore,
+) -> None:
+    job = submit(store, 10, gpus=2)
+    running(store, 12, job, pods=1)
+    for second in (20, 500, 1000):
+        report = ProgressReport(job, 0, step_at=t(second), metrics={"loss": 1.0})
+        store.agent_sync(t(second), NODES, [], [], [report])
+    # Its GPUs idle and it writes nothing, but it reports: not hung (it was before, as a
+    # job that never reports: silent for job_silent_idle_seconds).
+    assert store.stop_hung_jobs(t(1599)) == []
+    assert store.stop_hung_jobs(t(1601)) == [job]
+    assert workload(store, job).reason.startswith("no progress reported for 601 s")
+
+
+def test_checkpoints_are_counted_by_attempt_and_the_resumed_one_is_named_in_the_restart(
+    store: FleetStore,
+) -> None:
+    job = submit(store, 10, gpus=2)
+    running(store, 12, job, pods=1)
+    checkpointed(store, 13, job)
+    report(store, 14, PodReport(job, 0, "exited", exit_code=1, reason="rank 1: Killed"))
+    [restarting] = events(store, "job-restarting")
+    assert f"resumes from {CHECKPOINT}" in restarting
+    store.scheduling_cycle(t(30), NOW_POLICY)
+    running(store, 31, job, pods=1, attempt=2)
+    for at, step in ((40, 50), (50, 60)):
+        saved = Saved(f"/ckpt/carol/train/step-{step}", step, t(at))
+        store.agent_sync(t(at), NODES, [], [], [ProgressReport(job, 0, checkpoints_saved=[saved])])
+    with store.read() as session:
+        row = session.get(JobProgress, job)
+        assert row is not None
+        shown = progress_json(row)
+    assert shown["checkpoints_saved"] == 3
+    assert shown["checkpoints_saved_by_attempt"] == {1: 1, 2: 2}
+    assert events(store, "job-checkpoint-saved") == []
 
 
 def test_a_drain_cordons_the_node_stops_its_sessions_and_restarts_its_jobs_elsewhere(
@@ -272,6 +331,19 @@ def test_a_drain_cordons_the_node_stops_its_sessions_and_restarts_its_jobs_elsew
     assert workload(store, session).reason == f"{said}; the session is snapshotted and stops"
     stopping = workload(store, job)
     assert stopping.state == WorkloadState.stopping and stopping.reason.startswith(said)
+    # An admin's operation, not a fault: an event of its own, saying who drained which node.
+    with store.read() as read:
+        [drained_job] = read.scalars(
+            select(Event).where(Event.workload_id == job, Event.kind == "job-drained")
+        ).all()
+        kinds = read.scalars(select(Event.kind).where(Event.workload_id == job)).all()
+    assert "job-fault" not in kinds
+    assert drained_job.message == (
+        f"attempt 1: {said}; every rank gets the checkpoint signal, and the job restarts on "
+        "another node without spending its retry budget"
+    )
+    assert (drained_job.at, drained_job.node, drained_job.cause) == (t(5), "a2", "admin")
+    assert drained_job.data == {"attempt": 1, "node": "a2", "by": "admin", "why": "firmware update"}
     # The job restarts at once, spending nothing, and not on the cordoned node.
     report(store, 6, PodReport(job, 0, "stopped", signal=15))
     back = workload(store, job)
