@@ -46,7 +46,8 @@ from .gpus import (
     start_fake_nvml,
     try_real_nvml,
 )
-from .jobs import PodKeeper, RankSandbox
+from .job_launch import RankSandbox
+from .jobs import PodKeeper
 from .lifecycle import until_stopped
 from .maintenance import KINDS as MAINTENANCE_KINDS
 from .maintenance import MaintenanceSettings, run_maintenance
@@ -346,14 +347,16 @@ class NodeAgent(Application):
             timeout_s=self.maintenance_timeout,
         )
 
-    def loopback_guard(self) -> NetworkGuard | None:
-        """The loopback guard, installed (blocking); None when it is off or cannot be had
-        (the log says why: then job ranks do not start)."""
+    def loopback_guard(self, rendezvous: dict[int, int] | None = None) -> NetworkGuard | None:
+        """The loopback guard, installed (blocking) with the ``rendezvous`` ports of the
+        jobs already running here (port -> uid); None when it is off or cannot be had (the
+        log says why: then job ranks do not start)."""
         if not self.network_guard:
             self.log.warning("the loopback guard is off: sessions and ranks reach every port")
             return None
         ports = [*self.protected_ports, *([self.metrics_port] if self.metrics_port else [])]
         guard = NetworkGuard(table_name(os.path.abspath(self.data_dir)), os.geteuid(), ports)
+        guard.rendezvous.update(rendezvous or {})
         try:
             guard.install()
         except GuardUnavailable as e:
@@ -663,24 +666,25 @@ class NodeAgent(Application):
 
     async def _job_pods(self, client: httpx.AsyncClient) -> None:
         """Report the job pods this agent runs, with their new log lines; run what the
-        controller answers (agent/jobs.py)."""
+        controller answers (agent/jobs.py). The pods an earlier agent left running are
+        taken over first, so the loopback guard keeps their rendezvous ports closed."""
         sandbox = await asyncio.to_thread(self.rank_sandbox)
-        try:
-            guard = await asyncio.to_thread(self.loopback_guard)
-        except GuardUnavailable as e:
-            guard, sandbox = None, replace(sandbox, unavailable=str(e))
-        sockets = []
-        progress_url = ""
-        if self.progress_port >= 0:
-            sockets = bind_sockets(self.progress_port, self.progress_ip)
-            port = sockets[0].getsockname()[1]
-            progress_url = f"http://{self.progress_ip}:{port}/progress"
+        sockets, progress_url = self._progress_sockets()
         keeper = PodKeeper(
-            Path(self.data_dir) / "jobs", self.log, os.environ, sandbox, guard, progress_url
+            Path(self.data_dir) / "jobs", self.log, os.environ, sandbox, None, progress_url
         )
+        taken = await asyncio.to_thread(keeper.recover)
+        if taken:
+            self.log.info("took over %d running job pod(s) from the agent before", len(taken))
+        try:
+            keeper.guard = await asyncio.to_thread(self.loopback_guard, keeper.rendezvous())
+        except GuardUnavailable as e:
+            keeper.sandbox = replace(sandbox, unavailable=str(e))
         server = None
         if sockets:
-            server = HTTPServer(progress_app(keeper.pod_of_marker, keeper.note_progress))
+            server = HTTPServer(
+                progress_app(keeper.pod_of_caller, keeper.check_checkpoints, keeper.note_progress)
+            )
             server.add_sockets(sockets)
             self.log.info("ranks report progress to %s", progress_url)
         try:
@@ -688,8 +692,36 @@ class NodeAgent(Application):
         finally:
             if server is not None:
                 server.stop()
-            if guard is not None:
-                await asyncio.to_thread(guard.remove)
+            # Ranks outlive this agent: while any runs, its guard stays for the next one.
+            if keeper.guard is not None and not keeper.running():
+                await asyncio.to_thread(keeper.guard.remove)
+
+    def _progress_sockets(self) -> tuple[list[socket.socket], str]:
+        """Where ranks report progress, and its URL. With ``progress_port`` 0 the port of
+        the agent before is taken again when free (kept in ``<data_dir>/progress-port``):
+        the ranks it left running know that URL."""
+        if self.progress_port < 0:
+            return [], ""
+        kept = Path(self.data_dir) / "progress-port"
+        port = self.progress_port
+        sockets: list[socket.socket] = []
+        if port == 0 and kept.exists():
+            try:
+                sockets = bind_sockets(int(kept.read_text()), self.progress_ip)
+            except (OSError, ValueError) as e:
+                self.log.warning(
+                    "the progress port of the agent before (%s) cannot be had again (%s): "
+                    "ranks it left running cannot report progress until they restart",
+                    kept.read_text().strip(),
+                    e,
+                )
+        if not sockets:
+            sockets = bind_sockets(port, self.progress_ip)
+        port = sockets[0].getsockname()[1]
+        if self.progress_port == 0:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(f"{port}\n")
+        return sockets, f"http://{self.progress_ip}:{port}/progress"
 
     async def _sync_pods(self, client: httpx.AsyncClient, keeper: PodKeeper) -> None:
         nodes = [n["name"] for n in self.inventory]
@@ -720,7 +752,7 @@ class NodeAgent(Application):
                 keeper.restore_gone(gone)
                 await asyncio.sleep(1.0)
                 continue
-            keeper.acknowledged(len(chunks))
+            keeper.synced(len(chunks), pods)
             answer = response.json()
             await keeper.apply(answer["pods"])
             keeper.end_leftovers(answer.get("leftovers", ()))

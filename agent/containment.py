@@ -93,9 +93,10 @@ def rank_command(
         lowers=[pinned] if pinned is not None and support.overlay else [],
         chdir=cwd,
     )
-    # Under a shell that waits for it: bwrap's --die-with-parent would otherwise end the
-    # job with the agent, which must be able to restart without stopping training.
-    return ["/bin/sh", "-c", '"$@"; exit $?', "gpufleet-rank", *sandboxed]
+    # The rank runner starts it under a shell of the rank's own (runner.LAUNCHER), which
+    # outlives the agent: bwrap's --die-with-parent then follows that shell, not the agent,
+    # which must be able to restart without stopping training.
+    return sandboxed
 
 
 def rank_environment(

@@ -1,22 +1,27 @@
 """The node agent's side of job progress: ranks report to it on loopback
 (``gpufleet.progress``, sdk/reporting.py), it forwards to the controller with its pods' sync.
 
-A rank holds no platform token. It proves which pod it is by its process marker (the
-``X-Gpufleet-Marker`` header): a random string only that pod's processes carry, which the
-agent knows as that pod's. A report of an unknown marker is refused (403). Ages in a report
-become times on the agent's clock when it arrives, so the rank's clock never counts.
+A rank holds no platform token. It names its pod by its process marker (the
+``X-Gpufleet-Marker`` header), and the kernel vouches for it: the connection must come from
+a process of that pod, running as the pod's account (``peers.py``); a checkpoint it reports
+must lie inside its job's checkpoint location. Anything else is refused (403), saying why.
+Ages in a report become times on the agent's clock when it arrives, so the rank's clock
+never counts.
 
 ``merge`` is pure: what the agent keeps for one pod between two syncs.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tornado import web
+
+from .peers import Caller, NotTheCaller, caller_of
 
 MARKER_HEADER = "X-Gpufleet-Marker"
 MAX_BODY_BYTES = 256 * 1024
@@ -103,38 +108,66 @@ def merge(kept: dict[str, Any] | None, report: RankReport, now: datetime) -> dic
 
 
 class ProgressHandler(web.RequestHandler):
-    """``POST /progress`` from a rank of this machine."""
+    """``POST /progress`` from a rank of this machine: refused (403) unless the calling
+    process is one of the pod its marker names, running as that pod's account
+    (``peers.py``), and unless every checkpoint it names lies inside its job's checkpoint
+    location."""
 
     def initialize(
         self,
-        pod_of: Callable[[str], tuple[int, int] | None],
+        pod_of: Callable[[str, Caller | None], tuple[int, int]],
+        check: Callable[[tuple[int, int], RankReport], None],
         note: Callable[[tuple[int, int], RankReport, datetime], None],
     ) -> None:
-        self.pod_of = pod_of
-        self.note = note
+        self.pod_of, self.check, self.note = pod_of, check, note
 
     def check_xsrf_cookie(self) -> None:
-        return  # no cookies here: a marker header, from a rank
+        return  # no cookies here: the calling process is asked of the kernel
 
-    def post(self) -> None:
-        pod = self.pod_of(self.request.headers.get(MARKER_HEADER, ""))
-        if pod is None:
-            raise web.HTTPError(403, "no pod of this machine carries that marker")
+    def _caller(self) -> Caller | None:
+        stream = getattr(self.request.connection, "stream", None)
+        sock = getattr(stream, "socket", None)
+        if sock is None:
+            return None
+        try:
+            return caller_of(sock.getpeername()[:2], sock.getsockname()[:2])
+        except (OSError, ValueError):
+            return None
+
+    async def post(self) -> None:
+        marker = self.request.headers.get(MARKER_HEADER, "")
+        try:
+            caller = await asyncio.to_thread(self._caller)
+            pod = await asyncio.to_thread(self.pod_of, marker, caller)
+        except NotTheCaller as e:
+            raise web.HTTPError(403, str(e)) from None
         if len(self.request.body) > MAX_BODY_BYTES:
             raise web.HTTPError(413, f"a report is at most {MAX_BODY_BYTES} bytes")
         try:
             report = RankReport.model_validate_json(self.request.body)
         except ValidationError as e:
             raise web.HTTPError(400, f"not a progress report: {e.errors()[:3]}") from e
+        try:
+            self.check(pod, report)
+        except NotTheCaller as e:
+            raise web.HTTPError(403, str(e)) from None
         self.note(pod, report, datetime.now(UTC))
         self.set_status(204)
 
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """The refusal's reason as plain text, for the rank's log (not Tornado's page)."""
+        error = kwargs.get("exc_info", (None, None))[1]
+        self.set_header("Content-Type", "text/plain; charset=utf-8")
+        text = error.log_message if isinstance(error, web.HTTPError) else None
+        self.finish(f"{status_code}: {text or self._reason}\n")
+
 
 def progress_app(
-    pod_of: Callable[[str], tuple[int, int] | None],
+    pod_of: Callable[[str, Caller | None], tuple[int, int]],
+    check: Callable[[tuple[int, int], RankReport], None],
     note: Callable[[tuple[int, int], RankReport, datetime], None],
 ) -> web.Application:
     return web.Application(
-        [(r"/progress", ProgressHandler, {"pod_of": pod_of, "note": note})],
+        [(r"/progress", ProgressHandler, {"pod_of": pod_of, "check": check, "note": note})],
         max_body_size=MAX_BODY_BYTES,
     )

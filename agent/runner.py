@@ -7,11 +7,22 @@ a rank sends SIGTERM to all of it (the checkpoint signal), waits the grace perio
 SIGKILLs what is left; a rank counts as stopped only when no process carries its marker,
 so its GPUs can be released.
 
+A rank outlives the agent that started it: it runs under a small shell of its own (in a
+session of its own, so neither the agent's end nor a Ctrl-C reaches it), which records the
+rank's exit status in ``<rank>.exit`` when it ends, and the runner writes what it takes to
+find the rank again in ``<rank>.launcher``. A runner started later (the agent restarted,
+crashed or was upgraded) takes the rank over with :meth:`RankRunner.adopt`: it watches it
+as its own, and learns how it ended from the file, whoever was there to see it. A stop
+begun before the restart (``<rank>.stopping``) is carried on without a second SIGTERM.
+
 The runner does the work; it does not decide. The node agent calls it for the controller.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
 import subprocess
 import time
@@ -50,25 +61,44 @@ class RankSpec:
     marker: str | None = None
 
 
+# The rank's shell: it runs the command, then records its exit status for whichever agent
+# is there to read it. A trapped (not ignored) SIGTERM, SIGINT or SIGHUP lets it outlive a
+# signal sent to its whole process group and still record how the command ended; the
+# command itself starts with the default handlers (an ignored signal would survive exec).
+LAUNCHER = (
+    "/bin/sh",
+    "-c",
+    'trap : TERM INT HUP; exit_file=$1; shift; "$@"; code=$?; echo "$code" > "$exit_file"; '
+    'exit "$code"',
+    "gpufleet-rank",
+)
+LAUNCHER_GONE_WAIT_S = 10.0  # for the shell to record, once nothing of the rank is left
+
+
 @dataclass(frozen=True)
 class RankStatus:
     rank_id: str
     pid: int
     state: str  # "running", "exited" (on its own) or "stopped" (by stop())
-    exit_code: int | None  # the process's code; None while running or when signalled
+    # The process's code; None while running, when signalled, or when it ended while no
+    # agent watched and left no record of its status (``recorded`` is then False).
+    exit_code: int | None
     signal: int | None  # the signal that ended it, if one did
     stdout: Path
     stderr: Path
     started_at: float
     ended_at: float | None = None
+    recorded: bool = True
+    stopping_since: float | None = None  # a stop begun (perhaps by an earlier agent)
 
 
 @dataclass
 class _Rank:
-    spec: RankSpec
-    process: subprocess.Popen[bytes]
     marker: str
     status: RankStatus
+    launcher_started: int  # its shell's start, in clock ticks after boot (pid reuse)
+    watch: processes.Watch
+    process: subprocess.Popen[bytes] | None = None  # None: adopted from an earlier agent
 
 
 class RankRunner:
@@ -85,10 +115,13 @@ class RankRunner:
         self.inherit = inherit
         self._ranks: dict[str, _Rank] = {}
 
+    def _path(self, rank_id: str, suffix: str) -> Path:
+        return self.log_dir / f"{rank_id}.{suffix}"
+
     def start(self, spec: RankSpec) -> RankStatus:
         current = self._ranks.get(spec.rank_id)
         if current is not None and self.status(spec.rank_id).state == "running":
-            raise RankExists(f"rank {spec.rank_id} is already running (pid {current.process.pid})")
+            raise RankExists(f"rank {spec.rank_id} is already running (pid {current.status.pid})")
         marker = spec.marker or processes.new_marker()
         devices = ",".join(spec.gpu_uuids)
         if self.inherit:
@@ -105,12 +138,14 @@ class RankRunner:
             # processes carry it, and SIGTERM reaches them (the checkpoint signal) rather
             # than the sandbox around them, whose end would SIGKILL them at once.
             env = dict(spec.env)
-        stdout = self.log_dir / f"{spec.rank_id}.stdout"
-        stderr = self.log_dir / f"{spec.rank_id}.stderr"
+        for stale in ("exit", "stopping", "launcher"):
+            self._path(spec.rank_id, stale).unlink(missing_ok=True)
+        stdout, stderr = self._path(spec.rank_id, "stdout"), self._path(spec.rank_id, "stderr")
+        exit_file = self._path(spec.rank_id, "exit")
         with stdout.open("wb") as out, stderr.open("wb") as err:
             try:
                 process = subprocess.Popen(
-                    list(spec.argv),
+                    [*LAUNCHER, str(exit_file), *spec.argv],
                     env=env,
                     cwd=spec.cwd,
                     stdout=out,
@@ -118,38 +153,110 @@ class RankRunner:
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
-            except OSError as e:
+            except (OSError, ValueError) as e:
                 raise RunnerError(f"rank {spec.rank_id} could not start: {e}") from e
+        launched = processes.start_ticks(process.pid) or 0
+        _write_json(
+            self._path(spec.rank_id, "launcher"),
+            {"pid": process.pid, "started": launched, "marker": marker, "at": time.time()},
+        )
         status = RankStatus(
             spec.rank_id, process.pid, "running", None, None, stdout, stderr, time.time()
         )
-        self._ranks[spec.rank_id] = _Rank(spec, process, marker, status)
+        self._ranks[spec.rank_id] = _Rank(
+            marker, status, launched, processes.Watch(marker), process
+        )
         return status
+
+    def adopt(self, rank_id: str) -> RankStatus:
+        """Take over rank ``rank_id``, started by an earlier runner with this log
+        directory: running if anything of it still runs, else how it ended (from its
+        exit file; ``recorded`` False without one). Raises ``UnknownRank`` when no runner
+        started it here."""
+        current = self._ranks.get(rank_id)
+        if current is not None:
+            return self.status(rank_id)
+        try:
+            record = json.loads(self._path(rank_id, "launcher").read_text())
+            pid, started, marker = int(record["pid"]), int(record["started"]), str(record["marker"])
+            at = float(record["at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise UnknownRank(f"no rank {rank_id} was started on this node") from None
+        stopping = _read_float(self._path(rank_id, "stopping"))
+        status = RankStatus(
+            rank_id,
+            pid,
+            "running",
+            None,
+            None,
+            self._path(rank_id, "stdout"),
+            self._path(rank_id, "stderr"),
+            at,
+            stopping_since=stopping,
+        )
+        self._ranks[rank_id] = _Rank(marker, status, started, processes.Watch(marker))
+        return self.status(rank_id)
 
     def status(self, rank_id: str) -> RankStatus:
         rank = self._rank(rank_id)
-        if rank.status.state == "running":
-            code = rank.process.poll()
-            if code is not None and not processes.marked_pids(rank.marker):
-                rank.status = _ended(rank.status, "exited", code)
+        if rank.status.state == "running" and not self._runs(rank):
+            code = self._exit_code(rank)
+            state = "stopped" if rank.status.stopping_since is not None else "exited"
+            rank.status = _ended(rank.status, state, code)
         return rank.status
 
     def statuses(self) -> list[RankStatus]:
         return [self.status(rank_id) for rank_id in self._ranks]
 
+    def _runs(self, rank: _Rank) -> bool:
+        if rank.process is not None:
+            launcher_runs = rank.process.poll() is None
+        else:
+            launcher_runs = processes.running(rank.status.pid, rank.launcher_started)
+        return launcher_runs or bool(rank.watch.alive())
+
+    def _exit_code(self, rank: _Rank) -> int | None:
+        """How the rank's shell ended: its own exit status when it was this runner's child,
+        else what it recorded (None without a record: killed before it could write one)."""
+        if rank.process is not None:
+            return rank.process.wait()
+        text = ""
+        with contextlib.suppress(OSError):
+            text = self._path(rank.status.rank_id, "exit").read_text().strip()
+        return int(text) if text.lstrip("-").isdigit() else None
+
     async def stop(self, rank_id: str, grace: float = 30.0) -> RankStatus:
-        """SIGTERM all of the rank, SIGKILL what is left after ``grace``; wait until gone."""
+        """SIGTERM all of the rank, SIGKILL what is left after ``grace``; wait until gone.
+        A stop an earlier agent began is carried on: the grace counts from its SIGTERM,
+        which is not sent again."""
         rank = self._rank(rank_id)
         if self.status(rank_id).state != "running":
             return rank.status
-        if not await processes.end_all(rank.marker, term_grace=grace):
+        began = rank.status.stopping_since
+        if began is None:
+            began = time.time()
+            _write_text(self._path(rank_id, "stopping"), f"{began}\n")
+            rank.status = replace(rank.status, stopping_since=began)
+            term, left = True, grace
+        else:
+            term, left = False, max(0.0, began + grace - time.time())
+        if not await processes.end_all(rank.marker, term_grace=left, term=term):
             raise StopFailed(f"processes of rank {rank_id} survived SIGKILL")
-        code = rank.process.wait()
-        rank.status = _ended(rank.status, "stopped", code)
+        # Its shell records how the rank ended, then exits.
+        deadline = time.monotonic() + LAUNCHER_GONE_WAIT_S
+        while time.monotonic() < deadline:
+            if not self._runs(rank):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise StopFailed(f"the shell of rank {rank_id} (pid {rank.status.pid}) did not end")
+        rank.status = _ended(rank.status, "stopped", self._exit_code(rank))
         return rank.status
 
     def forget(self, rank_id: str) -> None:
-        """Drop an ended rank (its log files stay)."""
+        """Drop an ended rank (its log files stay); an unknown one is forgotten already."""
+        if rank_id not in self._ranks:
+            return
         if self.status(rank_id).state == "running":
             raise RunnerError(f"rank {rank_id} is still running; stop it first")
         del self._ranks[rank_id]
@@ -161,12 +268,31 @@ class RankRunner:
             raise UnknownRank(f"no rank {rank_id} on this node") from None
 
 
-def _ended(status: RankStatus, state: str, code: int) -> RankStatus:
-    killed_by = -code if code < 0 else None
+def _ended(status: RankStatus, state: str, code: int | None) -> RankStatus:
+    killed_by = -code if code is not None and code < 0 else None
     return replace(
         status,
         state=state,
         exit_code=None if killed_by else code,
         signal=killed_by,
         ended_at=time.time(),
+        recorded=code is not None,
     )
+
+
+def _write_text(path: Path, text: str) -> None:
+    """``path`` with ``text``, whole or not at all (a reader never sees half of it)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _write_json(path: Path, data: Mapping[str, object]) -> None:
+    _write_text(path, json.dumps(data) + "\n")
+
+
+def _read_float(path: Path) -> float | None:
+    try:
+        return float(path.read_text())
+    except (OSError, ValueError):
+        return None

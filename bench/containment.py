@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from gpufleet.agent.containment import RankAccount, rank_command, rank_environment
-from gpufleet.agent.jobs import _owned_directory, _prepare_layers
+from gpufleet.agent.job_launch import owned_directory, prepare_layers
 from gpufleet.scheduler.store import db
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.snapshotter.sandbox import SandboxDirs, host_root, probe, write_identity
@@ -96,8 +96,8 @@ def job_round(root: Path, support: object, pinned: Path) -> tuple[float, float]:
     for path in (pod, dirs.root):
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     ranks = pod / "ranks"
-    _owned_directory(ranks, UID, UID)
-    _prepare_layers(dirs, host_root(), account, PREFIX)
+    owned_directory(ranks, UID, UID)
+    prepare_layers(dirs, host_root(), account, PREFIX)
     read_only = write_identity(dirs.root, "bench", UID, UID, home)
     env = rank_environment(account, BASE, PREFIX, {}, {"GPUFLEET_JOB_ID": "1"})
     argv = rank_command(

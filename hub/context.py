@@ -43,6 +43,9 @@ class ControllerContext(Protocol):
 
     def now(self) -> datetime: ...
 
+    def checkpoint_places(self, username: str) -> list[str]:
+        """The directories ``username``'s local checkpoint locations may lie in."""
+
     @property
     def request_lease(self) -> timedelta: ...
 

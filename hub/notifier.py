@@ -11,6 +11,7 @@ class Notifier:
     def __init__(self) -> None:
         self._waiters: dict[int, set[asyncio.Event]] = defaultdict(set)
         self._any: set[asyncio.Event] = set()  # node agents: any workload changed
+        self.stopping = False
 
     def changed(self, workload_ids: Iterable[int]) -> None:
         woken = False
@@ -30,9 +31,20 @@ class Notifier:
             waiter.set()
         self._any.clear()
 
+    def stop(self) -> None:
+        """Answer every long poll now, and every later one at once: the controller is
+        stopping, and each caller gets an answer of what is rather than an error."""
+        self.stopping = True
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                waiter.set()
+        self.wake_agents()
+
     async def wait_for_any_change(self, within: float) -> None:
         """Return when any workload changes or after ``within`` seconds (same guarantee
         as ``wait_for_change``)."""
+        if self.stopping:
+            return
         waiter = asyncio.Event()
         self._any.add(waiter)
         try:
@@ -49,6 +61,8 @@ class Notifier:
         before this coroutine first yields: a caller that read the row and then awaits this
         without yielding in between cannot miss a change.
         """
+        if self.stopping:
+            return
         waiter = asyncio.Event()
         self._waiters[workload_id].add(waiter)
         try:

@@ -51,12 +51,7 @@ def workload_marker(found: str) -> str:
 
 def marked_pids(marker: str, proc: Path = Path("/proc")) -> list[int]:
     """Live processes that carry ``marker`` or the marker of one of its parts."""
-    part = marker + "."
-    return [
-        pid
-        for pid, found in marked_processes(proc).items()
-        if found == marker or found.startswith(part)
-    ]
+    return sorted(_of(marker, proc))
 
 
 def marked_processes(proc: Path = Path("/proc")) -> dict[int, str]:
@@ -139,26 +134,87 @@ def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
             continue
 
 
-async def _gone_within(marker: str, seconds: float) -> bool:
+def _stat(pid: int, proc: Path) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (field 3 on)."""
+    try:
+        return (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot; None if it is gone."""
+    stat = _stat(pid, proc)
+    return None if stat is None else int(stat[19])
+
+
+def running(pid: int, started: int, proc: Path = Path("/proc")) -> bool:
+    """Whether process ``pid``, which started ``started`` clock ticks after boot, still
+    runs: its pid is not reused, and it is neither a zombie nor dead.
+
+    A process that is exiting drops its memory before it closes its files, and its
+    environment (``/proc/<pid>/environ``) reads empty from that moment: it carries no
+    marker any more, yet it may still hold a GPU's device file while the driver tears its
+    context down. Only this says when it is really over; a zombie is (it holds nothing,
+    its parent reaps it).
+    """
+    stat = _stat(pid, proc)
+    return stat is not None and stat[0] not in ("Z", "X") and int(stat[19]) == started
+
+
+def _of(marker: str, proc: Path) -> dict[int, int]:
+    """``{pid: start}`` of the live processes carrying ``marker`` or one of its parts'."""
+    part = marker + "."
+    return {
+        found.pid: found.started
+        for found in marked_process_details((), proc)
+        if found.marker == marker or found.marker.startswith(part)
+    }
+
+
+class Watch:
+    """Every process of one marker seen so far: gone only when none carries the marker
+    and none of those seen still :func:`running`."""
+
+    def __init__(self, marker: str, proc: Path = Path("/proc")):
+        self.marker, self.proc = marker, proc
+        self.seen: dict[int, int] = {}
+
+    def alive(self) -> list[int]:
+        """The pids of what still runs (refreshing what carries the marker)."""
+        self.seen.update(_of(self.marker, self.proc))
+        self.seen = {
+            pid: started for pid, started in self.seen.items() if running(pid, started, self.proc)
+        }
+        return sorted(self.seen)
+
+
+async def _gone_within(watch: Watch, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not marked_pids(marker):
+        if not watch.alive():
             return True
         await asyncio.sleep(0.1)
-    return not marked_pids(marker)
+    return not watch.alive()
 
 
-async def end_all(marker: str, term_grace: float = 5.0, kill_wait: float = 5.0) -> bool:
-    """SIGTERM every marked process group, then SIGKILL what remains.
+async def end_all(
+    marker: str, term_grace: float = 5.0, kill_wait: float = 5.0, term: bool = True
+) -> bool:
+    """SIGTERM every marked process group, then SIGKILL what remains (``term=False``: a
+    SIGTERM was sent already, by an agent before this one: wait the grace, then SIGKILL).
 
-    Returns True once no marked process is left, False if some survived SIGKILL (a process
-    stuck in the kernel): the caller must then keep the GPUs allocated.
+    Returns True once nothing of the marker runs (:class:`Watch`), False if something
+    survived SIGKILL (a process stuck in the kernel): the caller must then keep the GPUs
+    allocated.
     """
-    pids = marked_pids(marker)
+    watch = Watch(marker)
+    pids = watch.alive()
     if not pids:
         return True
-    _signal_groups(pids, signal.SIGTERM)
-    if await _gone_within(marker, term_grace):
+    if term:
+        _signal_groups(pids, signal.SIGTERM)
+    if await _gone_within(watch, term_grace):
         return True
-    _signal_groups(marked_pids(marker), signal.SIGKILL)
-    return await _gone_within(marker, kill_wait)
+    _signal_groups(watch.alive(), signal.SIGKILL)
+    return await _gone_within(watch, kill_wait)

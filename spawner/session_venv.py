@@ -97,8 +97,18 @@ def main(args: list[str]) -> None:
     )
     checkpoint = os.environ.get("GPUFLEET_CHECKPOINT_URI", "")
     if checkpoint.startswith("/"):  # a job's local checkpoints: made by its user, here
-        os.makedirs(checkpoint, exist_ok=True)
+        try:
+            os.makedirs(checkpoint, exist_ok=True)
+        except OSError as e:
+            print(
+                f"gpufleet: cannot make the checkpoint directory {checkpoint}: "
+                f"{e.strerror or e}; choose a checkpoint_uri of your own",
+                file=sys.stderr,
+            )
+            raise SystemExit(2) from None
     argv = command(python, base_bin, args[2:])
+    # The shell's conventions, which the recovery loop reads as the user's errors (not
+    # retried): 127 for a command not found, 126 for one that cannot run.
     try:
         os.execvp(argv[0], argv)
     except FileNotFoundError:
@@ -108,6 +118,13 @@ def main(args: list[str]) -> None:
             file=sys.stderr,
         )
         raise SystemExit(127) from None
+    except OSError as e:
+        print(
+            f"gpufleet: {argv[0]} cannot run ({e.strerror or e}): give an interpreter, such "
+            "as the session's own python",
+            file=sys.stderr,
+        )
+        raise SystemExit(126) from None
 
 
 if __name__ == "__main__":

@@ -156,6 +156,11 @@ class AgentPodIn(Strict):
     signal: int | None = Field(default=None, ge=0, le=255)
     reason: str = Field(default="", max_length=2000)
     attempt: int = Field(default=1, ge=1, le=MAX_INT, description="the job's attempt")
+    adopted: bool = Field(
+        default=False,
+        description="the agent took this running pod over from the agent before it (a "
+        "restart): said once",
+    )
 
 
 class LogChunkIn(Strict):

@@ -23,6 +23,7 @@ from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
 from . import job_schemas as js
 from .base import APIHandler, Identity, store_errors_as_http
+from .job_checks import interpreter_problem, spec_problems
 from .views import MAX_WAIT_SECONDS, WORKLOAD_DETAILS, listing, page, workload_out
 
 if TYPE_CHECKING:
@@ -146,6 +147,19 @@ class JobsHandler(APIHandler):
             raise Forbidden("jobs are submitted by users, with their own token")
         body = self.body(js.JobSubmitIn)
         controller = self.controller
+        problems = spec_problems(
+            env=body.env,
+            args=body.args,
+            python=body.python,
+            cwd=body.cwd,
+            checkpoint_uri=body.checkpoint_uri,
+            checkpoint_places=controller.checkpoint_places(identity.name),
+        )
+        interpreter = await asyncio.to_thread(interpreter_problem, body.python)
+        if interpreter:
+            problems.append(interpreter)
+        if problems:
+            raise BadRequest(f"the job cannot run as submitted: {'; '.join(problems)}")
         request = JobRequest(
             username=identity.name,
             project=body.project,
@@ -315,7 +329,14 @@ class AgentPodsHandler(APIHandler):
         controller = self.controller
         reports = [
             PodReport(
-                p.workload_id, p.pod_index, p.state, p.exit_code, p.signal, p.reason, p.attempt
+                p.workload_id,
+                p.pod_index,
+                p.state,
+                p.exit_code,
+                p.signal,
+                p.reason,
+                p.attempt,
+                p.adopted,
             )
             for p in body.pods
         ]

@@ -36,6 +36,7 @@ from .accounts import AccountStore
 from .attempts import AttemptStore, log_offset, stopping_for
 from .base import _event, _get_workload, _preemptible
 from .catalogue import CatalogueStore
+from .clusters import AGENT_PREFIX
 from .inventory import mark_silent
 from .leftovers import (
     Leftover,
@@ -49,6 +50,7 @@ from .models import (
     JobLog,
     JobPod,
     Node,
+    NodeHealth,
     Project,
     UserAccount,
     Workload,
@@ -109,6 +111,7 @@ class PodReport:
     signal: int | None = None
     reason: str = ""  # for an ended pod: what went wrong, in words (the last error line)
     attempt: int = 1  # the job's attempt it is a pod of: an earlier one's report is stale
+    adopted: bool = False  # a new agent took the running pod over from the one before
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,18 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 )
                 session.add(row)
                 rows[report.pod_index] = row
+            if report.adopted and row.state == "running" and report.state == "running":
+                _event(
+                    session,
+                    now,
+                    "job-pod-adopted",
+                    f"pod {report.pod_index} on {node} kept running through a restart of its "
+                    f"node agent, which took it over (attempt {workload.attempt}; nothing "
+                    "was charged)",
+                    workload=workload,
+                    node=node,
+                    data={"pod": report.pod_index, "attempt": workload.attempt},
+                )
             if row.state in ENDED_POD_STATES or row.state == report.state:
                 continue
             row.state = report.state
@@ -384,20 +399,34 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
         workload.version += 1
         return fault, True
 
-    def lose_silent_nodes(self, now: datetime, timeout: timedelta) -> NodesLost:
-        """Nodes whose agent has not reported for ``timeout`` take no new work; each job
+    def lose_silent_nodes(
+        self,
+        now: datetime,
+        timeout: timedelta,
+        jobs_after: timedelta | None = None,
+        since: datetime | None = None,
+    ) -> NodesLost:
+        """Nodes whose agent has not reported for ``timeout`` take no new work. Once a
+        node's agent has been silent for ``jobs_after`` (``timeout`` when None) each job
         with a pod there stops as ``agent-lost`` and resumes elsewhere, its pods on the
         silent node counted as ended (``lost``) while their GPUs stay held for whatever
-        of them may still run (``store/leftovers.py``). The node is cordoned, within the
-        recovery breaker: while the breaker holds, its jobs are left running (a share of
-        silent nodes that large is more likely the network's or the controller's fault,
-        and the hang check still catches a job that stopped)."""
+        of them may still run (``store/leftovers.py``). The longer wait lets an agent that
+        restarts (a crash, an upgrade) take its pods over, which costs them nothing.
+
+        A node is acted on once per silence: when its silence passes ``jobs_after``
+        after ``since`` (the caller's previous pass; None: whenever it did). It is
+        cordoned, within the recovery breaker: while the breaker holds, its jobs are left
+        running (a share of silent nodes that large is more likely the network's or the
+        controller's fault, and the hang check still catches a job that stopped)."""
         lost = NodesLost()
+        jobs_after = timeout if jobs_after is None else max(jobs_after, timeout)
         with self._write(now) as session:
-            for node in mark_silent(session, now, timeout):
-                lost.nodes.append(node.name)
+            lost.nodes = [node.name for node in mark_silent(session, now, timeout)]
+            for node in _silent_since(session, now, jobs_after, since):
                 held = open_allocations_on(session, node)
-                if not any(a.workload.kind == WorkloadKind.job for a in held):
+                if not any(
+                    a.workload.kind == WorkloadKind.job and a.workload.state in ACTIVE for a in held
+                ):
                     continue
                 silent_s = (now - (node.last_heartbeat_at or now)).total_seconds()
                 verdict = classify(
@@ -667,7 +696,8 @@ def _pod_ending(row: JobPod) -> str:
     if row.state == "exited":
         how = f"exited with code {row.exit_code}"
     elif row.state == "failed":
-        how = "could not start"
+        # The agent's reason says it all: "could not start: ..." or how a pod it ran ended.
+        return row.reason or "failed"
     elif row.state == "lost":
         how = "was lost"
     elif row.signal is not None:
@@ -690,3 +720,18 @@ def _job_ending(workload: Workload, pods: list[JobPod | None]) -> tuple[str, str
         return "failed", f"pod {unclean[0].pod_index} {_pod_ending(unclean[0])}"
     ranks = workload.pods * workload.gpus_per_pod
     return "succeeded", f"all {ranks} rank(s) exited with code 0"
+
+
+def _silent_since(
+    session: Session, now: datetime, silent_for: timedelta, since: datetime | None
+) -> Sequence[Node]:
+    """The nodes of gpufleet's agents whose silence passed ``silent_for`` after ``since``
+    (ever, when None), by name."""
+    query = select(Node).where(
+        Node.health == NodeHealth.unknown,
+        Node.agent.is_(None) | Node.agent.not_like(f"{AGENT_PREFIX}%"),
+        Node.last_heartbeat_at < now - silent_for,
+    )
+    if since is not None:
+        query = query.where(Node.last_heartbeat_at >= since - silent_for)
+    return session.scalars(query.order_by(Node.name)).all()

@@ -421,7 +421,8 @@ class JobPod(Base):
 
     ``state``: ``running``; ``exited`` (on its own; ``exit_code`` says how); ``stopped``
     (by the agent, on a cancel, a failure elsewhere in the gang or a preemption); or
-    ``failed`` (it could not start). Only ``running`` may still hold a process.
+    ``failed`` (it could not start, or ended with no status to say how: ``reason``). Only
+    ``running`` may still hold a process.
     """
 
     __tablename__ = "job_pods"

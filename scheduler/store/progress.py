@@ -30,6 +30,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from ...recovery.checkpoints import within as checkpoint_within
 from .models import JobProgress, Workload, WorkloadKind, WorkloadState
 
 KEEP_STEP_TIMES = 512
@@ -181,8 +182,11 @@ def merge_report(
         # its text, and shown as a number again (``progress_json``).
         finite = {k: v if math.isfinite(v) else str(v) for k, v in report.metrics.items()}
         row.metrics = {**row.metrics, **finite}
+    location = str((workload.spec or {}).get("checkpoint_uri") or "")
     for saved in sorted(report.checkpoints_saved, key=lambda c: c.at):
-        if _known_checkpoint(row, saved):
+        # Only the job's own may be resumed from: its agent refuses any other (a rank's
+        # report of a path elsewhere), and so does the store, whatever an agent sends.
+        if _known_checkpoint(row, saved) or not checkpoint_within(saved.uri, location):
             continue
         row.last_checkpoint_uri, row.last_checkpoint_step = saved.uri, saved.step
         row.last_checkpoint_epoch, row.last_checkpoint_at = saved.epoch, saved.at

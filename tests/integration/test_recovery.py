@@ -22,6 +22,7 @@ import pytest
 
 from gpufleet.agent.gpus import declared_fake_gpus
 from gpufleet.client import Client
+from gpufleet.recovery import processes
 from gpufleet.recovery.fake_nvml import FakeGpu, write_control
 
 from .harness import Hub, pids_with_env, running_hub, server_environ, wait_for
@@ -308,13 +309,14 @@ def _node(fleet: Hub, name: str) -> dict[str, Any]:
     return found
 
 
-# A hub of this module's own (its GPUs' fault history starts empty), whose nodes are lost
-# after 6 s of silence. In the agent-loss test node-c has an agent of its own, started by
-# the test (so the hub does not restart it), and the job's first attempt hangs, alive, so
-# that something is left of it; the hang check stays out of the way.
+# A hub of this module's own (its GPUs' fault history starts empty), whose nodes and their
+# jobs are lost after 6 s of silence. In the agent-loss test node-c has an agent of its
+# own, started by the test (so the hub does not restart it), and the job's first attempt
+# hangs, alive, so that something is left of it; the hang check stays out of the way.
 RECOVERY_HUB_CONFIG = """
 c.FleetController.recovery_maintenance = True
 c.FleetController.node_heartbeat_timeout = 6
+c.FleetController.job_agent_lost_seconds = 6
 c.FleetController.job_hang_floor_seconds = 300
 """
 NODE_C = {"name": "gpu-node-c", "zone": "zone-c", "gpu_type": "A100-80GB", "gpus": 2}
@@ -394,7 +396,8 @@ def test_a_killed_agents_job_resumes_elsewhere_and_its_gpus_wait_for_its_process
             assert {a.node for a in alice.job(job_id).allocations} == {node}
             for other in DECLARED:
                 hub.controller("POST", f"/nodes/{other['name']}/uncordon")
-            old_ranks = _rank_pids(job_id, attempt=1)
+            # Each with its start: a pid the kernel hands out again is not the rank.
+            old_ranks = {pid: processes.start_ticks(pid) or 0 for pid in _rank_pids(job_id, 1)}
             assert old_ranks
 
             agent.kill(signal.SIGKILL)  # its ranks live on, unwatched
@@ -413,7 +416,7 @@ def test_a_killed_agents_job_resumes_elsewhere_and_its_gpus_wait_for_its_process
             wait_for(lambda: _rank_pids(job_id, attempt=2), 90, "attempt 2's ranks")
             second = alice.job(job_id)
             assert second.attempt == 2 and node not in {a.node for a in second.allocations}
-            assert all(Path(f"/proc/{p}").exists() for p in old_ranks)
+            assert all(processes.running(pid, start) for pid, start in old_ranks.items())
             assert len(_node_in(hub, node)["leftover_gpus"]) == 2  # type: ignore[index]
 
             # node-c's agent is back: it ends what is left, and only then are the GPUs free.
@@ -423,7 +426,9 @@ def test_a_killed_agents_job_resumes_elsewhere_and_its_gpus_wait_for_its_process
                 60,
                 "node-c's GPUs released",
             )
-            assert not any(Path(f"/proc/{p}").exists() for p in old_ranks)
+            # What the agent waits for before it reports them gone: none still runs (a
+            # zombie does not: it holds nothing, and its parent reaps it).
+            assert not any(processes.running(pid, start) for pid, start in old_ranks.items())
             gone = sorted(
                 str(e["message"]) for e in events(hub, "gpu-leftovers-gone") if e["node"] == node
             )

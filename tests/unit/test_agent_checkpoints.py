@@ -16,7 +16,8 @@ from gpufleet.agent.checkpoints import (
     checkpoint_credentials,
     load_checkpoint_credentials,
 )
-from gpufleet.agent.jobs import RankSandbox, rank_error
+from gpufleet.agent.job_launch import RankSandbox
+from gpufleet.agent.job_logs import rank_error
 from gpufleet.agent.runner import RunnerError
 from gpufleet.snapshotter.sandbox import SandboxMode, SandboxSupport
 

@@ -64,6 +64,9 @@ class Controller:
     def now(self) -> datetime:
         return datetime.now(UTC)
 
+    def checkpoint_places(self, username: str) -> list[str]:
+        return [f"/homes/{username}", f"/checkpoints/{username}"]
+
     def kick(self) -> None:
         return
 
@@ -352,6 +355,24 @@ async def test_a_query_parameter_with_nul_is_a_400(api: httpx.AsyncClient) -> No
 
 
 # --------------------------------------------------------------------- times
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"checkpoint_uri": "/etc"}, "checkpoint_uri /etc must be in /homes/"),
+        ({"env": {"A=B": "x"}}, "env: 'A=B' is not a variable name"),
+        ({"env": {"A": "x\0"}}, "env: the value of A holds a NUL character"),
+        ({"python": "/etc/passwd"}, "python /etc/passwd is not an executable file"),
+        ({"args": ["\0"]}, "args[0] holds a NUL character"),
+        ({"cwd": "here"}, "cwd 'here' must be an absolute path"),
+    ],
+)
+async def test_a_job_no_node_could_run_as_asked_is_a_400_saying_what_to_change(
+    api: httpx.AsyncClient, fields: dict[str, Any], expected: str
+) -> None:
+    message = refused(await api.post("/jobs", json={**JOB, **fields}))
+    assert message.startswith("the job cannot run as submitted: ") and expected in message
+
+
 async def test_a_drain_later_than_the_scheduler_can_keep_is_a_400_naming_the_latest(
     admin_api: httpx.AsyncClient,
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 
 from gpufleet import reporting as sdk_progress
+from gpufleet.agent.peers import Caller, NotTheCaller
 from gpufleet.agent.progress import RankReport, merge, progress_app
 from gpufleet.hub.api.job_schemas import JobProgressOut, PodProgressIn
 from gpufleet.recovery.classify import JobProgress as JobProgressSeen
@@ -194,9 +196,20 @@ def test_ages_become_the_agents_times_and_a_saved_checkpoint_ends_the_one_in_fli
 
 async def test_the_agents_endpoint_takes_reports_only_from_its_pods_processes() -> None:
     noted: list[tuple[tuple[int, int], RankReport]] = []
-    pods = {"pod-marker": (7, 1)}
+    callers: list[Caller | None] = []
+
+    def pod_of(marker: str, caller: Caller | None) -> tuple[int, int]:
+        callers.append(caller)  # what the kernel says of the calling socket
+        if marker != "pod-marker":
+            raise NotTheCaller("no pod of this machine carries that marker")
+        return (7, 1)
+
+    def check(pod: tuple[int, int], report: RankReport) -> None:
+        if any(not saved.uri.startswith("/c/") for saved in report.checkpoints_saved):
+            raise NotTheCaller("a checkpoint outside this job's location")
+
     sockets = bind_sockets(0, "127.0.0.1")
-    server = HTTPServer(progress_app(pods.get, lambda pod, r, _now: noted.append((pod, r))))
+    server = HTTPServer(progress_app(pod_of, check, lambda pod, r, _now: noted.append((pod, r))))
     server.add_sockets(sockets)
     url = f"http://127.0.0.1:{sockets[0].getsockname()[1]}/progress"
     try:
@@ -210,11 +223,18 @@ async def test_the_agents_endpoint_takes_reports_only_from_its_pods_processes() 
                 url, json={"step": -1}, headers={"X-Gpufleet-Marker": "pod-marker"}
             )
             assert bad.status_code == 400
+            elsewhere = {"checkpoints_saved": [{"uri": "/other/1", "step": 1, "age_s": 0}]}
+            outside = await client.post(
+                url, json=elsewhere, headers={"X-Gpufleet-Marker": "pod-marker"}
+            )
+            assert outside.status_code == 403 and "outside this job's location" in outside.text
             ok = await client.post(url, json=body, headers={"X-Gpufleet-Marker": "pod-marker"})
             assert ok.status_code == 204
     finally:
         server.stop()
     assert [(pod, r.step) for pod, r in noted] == [((7, 1), 3)]
+    # This test's own process opened every connection: the kernel names its socket.
+    assert callers and all(c is not None and c.uid == os.getuid() for c in callers)
 
 
 # ------------------------------------------------------------ the store
@@ -242,7 +262,7 @@ def test_the_store_keeps_a_jobs_progress_and_its_last_checkpoint(store: FleetSto
         NODES,
         [],
         [],
-        [ProgressReport(job, 0, checkpoints_saved=[Saved("/c/40", 40, t(29))])],
+        [ProgressReport(job, 0, checkpoints_saved=[Saved("/ckpt/carol/train/40", 40, t(29))])],
     )
     with store.read() as session:
         row = session.get(JobProgress, job)
@@ -252,7 +272,12 @@ def test_the_store_keeps_a_jobs_progress_and_its_last_checkpoint(store: FleetSto
     assert shown["last_step"] == 40 and shown["last_step_at"] == at
     assert shown["step_time_p50_s"] == 1.0 and shown["step_time_p99_s"] == 2.0
     assert shown["checkpoint_in_flight"] is None
-    assert shown["last_checkpoint"] == {"uri": "/c/40", "step": 40, "epoch": None, "at": t(29)}
+    assert shown["last_checkpoint"] == {
+        "uri": "/ckpt/carol/train/40",
+        "step": 40,
+        "epoch": None,
+        "at": t(29),
+    }
     assert shown["checkpoints_saved"] == 1 and shown["checkpoints_saved_by_attempt"] == {1: 1}
     assert workload(store, job).last_checkpoint_at == t(29)
     # A checkpoint is progress, not an event: the job's events stay its life's turns.
@@ -263,11 +288,11 @@ def test_the_store_keeps_a_jobs_progress_and_its_last_checkpoint(store: FleetSto
         NODES,
         [],
         [],
-        [ProgressReport(job, 1, checkpoints_saved=[Saved("/c/30", 30, t(25))])],
+        [ProgressReport(job, 1, checkpoints_saved=[Saved("/ckpt/carol/train/30", 30, t(25))])],
     )
     with store.read() as session:
         row = session.get(JobProgress, job)
-        assert row is not None and row.last_checkpoint_uri == "/c/40"
+        assert row is not None and row.last_checkpoint_uri == "/ckpt/carol/train/40"
 
 
 def test_a_report_of_a_job_that_is_not_running_changes_nothing(store: FleetStore) -> None:
@@ -457,18 +482,25 @@ def test_a_checkpoint_adds_no_event_and_counts_once_whichever_pod_reports_it(
             t(at), NODES, [], [], [ProgressReport(job, pod, checkpoints_saved=checkpoints)]
         )
 
-    saved(21, 0, Saved("/c/e0", 1000, t(20), epoch=0))
-    saved(22, 1, Saved("/c/e0", 1000, t(20.5), epoch=0))  # the other pod's word on it
+    saved(21, 0, Saved("/ckpt/carol/train/e0", 1000, t(20), epoch=0))
+    saved(
+        22, 1, Saved("/ckpt/carol/train/e0", 1000, t(20.5), epoch=0)
+    )  # the other pod's word on it
     # The same step number, an epoch later: another checkpoint.
-    saved(41, 0, Saved("/c/e1", 1000, t(40), epoch=1))
-    saved(42, 1, Saved("/c/old", 500, t(15), epoch=0))  # an older one, late
+    saved(41, 0, Saved("/ckpt/carol/train/e1", 1000, t(40), epoch=1))
+    saved(42, 1, Saved("/ckpt/carol/train/old", 500, t(15), epoch=0))  # an older one, late
     with store.read() as session:
         row = session.get(JobProgress, job)
         assert row is not None
         shown = progress_json(row)
         kinds = session.scalars(select(Event.kind).where(Event.workload_id == job)).all()
     assert shown["checkpoints_saved"] == 2 and shown["checkpoints_saved_by_attempt"] == {1: 2}
-    assert shown["last_checkpoint"] == {"uri": "/c/e1", "step": 1000, "epoch": 1, "at": t(40)}
+    assert shown["last_checkpoint"] == {
+        "uri": "/ckpt/carol/train/e1",
+        "step": 1000,
+        "epoch": 1,
+        "at": t(40),
+    }
     assert workload(store, job).last_checkpoint_at == t(40)
     assert list(kinds) == ["requested", "admitted", "started"]
 
@@ -508,3 +540,24 @@ def test_the_migration_counts_the_checkpoints_saved_before_it_by_attempt(
         row = session.get(JobProgress, job)
         assert row is not None and row.checkpoints_saved == {"1": 2, "2": 1}
         assert row.history == {} and row.last_epoch is None
+
+
+def test_the_store_takes_a_checkpoint_to_resume_from_only_inside_the_jobs_location(
+    store: FleetStore,
+) -> None:
+    job = submit(store)  # its location: /ckpt/carol/train
+    store.agent_sync(t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], [])
+    elsewhere = [
+        Saved("/ckpt/bob/train/step-90", 90, t(20)),
+        Saved("/ckpt/carol/train/../../bob/train/step-91", 91, t(21)),
+        Saved("s3://ckpt/carol/train/step-92", 92, t(22)),
+    ]
+    store.agent_sync(t(23), NODES, [], [], [ProgressReport(job, 0, checkpoints_saved=elsewhere)])
+    with store.read() as session:
+        row = session.get(JobProgress, job)
+        assert row is None or progress_json(row)["last_checkpoint"] is None
+    own = Saved("/ckpt/carol/train/step-40", 40, t(30))
+    store.agent_sync(t(31), NODES, [], [], [ProgressReport(job, 0, checkpoints_saved=[own])])
+    with store.read() as session:
+        row = session.get(JobProgress, job)
+        assert row is not None and row.last_checkpoint_uri == "/ckpt/carol/train/step-40"

@@ -45,3 +45,38 @@ def test_every_live_marked_process_is_found_with_its_marker(tmp_path: Path) -> N
         for proc in (*started, exited):
             proc.kill()
             proc.wait()
+
+
+def fake_process(proc: Path, pid: int, environ: bytes, state: str, started: int) -> None:
+    """``/proc/<pid>`` as the kernel shows a process: its environment and its stat line
+    (state in field 3, start time in field 22)."""
+    (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+    (proc / str(pid) / "environ").write_bytes(environ)
+    fields = [state, *["0"] * 18, str(started), "0"]
+    (proc / str(pid) / "stat").write_text(f"{pid} (python (rank 0)) {' '.join(fields)}\n")
+
+
+def test_a_process_that_drops_its_marker_while_exiting_still_runs_until_it_is_a_zombie(
+    tmp_path: Path,
+) -> None:
+    marker = processes.new_marker()
+    marked = f"{processes.MARKER_VARIABLE}={marker}.0\0HOME=/x\0".encode()
+    fake_process(tmp_path, 100, marked, "S", 5000)
+    watch = processes.Watch(marker, tmp_path)
+    assert watch.alive() == [100]
+    # Exiting: its memory (and with it the environment /proc shows) is gone before its
+    # files (a GPU's device among them) are closed.
+    fake_process(tmp_path, 100, b"", "D", 5000)
+    assert processes.marked_pids(marker, tmp_path) == []
+    assert watch.alive() == [100]
+    fake_process(tmp_path, 100, b"", "Z", 5000)  # over: it holds nothing any more
+    assert watch.alive() == []
+
+
+def test_a_pid_handed_out_again_is_not_the_process_that_had_it(tmp_path: Path) -> None:
+    fake_process(tmp_path, 7, b"", "R", 100)
+    assert processes.running(7, 100, tmp_path)
+    assert processes.start_ticks(7, tmp_path) == 100
+    assert not processes.running(7, 99, tmp_path)  # another process with the same pid
+    assert not processes.running(8, 100, tmp_path)  # gone
+    assert processes.start_ticks(8, tmp_path) is None

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -104,7 +108,9 @@ async def test_stop_kills_what_ignores_it_and_what_left_the_process_group(
     wait_for_file(status.stdout, "\n")
     child = int(status.stdout.read_text())
     marker = runner._ranks["job9-0"].marker
-    assert set(processes.marked_pids(marker)) == {status.pid, child}  # two sessions
+    marked = processes.marked_pids(marker)  # the rank's shell, the rank, its child
+    assert len(marked) == 3 and {status.pid, child} <= set(marked)
+    assert len({os.getsid(pid) for pid in marked}) == 2  # the child in a session of its own
 
     stopped = await runner.stop("job9-0", grace=0.5)
     assert stopped.state == "stopped" and stopped.signal == signal.SIGKILL
@@ -141,3 +147,109 @@ async def test_one_rank_id_runs_once_at_a_time(tmp_path: Path) -> None:
     await runner.stop("job11-0", grace=1)
     with pytest.raises(UnknownRank):
         runner.status("job12-0")
+
+
+def start_in_another_agent(log_dir: Path, rank_id: str, code: str) -> int:
+    """Start rank ``rank_id`` running ``code`` from a runner in a process of its own, which
+    then dies by SIGKILL as a crashed agent does; the rank's shell pid."""
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from gpufleet.agent.runner import RankRunner, RankSpec\n"
+        f"status = RankRunner(Path({str(log_dir)!r})).start(RankSpec({rank_id!r}, "
+        f"(sys.executable, '-c', {code!r})))\n"
+        "print(status.pid, flush=True)\n"
+        "import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    agent = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert agent.returncode == -signal.SIGKILL, agent.stderr
+    return int(agent.stdout)
+
+
+def test_a_rank_outlives_its_agent_and_the_next_one_learns_how_it_ended(tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    launcher = start_in_another_agent(
+        tmp_path / "logs",
+        "job20-0",
+        "import pathlib, sys, time\n"
+        f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.02)\n"
+        "print('done', flush=True); sys.exit(5)\n",
+    )
+    runner = RankRunner(tmp_path / "logs")
+    adopted = runner.adopt("job20-0")
+    assert (adopted.state, adopted.pid) == ("running", launcher)  # still alive, now watched
+    go.touch()
+    wait_state(runner, "job20-0", "exited")
+    status = runner.status("job20-0")
+    assert (status.exit_code, status.recorded) == (5, True)
+    assert status.stdout.read_text() == "done\n"
+
+
+def test_a_rank_that_ended_while_no_agent_watched_is_reported_as_it_ended(
+    tmp_path: Path,
+) -> None:
+    launcher = start_in_another_agent(tmp_path / "logs", "job21-0", "import sys; sys.exit(0)")
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "logs" / "job21-0.exit").exists():
+        assert time.monotonic() < deadline, "the rank's shell never recorded its end"
+        time.sleep(0.02)
+    status = RankRunner(tmp_path / "logs").adopt("job21-0")
+    assert (status.pid, status.state, status.exit_code, status.recorded) == (
+        launcher,
+        "exited",
+        0,
+        True,
+    )
+    with pytest.raises(UnknownRank):
+        RankRunner(tmp_path / "logs").adopt("job22-0")  # never started here
+
+
+def test_a_rank_whose_shell_was_killed_ends_without_a_recorded_status(tmp_path: Path) -> None:
+    launcher = start_in_another_agent(tmp_path / "logs", "job23-0", "import time; time.sleep(600)")
+    runner = RankRunner(tmp_path / "logs")
+    assert runner.adopt("job23-0").state == "running"
+    marker = runner._ranks["job23-0"].marker
+    for pid in processes.marked_pids(marker):  # the shell and the rank: nothing records
+        os.kill(pid, signal.SIGKILL)
+    wait_state(runner, "job23-0", "exited")
+    status = runner.status("job23-0")
+    assert (status.pid, status.exit_code, status.signal, status.recorded) == (
+        launcher,
+        None,
+        None,
+        False,
+    )
+
+
+async def test_a_stop_an_earlier_agent_began_is_carried_on_without_a_second_sigterm(
+    tmp_path: Path,
+) -> None:
+    code = (
+        "import signal, sys, time\n"
+        "def note(*_):\n"
+        "    print('SIGTERM', flush=True)\n"
+        "signal.signal(signal.SIGTERM, note)\n"
+        "print('training', flush=True)\n"
+        "while True: time.sleep(0.05)\n"
+    )
+    start_in_another_agent(tmp_path / "logs", "job24-0", code)
+    first = RankRunner(tmp_path / "logs")
+    status = first.adopt("job24-0")
+    wait_for_file(status.stdout, "training")
+    stopping = asyncio.ensure_future(first.stop("job24-0", grace=60))
+    deadline = time.monotonic() + 20
+    while "SIGTERM" not in status.stdout.read_text():
+        assert time.monotonic() < deadline, "the rank never got its SIGTERM"
+        await asyncio.sleep(0.02)
+    stopping.cancel()  # this agent dies while the rank saves its checkpoint
+    with contextlib.suppress(asyncio.CancelledError):
+        await stopping
+
+    second = RankRunner(tmp_path / "logs")
+    assert second.adopt("job24-0").stopping_since is not None
+    begun = time.monotonic()
+    stopped = await second.stop("job24-0", grace=1)  # the grace counted from the first SIGTERM
+    assert stopped.state == "stopped" and time.monotonic() - begun < 30
+    assert stopped.stdout.read_text().count("SIGTERM") == 1

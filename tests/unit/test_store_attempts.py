@@ -533,3 +533,36 @@ def test_a_job_the_reconciler_finds_stopped_for_a_fault_comes_back_all_the_same(
     assert (back.attempt, back.faults) == (2, 1)
     assert open_allocations(store, job) == 0
     assert events(store, "job-restarting")[0].startswith("XID 13 on GPU GPU-a2-0")
+
+
+def test_a_silent_agents_jobs_run_on_until_the_job_timeout_and_a_take_over_costs_nothing(
+    store: FleetStore,
+) -> None:
+    job = submit(store, 10, gpus=2)
+    assert placed_on(store, job) == {"a2"}
+    running(store, 12, job, pods=1)
+    store.heartbeat(t(40), "agent-1", ["a1", "h1"])  # a2's agent fell silent at t(12)
+    hb, jobs_after = timedelta(seconds=30), timedelta(seconds=120)
+    lost = store.lose_silent_nodes(t(45), hb, jobs_after)
+    assert (lost.nodes, lost.changed) == (["a2"], [])  # no new work there; the job runs on
+    # The agent restarted: it is back, and takes its pod over.
+    store.heartbeat(t(60), "agent-1", ["a1", "a2", "h1"])
+    report(store, 61, PodReport(job, 0, "running", adopted=True))
+    kept = workload(store, job)
+    assert (kept.state, kept.attempt, kept.faults) == (WorkloadState.running, 1, 0)
+    assert events(store, "job-pod-adopted") == [
+        "pod 0 on a2 kept running through a restart of its node agent, which took it over "
+        "(attempt 1; nothing was charged)"
+    ]
+    assert events(store, "job-fault") == []
+
+    # Gone for good this time: once its silence passes the job timeout, once.
+    store.heartbeat(t(100), "agent-1", ["a1", "h1"])
+    assert store.lose_silent_nodes(t(100), hb, jobs_after, since=t(95)).nodes == ["a2"]
+    assert store.lose_silent_nodes(t(180), hb, jobs_after, since=t(100)).changed == []
+    lost = store.lose_silent_nodes(t(181), hb, jobs_after, since=t(180))
+    assert (lost.changed, lost.restarted) == ([job], ["agent-lost"])
+    assert store.lose_silent_nodes(t(200), hb, jobs_after, since=t(181)).changed == []
+    back = workload(store, job)
+    assert (back.state, back.attempt, back.faults) == (WorkloadState.pending, 2, 1)
+    assert len(events(store, "job-pod-ended")) == 1
