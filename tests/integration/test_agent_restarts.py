@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,33 +20,13 @@ from gpufleet.recovery import processes
 
 from .harness import Hub, pids_with_env, running_hub, wait_for
 from .test_agent import events
+from .test_recovery import training
 
 pytestmark = pytest.mark.integration
 
-# A job that steps until cancelled, each rank printing every step once, rank 0 reporting
-# its progress and saving a checkpoint every 25 steps.
-STEPS_FOREVER = textwrap.dedent(
-    """
-    import os, pathlib, time
-    import torch, torch.distributed as dist
-    import gpufleet
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    step = 0
-    while True:
-        total = torch.tensor([1.0])
-        dist.all_reduce(total)
-        print(f"rank {rank} step {step}", flush=True)
-        gpufleet.progress(step)
-        if rank == 0 and step % 25 == 24:
-            saved = pathlib.Path(os.environ["GPUFLEET_CHECKPOINT_URI"]) / f"step-{step}"
-            saved.write_text(str(step))
-            gpufleet.checkpoint_saved(str(saved), step)
-        step += 1
-        time.sleep(0.2)
-    """
-)
+# A job that steps until cancelled (test_recovery's: each rank prints every step once,
+# reports its progress, and rank 0 saves a checkpoint every 10 steps).
+STEPS_FOREVER = training(steps=10**9)
 
 
 @pytest.fixture(scope="module")
