@@ -1,12 +1,13 @@
 """The culler loop in the controller: gather each running session's signals, ``decide``,
 and carry the decision out — warn, mark idle, clear the mark, or cull.
 
-A cull goes: event → live snapshot pass while the server runs (the culler's own process
-of ``gpufleet snapshot``) → stop through the hub API → the spawner stops every process,
-takes the final incremental pass and only then releases the GPUs (``spawner/local.py``)
-→ the scheduler gives them to the waiting workload. If the live pass fails the session
-is not stopped (unless its policy says ``stop_without_snapshot``); it is tried again
-after ``retry_after`` seconds.
+A cull goes: warning → live snapshot pass while the server runs (the culler's own process
+of ``gpufleet snapshot``), started when the warning is given so that it is done by the
+time the warning announced → at that time, stop through the hub API → the spawner stops
+every process, takes the final incremental pass and only then releases the GPUs
+(``spawner/local.py``) → the scheduler gives them to the waiting workload. If the live
+pass fails the session is not stopped (unless its policy says ``stop_without_snapshot``);
+it is tried again after ``retry_after`` seconds.
 
 The culler reads and writes the database through the store and talks to the hub; it
 never imports the scheduler's core: marking a session idle is a row the scheduler reads.
@@ -19,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
@@ -78,6 +79,14 @@ class CullerMetrics:
         )
 
 
+@dataclass
+class _LivePass:
+    """A live pass started ahead of the stop a warning announced (``due_at``)."""
+
+    due_at: datetime
+    task: asyncio.Task[None]
+
+
 class IdleCuller:
     def __init__(
         self,
@@ -116,6 +125,10 @@ class IdleCuller:
         # Stops the hub accepted: the spawner's final pass may take a while, and the session
         # is not culled twice meanwhile.
         self._stopping: set[int] = set()
+        # Live passes taken during a warning, for the stop at the time it announced; every
+        # pass still running is held here too (the event loop keeps only weak references).
+        self._live_passes: dict[int, _LivePass] = {}
+        self._passes_running: set[asyncio.Task[None]] = set()
         self._last_round: float | None = None
         self._next_check: datetime | None = None
 
@@ -153,18 +166,25 @@ class IdleCuller:
     async def run_once(self) -> list[tuple[int, Decision]]:
         """One round over every running session: what was decided for each."""
         sessions = await asyncio.to_thread(self.store.culler_sessions)
-        activity = await self._hub_activity() if sessions else {}
+        # The hub's activity counts only for sessions whose extension never reported.
+        unreported = any(s.reported_at is None for s in sessions)
+        activity = await self._hub_activity() if unreported else {}
         now = self.now()
         elapsed = self._elapsed()
         decided = []
         self._next_check = None
-        self._stopping &= {s.workload_id for s in sessions}
+        running = {s.workload_id for s in sessions}
+        self._stopping &= running
+        for workload_id in self._live_passes.keys() - running:
+            self._live_passes.pop(workload_id)
         for s in sessions:
             policy = self.policy_for(s.project, s.profile)
             signals = Signals(
                 hub_activity=activity.get((s.username, s.server_name)),
                 kernel_activity=s.kernel_activity,
                 terminal_activity=s.terminal_activity,
+                user_activity=s.user_activity,
+                user_action=s.user_action,
                 gpu_activity=s.gpu_activity,
                 kernels_busy=s.kernels_busy,
                 reported_at=s.reported_at,
@@ -206,15 +226,9 @@ class IdleCuller:
         self, s: CulledSession, decision: Decision, policy: IdlePolicy, now: datetime
     ) -> None:
         action = decision.action
+        if decision.pending is Action.CULL and decision.due_at is not None:
+            self._start_live_pass(s, decision.due_at)
         if action is Action.KEEP:
-            # Used since the warning: it no longer applies (a maximum age's still does).
-            if (
-                s.warned_at is not None
-                and decision.cause is not Cause.MAX_AGE
-                and decision.last_active
-                and decision.last_active > s.warned_at
-            ):
-                await self._record(s, "withdraw", decision, now)
             return
         if action is Action.CULL:
             failed = self._failed_at.get(s.workload_id)
@@ -259,12 +273,45 @@ class IdleCuller:
             )
 
     # ------------------------------------------------------------------ cull
+    def _start_live_pass(self, s: CulledSession, due_at: datetime) -> None:
+        """Take the live pass now, while the warning stands, so that the stop comes at the
+        time the warning announced rather than a pass's length after it. Once per
+        warning; a pass still running is not doubled."""
+        sources = snapshots.Sources.from_json(s.snapshot_sources or {})
+        if self.snapshot_settings is None or not sources:
+            return
+        held = self._live_passes.get(s.workload_id)
+        if held is not None and (held.due_at == due_at or not held.task.done()):
+            return
+        task = asyncio.create_task(self._live_pass(s, sources))
+        self._passes_running.add(task)
+        task.add_done_callback(self._pass_ended)
+        self._live_passes[s.workload_id] = _LivePass(due_at, task)
+
+    def _pass_ended(self, task: asyncio.Task[None]) -> None:
+        # Its failure is the cull's to report; a pass no cull comes for (the session was
+        # used, or ended) is dropped quietly.
+        self._passes_running.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    async def _live_pass_for(
+        self, s: CulledSession, sources: snapshots.Sources, due_at: datetime | None
+    ) -> None:
+        """The live pass of this cull: the one its warning started (waited for if it still
+        runs), else one taken now. Raises SnapshotFailed."""
+        held = self._live_passes.pop(s.workload_id, None)
+        if held is not None and held.due_at == due_at:
+            await held.task
+            return
+        await self._live_pass(s, sources)
+
     async def _cull(self, s: CulledSession, decision: Decision, policy: IdlePolicy) -> None:
         await self._record(s, "cull", decision, self.now())
         sources = snapshots.Sources.from_json(s.snapshot_sources or {})
         if self.snapshot_settings is not None and sources:
             try:
-                await self._live_pass(s, sources)
+                await self._live_pass_for(s, sources, decision.due_at)
             except snapshots.SnapshotFailed as e:
                 self.metrics.cull_failures.labels("live-snapshot").inc()
                 if not policy.stop_without_snapshot:

@@ -1,9 +1,14 @@
 """The idle policy, as a pure function: ``decide(session, signals, policy, now) -> Decision``.
 
-A session is *active* while anything says a person or a program uses it: JupyterHub's own
-activity (browser, API), a kernel executing or having executed, a terminal, or its GPUs
-doing work; a kernel the session extension reports busy is active now, whatever the
-browser does. A user may also keep it alive until a time within what the project allows.
+A session is *active* while anything says a person or a program uses it: a kernel
+executing or having executed, a terminal, what its user did in JupyterLab (typing,
+clicking, a file saved), or its GPUs doing work; a kernel the session extension reports
+busy is active now, whatever the browser does. A user may also keep it alive until a time
+within what the project allows.
+
+JupyterHub's own activity (browser, API) counts only for a session whose extension never
+reported: the hub's ``last_activity`` moves with every request through the proxy, and an
+open JupyterLab's own polling of kernels, sessions, contents and notices is not use.
 
 Once it has been idle for ``idle_timeout_s`` the policy acts, after a warning
 ``warn_before_s`` ahead:
@@ -13,6 +18,10 @@ Once it has been idle for ``idle_timeout_s`` the policy acts, after a warning
   workload needs GPUs (and never while nobody waits). Activity clears the mark.
 
 ``max_age_s`` stops a session that old whatever its activity, with the same warning.
+
+A warning's time is kept: the action comes at the time it announced (the culler looks
+again then), unless the session is used in a way that makes it due later, which withdraws
+the warning or replaces it with one that gives the new time.
 
 Nothing here reads a clock, a database or the network: the culler loop gathers the inputs
 and carries out the decision.
@@ -30,6 +39,14 @@ from .errors import PolicyError
 
 # The longest a session's JupyterLab waits between two looks at its notices.
 NOTICE_POLL_MAX_S = 10.0
+# A warning at least this long announces a whole minute, which "at 14:02 UTC" then says
+# exactly; a shorter one announces its time to the second.
+WHOLE_MINUTES_FROM_S = 60.0
+# What the session extension reports its user did (``Signals.user_action``), in words.
+USER_ACTIONS = {
+    "input": "typing, clicks or scrolling in JupyterLab",
+    "file": "a file saved or changed in JupyterLab",
+}
 
 
 class ReclaimMode(enum.StrEnum):
@@ -129,9 +146,13 @@ class Session:
 class Signals:
     """The latest time each source saw the session in use (None: never or unknown)."""
 
+    # JupyterHub's last_activity of the server: heeded only while ``reported_at`` is None.
     hub_activity: datetime | None = None
     kernel_activity: datetime | None = None
     terminal_activity: datetime | None = None
+    # What its user last did in JupyterLab, and when: a key of USER_ACTIONS.
+    user_activity: datetime | None = None
+    user_action: str = ""
     gpu_activity: datetime | None = None
     # At ``reported_at`` the session extension saw a kernel executing. It reports every
     # change at once and everything at least every interval, so a busy report stands
@@ -147,6 +168,7 @@ class Action(enum.StrEnum):
     WARN = "warn"  # tell the user what will happen, and when
     MARK_IDLE = "mark-idle"  # on-demand: the scheduler may reclaim it
     UNMARK = "unmark"  # active again: no longer reclaimable as idle
+    WITHDRAW = "withdraw"  # used since its warning: the warning and its notice go
     CULL = "cull"  # snapshot, stop, release
 
 
@@ -162,8 +184,10 @@ class Decision:
     reason: str  # for a person: what was seen, and what happens next
     cause: Cause = Cause.NONE
     last_active: datetime | None = None
-    # When the session will be culled (always, max age) or marked (on-demand).
+    # When the session will be culled (always, max age) or marked (on-demand), and which
+    # of the two ``pending`` comes then unless the session is used.
     due_at: datetime | None = None
+    pending: Action | None = None
     # When, without any new signal, the decision would change: the culler looks again then
     # rather than at its next round, so no session waits a round past its threshold.
     recheck_at: datetime | None = None
@@ -172,14 +196,17 @@ class Decision:
 def last_activity(session: Session, signals: Signals, now: datetime) -> tuple[datetime, str]:
     """The latest sign of use, and which source gave it. A kernel reported busy is in use
     now, as long as the report holds (an extension that stopped reporting vouches for no
-    more than that)."""
+    more than that). The hub's activity counts only for a session whose extension never
+    reported: for the others it is the open page's polling as much as any use."""
     seen = [
         (session.started_at, "the session started"),
-        (signals.hub_activity, "browser or API activity"),
         (signals.kernel_activity, "a kernel ran code"),
         (signals.terminal_activity, "terminal activity"),
+        (signals.user_activity, USER_ACTIONS.get(signals.user_action, "its user's actions")),
         (signals.gpu_activity, "its GPUs did work"),
     ]
+    if signals.reported_at is None:
+        seen.append((signals.hub_activity, "browser or API activity"))
     if signals.kernels_busy and signals.reported_at is not None:
         holds_until = signals.reported_at + signals.report_holds_for
         seen.append((min(holds_until, now), "a kernel is running code"))
@@ -225,7 +252,7 @@ def decide(session: Session, signals: Signals, policy: IdlePolicy, now: datetime
                 last_active=active_at,
             )
         return Decision(
-            Action.KEEP,
+            Action.WITHDRAW if session.warned_at is not None else Action.KEEP,
             f"last in use {_ago(idle_for)} ago: {source}",
             last_active=active_at,
             recheck_at=due - warn_before,
@@ -257,22 +284,38 @@ def _toward(
     active_at: datetime,
     why: str,
 ) -> Decision:
-    """Warn first, then ``action`` once the warning has stood its full time: a session is
-    never stopped or marked without the user having had ``warn_before`` to react."""
+    """Warn first, then ``action`` at the time the warning announced: never sooner than a
+    full ``warn_before`` after the warning was shown, and never later, so what the user
+    read holds. A session used since its idle warning, or due later than it announced (a
+    sign of use reported late), is warned anew with the new time."""
     warned = session.warned_at
-    if warn_before and (warned is None or (warned < active_at and cause is Cause.IDLE)):
-        at = max(due, now + warn_before)
-        return Decision(
-            Action.WARN, f"{why}: {_what(action)} at {_clock(at)}", cause, active_at, at, at
-        )
-    at = max(due, warned + warn_before) if warn_before and warned is not None else due
+    announced = session.warned_stop_at or (warned + warn_before if warned else None)
+    if warn_before and (
+        warned is None
+        or announced is None
+        or due > announced
+        or (cause is Cause.IDLE and warned < active_at)
+    ):
+        at = _announceable(max(due, now + warn_before), warn_before)
+        reason = f"{why}: {_what(action)} at {_clock(at)}"
+        return Decision(Action.WARN, reason, cause, active_at, at, action, at)
+    at = announced if warn_before and announced is not None else due
     if now < at:
-        return Decision(
-            Action.KEEP, f"{why}: {_what(action)} at {_clock(at)}", cause, active_at, at, at
-        )
+        reason = f"{why}: {_what(action)} at {_clock(at)}"
+        return Decision(Action.KEEP, reason, cause, active_at, at, action, at)
     if action is Action.MARK_IDLE:
         why += ": it will be snapshotted and stopped when a waiting workload needs its GPUs"
     return Decision(action, why, cause, active_at, at)
+
+
+def _announceable(at: datetime, warn_before: timedelta) -> datetime:
+    """``at`` made a time the warning can say exactly: the next whole minute for a warning
+    of a minute or more ("at 14:02 UTC"), the next whole second for a shorter one."""
+    minutes = warn_before.total_seconds() >= WHOLE_MINUTES_FROM_S
+    whole = at.replace(second=0 if minutes else at.second, microsecond=0)
+    if whole == at:
+        return at
+    return whole + (timedelta(minutes=1) if minutes else timedelta(seconds=1))
 
 
 def _what(action: Action) -> str:
@@ -282,7 +325,10 @@ def _what(action: Action) -> str:
 
 
 def _clock(at: datetime) -> str:
-    return at.strftime("%H:%M UTC")
+    """The time as a warning says it: to the second unless it is a whole minute."""
+    if at.second == 0 and at.microsecond == 0:
+        return at.strftime("%H:%M UTC")
+    return at.strftime("%H:%M:%S UTC")
 
 
 def _ago(span: timedelta) -> str:

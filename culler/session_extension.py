@@ -1,14 +1,23 @@
 """The culler's eyes inside a researcher's session: a jupyter_server extension.
 
-It reports what the session's kernels and terminals are doing to the gpufleet controller and
-keeps the controller's answer (notices such as "this session will be stopped at 14:02", the
-keep-alive deadline) for the JupyterLab extension ``@gpufleet/session-notices`` to show.
+It reports what the session's kernels and terminals are doing, and what its user last did in
+JupyterLab, to the gpufleet controller and keeps the controller's answer (notices such as
+"this session will be stopped at 14:02", the keep-alive deadline) for the JupyterLab
+extension ``@gpufleet/session-notices`` to show.
 
 - Every ``GPUFLEET_ACTIVITY_INTERVAL`` seconds (default 30) it POSTs an activity report to
   ``{GPUFLEET_CONTROLLER_API_URL}/sessions/{GPUFLEET_WORKLOAD_ID}/activity`` with the
   server's ``JUPYTERHUB_API_TOKEN``; the answer's notices replace the ones it holds.
 - A kernel turning busy or idle (or a kernel or terminal appearing or going) is reported
   within about a second, at most one such report a second: a busy kernel is never idle.
+  While the controller's notices hold a warning, any sign of use (a kernel's or a
+  terminal's activity, the user's) is reported as promptly: it withdraws the warning.
+- What its user did is the user's, not the page's: a file saved, created, renamed, copied,
+  deleted or uploaded through the contents API (jupyter_server's contents events; reading
+  a file or listing a folder is no action), and typing, clicking or scrolling in JupyterLab
+  (``POST {base_url}gpufleet/input`` with ``{"seconds_ago": s}``, which the JupyterLab
+  extension sends). An open JupyterLab's polling of kernels, sessions, contents, terminals
+  and notices is not reported as use: the controller does not count it.
 - ``GET {base_url}gpufleet/notices`` serves the latest notices (asking the controller first
   when they are older than the poll period it gave, ``poll_s`` in the answer); ``POST
   {base_url}gpufleet/keep-alive`` with ``{"hours": h}`` or ``{"until": iso}`` asks the
@@ -58,6 +67,12 @@ MIN_NOTICE_POLL_S = 1.0
 SNAPSHOT_ERRORS = (KeyError, AttributeError, TypeError, ValueError)
 # What a request to the controller may raise: network failures and a malformed URL.
 REQUEST_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
+CONTENTS_EVENTS = "https://events.jupyter.org/jupyter_server/contents_service/v1"
+# The contents actions a person takes; "get" (reading, listing: the file browser's own
+# polling) is none.
+FILE_ACTIONS = frozenset({"create", "save", "upload", "rename", "copy", "delete"})
+# The oldest input a page may report: it sends within its poll period (at most a minute).
+MAX_INPUT_AGE_S = 300.0
 
 Json = dict[str, Any]
 
@@ -100,8 +115,14 @@ class Settings:
         return f"{self.api_url}/sessions/{self.workload_id}"
 
 
-def activity_report(kernels: list[Json], terminals: list[Json], now: datetime) -> Json:
-    """The body of an activity report, from jupyter_server's kernel and terminal models."""
+def activity_report(
+    kernels: list[Json],
+    terminals: list[Json],
+    now: datetime,
+    user: tuple[datetime, str] | None = None,
+) -> Json:
+    """The body of an activity report, from jupyter_server's kernel and terminal models and
+    what the user last did (when, and "input" or "file")."""
     return {
         "kernels": [
             {
@@ -117,14 +138,36 @@ def activity_report(kernels: list[Json], terminals: list[Json], now: datetime) -
             {"name": str(t["name"]), "last_activity": t.get("last_activity") or iso_z(now)}
             for t in terminals
         ],
+        "user_activity": iso_z(user[0]) if user else None,
+        "user_action": user[1] if user else "",
         "sent_at": iso_z(now),
     }
 
 
-def watched_state(report: Json) -> tuple[tuple[str, ...], ...]:
-    """What, when it changes, is reported at once: each kernel's state, the terminals."""
+def watched_state(report: Json, warned: bool = False) -> tuple[tuple[str, ...], ...]:
+    """What, when it changes, is reported at once: each kernel's state, the terminals; and
+    while a warning stands, every kernel's, terminal's and the user's latest activity."""
     kernels = tuple(sorted((k["id"], k["execution_state"]) for k in report["kernels"]))
-    return (*kernels, tuple(sorted(t["name"] for t in report["terminals"])))
+    state = (*kernels, tuple(sorted(t["name"] for t in report["terminals"])))
+    if not warned:
+        return state
+    used = [k["last_activity"] for k in report["kernels"]]
+    used += [t["last_activity"] for t in report["terminals"]]
+    return (*state, tuple(sorted(used)), (report.get("user_activity") or "",))
+
+
+def input_moment(body: object, now: datetime) -> datetime:
+    """When the page's user last typed, clicked or scrolled: ``{"seconds_ago": s}`` (the
+    page's clock may differ from the server's; a span does not).
+
+    Raises ValueError with a message saying what to send.
+    """
+    ago = body.get("seconds_ago") if isinstance(body, dict) else None
+    if isinstance(ago, bool) or not isinstance(ago, int | float):
+        raise ValueError('send {"seconds_ago": <seconds since the last input>}')
+    if not math.isfinite(ago) or not 0 <= ago <= MAX_INPUT_AGE_S:
+        raise ValueError(f"seconds_ago must be from 0 to {MAX_INPUT_AGE_S:g}")
+    return now - timedelta(seconds=ago)
 
 
 def keep_alive_until(body: object, now: datetime) -> datetime:
@@ -200,6 +243,10 @@ class SessionNotices:
         if poll_s is not None and poll_s > 0:
             self.poll_s = min(max(poll_s, MIN_NOTICE_POLL_S), DEFAULT_NOTICE_POLL_S * 6)
 
+    def warned(self) -> bool:
+        """Whether a notice warns of a stop or a mark (use withdraws it)."""
+        return any(n["level"] != "info" or n["deadline"] for n in self.notices)
+
     def stale(self) -> bool:
         """Older than the frontend's own poll period: a browser looking now would be shown
         what the controller said a whole period (or a 30 s report interval) ago."""
@@ -235,6 +282,18 @@ class ActivityReporter:
         self._last_warning = -math.inf
         self._reported: tuple[tuple[str, ...], ...] | None = None  # the last report's state
         self._failing = False
+        # What the user last did (when, "input" or "file"); None before anything.
+        self.user: tuple[datetime, str] | None = None
+
+    def user_acted(self, at: datetime, action: str) -> None:
+        """The user typed, clicked or scrolled ("input"), or changed a file ("file")."""
+        if self.user is None or at > self.user[0]:
+            self.user = (at, action)
+
+    async def on_contents_event(self, logger: Any, schema_id: str, data: Json) -> None:
+        """jupyter_server's contents events: a person saving or changing a file is use."""
+        if data.get("action") in FILE_ACTIONS:
+            self.user_acted(datetime.now(UTC), "file")
 
     def start(self) -> None:
         """Start the report and watch loops (call it on the running event loop)."""
@@ -273,7 +332,7 @@ class ActivityReporter:
             kernels = await kernels
         manager = self.serverapp.web_app.settings.get("terminal_manager")
         terminals = manager.list() if manager is not None else []
-        return activity_report(list(kernels), list(terminals), datetime.now(UTC))
+        return activity_report(list(kernels), list(terminals), datetime.now(UTC), self.user)
 
     async def _watch_loop(self) -> None:
         # Compared with what the last report said (or tried to say), not with this loop's
@@ -282,7 +341,7 @@ class ActivityReporter:
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             try:
-                state = watched_state(await self.snapshot())
+                state = watched_state(await self.snapshot(), self.notices.warned())
             except SNAPSHOT_ERRORS as e:
                 self.log.debug("gpufleet: cannot read kernel states: %r", e)
                 continue
@@ -313,7 +372,7 @@ class ActivityReporter:
             return
         # Set whether or not it arrives: a controller that is down is retried at the next
         # change or tick, not every time the watch loop looks.
-        self._reported = watched_state(body)
+        self._reported = watched_state(body, self.notices.warned())
         try:
             response = await self._client.post(url, json=body)
         except REQUEST_ERRORS as e:
@@ -411,6 +470,28 @@ class NoticesHandler(APIHandler):
         await self.finish(json.dumps(self.reporter.notices.as_json()))
 
 
+class InputHandler(APIHandler):
+    """POST {"seconds_ago": s}: the person using this JupyterLab typed, clicked or scrolled."""
+
+    auth_resource = "gpufleet"
+
+    def initialize(self, reporter: ActivityReporter) -> None:
+        self.reporter = reporter
+
+    @web.authenticated
+    @authorized
+    async def post(self) -> None:
+        try:
+            at = input_moment(json.loads(self.request.body or b"null"), datetime.now(UTC))
+        except ValueError as e:  # JSONDecodeError is one too
+            self.set_status(400)
+            await self.finish(json.dumps({"error": "bad_request", "message": str(e)}))
+            return
+        self.reporter.user_acted(at, "input")
+        self.set_status(204)
+        await self.finish()
+
+
 class KeepAliveHandler(APIHandler):
     """POST {"hours": h} or {"until": iso}: ask the controller to keep this session."""
 
@@ -449,6 +530,7 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
         ".*$",
         [
             (url_path_join(base_url, "gpufleet/notices"), NoticesHandler, {"reporter": reporter}),
+            (url_path_join(base_url, "gpufleet/input"), InputHandler, {"reporter": reporter}),
             (
                 url_path_join(base_url, "gpufleet/keep-alive"),
                 KeepAliveHandler,
@@ -457,6 +539,9 @@ def _load_jupyter_server_extension(serverapp: Any) -> None:
         ],
     )
     serverapp.web_app.settings["gpufleet_activity_reporter"] = reporter
+    event_logger = getattr(serverapp, "event_logger", None)
+    if event_logger is not None:
+        event_logger.add_listener(schema_id=CONTENTS_EVENTS, listener=reporter.on_contents_event)
     if settings is None:
         serverapp.log.info(
             "gpufleet: GPUFLEET_CONTROLLER_API_URL or GPUFLEET_WORKLOAD_ID is not set; "

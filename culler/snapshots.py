@@ -170,12 +170,13 @@ class Restored:
     seconds: float
 
     def notice(self) -> str:
-        """What the user should read about it in the session."""
+        """What the user should read about it in the session: what came back, in words (a
+        long notice is shown in JupyterLab sentence by sentence, never cut)."""
         taken = datetime.fromtimestamp(self.created_at, UTC)
+        back = "; ".join(dict.fromkeys(restored_label(s) for s in self.sources))
         return (
-            f"Stopped at {taken:%H:%M UTC on %d %b}; restored from snapshot "
-            f"{self.snapshot_id}: {', '.join(source_label(s) for s in self.sources)} as "
-            "they were; kernels were restarted"
+            f"Stopped at {taken:%H:%M UTC on %d %b} and restored from snapshot: {back}. "
+            "Kernels were restarted."
         )
 
 
@@ -216,6 +217,17 @@ async def restore_missing(
         tuple(missing),
         time.monotonic() - started,
     )
+
+
+def restored_label(source: Mapping[str, Any]) -> str:
+    """What came back of one source, as the user knows it: a directory's path is the
+    node's (a volume's, on Kubernetes), which the user may never have seen."""
+    kind = source.get("kind")
+    if kind == "overlay":
+        return "the packages you installed and other system changes"
+    if kind == "prefix":
+        return f"the environment {source.get('path')}"
+    return "your files"
 
 
 def source_label(source: Mapping[str, Any]) -> str:

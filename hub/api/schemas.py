@@ -131,6 +131,10 @@ class ActivityIn(BaseModel):
 
     kernels: list[KernelIn] = Field(default_factory=list, max_length=1000)
     terminals: list[TerminalIn] = Field(default_factory=list, max_length=1000)
+    # What its user last did in JupyterLab: typed, clicked or scrolled ("input"), or
+    # saved or changed a file through it ("file"); the page's own polling is no action.
+    user_activity: Instant | None = None
+    user_action: Literal["", "input", "file"] = ""
     sent_at: Instant | None = None
 
 

@@ -56,6 +56,8 @@ class SessionActivityHandler(_SessionHandler):
             kernels_busy=any(k.execution_state == "busy" for k in body.kernels),
             kernel_activity=max(kernel_times, default=None),
             terminal_activity=max(terminal_times, default=None),
+            user_activity=body.user_activity,
+            user_action=body.user_action,
         )
         with store_errors_as_http():
             state = self.controller.store.record_activity(

@@ -552,6 +552,9 @@ class SessionActivity(Base):
     kernels: Mapped[int] = mapped_column(Integer, default=0)
     kernel_activity: Mapped[datetime | None] = mapped_column(default=None)
     terminal_activity: Mapped[datetime | None] = mapped_column(default=None)
+    # What its user last did in JupyterLab ("input", "file": culler/policy.USER_ACTIONS).
+    user_activity: Mapped[datetime | None] = mapped_column(default=None)
+    user_action: Mapped[str] = mapped_column(String(16), default="", server_default="")
     keep_alive_until: Mapped[datetime | None] = mapped_column(default=None)
     warned_at: Mapped[datetime | None] = mapped_column(default=None)
     warned_stop_at: Mapped[datetime | None] = mapped_column(default=None)

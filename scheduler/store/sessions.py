@@ -48,6 +48,9 @@ class ActivityReport:
     kernels_busy: bool
     kernel_activity: datetime | None
     terminal_activity: datetime | None
+    # What its user last did in JupyterLab ("input", "file"), and when.
+    user_activity: datetime | None = None
+    user_action: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class CulledSession:
     kernels_busy: bool
     kernel_activity: datetime | None
     terminal_activity: datetime | None
+    user_activity: datetime | None
+    user_action: str
     gpu_activity: datetime | None
     keep_alive_until: datetime | None
     warned_at: datetime | None
@@ -99,8 +104,15 @@ class SessionActivityStore(StoreBase):
             row.kernels_busy = report.kernels_busy
             row.kernel_activity = _latest(row.kernel_activity, report.kernel_activity, now)
             row.terminal_activity = _latest(row.terminal_activity, report.terminal_activity, now)
+            user_activity = _latest(row.user_activity, report.user_activity, now)
+            if user_activity != row.user_activity:
+                row.user_activity, row.user_action = user_activity, report.user_action
             idle_since = workload.idle_since
-            used = [t for t in (row.kernel_activity, row.terminal_activity) if t is not None]
+            used = [
+                t
+                for t in (row.kernel_activity, row.terminal_activity, row.user_activity)
+                if t is not None
+            ]
             if idle_since is not None and (
                 report.kernels_busy or any(t > idle_since for t in used)
             ):
@@ -360,6 +372,8 @@ def _culled(
         kernels_busy=a.kernels_busy if a else False,
         kernel_activity=a.kernel_activity if a else None,
         terminal_activity=a.terminal_activity if a else None,
+        user_activity=a.user_activity if a else None,
+        user_action=(a.user_action or "") if a else "",
         gpu_activity=busy_at,
         keep_alive_until=a.keep_alive_until if a else None,
         warned_at=a.warned_at if a else None,

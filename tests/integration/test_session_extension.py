@@ -244,7 +244,13 @@ def test_reports_activity_periodically_with_the_server_token(
     for report in reports:
         assert report.path == f"{API_PREFIX}/sessions/{WORKLOAD}/activity"
         assert report.headers["Authorization"] == f"token {HUB_TOKEN}"
-        assert set(report.body) == {"kernels", "terminals", "sent_at"}
+        assert set(report.body) == {
+            "kernels",
+            "terminals",
+            "user_activity",
+            "user_action",
+            "sent_at",
+        }
         parse_time(report.body["sent_at"])
 
     terminal = lab.api("POST", "/api/terminals").json()["name"]
@@ -418,6 +424,93 @@ def test_a_kernel_turning_busy_or_idle_is_reported_at_once(tmp_path: Path) -> No
         finally:
             connection.close()
         assert len(controller.reports()) < 10  # prompt reports, not a stream
+    finally:
+        session.stop()
+        controller.stop()
+
+
+def test_what_its_user_does_is_reported_and_the_pages_polling_is_not(tmp_path: Path) -> None:
+    controller = FakeController()
+    controller.start()
+    session = Session.start(tmp_path, controller.api_url, 0.5, "jupyter_server")
+    try:
+        wait_for(controller.reports, 60, "the report at start-up")
+        # What an open JupyterLab asks again and again: nothing a person did.
+        for path in ("/api/contents", "/api/kernels", "/api/sessions", "/api/terminals"):
+            assert session.api("GET", path).status_code == 200
+        assert session.api("GET", "/gpufleet/notices").status_code == 200
+        controller.clear()
+        quiet = wait_for(lambda: r if len(r := controller.reports()) >= 2 else None, 30, "reports")
+        assert [(r.body["user_activity"], r.body["user_action"]) for r in quiet] == [
+            (None, "")
+        ] * len(quiet)
+
+        before = datetime.now(UTC)
+        file = {"type": "file", "format": "text", "content": "results of run 7"}
+        assert session.api("PUT", "/api/contents/notes.txt", file).status_code == 201
+        saved = wait_for(
+            lambda: [r for r in controller.reports() if r.body["user_action"] == "file"],
+            30,
+            "a report of the file saved",
+        )[0]
+        assert parse_time(saved.body["user_activity"]) >= before
+        # Reading it back, or listing its folder, changes nothing.
+        assert session.api("GET", "/api/contents/notes.txt").status_code == 200
+        controller.clear()
+        wait_for(lambda: len(controller.reports()) >= 2, 30, "two more reports")
+        assert {r.body["user_activity"] for r in controller.reports()} == {
+            saved.body["user_activity"]
+        }
+
+        # JupyterLab says when its user last typed, clicked or scrolled.
+        assert (
+            session.api("POST", "/gpufleet/input", {"seconds_ago": 2}, token=False).status_code
+            == 403
+        )
+        bad = session.api("POST", "/gpufleet/input", {"seconds_ago": "soon"})
+        assert bad.status_code == 400
+        assert bad.json()["message"] == 'send {"seconds_ago": <seconds since the last input>}'
+        sent = datetime.now(UTC)
+        assert session.api("POST", "/gpufleet/input", {"seconds_ago": 0.5}).status_code == 204
+        typed = wait_for(
+            lambda: [r for r in controller.reports() if r.body["user_action"] == "input"],
+            30,
+            "a report of the input",
+        )[0]
+        said = parse_time(typed.body["user_activity"]) - (sent - timedelta(seconds=0.5))
+        assert abs(said) < timedelta(seconds=2), said
+    finally:
+        session.stop()
+        controller.stop()
+
+
+def test_while_a_warning_stands_a_users_action_is_reported_at_once(tmp_path: Path) -> None:
+    controller = FakeController()
+    controller.notices = [
+        {
+            "id": "idle-8",
+            "level": "warning",
+            "message": IDLE_WARNING,
+            "deadline": "2030-01-31T14:02:00Z",
+        }
+    ]
+    controller.start()
+    # An hour between regular reports: what arrives in the test is caused by the save.
+    session = Session.start(tmp_path, controller.api_url, 3600, "jupyter_server")
+    try:
+        wait_for(controller.reports, 60, "the report at start-up, which brings the warning")
+        wait_for(lambda: session.api("GET", "/gpufleet/notices").json()["notices"], 10, "it held")
+        controller.clear()
+        file = {"type": "file", "format": "text", "content": "back at work"}
+        saved_at = time.monotonic()
+        assert session.api("PUT", "/api/contents/draft.txt", file).status_code == 201
+        report = wait_for(
+            lambda: [r for r in controller.reports() if r.body["user_action"] == "file"],
+            20,
+            "a report of the save",
+        )[0]
+        # About a second (the least gap between two prompt reports); margin for the machine.
+        assert report.at - saved_at < 3, f"reported after {report.at - saved_at:.2f} s"
     finally:
         session.stop()
         controller.stop()

@@ -38,6 +38,79 @@ def test_a_busy_kernel_keeps_a_session_whose_browser_closed_long_ago() -> None:
     assert "a kernel is running code" in decision.reason
 
 
+def test_an_open_jupyterlab_is_not_use_once_the_session_extension_reports() -> None:
+    # The page polls kernels, contents and notices: the hub's last_activity moves with it.
+    polled = Signals(hub_activity=minutes(50.9), kernel_activity=minutes(1))
+    reporting = Signals(
+        hub_activity=minutes(50.9), kernel_activity=minutes(1), reported_at=minutes(50.5)
+    )
+    warn = decide(session(), reporting, ALWAYS, minutes(51))
+    assert warn.action is Action.WARN and warn.due_at == minutes(61)
+    assert warn.reason.startswith("idle for 50 min (last in use: a kernel ran code)")
+    # A session whose extension never reported has only the hub to go by.
+    kept = decide(session(), polled, ALWAYS, minutes(51))
+    assert kept.action is Action.KEEP
+    assert kept.reason == "last in use 6 s ago: browser or API activity"
+
+
+@pytest.mark.parametrize(
+    ("action", "said"),
+    [
+        ("file", "a file saved or changed in JupyterLab"),
+        ("input", "typing, clicks or scrolling in JupyterLab"),
+    ],
+)
+def test_what_its_user_did_in_jupyterlab_keeps_the_session_and_is_named(
+    action: str, said: str
+) -> None:
+    signals = Signals(
+        kernel_activity=minutes(0),
+        user_activity=minutes(40),
+        user_action=action,
+        reported_at=minutes(49.5),
+    )
+    kept = decide(session(), signals, ALWAYS, minutes(50))
+    assert (kept.action, kept.reason) == (Action.KEEP, f"last in use 10 min ago: {said}")
+    assert kept.recheck_at == minutes(90)
+
+
+def test_a_warning_announces_a_whole_minute_and_the_stop_comes_then() -> None:
+    signals = Signals(kernel_activity=minutes(0.25), reported_at=minutes(50))
+    warn = decide(session(), signals, ALWAYS, minutes(50.25))
+    # Due at 10:00:15: announced as the whole minute after it, which the text says exactly.
+    assert (warn.action, warn.due_at, warn.pending) == (Action.WARN, minutes(61), Action.CULL)
+    assert warn.reason.endswith("it will be snapshotted and stopped at 10:01 UTC")
+    warned = session(warned_at=minutes(50.25), warned_stop_at=minutes(61))
+    waiting = decide(warned, signals, ALWAYS, minutes(60.5))
+    assert (waiting.action, waiting.due_at, waiting.recheck_at) == (
+        Action.KEEP,
+        minutes(61),
+        minutes(61),
+    )
+    # A sign of use from before the warning, reported late, that leaves the session due by
+    # the announced time: the time stands; not a later stop without a word.
+    late = Signals(kernel_activity=minutes(0.75), reported_at=minutes(51))
+    assert decide(warned, late, ALWAYS, minutes(60.9)).due_at == minutes(61)
+    cull = decide(warned, late, ALWAYS, minutes(61))
+    assert (cull.action, cull.due_at) == (Action.CULL, minutes(61))
+    # One that makes it due later than announced: the warning goes, or gives the new time.
+    used = Signals(kernel_activity=minutes(50.1), reported_at=minutes(51))
+    assert decide(warned, used, ALWAYS, minutes(51)).action is Action.WITHDRAW
+    rewarn = decide(warned, used, ALWAYS, minutes(100.1))
+    assert (rewarn.action, rewarn.due_at) == (Action.WARN, minutes(111))
+
+
+def test_a_short_warning_gives_its_time_to_the_second() -> None:
+    policy = IdlePolicy(mode=ReclaimMode.ALWAYS, idle_timeout_s=20, warn_before_s=6)
+    signals = Signals(reported_at=T0 + timedelta(seconds=14))
+    warn = decide(session(), signals, policy, T0 + timedelta(seconds=14.3))
+    assert warn.due_at == T0 + timedelta(seconds=21)  # a full 6 s, to the next second
+    assert warn.reason == (
+        "idle for 14 s (last in use: the session started): "
+        "it will be snapshotted and stopped at 09:00:21 UTC"
+    )
+
+
 def test_gpus_that_did_work_keep_a_session_without_any_browser() -> None:
     signals = Signals(hub_activity=minutes(1), gpu_activity=minutes(290))
     decision = decide(session(), signals, ALWAYS, minutes(300))
@@ -89,7 +162,8 @@ def test_activity_after_a_warning_cancels_it() -> None:
     warned = session(warned_at=minutes(52), warned_stop_at=minutes(60))
     signals = Signals(hub_activity=minutes(0), kernel_activity=minutes(55))
     decision = decide(warned, signals, ALWAYS, minutes(61))
-    assert decision.action is Action.KEEP
+    assert decision.action is Action.WITHDRAW
+    assert decision.reason == "last in use 6 min ago: a kernel ran code"
     # Idle again later: a new warning, not a cull on the strength of the old one.
     later = decide(warned, signals, ALWAYS, minutes(108))
     assert later.action is Action.WARN and later.due_at == minutes(118)
