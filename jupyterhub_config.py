@@ -15,7 +15,10 @@ fleet = configure(c, __file__, admin_users=("admin",))
 
 # --- Who may log in. The demo takes any user name with one shared password; use your
 # site's authenticator (OAuthenticator, LDAP, ...) in production. The user "admin" is a
-# gpufleet admin through the gpufleet-admins group (not a JupyterHub admin).
+# gpufleet admin (the gpufleet-admins group and its gpufleet-admin role): the admin panel,
+# and the hub's Admin page, where it sees every user and starts and stops their servers.
+# It is not a JupyterHub admin: adding or deleting users, making admins and editing groups
+# need one (c.Authenticator.admin_users = {"name"}).
 c.JupyterHub.authenticator_class = "shared-password"
 c.SharedPasswordAuthenticator.user_password = os.environ.get(
     "GPUFLEET_DEMO_PASSWORD", "gpufleet-demo"

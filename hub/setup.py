@@ -112,6 +112,9 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
     }
     if "GPUFLEET_FAILPOINTS_DIR" in os.environ:  # crash tests (scheduler/failpoints.py)
         env["GPUFLEET_FAILPOINTS_DIR"] = os.environ["GPUFLEET_FAILPOINTS_DIR"]
+    if os.environ.get("GPUFLEET_SESSION_ENV"):
+        # The agent's job ranks run from the environment the spawner's sessions run from.
+        env["GPUFLEET_SESSION_ENV"] = os.environ["GPUFLEET_SESSION_ENV"]
 
     # --- the hub and its proxy
     c.JupyterHub.bind_url = d.public_url

@@ -64,6 +64,7 @@ the host), and caches the answer per scratch directory.
 from __future__ import annotations
 
 import enum
+import functools
 import glob
 import logging
 import os
@@ -86,6 +87,7 @@ __all__ = [
     "SandboxMode",
     "SandboxSupport",
     "candidate_modes",
+    "checkout_session_env",
     "default_session_env",
     "host_root",
     "identity_files",
@@ -122,9 +124,34 @@ DEFAULT_SESSION_PREFIX = "/opt/gpufleet/env"
 
 
 def default_session_env() -> str:
-    """The sessions' base environment: $GPUFLEET_SESSION_ENV, else /opt/gpufleet/session-env
-    (scripts/build-session-env makes it)."""
-    return os.environ.get("GPUFLEET_SESSION_ENV") or "/opt/gpufleet/session-env"
+    """The sessions' base environment (scripts/build-session-env makes it):
+    $GPUFLEET_SESSION_ENV; else, for gpufleet installed editable from a checkout, that
+    checkout's own (``checkout_session_env``), so two checkouts on one machine never run
+    their sessions from one environment; else /opt/gpufleet/session-env."""
+    named = os.environ.get("GPUFLEET_SESSION_ENV")
+    if named:
+        return named
+    checkout = _editable_checkout()
+    if checkout is not None:
+        return checkout_session_env(checkout)
+    return "/opt/gpufleet/session-env"
+
+
+def checkout_session_env(checkout: Path) -> str:
+    """A checkout's own sessions' environment: where its ``.tools/session-env`` points
+    (scripts/build-session-env makes the link once the environment is whole), resolved,
+    because a sandbox binds the environment at its real path; the link's own path while
+    there is none yet, so what is missing is named."""
+    return os.path.realpath(checkout / ".tools" / "session-env")
+
+
+@functools.cache
+def _editable_checkout() -> Path | None:
+    """The checkout this module runs from in a development (editable) install, or None for
+    a regular install, whose files lie in site-packages: found from the module's own file
+    (a strict editable install links it from the checkout's ``snapshotter/``)."""
+    checkout = Path(__file__).resolve().parents[1]
+    return checkout if (checkout / "pyproject.toml").is_file() else None
 
 
 @dataclass(frozen=True)

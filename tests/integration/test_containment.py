@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from gpufleet.client import Client
+from gpufleet.snapshotter.sandbox import default_session_env
 
 from ..s3server import S3Server
 from .harness import REPO, Hub, pids_with_env, run_in_kernel, wait_for
@@ -215,8 +216,9 @@ def targets(contained: Hub, request: pytest.FixtureRequest) -> dict[str, Any]:
                 Path(sys.prefix) / "lib" / "python3.11" / "site-packages" / "gpufleet_evil.py"
             ),
             "the hub's checkout": str(REPO / "hub" / "app.py"),
-            "the sessions' base environment": "/opt/gpufleet/session-env/lib/python3.11/"
-            "site-packages/gpufleet_evil.py",
+            "the sessions' base environment": str(
+                Path(default_session_env()) / "lib/python3.11/site-packages/gpufleet_evil.py"
+            ),
         },
         "bob_home": str(data / "homes" / "bob"),
         "bob_pid": bob_pid,
@@ -418,7 +420,7 @@ def test_pip_installs_into_the_sessions_own_environment_and_nobody_elses(
     # A terminal of the session finds the session's Python, pip and the gpufleet command.
     assert installed["python"] == "/opt/gpufleet/env/bin/python"
     assert installed["pip_cmd"] == "/opt/gpufleet/env/bin/pip"
-    assert installed["gpufleet"] == "/opt/gpufleet/session-env/bin/gpufleet"
+    assert installed["gpufleet"] == str(Path(default_session_env()) / "bin" / "gpufleet")
     # On the host, only alice's own upper directory holds it; bob's session has no such module.
     assert not Path(installed["where"]).exists()
     upper = contained.data_dir / "sessions" / "alice" / "default" / "upper"
