@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from gpufleet.client import Client
+from gpufleet.client import ApiError, Client
 from gpufleet.snapshotter.sandbox import default_session_env
 
 from ..s3server import S3Server
@@ -513,9 +513,12 @@ def test_what_a_submission_preloads_runs_only_as_its_user(
 def test_a_checkpoint_location_elsewhere_is_refused_and_nothing_is_made_there(
     contained: Hub, targets: dict[str, Any]
 ) -> None:
+    # Refused at submit (the node agent refuses it too, for whatever reaches a node:
+    # tests/unit/test_agent_keeper.py).
     elsewhere = Path("/etc") / f"gpufleet-evil-{uuid.uuid4().hex[:8]}"
-    with Client(contained.controller_api, contained.user_token("alice")) as alice:
-        job = alice.submit(
+    alice = Client(contained.controller_api, contained.user_token("alice"))
+    with alice, pytest.raises(ApiError) as refused:
+        alice.submit(
             "print('ran')\n",
             gpus=1,
             gpu_type="A100-80GB",
@@ -523,7 +526,7 @@ def test_a_checkpoint_location_elsewhere_is_refused_and_nothing_is_made_there(
             name="evil-checkpoints",
             checkpoint_uri=str(elsewhere / "ckpt"),
         )
-        ended = alice.wait(job.id, timeout=180)
-    assert ended.outcome == "failed"
-    assert "must be in your home or under" in ended.reason
+    assert refused.value.status == 400
+    assert f"checkpoint_uri {elsewhere / 'ckpt'} must be in " in refused.value.message
+    assert "/homes/alice or " in refused.value.message
     assert not elsewhere.exists()
