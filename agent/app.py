@@ -188,7 +188,8 @@ class NodeAgent(Application):
 
     session_base_env = Unicode(
         help="The sessions' base environment, which job ranks run from (read-only, as in "
-        "sessions). Default: $GPUFLEET_SESSION_ENV, else /opt/gpufleet/session-env.",
+        "sessions). Default: $GPUFLEET_SESSION_ENV, else the checkout's own (scripts/"
+        "build-session-env --print-target), else /opt/gpufleet/session-env.",
     ).tag(config=True)
 
     @default("session_base_env")

@@ -38,10 +38,16 @@ from gpufleet.agent.containment import RankAccount, rank_command, rank_environme
 from gpufleet.agent.job_launch import owned_directory, prepare_layers
 from gpufleet.scheduler.store import db
 from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.snapshotter.sandbox import SandboxDirs, host_root, probe, write_identity
+from gpufleet.snapshotter.sandbox import (
+    SandboxDirs,
+    default_session_env,
+    host_root,
+    probe,
+    write_identity,
+)
 from gpufleet.spawner.sandboxing import Containment, SessionDirs, sandboxed_command
 
-BASE = Path(os.environ.get("GPUFLEET_SESSION_ENV", "/opt/gpufleet/session-env"))
+BASE = Path(default_session_env())
 PREFIX = Path("/opt/gpufleet/env")
 UID = 299_990  # a uid of the default sandbox range no bench user of a deployment gets
 SAY = ["python", "-c", "print('up')"]

@@ -435,7 +435,8 @@ class SandboxedProcessSpawner(SimpleLocalProcessSpawner):
     session_base_env = Unicode(
         help="The sessions' base environment (scripts/build-session-env): the Python, "
         "JupyterLab and packages every session and job rank runs from, shown read-only. "
-        "Default: $GPUFLEET_SESSION_ENV, else /opt/gpufleet/session-env.",
+        "Default: $GPUFLEET_SESSION_ENV, else the checkout's own (scripts/build-session-env "
+        "--print-target), else /opt/gpufleet/session-env.",
     ).tag(config=True)
 
     @default("session_base_env")
