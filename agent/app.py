@@ -20,7 +20,6 @@ from typing import Any
 
 import httpx
 from tornado.httpserver import HTTPServer
-from tornado.netutil import bind_sockets
 from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
@@ -62,7 +61,7 @@ from .placements import (
     read_placements,
     served_uuids,
 )
-from .progress import progress_app
+from .progress import bind_progress, progress_app
 
 # While operations run, their progress goes to the controller this often; with none,
 # the agent long-polls this long for the next.
@@ -267,8 +266,11 @@ class NodeAgent(Application):
 
     progress_port = Integer(
         0,
-        help="Loopback port where job ranks report their progress (gpufleet.progress); 0: "
-        "any free port, told to the ranks in $GPUFLEET_PROGRESS_URL; -1: off.",
+        help="Loopback port where job ranks report their progress (gpufleet.progress), told "
+        "to them in $GPUFLEET_PROGRESS_URL; -1: off. 0: the port of the agent before this "
+        "one (the ranks it left running report there), else a privileged port (700-999, "
+        "which no researcher's process can take while the agent restarts) when the agent "
+        "runs as root, else any free port.",
     ).tag(config=True)
 
     progress_ip = Unicode(
@@ -670,7 +672,9 @@ class NodeAgent(Application):
         controller answers (agent/jobs.py). The pods an earlier agent left running are
         taken over first, so the loopback guard keeps their rendezvous ports closed."""
         sandbox = await asyncio.to_thread(self.rank_sandbox)
-        sockets, progress_url = self._progress_sockets()
+        sockets, progress_url = bind_progress(
+            Path(self.data_dir), self.progress_ip, self.progress_port, self.log
+        )
         keeper = PodKeeper(
             Path(self.data_dir) / "jobs", self.log, os.environ, sandbox, None, progress_url
         )
@@ -684,7 +688,7 @@ class NodeAgent(Application):
         server = None
         if sockets:
             server = HTTPServer(
-                progress_app(keeper.pod_of_caller, keeper.check_checkpoints, keeper.note_progress)
+                progress_app(keeper.pod_of_caller, keeper.own_checkpoints, keeper.note_progress)
             )
             server.add_sockets(sockets)
             self.log.info("ranks report progress to %s", progress_url)
@@ -696,33 +700,6 @@ class NodeAgent(Application):
             # Ranks outlive this agent: while any runs, its guard stays for the next one.
             if keeper.guard is not None and not keeper.running():
                 await asyncio.to_thread(keeper.guard.remove)
-
-    def _progress_sockets(self) -> tuple[list[socket.socket], str]:
-        """Where ranks report progress, and its URL. With ``progress_port`` 0 the port of
-        the agent before is taken again when free (kept in ``<data_dir>/progress-port``):
-        the ranks it left running know that URL."""
-        if self.progress_port < 0:
-            return [], ""
-        kept = Path(self.data_dir) / "progress-port"
-        port = self.progress_port
-        sockets: list[socket.socket] = []
-        if port == 0 and kept.exists():
-            try:
-                sockets = bind_sockets(int(kept.read_text()), self.progress_ip)
-            except (OSError, ValueError) as e:
-                self.log.warning(
-                    "the progress port of the agent before (%s) cannot be had again (%s): "
-                    "ranks it left running cannot report progress until they restart",
-                    kept.read_text().strip(),
-                    e,
-                )
-        if not sockets:
-            sockets = bind_sockets(port, self.progress_ip)
-        port = sockets[0].getsockname()[1]
-        if self.progress_port == 0:
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            kept.write_text(f"{port}\n")
-        return sockets, f"http://{self.progress_ip}:{port}/progress"
 
     async def _sync_pods(self, client: httpx.AsyncClient, keeper: PodKeeper) -> None:
         nodes = [n["name"] for n in self.inventory]

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import os
 import pwd
-import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from ..recovery import processes
-from ..recovery.checkpoints import location_problem
+from ..recovery.job_spec import launch_problems
 from ..snapshotter.sandbox import (
     RootEntry,
     SandboxDirs,
@@ -39,10 +38,6 @@ from ..snapshotter.sandbox import (
 from .checkpoints import checkpoint_credentials, checkpoint_place
 from .containment import OUTER_PATH, RankAccount, rank_command, rank_environment
 from .runner import RunnerError
-
-# A variable name as POSIX shells and ``env`` take it: anything else (an ``=``, a NUL, a
-# space) would reach the rank as something other than what was asked.
-VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class JobRefused(RunnerError):
@@ -102,28 +97,21 @@ class PodPlace:
         return self.directory / "ranks"
 
 
-def check_spec(spec: Mapping[str, Any]) -> None:
-    """Refuse (``JobRefused``) what no node could pass on as asked: the controller checks
-    the same at submit, and this holds for whatever reaches a node anyway. Pure."""
-    name = str(spec.get("script_name") or "")
-    if not name or PurePosixPath(name).name != name or name in (".", "..") or "\0" in name:
-        raise JobRefused(f"script name {name!r} must be a plain file name such as train.py")
-    for what in ("python", "cwd", "checkpoint_uri"):
-        if "\0" in str(spec.get(what) or ""):
-            raise JobRefused(f"{what} holds a NUL character")
-    if any("\0" in str(arg) for arg in spec.get("args", [])):
-        raise JobRefused("an argument holds a NUL character")
-    python = str(spec.get("python") or "")
-    if python and not python.startswith("/"):
-        raise JobRefused(f"python {python!r} must be an absolute path")
-    for key, value in dict(spec.get("env", {})).items():
-        if not VARIABLE_NAME.fullmatch(str(key)):
-            raise JobRefused(
-                f"environment name {str(key)!r} is not a variable name (letters, digits and "
-                "_, not starting with a digit)"
-            )
-        if "\0" in str(value):
-            raise JobRefused(f"environment variable {key} holds a NUL character")
+def check_spec(spec: Mapping[str, Any], checkpoint_places: Iterable[str]) -> None:
+    """Refuse (``JobRefused``, with what to change) what no node could pass on as asked
+    (``recovery/job_spec.py``): the controller refuses the same at submit, and this holds
+    for whatever reaches a node anyway. Pure."""
+    problems = launch_problems(
+        script_name=str(spec.get("script_name") or ""),
+        env={str(k): str(v) for k, v in dict(spec.get("env", {})).items()},
+        args=[str(a) for a in spec.get("args", [])],
+        python=str(spec.get("python") or ""),
+        cwd=str(spec.get("cwd") or ""),
+        checkpoint_uri=str(spec.get("checkpoint_uri") or ""),
+        checkpoint_places=checkpoint_places,
+    )
+    if problems:
+        raise JobRefused("; ".join(problems))
 
 
 def rank_account(desired: Mapping[str, Any], sandbox: RankSandbox) -> tuple[RankAccount, bool]:
@@ -170,6 +158,16 @@ def pinned_environment(desired: Mapping[str, Any], sandbox: RankSandbox) -> Path
     return path
 
 
+@dataclass(frozen=True)
+class _PodDirs:
+    """What a pod's sandbox gets of the host, made ready."""
+
+    sandbox: SandboxDirs
+    script: Path  # the entry script, read-only inside
+    writable: list[Path]  # bound read-write at their own place
+    writable_at: list[tuple[Path, Path]]  # (source, destination), read-write
+
+
 def contained_command(
     desired: Mapping[str, Any],
     place: PodPlace,
@@ -184,14 +182,60 @@ def contained_command(
     agent's own environment for it. Raises ``RunnerError`` (``JobRefused`` for what the
     job asks) where it cannot run contained. Blocking (small files and directories only)."""
     spec = desired["spec"]
-    check_spec(spec)
-    checkpoint = str(spec.get("checkpoint_uri", ""))
-    if checkpoint and not checkpoint.startswith("s3://"):
-        mine = [str(account.home), str(sandbox.checkpoint_root / account.username)]
-        problem = location_problem(checkpoint, mine)
-        if problem:
-            raise JobRefused(problem)
-    pod_index, uid, gid = place.pod_index, account.uid, account.gid
+    check_spec(spec, [str(account.home), str(sandbox.checkpoint_root / account.username)])
+    made = _make_pod_dirs(spec, place, account, sandbox)
+    cwd = Path(str(spec.get("cwd") or account.home))
+    if not (cwd == account.home or cwd.is_relative_to(account.home)) or not cwd.is_dir():
+        cwd = account.home
+    python = str(spec.get("python") or sandbox.prefix / "bin" / "python")
+    argv = (
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={desired['pods']}",
+        f"--node-rank={place.pod_index}",
+        f"--nproc-per-node={int(desired['gpus_per_pod'])}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        f"--log-dir={place.ranks_dir}",
+        "--redirects=3",
+        str(made.script),
+        *(str(a) for a in spec.get("args", [])),
+    )
+    chosen = {str(k): str(v) for k, v in dict(spec.get("env", {})).items()}
+    platform = _platform_env(desired, place, account, sandbox, progress_url)
+    env = rank_environment(account, sandbox.base_env, sandbox.prefix, chosen, platform)
+    read_only = [(path, path) for path in (*sandbox.read_only, made.script)]
+    # The passwd and group files over the host's: the user has an entry inside (a
+    # system account has its own already).
+    if not system:
+        read_only += write_identity(
+            made.sandbox.root, account.username, account.uid, account.gid, account.home
+        )
+    command = rank_command(
+        sandbox.support,
+        made.sandbox,
+        root=sandbox.root,
+        account=account,
+        base_env=sandbox.base_env,
+        prefix=sandbox.prefix,
+        argv=argv,
+        env=env,
+        cwd=cwd,
+        writable=made.writable,
+        writable_at=made.writable_at,
+        read_only=read_only,
+        pinned=pinned,
+    )
+    return command, {"PATH": OUTER_PATH, "LANG": "C.UTF-8"}
+
+
+def _make_pod_dirs(
+    spec: Mapping[str, Any], place: PodPlace, account: RankAccount, sandbox: RankSandbox
+) -> _PodDirs:
+    """The pod's directories, layers and entry script, and the user's checkpoint
+    directory and home, made with the owners the sandbox needs."""
+    uid, gid = account.uid, account.gid
     place.job_dir.mkdir(mode=0o700, exist_ok=True)
     # What the ranks write (torchrun's per-rank logs) is theirs; the keeper reads it
     # back without following their links (job_logs.read_new).
@@ -213,6 +257,7 @@ def contained_command(
         script.write_text(str(spec["script"]))
         script.chmod(0o644)
     writable = [place.ranks_dir]
+    checkpoint = str(spec.get("checkpoint_uri", ""))
     if checkpoint and not checkpoint.startswith("s3://"):
         try:
             where = checkpoint_place(Path(checkpoint), account, sandbox.checkpoint_root)
@@ -222,39 +267,34 @@ def contained_command(
             writable.append(where)
     if not account.home.is_dir():
         owned_directory(account.home, uid, gid, mode=0o700)
-    cwd = Path(str(spec.get("cwd") or account.home))
-    if not (cwd == account.home or cwd.is_relative_to(account.home)) or not cwd.is_dir():
-        cwd = account.home
-    per_pod = int(desired["gpus_per_pod"])
-    python = str(spec.get("python") or sandbox.prefix / "bin" / "python")
-    argv = (
-        python,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={desired['pods']}",
-        f"--node-rank={pod_index}",
-        f"--nproc-per-node={per_pod}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        f"--log-dir={place.ranks_dir}",
-        "--redirects=3",
-        str(script),
-        *(str(a) for a in spec.get("args", [])),
-    )
-    devices = ",".join(desired["gpu_uuids"])
+    return _PodDirs(dirs, script, writable, writable_at)
+
+
+def _platform_env(
+    desired: Mapping[str, Any],
+    place: PodPlace,
+    account: RankAccount,
+    sandbox: RankSandbox,
+    progress_url: str,
+) -> dict[str, str]:
+    """The variables the platform sets for every rank of the pod (which the job's own
+    ``env`` cannot override): its marker, its GPUs, its job, where it reports progress and
+    keeps checkpoints, and its user's S3 credentials for them."""
+    checkpoint = str(desired["spec"].get("checkpoint_uri", ""))
     try:
         credentials = checkpoint_credentials(checkpoint, account.username, sandbox)
     except RunnerError as e:
         raise JobRefused(str(e)) from e
-    platform = {
-        processes.MARKER_VARIABLE: processes.part_marker(str(desired["marker"]), pod_index),
+    devices = ",".join(desired["gpu_uuids"])
+    return {
+        processes.MARKER_VARIABLE: processes.part_marker(str(desired["marker"]), place.pod_index),
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": devices,
         "NVIDIA_VISIBLE_DEVICES": devices or "none",
         "PYTHONUNBUFFERED": "1",
         "GPUFLEET_JOB_ID": str(place.workload_id),
         "GPUFLEET_JOB_NAME": str(desired["name"]),
-        "GPUFLEET_POD_INDEX": str(pod_index),
+        "GPUFLEET_POD_INDEX": str(place.pod_index),
         "GPUFLEET_CHECKPOINT_URI": checkpoint,
         "GPUFLEET_ATTEMPT": str(place.attempt),
         "GPUFLEET_RESUME_FROM": str(desired.get("resume_from") or ""),
@@ -262,29 +302,6 @@ def contained_command(
         **fake_nvml_env(sandbox.read_only),
         **credentials,
     }
-    chosen = {str(k): str(v) for k, v in dict(spec.get("env", {})).items()}
-    env = rank_environment(account, sandbox.base_env, sandbox.prefix, chosen, platform)
-    read_only = [(path, path) for path in (*sandbox.read_only, script)]
-    # The passwd and group files over the host's: the user has an entry inside (a
-    # system account has its own already).
-    if not system:
-        read_only += write_identity(dirs.root, account.username, uid, gid, account.home)
-    command = rank_command(
-        sandbox.support,
-        dirs,
-        root=sandbox.root,
-        account=account,
-        base_env=sandbox.base_env,
-        prefix=sandbox.prefix,
-        argv=argv,
-        env=env,
-        cwd=cwd,
-        writable=writable,
-        writable_at=writable_at,
-        read_only=read_only,
-        pinned=pinned,
-    )
-    return command, {"PATH": OUTER_PATH, "LANG": "C.UTF-8"}
 
 
 def free_port() -> int:

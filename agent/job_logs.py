@@ -23,10 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .runner import write_whole
+
 CHUNK_BYTES = 256 * 1024
 ERROR_FILE_BYTES = 64 * 1024  # torchrun's error file: the exception and its traceback
 # torchrun's summary of a failed child: "rank      : 1 (local_rank: 1)"
-FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
+# (Nine digits at most: what a rank wrote there is read, and int() refuses 4,300 digits.)
+FAILED_RANK = re.compile(r"rank\s*:\s*(\d{1,9})\s*\(local_rank:\s*(\d{1,9})\)")
 LAUNCHER_STREAMS = ("stdout", "stderr")
 # PyTorch starts the lines a rank writes through its logging with "[rank1]: ".
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
@@ -93,7 +96,7 @@ def rank_error(ranks_dir: Path, local_rank: int) -> str:
     try:
         with open_regular(attempts[-1] / str(local_rank) / "error.json") as f:
             data = json.loads(f.read(ERROR_FILE_BYTES))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # the rank wrote it: anything goes
         return ""
     message = data.get("message") if isinstance(data, dict) else None
     if isinstance(message, dict):
@@ -135,9 +138,7 @@ def save_tails(directory: Path, tails: Iterable[LogFile]) -> None:
         }
         for t in tails
     ]
-    partial = directory / (TAILS_FILE + ".partial")
-    partial.write_text(json.dumps(data))
-    os.replace(partial, directory / TAILS_FILE)
+    write_whole(directory / TAILS_FILE, json.dumps(data))
 
 
 def load_tails(directory: Path) -> dict[tuple[int, str], LogFile]:
@@ -155,7 +156,7 @@ def load_tails(directory: Path) -> dict[tuple[int, str], LogFile]:
             )
             tails[tail.rank, tail.stream] = tail
         return tails
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return {}
 
 

@@ -47,6 +47,7 @@ from typing import Any
 
 from ..recovery import processes
 from ..recovery.checkpoints import within as checkpoint_within
+from ..recovery.classify import ENDED_BY_AGENT_RESTART, NODE_COULD_NOT_START, REFUSED_AS_ASKED
 from . import peers
 from .containment import OUTER_PATH
 from .job_launch import (
@@ -68,8 +69,16 @@ from .job_logs import (
     save_tails,
 )
 from .network_guard import GuardUnavailable, NetworkGuard
-from .progress import RankReport, merge
-from .runner import RankRunner, RankSpec, RankStatus, RunnerError, StopFailed, UnknownRank
+from .progress import MAX_SAVED, MAX_STEP_TIMES, RankReport, merge
+from .runner import (
+    RankRunner,
+    RankSpec,
+    RankStatus,
+    RunnerError,
+    StopFailed,
+    UnknownRank,
+    write_whole,
+)
 
 __all__ = ["PodKeeper", "RankSandbox"]
 
@@ -240,12 +249,14 @@ class PodKeeper:
             if pod.state == "running" and pod.ending is None:
                 self._allow_rendezvous(pod.place.workload_id)
             return
-        await processes.end_all(processes.part_marker(str(desired["marker"]), place.pod_index))
+        marker = processes.part_marker(str(desired["marker"]), place.pod_index)
+        if not await processes.end_all(marker):
+            return  # something survived SIGKILL: not gone, so not reported
         lost = self._placeholder(desired)
         lost.state = "failed"
         lost.reason = (
-            "was ended: the node agent restarted and found no record of it (started by an "
-            "agent of an earlier release, or its files are gone)"
+            f"{ENDED_BY_AGENT_RESTART} and found no record of it (started by an agent of "
+            "an earlier release, or its files are gone); the job restarts, charged nothing"
         )
 
     # ------------------------------------------------------------- the sync
@@ -288,7 +299,7 @@ class PodKeeper:
     def pod_of_caller(self, marker: str, caller: peers.Caller | None) -> tuple[int, int]:
         """The running pod a progress report comes from: the pod whose marker it names,
         only if the calling process is one of that pod's, running as its account. Raises
-        ``peers.NotTheCaller`` otherwise. Blocking (reads ``/proc``)."""
+        ``peers.ReportRefused`` otherwise. Blocking (reads ``/proc``)."""
         pod = next(
             (
                 p
@@ -298,24 +309,28 @@ class PodKeeper:
             None,
         )
         if pod is None:
-            raise peers.NotTheCaller("no pod of this machine carries that marker")
+            raise peers.ReportRefused("no pod of this machine carries that marker")
         peers.check_caller(caller, pod.marker, pod.uid)
         return pod.key
 
-    def check_checkpoints(self, key: tuple[int, int], report: RankReport) -> None:
-        """A report names only checkpoints inside its job's checkpoint location: a rank
-        cannot make another job, or its own next attempt, resume from elsewhere. Raises
-        ``peers.NotTheCaller``."""
+    def own_checkpoints(
+        self, key: tuple[int, int], report: RankReport
+    ) -> tuple[RankReport, list[str]]:
+        """The report with only the checkpoints inside its job's checkpoint location (a
+        rank cannot make another job, or its own next attempt, resume from elsewhere), and
+        what was left out, in words. Raises ``peers.ReportRefused`` when the pod is gone."""
         pod = self._pods.get(key)
         if pod is None:
-            raise peers.NotTheCaller("that pod no longer runs here")
+            raise peers.ReportRefused("that pod no longer runs here")
         location = pod.checkpoint_uri
-        for saved in report.checkpoints_saved:
-            if not checkpoint_within(saved.uri, location):
-                raise peers.NotTheCaller(
-                    f"checkpoint {saved.uri} is not inside this job's checkpoint location "
-                    f"{location or '(none)'}"
-                )
+        kept = [c for c in report.checkpoints_saved if checkpoint_within(c.uri, location)]
+        left_out = [
+            f"checkpoint {c.uri} is left out: it is not inside this job's checkpoint "
+            f"location {location or '(none)'}, and only those are resumed from"
+            for c in report.checkpoints_saved
+            if c not in kept
+        ]
+        return report.model_copy(update={"checkpoints_saved": kept}), left_out
 
     def note_progress(self, key: tuple[int, int], report: RankReport, now: datetime) -> None:
         self._progress[key] = merge(self._progress.get(key), report, now)
@@ -339,8 +354,13 @@ class PodKeeper:
                 kept["checkpoints_saved"] = [
                     *kept.get("checkpoints_saved", []),
                     *newer.get("checkpoints_saved", []),
+                ][-MAX_SAVED:]
+                # Within what the controller takes, or every later sync would be refused.
+                kept["step_times_s"] = [*kept["step_times_s"], *newer["step_times_s"]][
+                    -MAX_STEP_TIMES:
                 ]
-                kept["step_times_s"] = [*kept["step_times_s"], *newer["step_times_s"]]
+                if "step_at" in newer:
+                    kept.pop("epoch", None)  # a newer step says its own epoch, if any
                 kept.update(
                     {
                         k: v
@@ -361,17 +381,16 @@ class PodKeeper:
         return any(p.state == "running" for p in self._pods.values())
 
     def report(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Every known pod's state and the log chunks not yet acknowledged."""
+        """Every known pod's state and the log chunks not yet acknowledged. What one pod's
+        files hold never stops the report of another, nor the agent."""
         for pod in self._pods.values():
-            if pod.state == "running" and pod.ending is None and pod.stopping is None:
-                status = self.runner.status(pod.place.rank_id)
-                if status.state != "running":
-                    pod.ending = (status.state, status)
-            chunks, drained = self._read_logs(pod)
-            self._unsent += chunks
-            if pod.state == "running" and pod.ending is not None and drained:
-                state, status = pod.ending
-                self._record_end(pod, state, status)  # logs whole: the group is gone
+            try:
+                self._observe(pod)
+            except Exception:  # the pod's files are its ranks' to write: anything goes
+                self.log.exception("job %s pod %s: its state could not be read", *pod.key)
+                if pod.state == "running" and pod.ending is not None:
+                    state, status = pod.ending
+                    self._record_end(pod, state, status, reason_unread=True)
         pods = [
             {
                 "workload_id": pod.place.workload_id,
@@ -386,6 +405,18 @@ class PodKeeper:
             for pod in self._pods.values()
         ]
         return pods, list(self._unsent)
+
+    def _observe(self, pod: _Pod) -> None:
+        """Notice the pod's end, read its new output, and once it ended and its output was
+        read whole, record how it ended."""
+        if pod.state == "running" and pod.ending is None and pod.stopping is None:
+            status = self.runner.status(pod.place.rank_id)
+            if status.state != "running":
+                pod.ending = (status.state, status)
+        drained = self._read_logs(pod)
+        if pod.state == "running" and pod.ending is not None and drained:
+            state, status = pod.ending
+            self._record_end(pod, state, status)  # logs whole: the group is gone
 
     def synced(self, chunks: int, reported: Iterable[Mapping[str, Any]] = ()) -> None:
         """The controller stored the first ``chunks`` chunks of the last report, and heard
@@ -422,7 +453,7 @@ class PodKeeper:
                     failed = self._placeholder(pod)
                     failed.state = "failed"
                     failed.reason = (
-                        f"could not start: the node agent failed preparing it "
+                        f"{NODE_COULD_NOT_START}the node agent failed preparing it "
                         f"({type(e).__name__}: {e})"
                     )
         for key, known in list(self._pods.items()):
@@ -497,8 +528,11 @@ class PodKeeper:
             )
             pod.launched = True
         except (OSError, RunnerError, ValueError) as e:
-            pod.state, pod.reason = "failed", f"could not start: {e}"
-            level = logging.INFO if isinstance(e, JobRefused) else logging.WARNING
+            # What the job asked for is its own error; anything else is this node's.
+            refused = isinstance(e, JobRefused)
+            pod.state = "failed"
+            pod.reason = f"{REFUSED_AS_ASKED if refused else NODE_COULD_NOT_START}{e}"
+            level = logging.INFO if refused else logging.WARNING
             self.log.log(level, "job %s pod %s %s", *pod.key, pod.reason)
             return
         self.log.info(
@@ -564,13 +598,19 @@ class PodKeeper:
         self.log.info("stopping job %s pod %s", *pod.key)
         pod.stopping = asyncio.create_task(stop())
 
-    def _record_end(self, pod: _Pod, state: str, status: RankStatus) -> None:
+    def _record_end(
+        self, pod: _Pod, state: str, status: RankStatus, reason_unread: bool = False
+    ) -> None:
         pod.state, pod.exit_code, pod.signal = state, status.exit_code, status.signal
-        if not status.recorded:
+        if state == "exited" and not status.recorded:
             pod.state, pod.reason = "failed", ENDED_UNWATCHED
         elif state == "exited" and status.exit_code != 0:
-            pod.reason = failure_reason(
-                self._launcher_log(pod, "stderr"), pod.place.ranks_dir, self._log_files(pod)
+            pod.reason = (
+                "its ranks' account of the failure could not be read"
+                if reason_unread
+                else failure_reason(
+                    self._launcher_log(pod, "stderr"), pod.place.ranks_dir, self._log_files(pod)
+                )
             )
         self.log.info(
             "job %s pod %s %s (exit code %s, signal %s)",
@@ -609,23 +649,24 @@ class PodKeeper:
             launcher, pod.place.ranks_dir, pod.first_rank, pod.local_ranks, -1 - pod.place.pod_index
         )
 
-    def _read_logs(self, pod: _Pod) -> tuple[list[dict[str, Any]], bool]:
-        """What is new in the pod's log files, at most ``CHUNKS_PER_SYNC`` chunks; and
+    def _read_logs(self, pod: _Pod) -> bool:
+        """Queue what is new in the pod's log files, at most ``CHUNKS_PER_SYNC`` chunks;
         whether that was all of it."""
-        chunks: list[dict[str, Any]] = []
+        read = 0
         for rank, stream, path in self._log_files(pod):
             tail = pod.logs.setdefault((rank, stream), LogFile(rank, stream))
-            while len(chunks) < CHUNKS_PER_SYNC:
+            while read < CHUNKS_PER_SYNC:
                 chunk = read_new(tail, path)
                 if chunk is None:
                     break
-                chunks.append(
+                read += 1
+                self._unsent.append(
                     {"workload_id": pod.place.workload_id, "attempt": pod.attempt, **chunk}
                 )
                 self._unsent_ends.append((pod, tail, tail.position, tail.offset))
             else:
-                return chunks, False
-        return chunks, True
+                return False
+        return True
 
 
 def _place_of(jobs_dir: Path, desired: Mapping[str, Any]) -> PodPlace:
@@ -639,9 +680,7 @@ def _place_of(jobs_dir: Path, desired: Mapping[str, Any]) -> PodPlace:
 
 def _write_record(directory: Path, record: Mapping[str, Any]) -> None:
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    partial = directory / (RECORD_FILE + ".partial")
-    partial.write_text(json.dumps(record))
-    partial.replace(directory / RECORD_FILE)
+    write_whole(directory / RECORD_FILE, json.dumps(record))
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
@@ -652,6 +691,9 @@ def _read_record(path: Path) -> dict[str, Any] | None:
             record = json.loads(f.read(1 << 16))
         for name in ("workload_id", "pod_index", "attempt", "first_rank", "local_ranks"):
             int(record[name])
+        for name in ("uid", "port"):
+            if record.get(name) is not None:
+                int(record[name])
         str(record["marker"])
         float(record["grace_s"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -26,9 +26,9 @@ ESTABLISHED = "01"
 Address = tuple[str, int]
 
 
-class NotTheCaller(Exception):
-    """The caller is not who it says it is, or asks for what is not its own; the
-    message says which."""
+class ReportRefused(Exception):
+    """A progress report refused: its caller is not a process of the pod it names, as
+    that pod's account; the message says which."""
 
 
 @dataclass(frozen=True)
@@ -95,13 +95,13 @@ def holds_socket(pid: int, inode: int, proc: Path = Path("/proc")) -> bool:
 def check_caller(
     caller: Caller | None, marker: str, uid: int | None, proc: Path = Path("/proc")
 ) -> None:
-    """Raise ``NotTheCaller`` unless ``caller`` is a socket owned by ``uid`` and held by a
+    """Raise ``ReportRefused`` unless ``caller`` is a socket owned by ``uid`` and held by a
     live process carrying ``marker``. Blocking (reads ``/proc``)."""
     if caller is None:
-        raise NotTheCaller("the report does not come from a process of this machine")
+        raise ReportRefused("the report does not come from a process of this machine")
     if uid is None or caller.uid != uid:
-        raise NotTheCaller("the report does not come from the account this pod's ranks run as")
+        raise ReportRefused("the report does not come from the account this pod's ranks run as")
     if not any(
         holds_socket(pid, caller.inode, proc) for pid in processes.marked_pids(marker, proc)
     ):
-        raise NotTheCaller("the report does not come from a process of that pod")
+        raise ReportRefused("the report does not come from a process of that pod")

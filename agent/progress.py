@@ -3,8 +3,8 @@
 
 A rank holds no platform token. It names its pod by its process marker (the
 ``X-Gpufleet-Marker`` header), and the kernel vouches for it: the connection must come from
-a process of that pod, running as the pod's account (``peers.py``); a checkpoint it reports
-must lie inside its job's checkpoint location. Anything else is refused (403), saying why.
+a process of that pod, running as the pod's account (``peers.py``), or it is refused (403),
+saying why. A checkpoint it reports outside its job's checkpoint location is left out.
 Ages in a report become times on the agent's clock when it arrives, so the rank's clock
 never counts.
 
@@ -14,14 +14,22 @@ never counts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import socket
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tornado import web
+from tornado.netutil import bind_sockets
 
-from .peers import Caller, NotTheCaller, caller_of
+from .peers import Caller, ReportRefused, caller_of
 
 MARKER_HEADER = "X-Gpufleet-Marker"
 MAX_BODY_BYTES = 256 * 1024
@@ -110,36 +118,39 @@ def merge(kept: dict[str, Any] | None, report: RankReport, now: datetime) -> dic
 class ProgressHandler(web.RequestHandler):
     """``POST /progress`` from a rank of this machine: refused (403) unless the calling
     process is one of the pod its marker names, running as that pod's account
-    (``peers.py``), and unless every checkpoint it names lies inside its job's checkpoint
-    location."""
+    (``peers.py``). A checkpoint outside its job's checkpoint location is left out, and
+    the answer (200, text) says so; a report taken whole is a 204."""
 
     def initialize(
         self,
         pod_of: Callable[[str, Caller | None], tuple[int, int]],
-        check: Callable[[tuple[int, int], RankReport], None],
+        own: Callable[[tuple[int, int], RankReport], tuple[RankReport, list[str]]],
         note: Callable[[tuple[int, int], RankReport, datetime], None],
+        executor: Executor,
     ) -> None:
-        self.pod_of, self.check, self.note = pod_of, check, note
+        self.pod_of, self.own, self.note, self.executor = pod_of, own, note, executor
 
     def check_xsrf_cookie(self) -> None:
         return  # no cookies here: the calling process is asked of the kernel
 
-    def _caller(self) -> Caller | None:
+    def _pod(self, marker: str) -> tuple[int, int]:
+        """The pod the calling process belongs to (blocking: reads ``/proc``)."""
         stream = getattr(self.request.connection, "stream", None)
         sock = getattr(stream, "socket", None)
-        if sock is None:
-            return None
-        try:
-            return caller_of(sock.getpeername()[:2], sock.getsockname()[:2])
-        except (OSError, ValueError):
-            return None
+        caller = None
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                caller = caller_of(sock.getpeername()[:2], sock.getsockname()[:2])
+        return self.pod_of(marker, caller)
 
     async def post(self) -> None:
         marker = self.request.headers.get(MARKER_HEADER, "")
+        loop = asyncio.get_running_loop()
         try:
-            caller = await asyncio.to_thread(self._caller)
-            pod = await asyncio.to_thread(self.pod_of, marker, caller)
-        except NotTheCaller as e:
+            # On a pool of its own: a rank that floods the endpoint delays only progress,
+            # never the agent's NVML and XID threads.
+            pod = await loop.run_in_executor(self.executor, self._pod, marker)
+        except ReportRefused as e:
             raise web.HTTPError(403, str(e)) from None
         if len(self.request.body) > MAX_BODY_BYTES:
             raise web.HTTPError(413, f"a report is at most {MAX_BODY_BYTES} bytes")
@@ -148,11 +159,15 @@ class ProgressHandler(web.RequestHandler):
         except ValidationError as e:
             raise web.HTTPError(400, f"not a progress report: {e.errors()[:3]}") from e
         try:
-            self.check(pod, report)
-        except NotTheCaller as e:
+            kept, left_out = self.own(pod, report)
+        except ReportRefused as e:
             raise web.HTTPError(403, str(e)) from None
-        self.note(pod, report, datetime.now(UTC))
-        self.set_status(204)
+        self.note(pod, kept, datetime.now(UTC))
+        if left_out:
+            self.set_header("Content-Type", "text/plain; charset=utf-8")
+            self.finish("\n".join(left_out) + "\n")
+        else:
+            self.set_status(204)
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         """The refusal's reason as plain text, for the rank's log (not Tornado's page)."""
@@ -164,10 +179,65 @@ class ProgressHandler(web.RequestHandler):
 
 def progress_app(
     pod_of: Callable[[str, Caller | None], tuple[int, int]],
-    check: Callable[[tuple[int, int], RankReport], None],
+    own: Callable[[tuple[int, int], RankReport], tuple[RankReport, list[str]]],
     note: Callable[[tuple[int, int], RankReport, datetime], None],
 ) -> web.Application:
-    return web.Application(
-        [(r"/progress", ProgressHandler, {"pod_of": pod_of, "check": check, "note": note})],
-        max_body_size=MAX_BODY_BYTES,
-    )
+    handler = {
+        "pod_of": pod_of,
+        "own": own,
+        "note": note,
+        "executor": ThreadPoolExecutor(2, thread_name_prefix="gpufleet-progress"),
+    }
+    return web.Application([(r"/progress", ProgressHandler, handler)], max_body_size=MAX_BODY_BYTES)
+
+
+# Where the agent's progress port is looked for first: below 1024 no account but root may
+# bind a port (net.ipv4.ip_unprivileged_port_start), so while the agent restarts no
+# researcher's process can take the port its running ranks report to.
+PRIVILEGED_PORTS = range(700, 1000)
+
+
+def bind_progress(
+    data_dir: Path, ip: str, port: int, log: logging.Logger
+) -> tuple[list[socket.socket], str]:
+    """The sockets ranks report progress to, and its URL; none for ``port`` -1. With
+    ``port`` 0 the agent before's port is taken again (``<data_dir>/progress-port``: the
+    ranks it left running know that URL), else a privileged one where this process may
+    bind one, else any free port."""
+    if port < 0:
+        return [], ""
+    kept = data_dir / "progress-port"
+    sockets: list[socket.socket] = []
+    if port == 0:
+        before = kept.read_text().strip() if kept.exists() else ""
+        for candidate in ([int(before)] if before.isdigit() else []) + _privileged(data_dir):
+            with contextlib.suppress(OSError, OverflowError):
+                sockets = bind_sockets(candidate, ip)
+                break
+        if before and (not sockets or sockets[0].getsockname()[1] != int(before)):
+            log.warning(
+                "the progress port of the agent before (%s) cannot be had again: ranks it "
+                "left running cannot report progress until they restart",
+                before,
+            )
+    if not sockets:
+        sockets = bind_sockets(port, ip)
+    bound = sockets[0].getsockname()[1]
+    if port == 0:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(f"{bound}\n")
+    return sockets, f"http://{ip}:{bound}/progress"
+
+
+def _privileged(data_dir: Path) -> list[int]:
+    """The privileged ports to try, starting from one of this deployment's own (several
+    agents may share a machine); none where this process may not bind them or anyone may."""
+    try:
+        start = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+    except (OSError, ValueError):
+        start = 1024
+    if os.geteuid() != 0 or start <= PRIVILEGED_PORTS.start:
+        return []
+    ports = [p for p in PRIVILEGED_PORTS if p < start]
+    first = int(hashlib.sha256(str(data_dir.absolute()).encode()).hexdigest(), 16) % len(ports)
+    return ports[first:] + ports[:first]

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Mapping
@@ -156,10 +157,21 @@ class RankRunner:
             except (OSError, ValueError) as e:
                 raise RunnerError(f"rank {spec.rank_id} could not start: {e}") from e
         launched = processes.start_ticks(process.pid) or 0
-        _write_json(
-            self._path(spec.rank_id, "launcher"),
-            {"pid": process.pid, "started": launched, "marker": marker, "at": time.time()},
-        )
+        record = {
+            "pid": process.pid,
+            "started": launched,
+            "boot": _boot_id(),
+            "marker": marker,
+            "at": time.time(),
+        }
+        try:
+            write_whole(self._path(spec.rank_id, "launcher"), json.dumps(record) + "\n")
+        except OSError as e:
+            # Without its record no later agent could find it: it must not run on unseen.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise RunnerError(f"rank {spec.rank_id} could not be recorded: {e}") from e
         status = RankStatus(
             spec.rank_id, process.pid, "running", None, None, stdout, stderr, time.time()
         )
@@ -195,6 +207,9 @@ class RankRunner:
             stopping_since=stopping,
         )
         self._ranks[rank_id] = _Rank(marker, status, started, processes.Watch(marker))
+        if record.get("boot", _boot_id()) != _boot_id():
+            # The machine restarted since: nothing of it runs, whatever has its pid now.
+            self._ranks[rank_id].status = _ended(status, "exited", self._exit_code_of(rank_id))
         return self.status(rank_id)
 
     def status(self, rank_id: str) -> RankStatus:
@@ -220,10 +235,13 @@ class RankRunner:
         else what it recorded (None without a record: killed before it could write one)."""
         if rank.process is not None:
             return rank.process.wait()
+        return self._exit_code_of(rank.status.rank_id)
+
+    def _exit_code_of(self, rank_id: str) -> int | None:
         text = ""
         with contextlib.suppress(OSError):
-            text = self._path(rank.status.rank_id, "exit").read_text().strip()
-        return int(text) if text.lstrip("-").isdigit() else None
+            text = self._path(rank_id, "exit").read_text().strip()
+        return int(text) if text.lstrip("-").isdigit() and len(text) < 12 else None
 
     async def stop(self, rank_id: str, grace: float = 30.0) -> RankStatus:
         """SIGTERM all of the rank, SIGKILL what is left after ``grace``; wait until gone.
@@ -235,7 +253,7 @@ class RankRunner:
         began = rank.status.stopping_since
         if began is None:
             began = time.time()
-            _write_text(self._path(rank_id, "stopping"), f"{began}\n")
+            write_whole(self._path(rank_id, "stopping"), f"{began}\n")
             rank.status = replace(rank.status, stopping_since=began)
             term, left = True, grace
         else:
@@ -280,15 +298,20 @@ def _ended(status: RankStatus, state: str, code: int | None) -> RankStatus:
     )
 
 
-def _write_text(path: Path, text: str) -> None:
-    """``path`` with ``text``, whole or not at all (a reader never sees half of it)."""
+def _boot_id() -> str:
+    """This boot of the machine: a pid and its start time name one process only within it."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def write_whole(path: Path, text: str) -> None:
+    """``path`` with ``text``, whole or not at all: a reader (an agent started later)
+    never sees half of it."""
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text)
     os.replace(partial, path)
-
-
-def _write_json(path: Path, data: Mapping[str, object]) -> None:
-    _write_text(path, json.dumps(data) + "\n")
 
 
 def _read_float(path: Path) -> float | None:

@@ -304,6 +304,11 @@ class IdleCuller:
         if held is not None and held.due_at == due_at:
             await held.task
             return
+        if held is not None and not held.task.done():
+            # An earlier warning's pass: never two passes of one session at once. This
+            # cull takes its own after it, whatever came of that one.
+            with contextlib.suppress(snapshots.SnapshotFailed):
+                await held.task
         await self._live_pass(s, sources)
 
     async def _cull(self, s: CulledSession, decision: Decision, policy: IdlePolicy) -> None:

@@ -29,7 +29,7 @@ from tornado.httpserver import HTTPServer
 from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 
 from .. import __version__
-from ..agent.lifecycle import STOP_GRACE_SECONDS, until_stopped
+from ..agent.lifecycle import until_stopped
 from ..culler.errors import PolicyError
 from ..culler.loop import IdleCuller
 from ..culler.snapshots import SnapshotSettings
@@ -58,6 +58,7 @@ from .pages import page_routes
 from .reconciler import Reconciler
 from .recovery_options import RecoveryOptions
 from .secrets import SecretFileError, check_secret_file
+from .serving import CountingApplication, answer_in_flight
 from .timed import TimedOptions, TimedWork
 from .uid_claims import DEFAULT_REGISTRY, Claim, ClaimError, HeldClaim, claim, deployment_identity
 from .victims import VictimStopper
@@ -72,22 +73,6 @@ DEFAULT_PRIORITY_CLASSES = [
         "description": "runs on idle capacity; first to make room",
     },
 ]
-
-
-# How long requests in flight get to be answered when the controller stops (within the
-# watchdog's grace, after which the process exits whatever runs).
-IN_FLIGHT_ANSWER_S = STOP_GRACE_SECONDS * 2 / 3
-
-
-class _CountingApplication(web.Application):
-    """The controller's web application, counting the requests it is answering (each
-    ends in its log function), so a stop can wait for them."""
-
-    in_flight = 0
-
-    def find_handler(self, request: Any, **kwargs: Any) -> Any:
-        self.in_flight += 1
-        return super().find_handler(request, **kwargs)
 
 
 class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
@@ -177,16 +162,6 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         "receives no new work.",
     ).tag(config=True)
 
-    job_agent_lost_seconds = Float(
-        120.0,
-        help="A job with a pod on a node whose agent has been silent this long (at least "
-        "node_heartbeat_timeout) stops as agent-lost and resumes elsewhere, charged one "
-        "fault. Longer than the heartbeat timeout because an agent that restarts (a crash, "
-        "kill -9, an upgrade; JupyterHub restarts its managed agent within about 30 s) takes "
-        "over the pods it finds running, which costs them nothing; a node that is really "
-        "gone costs its jobs this long before they resume.",
-    ).tag(config=True)
-
     clusters = List(
         Dict(),
         help="""The Kubernetes clusters of the fleet (docs/kubernetes.md); empty: this machine
@@ -274,31 +249,6 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
     @default("job_checkpoint_store")
     def _default_job_checkpoint_store(self) -> str:
         return os.path.join(os.path.abspath(self.data_dir), "checkpoints", "{user}", "{job}")
-
-    job_checkpoint_places = List(
-        Unicode(),
-        help="Where a job's local checkpoint location may lie, with {user}: a submission "
-        "naming any other directory is refused (the node agent binds the location into the "
-        "ranks' sandbox as root, and refuses it too). Default: the user's home (the node "
-        "agent's home_dir_template; the account's own home in 'system' user mode) and the "
-        "agent's checkpoint_root/{user}. s3:// locations are always taken.",
-    ).tag(config=True)
-
-    @default("job_checkpoint_places")
-    def _default_job_checkpoint_places(self) -> list[str]:
-        agent = self.config.NodeAgent
-        data = os.path.abspath(self.data_dir)
-        home = str(agent.get("home_dir_template") or os.path.join(data, "homes", "{username}"))
-        root = str(agent.get("checkpoint_root") or os.path.join(data, "checkpoints"))
-        return [home.replace("{username}", "{user}"), os.path.join(root, "{user}")]
-
-    def checkpoint_places(self, username: str) -> list[str]:
-        """The directories ``username``'s local checkpoint locations may lie in."""
-        places = [p.replace("{user}", username) for p in self.job_checkpoint_places]
-        if self.user_mode == "system":
-            with contextlib.suppress(KeyError):
-                places.append(pwd.getpwnam(username).pw_dir)
-        return places
 
     job_stop_grace_seconds = Float(
         30.0,
@@ -850,8 +800,8 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
                 self.kick()  # released GPUs may admit waiting requests
 
     # ----------------------------------------------------------- start
-    def make_web_app(self) -> _CountingApplication:
-        return _CountingApplication(
+    def make_web_app(self) -> CountingApplication:
+        return CountingApplication(
             [
                 *routes(self.service_prefix, self),
                 *page_routes(self.service_prefix, self),
@@ -868,7 +818,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         )
 
     def _log_request(self, handler: web.RequestHandler) -> None:
-        handler.application.in_flight -= 1  # type: ignore[attr-defined]
+        handler.application.answered()  # type: ignore[attr-defined]
         status = handler.get_status()
         level = logging.ERROR if status >= 500 else logging.DEBUG
         self.log.log(
@@ -917,20 +867,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         try:
             await asyncio.Event().wait()
         finally:
-            await self._answer_in_flight(server, app)
-
-    async def _answer_in_flight(self, server: HTTPServer, app: _CountingApplication) -> None:
-        """Stop taking requests, and answer those in flight before stopping: the long
-        polls (node agents', spawners') are woken to answer what is, so no caller sees an
-        error for a controller that merely stops (a restart, an upgrade, Ctrl-C)."""
-        server.stop()
-        self.notifier.stop()
-        deadline = time.monotonic() + IN_FLIGHT_ANSWER_S
-        while time.monotonic() < deadline:
-            if app.in_flight <= 0:
-                break
-            await asyncio.sleep(0.02)
-        await server.close_all_connections()
+            await answer_in_flight(server, app, self.notifier)
 
     def start(self) -> None:
         if self.subapp is not None:

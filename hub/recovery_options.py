@@ -1,11 +1,16 @@
 """The controller's options for the recovery loop (docs/recovery.md): how often a job
-restarts from infrastructure faults and how long it waits between attempts, and when a
-job that stopped progressing counts as hung. Mixed into ``FleetController``, so they are
-set as ``c.FleetController.<name>``."""
+restarts from infrastructure faults and how long it waits between attempts, when a job
+that stopped progressing counts as hung, how long a silent node agent's jobs wait for it,
+and where a job's checkpoints may lie (the place it resumes from). Mixed into
+``FleetController``, so they are set as ``c.FleetController.<name>``."""
 
 from __future__ import annotations
 
-from traitlets import Bool, Dict, Float, Integer, TraitError, validate
+import contextlib
+import os
+import pwd
+
+from traitlets import Bool, Dict, Float, Integer, List, TraitError, Unicode, default, validate
 from traitlets.config import Configurable
 
 from ..recovery.attempts import RetryPolicy
@@ -14,6 +19,10 @@ from ..recovery.classify import RecoveryPolicy
 
 
 class RecoveryOptions(Configurable):
+    # The controller's own (hub/app.py), which these options' defaults read.
+    data_dir: str
+    user_mode: str
+
     recovery_spares = Dict(
         {},
         help="Spare nodes held back for jobs restarting after a fault, per zone: "
@@ -143,3 +152,38 @@ class RecoveryOptions(Configurable):
         )
         breaker = BreakerPolicy(self.recovery_breaker_share, self.recovery_breaker_window_seconds)
         return retry, recovery, breaker
+
+    job_agent_lost_seconds = Float(
+        120.0,
+        help="A job with a pod on a node whose agent has been silent this long (at least "
+        "node_heartbeat_timeout) stops as agent-lost and resumes elsewhere, charged one "
+        "fault. Longer than the heartbeat timeout because an agent that restarts (a crash, "
+        "kill -9, an upgrade; JupyterHub restarts its managed agent within about 30 s) takes "
+        "over the pods it finds running, which costs them nothing; a node that is really "
+        "gone costs its jobs this long before they resume.",
+    ).tag(config=True)
+
+    job_checkpoint_places = List(
+        Unicode(),
+        help="Where a job's local checkpoint location may lie, with {user}: a submission "
+        "naming any other directory is refused (the node agent binds the location into the "
+        "ranks' sandbox as root, and refuses it too). Default: the user's home (the node "
+        "agent's home_dir_template; the account's own home in 'system' user mode) and the "
+        "agent's checkpoint_root/{user}. s3:// locations are always taken.",
+    ).tag(config=True)
+
+    @default("job_checkpoint_places")
+    def _default_job_checkpoint_places(self) -> list[str]:
+        agent = self.config.NodeAgent
+        data = os.path.abspath(self.data_dir)
+        home = str(agent.get("home_dir_template") or os.path.join(data, "homes", "{username}"))
+        root = str(agent.get("checkpoint_root") or os.path.join(data, "checkpoints"))
+        return [home.replace("{username}", "{user}"), os.path.join(root, "{user}")]
+
+    def checkpoint_places(self, username: str) -> list[str]:
+        """The directories ``username``'s local checkpoint locations may lie in."""
+        places = [p.replace("{user}", username) for p in self.job_checkpoint_places]
+        if self.user_mode == "system":
+            with contextlib.suppress(KeyError):
+                places.append(pwd.getpwnam(username).pw_dir)
+        return places

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 SETTING = "c.FleetController.sandbox_uids"
 REGISTRY_SETTING = "c.FleetController.sandbox_uid_registry"
@@ -131,14 +131,22 @@ def conflict_message(mine: Claim, found: list[Claim], suggestion: tuple[int, int
 
 
 def deployment_identity(db_url: str) -> str:
-    """The database a controller uses, written so that two controllers of one deployment
-    (one configuration) get the same string: SQLite by its file's real path."""
+    """The database a controller uses, so that two controllers of one deployment (one
+    configuration) get the same string: SQLite by its file's real path. A digest of it:
+    the claim is readable by every account, and a database URL may name a user, a host
+    or a secret in its query."""
     url = make_url(db_url)
     if url.get_backend_name() == "sqlite":
         if not url.database or url.database == ":memory:":
-            return f"sqlite-memory:{os.getpid()}:{uuid.uuid4().hex}"  # a process's own
-        return f"sqlite:///{os.path.realpath(url.database)}"
-    return url.set(password=None).render_as_string(hide_password=False)
+            named = f"sqlite-memory:{os.getpid()}:{uuid.uuid4().hex}"  # a process's own
+        else:
+            named = f"sqlite:///{os.path.realpath(url.database)}"
+    else:
+        # (URL.set(password=None) would keep it: None there means "unchanged".)
+        named = URL.create(
+            url.drivername, url.username, None, url.host, url.port, url.database, url.query
+        ).render_as_string()
+    return "sha256:" + hashlib.sha256(named.encode()).hexdigest()
 
 
 # ------------------------------------------------------------------ the registry (I/O)

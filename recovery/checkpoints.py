@@ -15,6 +15,13 @@ import posixpath
 from collections.abc import Iterable
 
 
+def filled(template: str, user: str, job: str, job_id: int) -> str:
+    """An admin's checkpoint store template (``c.FleetController.job_checkpoint_store``)
+    for one job: ``{user}``, ``{job}`` (its name) and ``{id}`` replaced, nothing else read
+    into it (a submission's own location is taken as it is written)."""
+    return template.replace("{user}", user).replace("{job}", job).replace("{id}", str(job_id))
+
+
 def location_problem(uri: str, places: Iterable[str]) -> str | None:
     """What is wrong with checkpoint location ``uri`` for a user whose local checkpoints
     may go under ``places`` (absolute directories); None when nothing is."""

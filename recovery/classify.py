@@ -28,9 +28,11 @@ The rules (docs/recovery.md has them as a table):
   one: disruptions (preemption, drain, ``DisruptionTarget``) restart without spending the
   budget; the user's own errors (a Python exception in their code, CUDA out of memory,
   ``OOMKilled``, exit 2, 126, 127, a pod that could not start as the job asks, e.g. a
-  checkpoint location it may not use) are not retried, and the verdict says why; an NCCL
-  watchdog timeout restarts; anything else (exit 1 with no rank error, a SIGKILL from
-  nowhere) restarts and spends the budget: an exit code alone is weak evidence.
+  checkpoint location it may not use) are not retried, and the verdict says why; a pod its
+  node could not start (no sandbox there, the agent's own trouble) restarts elsewhere; a
+  restarted agent that found no record of a pod is a disruption; an NCCL watchdog timeout
+  restarts; anything else (exit 1 with no rank error, a SIGKILL from nowhere) restarts and
+  spends the budget: an exit code alone is weak evidence.
 - **Hangs**: no progress report for ``max(hang_factor × p99 step time, hang_floor_s)``,
   a checkpoint started and not saved within ``checkpoint_limit_s``, or (a job that never
   reports progress) no output and idle GPUs for ``silent_idle_s``: the job is killed and
@@ -117,7 +119,14 @@ USER_EXIT_CODES = {
     127: "a command that was not found",
 }
 # Pod reasons and termination causes that are someone else's decision, not a fault.
-DISRUPTIONS = frozenset({"Preempted", "DisruptionTarget", "Drained", "Evicted"})
+DISRUPTIONS = frozenset({"Preempted", "DisruptionTarget", "Drained", "Evicted", "AgentRestarted"})
+# How the local node agent's reasons for a pod that did not run begin, and what they mean
+# for the pod's outcome (``outcome_reason``): the job asked for what cannot be done (its
+# own error), the node could not run it (the infrastructure's), or a restarted agent found
+# no record of a pod an agent of an earlier release ran (a disruption of the platform's).
+REFUSED_AS_ASKED = "could not start: "
+NODE_COULD_NOT_START = "this node could not start it: "
+ENDED_BY_AGENT_RESTART = "was ended: the node agent restarted"
 # Exception types and messages of a rank that are the user's own doing.
 OUT_OF_MEMORY = ("OutOfMemoryError", "CUDA out of memory")
 NCCL_TIMEOUT = ("Watchdog caught collective operation timeout", "NCCL timeout", "ncclTimeout")
@@ -214,6 +223,18 @@ class RankError:
     rank: int
     exception: str  # its type, "ValueError"
     message: str
+
+
+def outcome_reason(agent_reason: str) -> str:
+    """The backend's reason (``PodOutcome.reason``) for what the local node agent said of
+    a pod: ``StartFailed``, ``NodeCannotStart``, ``AgentRestarted`` or none."""
+    if agent_reason.startswith(REFUSED_AS_ASKED):
+        return "StartFailed"
+    if agent_reason.startswith(NODE_COULD_NOT_START):
+        return "NodeCannotStart"
+    if agent_reason.startswith(ENDED_BY_AGENT_RESTART):
+        return "AgentRestarted"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -544,6 +565,15 @@ def _outcome(signal: PodOutcome, earlier: Sequence[Signal], policy: RecoveryPoli
             FaultClass.USER,
             "the pod could not start as the job asks: not retried; the job's reason says "
             "what to change",
+            evidence=[signal],
+        )
+    if signal.reason == "NodeCannotStart":
+        return _verdict(
+            FaultClass.UNKNOWN,
+            f"node {', '.join(signal.nodes)} could not start the pod (not the job's doing): "
+            "the job restarts elsewhere",
+            nodes=signal.nodes,
+            job=JobAction.RESTART_ELSEWHERE,
             evidence=[signal],
         )
     error = signal.rank_error

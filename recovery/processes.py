@@ -51,7 +51,7 @@ def workload_marker(found: str) -> str:
 
 def marked_pids(marker: str, proc: Path = Path("/proc")) -> list[int]:
     """Live processes that carry ``marker`` or the marker of one of its parts."""
-    return sorted(_of(marker, proc))
+    return sorted(_marked_starts(marker, proc))
 
 
 def marked_processes(proc: Path = Path("/proc")) -> dict[int, str]:
@@ -162,7 +162,7 @@ def running(pid: int, started: int, proc: Path = Path("/proc")) -> bool:
     return stat is not None and stat[0] not in ("Z", "X") and int(stat[19]) == started
 
 
-def _of(marker: str, proc: Path) -> dict[int, int]:
+def _marked_starts(marker: str, proc: Path) -> dict[int, int]:
     """``{pid: start}`` of the live processes carrying ``marker`` or one of its parts'."""
     part = marker + "."
     return {
@@ -182,7 +182,7 @@ class Watch:
 
     def alive(self) -> list[int]:
         """The pids of what still runs (refreshing what carries the marker)."""
-        self.seen.update(_of(self.marker, self.proc))
+        self.seen.update(_marked_starts(self.marker, self.proc))
         self.seen = {
             pid: started for pid, started in self.seen.items() if running(pid, started, self.proc)
         }

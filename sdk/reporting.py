@@ -9,14 +9,16 @@ Cheap enough to call every step: a call records the step under a lock and return
 daemon thread sends what is new every ``GPUFLEET_PROGRESS_INTERVAL`` seconds (5), at once
 for a checkpoint, and once more when the process exits. The step is never held up: a
 report that cannot be sent is dropped (the next one carries the latest step; a saved
-checkpoint is kept until it is sent).
+checkpoint is kept until it is sent). A report the agent refuses, or a checkpoint it leaves
+out (one outside ``GPUFLEET_CHECKPOINT_URI``: only those are resumed from), is said once on
+the rank's stderr and not sent again. A checkpoint's path is made absolute here.
 
 Only local rank 0 of each pod reports (``LOCAL_RANK``, as torchrun sets it): one report
 per pod. Reports go to the node agent on the rank's own machine
-(``GPUFLEET_PROGRESS_URL``, set by the agent), carrying the rank's process marker
-(``GPUFLEET_SESSION_MARKER``), which the agent knows as that pod's: ranks hold no platform
-token. Outside a gpufleet job (no URL in the environment) the calls do nothing, so a
-script runs the same on a laptop.
+(``GPUFLEET_PROGRESS_URL``, set by the agent), naming the rank's pod by its process marker
+(``GPUFLEET_SESSION_MARKER``); the agent asks the kernel which process is calling: ranks
+hold no platform token. Outside a gpufleet job (no URL in the environment) the calls do
+nothing, so a script runs the same on a laptop.
 
 Standard library only: this is the light SDK, installed without the server extras.
 """
@@ -26,8 +28,10 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from typing import Any
@@ -60,6 +64,7 @@ class Reporter:
         self._saved: list[tuple[str, int, int | None, float]] = []
         self._dirty = False
         self._thread: threading.Thread | None = None
+        self._told: set[str] = set()
 
     # ------------------------------------------------------------ the rank's calls
     def progress(
@@ -97,9 +102,12 @@ class Reporter:
         self._wake.set()
 
     def checkpoint_saved(self, uri: str, step: int, epoch: int | None = None) -> None:
+        where = str(uri)
+        if "://" not in where:
+            where = os.path.abspath(where)  # the next attempt may start elsewhere
         with self._lock:
             self._in_flight = None
-            self._saved.append((str(uri)[:2000], int(step), epoch, time.monotonic()))
+            self._saved.append((where[:2000], int(step), epoch, time.monotonic()))
             self._dirty = True
         self._started()
         self._wake.set()
@@ -166,18 +174,43 @@ class Reporter:
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as answer:
-                answer.read()
+                said = answer.read(4096).decode(errors="replace").strip()
+            if said:  # what the agent left out, e.g. a checkpoint outside the job's location
+                self._tell(said)
             return True
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
+                # Refused as it is: sending it again would be refused again (and hold up
+                # every later step), so it is dropped, and said once.
+                self._tell(f"progress report refused ({e.code}): {_text(e)}")
+                return False
+            return self._keep_saved(body)
         except OSError:
-            # Dropped, but a saved checkpoint is said again with the next report.
-            with self._lock:
-                saved = [
-                    (c["uri"], c["step"], c.get("epoch"), time.monotonic() - c["age_s"])
-                    for c in body["checkpoints_saved"]
-                ]
-                self._saved[:0] = saved
-                self._dirty = self._dirty or bool(saved)
-            return False
+            return self._keep_saved(body)
+
+    def _keep_saved(self, body: dict[str, Any]) -> bool:
+        """The report did not arrive: a saved checkpoint is said again with the next one."""
+        with self._lock:
+            saved = [
+                (c["uri"], c["step"], c.get("epoch"), time.monotonic() - c["age_s"])
+                for c in body["checkpoints_saved"]
+            ]
+            self._saved[:0] = saved
+            self._dirty = self._dirty or bool(saved)
+        return False
+
+    def _tell(self, message: str) -> None:
+        """Say ``message`` on the rank's stderr (its log), once."""
+        if message not in self._told:
+            self._told.add(message)
+            print(f"gpufleet: {message}", file=sys.stderr, flush=True)
+
+
+def _text(error: urllib.error.HTTPError) -> str:
+    try:
+        return error.read(4096).decode(errors="replace").strip() or str(error.reason)
+    except OSError:
+        return str(error.reason)
 
 
 class _Silent:

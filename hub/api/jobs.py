@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ...recovery.checkpoints import filled
 from ...scheduler.store.jobs import DesiredPod, JobSpec, LogChunk, PodReport
 from ...scheduler.store.models import JobPod, JobProgress, Workload, WorkloadKind, WorkloadState
 from ...scheduler.store.progress import ProgressReport, Saved, progress_json, training_ratio
@@ -148,11 +149,15 @@ class JobsHandler(APIHandler):
         body = self.body(js.JobSubmitIn)
         controller = self.controller
         problems = spec_problems(
+            script_name=body.script_name,
             env=body.env,
             args=body.args,
             python=body.python,
             cwd=body.cwd,
-            checkpoint_uri=body.checkpoint_uri,
+            # The submission's own location, or where the controller's store puts it (the
+            # job's id is not known yet: what it fills in is a number, which moves nothing).
+            checkpoint_uri=body.checkpoint_uri
+            or filled(controller.job_checkpoint_store, identity.name, body.name or "job-1", 1),
             checkpoint_places=controller.checkpoint_places(identity.name),
         )
         interpreter = await asyncio.to_thread(interpreter_problem, body.python)
@@ -176,7 +181,8 @@ class JobsHandler(APIHandler):
             args=tuple(body.args),
             cwd=body.cwd,
             env=body.env,
-            checkpoint_uri=body.checkpoint_uri or controller.job_checkpoint_store,
+            checkpoint_uri=body.checkpoint_uri,
+            checkpoint_store=controller.job_checkpoint_store,
             grace_s=controller.job_stop_grace_seconds,
             session=body.session,
         )

@@ -48,6 +48,7 @@ from ...recovery.classify import (
     Xid,
     classify,
     hang_of,
+    outcome_reason,
 )
 from ...recovery.classify import JobProgress as JobProgressSeen
 from ..errors import NotFound
@@ -71,7 +72,8 @@ from .models import (
 from .progress import percentile
 
 # What the agent reports of a failed rank: "rank 1: ValueError: bad learning rate".
-_RANK_ERROR = re.compile(r"^rank (\d+): ([A-Za-z_][\w.]*): (.*)$", re.DOTALL)
+# (Nine digits at most: the rest of the line is what a rank wrote, and int() refuses 4,300.)
+_RANK_ERROR = re.compile(r"^rank (\d{1,9}): ([A-Za-z_][\w.]*): (.*)$", re.DOTALL)
 HARDWARE_EVENTS = ("gpu-xid", "gpu-lost")
 
 
@@ -107,10 +109,13 @@ class AttemptStore(StoreBase):
         its job's GPUs and nodes."""
         gpus, nodes = _placement(workload)
         error = _RANK_ERROR.match(row.reason or "")
+        reason = outcome_reason(row.reason or "")
+        if reason == "NodeCannotStart":
+            nodes = (row.node,)  # this pod's node, not every node of the job
         outcome = PodOutcome(
             exit_code=row.exit_code,
             signal=row.signal,
-            reason="StartFailed" if (row.reason or "").startswith("could not start") else "",
+            reason=reason,
             rank_error=(
                 RankError(int(error.group(1)), error.group(2), error.group(3).strip())
                 if error

@@ -29,6 +29,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
+from ...recovery.checkpoints import filled
 from ...recovery.classify import AgentSilent, Verdict, classify
 from ..errors import InvalidRequest
 from ..validation import JobRequest, validate_job_request
@@ -82,7 +83,10 @@ class JobSpec:
     args: tuple[str, ...] = ()
     cwd: str = ""
     env: Mapping[str, str] = field(default_factory=dict)
-    checkpoint_uri: str = ""
+    checkpoint_uri: str = ""  # the submission's own, taken as written
+    # Where checkpoints go when the submission names no place: the controller's
+    # job_checkpoint_store, with {user}, {job} and {id} filled in (recovery.checkpoints).
+    checkpoint_store: str = ""
     grace_s: float = 30.0
     session: int | None = None  # the submitting session, whose environment the ranks get
     pinned: str = ""  # the copy of that session's environment made at submit
@@ -216,8 +220,8 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 environment["environment_pinned"] = spec.pinned
             if not workload.name:
                 workload.name = f"job-{workload.id}"
-            checkpoint = spec.checkpoint_uri.format(
-                user=request.username, job=workload.name, id=workload.id
+            checkpoint = spec.checkpoint_uri or filled(
+                spec.checkpoint_store, request.username, workload.name, workload.id
             )
             workload.spec = {**spec.as_json(), "checkpoint_uri": checkpoint, **environment}
             _event(

@@ -28,8 +28,8 @@ from .harness import Hub, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
 CULL_INTERVAL = timedelta(seconds=1)  # conftest.CULLER_CONFIG
-# From the culler's decision to the hub's answer saying the server stops, on a busy
-# two-core machine: the decision's round, the stop request, the hub, this test's look.
+# What a busy two-core machine adds to a step: the culler's round running late, the stop
+# request, the hub's answer, this test's look.
 STOP_LATENCY = timedelta(seconds=2)
 NOTEBOOK = {
     "type": "notebook",
@@ -136,14 +136,17 @@ def test_an_untouched_jupyterlab_tab_is_warned_and_culled_at_the_time_it_was_tol
         expect(page.get_by_text("official Jupyter news")).to_have_count(0)
 
         stopped = wait_for(lambda: stopping(hub, "bob"), 60, "the server to stop")
-        late = stopped - due
-        assert timedelta(0) <= late <= CULL_INTERVAL + STOP_LATENCY, f"stopped {late} after {due}"
         assert hub.wait_ended(bob, 90)["outcome"] == "stopped"
         assert not events(hub, bob["id"], "session-warning-withdrawn")
+        # The culler acted at the time it gave, within its round (its own clock, which a
+        # busy machine disturbs least); the hub said so soon after.
+        (cull,) = events(hub, bob["id"], "session-cull")
+        culled = datetime.fromisoformat(cull["at"])
+        assert timedelta(0) <= culled - due <= CULL_INTERVAL + STOP_LATENCY, (culled, due)
+        assert stopped - due <= CULL_INTERVAL + 2 * STOP_LATENCY, f"stopped at {stopped}"
         # Its live snapshot was taken while the warning stood, not after the time it gave.
         (live,) = events(hub, bob["id"], "session-snapshot")
-        (cull,) = events(hub, bob["id"], "session-cull")
-        assert datetime.fromisoformat(live["at"]) <= datetime.fromisoformat(cull["at"])
+        assert datetime.fromisoformat(live["at"]) <= culled
     finally:
         page.context.close()
         hub.stop_all_servers()

@@ -4,9 +4,9 @@ submit (400, saying what to change); what only the node can find out ends her jo
 her error (not retried). The node agent stays up throughout, and bob's job runs on
 untouched: same ranks, same attempt, no fault, still stepping.
 
-Her ranks also try to pass for bob's: a progress report with bob's process marker, and a
-checkpoint outside her job's location, are refused by the agent (403), and bob's job never
-resumes from her files."""
+Her ranks also try to pass for bob's: a progress report with bob's process marker is
+refused by the agent (403), a checkpoint outside her job's location is left out, and bob's
+job never resumes from her files."""
 
 from __future__ import annotations
 
@@ -55,6 +55,12 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"name": "x\nINFO forged log line"}, "name"),
 ]
 
+WRITES_ERROR_FILE = (
+    "with open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w') as f:\n"
+    "    f.write({content})\n"
+    "raise ValueError('hostile')\n"
+)
+
 # What only the node finds out: each ends her job as her error, never retried.
 NODE_FAILS: list[tuple[dict[str, Any], str]] = [
     ({"python": "/nonexistent/bin/python"}, "exited with code 127"),
@@ -67,6 +73,20 @@ NODE_FAILS: list[tuple[dict[str, Any], str]] = [
     (
         {"script": "import os, signal\nos.kill(int(os.environ['AGENT_PID']), signal.SIGKILL)\n"},
         "ProcessLookupError",
+    ),
+    # What it leaves for the agent to read: an error file nested deeper than JSON is
+    # read, and one whose message fakes torchrun's summary with a rank number no int()
+    # takes. The agent reads past both to the rank's own last line.
+    ({"script": "import os\n" + WRITES_ERROR_FILE.format(content="'[' * 100_000")}, "hostile"),
+    (
+        {
+            "script": "import json, os\n"
+            + WRITES_ERROR_FILE.format(
+                content="json.dumps({'message': {'message': 'Root Cause\\nrank : ' + "
+                "'9' * 5000 + ' (local_rank: 0)'}})"
+            )
+        },
+        "hostile",
     ),
 ]
 
@@ -100,8 +120,9 @@ def _marker_of(job_id: int) -> str:
     raise AssertionError(f"no process of job {job_id}'s pod 0")
 
 
-# Alice's rank reports as bob's pod (his marker), then a checkpoint outside her job's
-# location, then her own step; it prints each answer's status and text.
+# Alice's rank reports as bob's pod (his marker: refused), then a checkpoint outside her
+# job's location (left out, and the answer says so), then her own step; it prints each
+# answer's status and text.
 PASSES_FOR_BOB = textwrap.dedent(
     """
     import json, os, urllib.error, urllib.request
@@ -112,7 +133,7 @@ PASSES_FOR_BOB = textwrap.dedent(
             headers={"X-Gpufleet-Marker": marker, "Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=10) as answer:
-                return answer.status, ""
+                return answer.status, answer.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
 
@@ -132,6 +153,8 @@ def test_a_hostile_job_ends_alone_and_another_users_job_on_the_node_runs_on(flee
     bob = Client(hub.controller_api, hub.user_token("bob"))
     alice = Client(hub.controller_api, hub.user_token("alice"))
     with bob, alice:
+        # Everything on one node (one zone): bob's job, and each of alice's beside it.
+        hub.controller("POST", "/nodes/gpu-node-b/cordon")
         bobs = bob.submit(
             STEPS_FOREVER,
             gpus=2,
@@ -171,6 +194,7 @@ def test_a_hostile_job_ends_alone_and_another_users_job_on_the_node_runs_on(flee
                 ended.reason,
             )
             assert expected in ended.reason, (fields, ended.reason)
+            assert {p.node for p in ended.pod_states} == {"gpu-node-a"}
 
         # Her rank passes for bob's pod: refused, whatever marker it shows.
         posing = alice.submit(
@@ -180,7 +204,9 @@ def test_a_hostile_job_ends_alone_and_another_users_job_on_the_node_runs_on(flee
         assert done.outcome == "succeeded", done.reason
         said = "".join(alice.logs(posing, rank=0))
         assert "as bob: 403 403: the report does not come from the account" in said, said
-        assert "outside: 403 403: checkpoint /tmp/alice-checkpoint is not inside" in said, said
+        assert (
+            "outside: 200 checkpoint /tmp/alice-checkpoint is left out: it is not inside" in said
+        ), said
         assert "own: 204" in said, said
 
         # The agent never went down, and bob's job never noticed.

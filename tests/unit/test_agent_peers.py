@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from gpufleet.agent.peers import Caller, NotTheCaller, caller_of, check_caller
+from gpufleet.agent.peers import Caller, ReportRefused, caller_of, check_caller
 from gpufleet.recovery import processes
 
 CONNECTS = (
@@ -52,10 +52,10 @@ def test_the_caller_is_the_socket_its_process_holds_as_its_account() -> None:
         caller = caller_of(conn.getpeername(), conn.getsockname())
         assert caller is not None and caller.uid == os.getuid()
         check_caller(caller, pod, os.getuid())  # the pod's process, as its account
-        with pytest.raises(NotTheCaller, match="not come from the account"):
+        with pytest.raises(ReportRefused, match="not come from the account"):
             check_caller(caller, pod, os.getuid() + 1)
         # Another process (another pod's) does not hold that socket.
-        with pytest.raises(NotTheCaller, match="not come from a process of that pod"):
+        with pytest.raises(ReportRefused, match="not come from a process of that pod"):
             check_caller(caller, other, os.getuid())
         assert client.pid in processes.marked_pids(pod)
         assert impostor.pid in processes.marked_pids(other)
@@ -63,7 +63,7 @@ def test_the_caller_is_the_socket_its_process_holds_as_its_account() -> None:
 
 def test_a_connection_no_socket_of_this_machine_made_has_no_caller() -> None:
     assert caller_of(("127.0.0.1", 1), ("127.0.0.1", 2)) is None
-    with pytest.raises(NotTheCaller, match="not come from a process of this machine"):
+    with pytest.raises(ReportRefused, match="not come from a process of this machine"):
         check_caller(None, processes.new_marker(), 1000)
-    with pytest.raises(NotTheCaller, match="not come from a process of that pod"):
+    with pytest.raises(ReportRefused, match="not come from a process of that pod"):
         check_caller(Caller(os.getuid(), 1), processes.new_marker(), os.getuid())

@@ -55,7 +55,7 @@ class Controller:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("test_api_input"))
     version: str = "test"
     is_leader: bool = True
-    job_checkpoint_store: str = ""
+    job_checkpoint_store: str = "/checkpoints/{user}/{job}"
     job_stop_grace_seconds: float = 5.0
     request_lease: timedelta = timedelta(minutes=5)
     gpu_busy_utilization: float = 5.0
@@ -355,6 +355,22 @@ async def test_a_query_parameter_with_nul_is_a_400(api: httpx.AsyncClient) -> No
 
 
 # --------------------------------------------------------------------- times
+@pytest.mark.parametrize("place", ["/homes/alice/{user:>300000000}", "/homes/alice/{x}{"])
+async def test_a_checkpoint_location_is_taken_as_written_and_never_formatted(
+    api: httpx.AsyncClient, place: str
+) -> None:
+    made = await api.post("/jobs", json={**JOB, "checkpoint_uri": place})
+    assert made.status_code == 201, made.text
+    assert made.json()["checkpoint_uri"] == place
+
+
+async def test_a_job_name_that_moves_the_default_checkpoint_location_is_a_400(
+    api: httpx.AsyncClient,
+) -> None:
+    message = refused(await api.post("/jobs", json={**JOB, "name": "../../bob"}))
+    assert "'/checkpoints/alice/../../bob' must be an absolute path without .. parts" in message
+
+
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [

@@ -16,6 +16,7 @@ PLACES = ["/data/homes/alice", "/data/checkpoints/alice"]
 
 def problems(**fields: object) -> list[str]:
     launch: dict[str, object] = {
+        "script_name": "train.py",
         "env": {},
         "args": [],
         "python": "",
@@ -57,6 +58,8 @@ def test_a_plain_submission_has_no_problem() -> None:
         ({"checkpoint_uri": "gs://bucket/x"}, "only s3:// locations and local directories"),
         ({"checkpoint_uri": "s3:///x"}, "must be s3://<bucket>/<prefix>"),
         ({"checkpoint_uri": "s3://b/x/../y"}, "without . or .. parts"),
+        ({"script_name": "../x.py"}, "script_name '../x.py' must be a plain file name"),
+        ({"script_name": ".."}, "script_name '..' must be a plain file name"),
     ],
 )
 def test_what_a_node_could_not_run_as_asked_is_refused_saying_what_to_change(
@@ -66,17 +69,18 @@ def test_what_a_node_could_not_run_as_asked_is_refused_saying_what_to_change(
     assert len(found) == 1 and expected in found[0], found
 
 
-def test_an_interpreter_this_machine_shows_must_be_an_executable_file(tmp_path: Path) -> None:
+def test_an_interpreter_every_sandbox_shows_must_be_an_executable_file(tmp_path: Path) -> None:
     assert "is not an executable file" in str(interpreter_problem("/etc/passwd"))
-    assert "is not an executable file" in str(interpreter_problem(str(tmp_path)))
-    runs = tmp_path / "python"
-    runs.write_text("#!/bin/sh\n")
-    runs.chmod(0o755)
-    assert interpreter_problem(str(runs)) is None
+    assert "is not an executable file" in str(interpreter_problem("/usr/bin"))
+    assert interpreter_problem(os.path.realpath("/bin/sh")) is None
     # Only the job's own environment may hold it: left to the node, whose launcher exits
     # 127 (a user error, not retried) if it is nowhere.
-    assert interpreter_problem(str(tmp_path / "env" / "bin" / "python")) is None
-    assert interpreter_problem(os.path.realpath("/bin/sh")) is None
+    assert interpreter_problem("/opt/gpufleet/env/bin/python") is None
+    # Nothing outside what a sandbox shows is looked at: no answer says whether a file of
+    # another user's, or of the platform's, is there.
+    assert interpreter_problem(str(tmp_path)) is None
+    assert interpreter_problem("/root") is None
+    assert interpreter_problem("/usr/../root") is None
 
 
 def test_a_checkpoint_is_the_jobs_own_only_inside_its_location() -> None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,7 +24,7 @@ from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 
 from gpufleet import reporting as sdk_progress
-from gpufleet.agent.peers import Caller, NotTheCaller
+from gpufleet.agent.peers import Caller, ReportRefused
 from gpufleet.agent.progress import RankReport, merge, progress_app
 from gpufleet.hub.api.job_schemas import JobProgressOut, PodProgressIn
 from gpufleet.recovery.classify import JobProgress as JobProgressSeen
@@ -54,6 +55,9 @@ class Endpoint:
         self.received: list[tuple[str, dict[str, Any]]] = []
         self.hang = threading.Event()
         self.refuse = False
+        # An answer to a report with a checkpoint: a refusal (403), or a 200 saying it
+        # was left out, as the agent gives them.
+        self.on_checkpoint: tuple[int, str] | None = None
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,6 +70,13 @@ class Endpoint:
                     self.end_headers()
                     return
                 outer.received.append((self.headers.get("X-Gpufleet-Marker", ""), body))
+                if outer.on_checkpoint is not None and body["checkpoints_saved"]:
+                    status, text = outer.on_checkpoint
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(text.encode())))
+                    self.end_headers()
+                    self.wfile.write(text.encode())
+                    return
                 self.send_response(204)
                 self.end_headers()
 
@@ -115,6 +126,42 @@ def test_a_report_carries_the_latest_step_the_step_times_and_checkpoints(
     assert [(c["uri"], c["step"]) for c in saved["checkpoints_saved"]] == [
         ("s3://ckpt/alice/train/step-10", 10)
     ]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        (403, "403: the report does not come from the account this pod's ranks run as"),
+        (200, "checkpoint /tmp/x is left out: it is not inside this job's checkpoint location"),
+    ],
+)
+def test_a_report_the_agent_refuses_or_cuts_is_said_once_and_never_holds_up_the_next(
+    endpoint: Endpoint, capsys: pytest.CaptureFixture[str], answer: tuple[int, str]
+) -> None:
+    endpoint.on_checkpoint = answer
+    reporter = sdk_progress.Reporter(endpoint.url, "marker-1", interval=3600)
+    reporter.checkpoint_saved("/tmp/x", 10)
+    reporter.flush()
+    for step in (11, 12):
+        reporter.progress(step, {})
+        reporter.flush()
+    sent = [body for _, body in endpoint.received]
+    # The checkpoint went once; the steps after it arrived without it.
+    assert [(b["step"], len(b["checkpoints_saved"])) for b in sent] == [(None, 1), (11, 0), (12, 0)]
+    said = capsys.readouterr().err
+    assert said.count(answer[1]) == 1, said
+
+
+def test_a_relative_checkpoint_path_is_sent_absolute(
+    endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    reporter = sdk_progress.Reporter(endpoint.url, "marker-1", interval=3600)
+    reporter.checkpoint_saved("ckpt/step-10.pt", 10)
+    reporter.checkpoint_saved("s3://bucket/step-11", 11)
+    assert reporter.flush()
+    uris = [c["uri"] for c in endpoint.received[0][1]["checkpoints_saved"]]
+    assert uris == [str(tmp_path / "ckpt" / "step-10.pt"), "s3://bucket/step-11"]
 
 
 def test_a_step_is_never_held_up_and_a_saved_checkpoint_survives_a_failed_send(
@@ -201,15 +248,16 @@ async def test_the_agents_endpoint_takes_reports_only_from_its_pods_processes() 
     def pod_of(marker: str, caller: Caller | None) -> tuple[int, int]:
         callers.append(caller)  # what the kernel says of the calling socket
         if marker != "pod-marker":
-            raise NotTheCaller("no pod of this machine carries that marker")
+            raise ReportRefused("no pod of this machine carries that marker")
         return (7, 1)
 
-    def check(pod: tuple[int, int], report: RankReport) -> None:
-        if any(not saved.uri.startswith("/c/") for saved in report.checkpoints_saved):
-            raise NotTheCaller("a checkpoint outside this job's location")
+    def own(pod: tuple[int, int], report: RankReport) -> tuple[RankReport, list[str]]:
+        kept = [c for c in report.checkpoints_saved if c.uri.startswith("/c/")]
+        left_out = [f"{c.uri} is left out" for c in report.checkpoints_saved if c not in kept]
+        return report.model_copy(update={"checkpoints_saved": kept}), left_out
 
     sockets = bind_sockets(0, "127.0.0.1")
-    server = HTTPServer(progress_app(pod_of, check, lambda pod, r, _now: noted.append((pod, r))))
+    server = HTTPServer(progress_app(pod_of, own, lambda pod, r, _now: noted.append((pod, r))))
     server.add_sockets(sockets)
     url = f"http://127.0.0.1:{sockets[0].getsockname()[1]}/progress"
     try:
@@ -223,16 +271,24 @@ async def test_the_agents_endpoint_takes_reports_only_from_its_pods_processes() 
                 url, json={"step": -1}, headers={"X-Gpufleet-Marker": "pod-marker"}
             )
             assert bad.status_code == 400
-            elsewhere = {"checkpoints_saved": [{"uri": "/other/1", "step": 1, "age_s": 0}]}
-            outside = await client.post(
-                url, json=elsewhere, headers={"X-Gpufleet-Marker": "pod-marker"}
-            )
-            assert outside.status_code == 403 and "outside this job's location" in outside.text
             ok = await client.post(url, json=body, headers={"X-Gpufleet-Marker": "pod-marker"})
             assert ok.status_code == 204
+            # A checkpoint outside the job's location is left out, the rest is taken.
+            elsewhere = {
+                "step": 4,
+                "checkpoints_saved": [
+                    {"uri": "/other/1", "step": 1, "age_s": 0},
+                    {"uri": "/c/2", "step": 2, "age_s": 0},
+                ],
+            }
+            partly = await client.post(
+                url, json=elsewhere, headers={"X-Gpufleet-Marker": "pod-marker"}
+            )
+            assert (partly.status_code, partly.text) == (200, "/other/1 is left out\n")
     finally:
         server.stop()
-    assert [(pod, r.step) for pod, r in noted] == [((7, 1), 3)]
+    assert [(pod, r.step) for pod, r in noted] == [((7, 1), 3), ((7, 1), 4)]
+    assert [c.uri for c in noted[1][1].checkpoints_saved] == ["/c/2"]
     # This test's own process opened every connection: the kernel names its socket.
     assert callers and all(c is not None and c.uid == os.getuid() for c in callers)
 

@@ -566,3 +566,37 @@ def test_a_silent_agents_jobs_run_on_until_the_job_timeout_and_a_take_over_costs
     back = workload(store, job)
     assert (back.state, back.attempt, back.faults) == (WorkloadState.pending, 2, 1)
     assert len(events(store, "job-pod-ended")) == 1
+
+
+@pytest.mark.parametrize(
+    ("reason", "outcome"),
+    [
+        # what the job asked for: its own error, not retried
+        (
+            "could not start: checkpoint_uri /etc must be in /home/carol",
+            ("ended", "failed", 1, 0, None),
+        ),
+        # what the node could not do: the infrastructure's, retried elsewhere
+        (
+            "this node could not start it: the sessions' base environment is missing",
+            ("pending", None, 2, 1, ["a2"]),
+        ),
+        # an agent of an earlier release ran it and left no record: the platform's doing
+        (
+            "was ended: the node agent restarted and found no record of it",
+            ("pending", None, 2, 0, None),
+        ),
+        # a reason whose rank number no int() takes is read as no rank error at all
+        (f"rank {'9' * 5000}: ValueError: x", ("pending", None, 2, 1, None)),
+    ],
+)
+def test_who_a_pod_that_did_not_run_is_charged_to_depends_on_why(
+    store: FleetStore, reason: str, outcome: tuple[object, ...]
+) -> None:
+    job = submit(store, 10, gpus=2)
+    assert placed_on(store, job) == {"a2"}
+    running(store, 12, job, pods=1)
+    report(store, 13, PodReport(job, 0, "failed", reason=reason))
+    ended = workload(store, job)
+    avoided = (ended.recovery or {}).get("avoid_nodes") or None
+    assert (ended.state.value, ended.outcome, ended.attempt, ended.faults, avoided) == outcome

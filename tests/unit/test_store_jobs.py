@@ -15,7 +15,9 @@ from gpufleet.scheduler.validation import JobRequest
 from .test_store import cycle, make_store, t, workload
 
 NODES = ["a1", "a2", "h1"]
-SPEC = JobSpec(script="print('hi')", python="/usr/bin/python3", checkpoint_uri="/ckpt/{user}/{job}")
+SPEC = JobSpec(
+    script="print('hi')", python="/usr/bin/python3", checkpoint_store="/ckpt/{user}/{job}"
+)
 
 
 @pytest.fixture

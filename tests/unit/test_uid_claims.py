@@ -89,8 +89,12 @@ def test_one_database_is_one_deployment_however_its_path_is_written(tmp_path: Pa
     assert deployment_identity(f"sqlite:///{tmp_path}/data/a.sqlite") != deployment_identity(
         f"sqlite:///{tmp_path}/data/b.sqlite"
     )
-    pg = "postgresql+psycopg://gpufleet@db.example:5432/fleet"
-    assert deployment_identity(pg) == pg
+    pg = "postgresql+psycopg://gpufleet:secret@db.example:5432/fleet?sslpassword=hush"
+    written = deployment_identity(pg)
+    assert written == deployment_identity(pg.replace(":secret", ":rotated"))
+    assert written != deployment_identity(pg.replace("/fleet", "/other"))
+    # Every account reads the claims: nothing of the URL is in them.
+    assert not any(part in written for part in ("gpufleet", "db.example", "secret", "hush"))
 
 
 # ------------------------------------------------------------------ the registry
