@@ -5,6 +5,7 @@ keeps under injected faults, for gpufleet's recovery and two baselines
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -27,16 +28,42 @@ def add_simulate_faults(commands: Any) -> None:
     )
     sim.add_argument("--gpus", type=int, required=True, help="the job's GPUs")
     sim.add_argument("--spares", type=int, default=0, help="spare nodes kept in its zone")
-    sim.add_argument("--days", type=float, default=54.0, help="how long it trains")
+    sim.add_argument(
+        "--days", type=_days, default=54.0, help="how long it trains (more than 0, up to 3650)"
+    )
     sim.add_argument("--seeds", type=int, default=20, help="runs averaged (default 20)")
     sim.add_argument(
         "--restart",
-        type=float,
+        type=_restart,
         default=None,
         metavar="SECONDS",
         help="time to restart its processes and load its checkpoint (default: 60 s at "
         "16,384 GPUs and more, 15 s at 1,024 and fewer, in proportion between)",
     )
+
+
+def _bounded(text: str, least: float, most: float, what: str, above: bool) -> float:
+    """A number of ``what`` from ``least`` (excluded where ``above``) up to ``most``: NaN,
+    infinity and 1e400 (which reads as infinity) would run the model's clock forever, so
+    argparse names the option and exits 2 with this message."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not ((value > least if above else value >= least) and value <= most):
+        start = f"more than {least:g}" if above else f"from {least:g}"
+        raise argparse.ArgumentTypeError(
+            f"must be a number of {what} {start} up to {most:g}, not {text!r}"
+        )
+    return value
+
+
+def _days(text: str) -> float:
+    return _bounded(text, 0, 3650, "days", above=True)
+
+
+def _restart(text: str) -> float:
+    return _bounded(text, 0, 86400, "seconds", above=False)
 
 
 def restart_seconds(gpus: int) -> float:

@@ -304,3 +304,32 @@ def test_the_options_and_the_trace_share_one_bound_on_seconds() -> None:
     from gpufleet.scheduler import inputs
 
     assert cli.MAX_SECONDS == inputs.MAX_SECONDS
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--days", value, f"must be a number of days more than 0 up to 3650, not '{value}'")
+        for value in ("nan", "inf", "1e400", "0", "-1", "3651")
+    ]
+    + [
+        ("--restart", value, f"must be a number of seconds from 0 up to 86400, not '{value}'")
+        for value in ("nan", "1e400", "-1")
+    ],
+)
+def test_simulate_faults_refuses_a_time_it_could_never_finish_with_exit_2(
+    option: str, value: str, message: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUFLEET", "JUPYTERHUB"))}
+    try:
+        done = subprocess.run(
+            [str(GPUFLEET), "simulate-faults", "--gpus", "1024", option, value],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE_S,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"gpufleet simulate-faults {option} {value} still ran after {DEADLINE_S} s")
+    assert done.returncode == 2
+    assert f"argument {option}: {message}" in done.stderr, done.stderr
