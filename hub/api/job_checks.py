@@ -1,42 +1,17 @@
-"""What a job submission may ask of a node, checked at submit so a researcher hears at
-once what to change (a 400) rather than from a pod that fails later: the rules of
-``recovery/job_spec.py``, which the node agent applies again (``agent/job_launch.py``), and
-:func:`interpreter_problem`, which looks at the controller's own machine (on one machine
-that is the node, and the ranks' sandbox shows its ``/usr``, ``/etc`` and ``/opt`` as they
-are here).
+"""What a job submission may ask of a node that only a look at the machine can tell
+(``recovery/job_spec.py`` has the rules that need none): checked at submit, so a researcher
+hears at once what to change (a 400) rather than from a pod that fails later. On one
+machine the controller's is the node, and the ranks' sandbox shows its ``/usr``, ``/etc``
+and ``/opt`` as they are here.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable, Mapping, Sequence
 
-from ...recovery.job_spec import control, launch_problems
+from ...recovery.job_spec import control
 from ...snapshotter.sandbox import DEFAULT_ROOT
-
-
-def spec_problems(
-    *,
-    script_name: str,
-    env: Mapping[str, str],
-    args: Sequence[str],
-    python: str,
-    cwd: str,
-    checkpoint_uri: str,
-    checkpoint_places: Iterable[str],
-) -> list[str]:
-    """Everything wrong with a submission's launch fields (``recovery/job_spec.py``), each
-    saying what to change."""
-    return launch_problems(
-        script_name=script_name,
-        env=env,
-        args=args,
-        python=python,
-        cwd=cwd,
-        checkpoint_uri=checkpoint_uri,
-        checkpoint_places=checkpoint_places,
-    )
 
 
 def interpreter_problem(python: str) -> str | None:

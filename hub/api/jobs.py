@@ -15,6 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ...recovery.checkpoints import filled
+from ...recovery.job_spec import launch_problems
 from ...scheduler.store.jobs import DesiredPod, JobSpec, LogChunk, PodReport
 from ...scheduler.store.models import JobPod, JobProgress, Workload, WorkloadKind, WorkloadState
 from ...scheduler.store.progress import ProgressReport, Saved, progress_json, training_ratio
@@ -24,7 +25,7 @@ from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
 from . import job_schemas as js
 from .base import APIHandler, Identity, store_errors_as_http
-from .job_checks import interpreter_problem, spec_problems
+from .job_checks import interpreter_problem
 from .views import MAX_WAIT_SECONDS, WORKLOAD_DETAILS, listing, page, workload_out
 
 if TYPE_CHECKING:
@@ -148,7 +149,7 @@ class JobsHandler(APIHandler):
             raise Forbidden("jobs are submitted by users, with their own token")
         body = self.body(js.JobSubmitIn)
         controller = self.controller
-        problems = spec_problems(
+        problems = launch_problems(
             script_name=body.script_name,
             env=body.env,
             args=body.args,

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.hub.api.job_checks import interpreter_problem, spec_problems
+from gpufleet.hub.api.job_checks import interpreter_problem
 from gpufleet.recovery.checkpoints import location_problem, within
+from gpufleet.recovery.job_spec import launch_problems
 
 PLACES = ["/data/homes/alice", "/data/checkpoints/alice"]
 
@@ -24,7 +25,7 @@ def problems(**fields: object) -> list[str]:
         "checkpoint_uri": "",
         "checkpoint_places": PLACES,
     }
-    return spec_problems(**{**launch, **fields})  # type: ignore[arg-type]
+    return launch_problems(**{**launch, **fields})  # type: ignore[arg-type]
 
 
 def test_a_plain_submission_has_no_problem() -> None:
