@@ -162,8 +162,8 @@ class PodKeeper:
             self.jobs_dir / "launchers", {**self.base_env, "PATH": OUTER_PATH}, inherit=False
         )
         self._pods: dict[tuple[int, int], _Pod] = {}
-        self._ports: dict[int, int] = {}
-        self._port_users: dict[int, int] = {}  # rendezvous port -> the uid it is open to
+        # Each job's rendezvous port here, and the uid it is open to: workload -> (port, uid).
+        self._ports: dict[int, tuple[int, int]] = {}
         self._unsent: list[dict[str, Any]] = []
         # Where each unsent chunk leaves its stream: (pod, tail, position, offset).
         self._unsent_ends: list[tuple[_Pod, LogFile, int, int]] = []
@@ -196,7 +196,7 @@ class PodKeeper:
 
     def rendezvous(self) -> dict[int, int]:
         """The rendezvous ports of the jobs running here, with the uid each is open to."""
-        return dict(self._port_users)
+        return dict(self._ports.values())
 
     def _adopt(self, record: Mapping[str, Any]) -> _Pod | None:
         """The pod of ``record`` as this agent's own, running or ended (``ending`` set);
@@ -227,8 +227,7 @@ class PodKeeper:
             pod.ending = ("exited" if status.stopping_since is None else "stopped", status)
         port = record.get("port")
         if port is not None and pod.uid is not None and status.state == "running":
-            self._ports[place.workload_id] = int(port)
-            self._port_users[int(port)] = pod.uid
+            self._ports[place.workload_id] = (int(port), pod.uid)
         self._pods[pod.key] = pod
         return pod
 
@@ -545,21 +544,18 @@ class PodKeeper:
 
     def _port_for(self, workload_id: int, uid: int) -> int:
         """The job's rendezvous port on this machine, open to its user alone."""
-        port = self._ports.get(workload_id)
-        if port is None:
-            port = free_port()
-            self._ports[workload_id] = port
-            self._port_users[port] = uid
+        if workload_id not in self._ports:
+            self._ports[workload_id] = (free_port(), uid)
             self._allow_rendezvous(workload_id)
-        return port
+        return self._ports[workload_id][0]
 
     def _allow_rendezvous(self, workload_id: int) -> None:
-        port = self._ports.get(workload_id)
-        if self.guard is None or port is None:
+        rendezvous = self._ports.get(workload_id)
+        if self.guard is None or rendezvous is None:
             return
         # Its rendezvous store answers anyone who connects: only its user may.
         try:
-            self.guard.allow_rendezvous(port, self._port_users[port])
+            self.guard.allow_rendezvous(*rendezvous)
         except GuardUnavailable as e:
             raise RunnerError(str(e)) from e
 
@@ -628,12 +624,10 @@ class PodKeeper:
             (pod.place.directory / RECORD_FILE).unlink(missing_ok=True)
         workload_id = pod.place.workload_id
         if not any(key[0] == workload_id for key in self._pods):
-            port = self._ports.pop(workload_id, None)
-            if port is not None:
-                self._port_users.pop(port, None)
-            if port is not None and self.guard is not None:
+            rendezvous = self._ports.pop(workload_id, None)
+            if rendezvous is not None and self.guard is not None:
                 try:
-                    self.guard.forget_rendezvous(port)
+                    self.guard.forget_rendezvous(rendezvous[0])
                 except GuardUnavailable as e:
                     self.log.warning("could not close job %s's rendezvous rule: %s", workload_id, e)
 

@@ -39,7 +39,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -454,13 +454,27 @@ class ActivityReporter:
         return response.status_code, answer
 
 
-class NoticesHandler(APIHandler):
-    """GET: the controller's latest notices for this session."""
+class _ReporterHandler(APIHandler):
+    """A handler of the extension's own routes, on the session's reporter."""
 
     auth_resource = "gpufleet"
 
     def initialize(self, reporter: ActivityReporter) -> None:
         self.reporter = reporter
+
+    async def _moment(self, read: Callable[[object, datetime], datetime]) -> datetime | None:
+        """The moment the request's JSON names, as ``read`` (given now) reads it; None once
+        a 400 saying what was wrong has been sent."""
+        try:
+            return read(json.loads(self.request.body or b"null"), datetime.now(UTC))
+        except ValueError as e:  # JSONDecodeError is one too
+            self.set_status(400)
+            await self.finish(json.dumps({"error": "bad_request", "message": str(e)}))
+            return None
+
+
+class NoticesHandler(_ReporterHandler):
+    """GET: the controller's latest notices for this session."""
 
     @web.authenticated
     @authorized
@@ -470,44 +484,28 @@ class NoticesHandler(APIHandler):
         await self.finish(json.dumps(self.reporter.notices.as_json()))
 
 
-class InputHandler(APIHandler):
+class InputHandler(_ReporterHandler):
     """POST {"seconds_ago": s}: the person using this JupyterLab typed, clicked or scrolled."""
-
-    auth_resource = "gpufleet"
-
-    def initialize(self, reporter: ActivityReporter) -> None:
-        self.reporter = reporter
 
     @web.authenticated
     @authorized
     async def post(self) -> None:
-        try:
-            at = input_moment(json.loads(self.request.body or b"null"), datetime.now(UTC))
-        except ValueError as e:  # JSONDecodeError is one too
-            self.set_status(400)
-            await self.finish(json.dumps({"error": "bad_request", "message": str(e)}))
+        at = await self._moment(input_moment)
+        if at is None:
             return
         self.reporter.user_acted(at, "input")
         self.set_status(204)
         await self.finish()
 
 
-class KeepAliveHandler(APIHandler):
+class KeepAliveHandler(_ReporterHandler):
     """POST {"hours": h} or {"until": iso}: ask the controller to keep this session."""
-
-    auth_resource = "gpufleet"
-
-    def initialize(self, reporter: ActivityReporter) -> None:
-        self.reporter = reporter
 
     @web.authenticated
     @authorized
     async def post(self) -> None:
-        try:
-            until = keep_alive_until(json.loads(self.request.body or b"null"), datetime.now(UTC))
-        except ValueError as e:  # JSONDecodeError is one too
-            self.set_status(400)
-            await self.finish(json.dumps({"error": "bad_request", "message": str(e)}))
+        until = await self._moment(keep_alive_until)
+        if until is None:
             return
         status, answer = await self.reporter.keep_alive(until)
         self.set_status(status)

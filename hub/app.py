@@ -818,7 +818,6 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         )
 
     def _log_request(self, handler: web.RequestHandler) -> None:
-        handler.application.answered()  # type: ignore[attr-defined]
         status = handler.get_status()
         level = logging.ERROR if status >= 500 else logging.DEBUG
         self.log.log(

@@ -21,7 +21,7 @@ IN_FLIGHT_ANSWER_S = STOP_GRACE_SECONDS * 2 / 3
 
 class CountingApplication(web.Application):
     """A web application that counts the requests it is answering: each is counted when
-    routed and ends in the log function (which calls :meth:`answered`)."""
+    routed, and again when it is logged, which Tornado does once it is answered."""
 
     in_flight = 0
 
@@ -29,8 +29,9 @@ class CountingApplication(web.Application):
         self.in_flight += 1
         return super().find_handler(request, **kwargs)
 
-    def answered(self) -> None:
+    def log_request(self, handler: web.RequestHandler) -> None:
         self.in_flight -= 1
+        super().log_request(handler)
 
 
 async def answer_in_flight(
