@@ -53,6 +53,10 @@ class Reporter:
     def __init__(self, url: str, marker: str, interval: float, timeout: float = 5.0):
         self.url, self.marker, self.interval, self.timeout = url, marker, interval, timeout
         self._lock = threading.Lock()
+        # Held from taking a report until it is answered: the flush at exit waits for the
+        # thread's report in flight (the last step, a checkpoint) instead of finding
+        # nothing new and letting the interpreter end that thread mid-send.
+        self._sending = threading.Lock()
         self._wake = threading.Event()
         self._step: int | None = None
         self._epoch: int | None = None
@@ -162,7 +166,12 @@ class Reporter:
             return body
 
     def flush(self) -> bool:
-        """Send what is new now; whether it arrived (or there was nothing)."""
+        """Send what is new now; whether it arrived (or there was nothing). Waits for a
+        report in flight (at most ``timeout``) before looking for what is new."""
+        with self._sending:
+            return self._send_new()
+
+    def _send_new(self) -> bool:
         body = self.take()
         if body is None:
             return True

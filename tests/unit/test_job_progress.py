@@ -54,6 +54,7 @@ class Endpoint:
     def __init__(self) -> None:
         self.received: list[tuple[str, dict[str, Any]]] = []
         self.hang = threading.Event()
+        self.arrived = threading.Event()  # a report reached the endpoint (maybe held there)
         self.refuse = False
         # An answer to a report with a checkpoint: a refusal (403), or a 200 saying it
         # was left out, as the agent gives them.
@@ -63,6 +64,7 @@ class Endpoint:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.arrived.set()
                 if outer.hang.is_set():
                     time.sleep(3)
                 if outer.refuse:
@@ -184,6 +186,22 @@ def test_a_step_is_never_held_up_and_a_saved_checkpoint_survives_a_failed_send(
         time.sleep(0.05)
     saved = [c["step"] for _, body in endpoint.received for c in body["checkpoints_saved"]]
     assert 2 in saved  # said again until it arrived
+
+
+def test_the_flush_at_exit_waits_for_the_last_report_still_in_flight(
+    endpoint: Endpoint,
+) -> None:
+    """A rank's last step and checkpoint go out on the reporter's thread as the script
+    ends; the flush at exit must not find "nothing new" and let the process end mid-send."""
+    reporter = sdk_progress.Reporter(endpoint.url, "m", interval=3600, timeout=10)
+    endpoint.hang.set()
+    reporter.progress(24, {}, epoch=1)
+    reporter.checkpoint_saved("/ckpt/epoch-1", 24, epoch=1)  # wakes the thread
+    assert endpoint.arrived.wait(10)  # the thread's report is held at the endpoint
+    assert reporter.flush()  # what atexit runs
+    assert [(b["step"], b["epoch"], len(b["checkpoints_saved"])) for _, b in endpoint.received] == [
+        (24, 1, 1)
+    ]
 
 
 def test_outside_a_job_and_on_other_local_ranks_the_calls_do_nothing(
