@@ -1,8 +1,8 @@
 """Spawn latency on Kubernetes: gpufleet's KubeGPUSpawner against stock KubeSpawner 7.
 
-Issue 20: "request to JupyterLab answering through the proxy, median of 5: KubeGPUSpawner
-against stock KubeSpawner 7 on the same cluster (ratio <= 1.10), and the milliseconds
-gpufleet's own steps add (queue handshake, placement, GPU read-back)."
+Measured: from the spawn request to JupyterLab answering through the proxy, median of 5,
+KubeGPUSpawner against stock KubeSpawner 7 on the same cluster (target: ratio <= 1.10),
+and the milliseconds gpufleet's own steps add (queue handshake, placement, GPU read-back).
 
 The test tier's two real clusters (``tests/k8s``: etcd, kube-apiserver, kube-scheduler,
 kube-controller-manager each; fake GPU nodes whose test kubelets run pods on this machine,

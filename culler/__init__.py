@@ -1,4 +1,10 @@
 """The idle culler: idle signals, the pure idle/reclaim policy and the culler loop.
 
-It arrives with the idle culler issue; the folder exists so the layout matches DESIGN.md.
+``policy.py`` decides, as a pure function, what a session's signals call for (warn, mark
+idle, clear the mark, cull); ``loop.py`` runs in the controller, gathers each running
+session's signals and carries the decision out; ``session_extension.py`` is the
+jupyter_server extension inside each session that reports its activity and keeps the
+controller's notices (a warning before a cull) for its JupyterLab front end in
+``labextension/``; ``snapshots.py`` runs a session's snapshot passes and restores as
+``gpufleet snapshot`` processes. Docs: docs/culler.md.
 """

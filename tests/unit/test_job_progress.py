@@ -1,4 +1,4 @@
-"""Job progress from inside training (issue 21, part 2): the light SDK's reporter
+"""Job progress from inside training: the light SDK's reporter
 (sdk/reporting.py) against a real HTTP endpoint, the agent's endpoint and merge
 (agent/progress.py), and the store's record (scheduler/store/progress.py) on SQLite and
 PostgreSQL."""
