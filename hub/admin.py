@@ -32,6 +32,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 from tornado import web
 
+from ..api.schemas import NodeOut, ProjectUsageOut
 from ..output import tree_order
 from ..scheduler.errors import InvalidRequest, NotFound
 from ..scheduler.model import Project as TreeProject
@@ -50,7 +51,6 @@ from ..scheduler.store.models import (
 from ..scheduler.store.projects import UNCHANGED, ProjectEdit, QuotaEdit
 from .api.handlers import node_rows
 from .api.projects import project_usage
-from .api.schemas import NodeOut, ProjectUsageOut
 from .errors import ClusterUnavailable
 from .pages import PageHandler, project_label, when_text
 from .timed import TimedJob, TimedWork, drain_node

@@ -18,9 +18,9 @@ from typing import Any
 from sqlalchemy import select
 from tornado import web
 
+from ..api.jobs import JobOut
 from ..scheduler.errors import InvalidRequest
 from ..scheduler.store.models import Event, JobProgress, Workload, WorkloadKind
-from .api.job_schemas import JobOut
 from .api.jobs import cancel_job, job_out, load_job
 from .api.views import WORKLOAD_DETAILS
 from .gpu_charts import job_charts

@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document the controller serves at ``api/v1/openapi.json``.
 
-Bodies and answers come from the pydantic models in ``api/schemas.py``; each operation
+Bodies and answers come from the pydantic models in ``api/`` (``gpufleet.api``); each operation
 names the scopes that may call it.
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from ..api import jobs as js
+from ..api import node_operations as nops
+from ..api import schemas
 from . import scopes
-from .api import job_schemas as js
-from .api import node_operations as nops
-from .api import schemas
 
 
 @dataclass(frozen=True)

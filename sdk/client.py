@@ -7,7 +7,7 @@ script or the ``gpufleet`` command.
             print(node.name, node.free_gpus)
 
 ``AsyncClient`` has the same methods, awaited. Answers are the API's own pydantic models
-(``hub.api.schemas``). Where the controller is and who calls it (``Connection.discover``):
+(``gpufleet.api``). Where the controller is and who calls it (``Connection.discover``):
 
 - the controller's API URL: ``api_url``, else the hub's public URL ``hub_url`` +
   ``/services/gpufleet/api/v1``, else ``$GPUFLEET_API_URL``, else
@@ -34,8 +34,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from .hub.api.job_schemas import JobOut, LogOut
-from .hub.api.schemas import (
+from .api.jobs import JobOut, LogOut
+from .api.schemas import (
     BreakerOut,
     EventOut,
     NodeOut,

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
+    from .api.schemas import QuotaUsageOut
     from .client import Client
-    from .hub.api.schemas import QuotaUsageOut
 
 EXIT_JOB_FAILED = 5
 EXIT_INTERRUPTED = 130

@@ -27,8 +27,8 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import DisplayHandle, display
 
+from .api.jobs import JobOut
 from .client import Client, GpufleetError
-from .hub.api.job_schemas import JobOut
 from .output import job_state
 
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from .hub.api.job_schemas import JobOut
-    from .hub.api.schemas import ProjectUsageOut
+    from .api.jobs import JobOut
+    from .api.schemas import ProjectUsageOut
 
 
 def job_state(job: JobOut) -> str:

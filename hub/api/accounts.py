@@ -7,8 +7,8 @@ for it, and the answer is the same for every start.
 
 from __future__ import annotations
 
+from ...api import schemas
 from .. import scopes
-from . import schemas
 from .base import APIHandler, store_errors_as_http
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
+from ...api import schemas
 from ...scheduler.store.inventory import GpuSpec, NodeSpec
 from ...scheduler.store.models import (
     Allocation,
@@ -24,7 +25,6 @@ from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
 from ..reconciler import settle_before_start
 from ..timed import TimedJob, when
-from . import schemas
 from .accounts import account_routes
 from .base import APIHandler, store_errors_as_http
 from .jobs import job_routes

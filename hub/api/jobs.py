@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ...api import jobs as js
 from ...recovery.checkpoints import filled
 from ...recovery.job_spec import launch_problems
 from ...scheduler.store.jobs import DesiredPod, JobSpec, LogChunk, PodReport
@@ -23,7 +24,6 @@ from ...scheduler.validation import JobRequest
 from ...snapshotter.sandbox import remove_tree
 from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
-from . import job_schemas as js
 from .base import APIHandler, Identity, store_errors_as_http
 from .job_checks import interpreter_problem
 from .views import MAX_WAIT_SECONDS, WORKLOAD_DETAILS, listing, page, workload_out

@@ -20,12 +20,12 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, selectinload
 from tornado import web
 
+from ...api import schemas
 from ...scheduler.store.models import Allocation, Project, Workload, WorkloadState
 from ...scheduler.store.projects import UNCHANGED, ProjectEdit, QuotaEdit
 from .. import scopes
 from ..errors import BadRequest
 from ..usage import Span, WeekUsage, to_csv_rows, usage_by_week, week_start
-from . import schemas
 from .base import APIHandler, Identity, store_errors_as_http
 
 if TYPE_CHECKING:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from ...api import schemas
 from ...scheduler.store.sessions import ActivityReport, SessionState
 from .. import scopes
 from ..errors import Unauthenticated
-from . import schemas
 from .base import APIHandler, store_errors_as_http
 
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session, selectinload
 
+from ...api import schemas
 from ...scheduler.store.models import Allocation, Node, Workload, WorkloadKind, WorkloadState, Zone
 from ..errors import BadRequest, NotFoundError
-from . import schemas
 
 MAX_WAIT_SECONDS = 60
 

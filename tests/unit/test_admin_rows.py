@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from gpufleet.api.schemas import NodeOut, ProjectUsageOut, QuotaUsageOut
 from gpufleet.hub.admin import (
     GIB,
     GpuState,
@@ -18,7 +19,6 @@ from gpufleet.hub.admin import (
     tree_use,
 )
 from gpufleet.hub.api.identity import Identity
-from gpufleet.hub.api.schemas import NodeOut, ProjectUsageOut, QuotaUsageOut
 from gpufleet.hub.pages import environment, page_context
 from gpufleet.hub.timed import TimedJob
 

@@ -18,7 +18,7 @@ from gpufleet.agent.job_launch import JobRefused, PodPlace, RankSandbox, check_s
 from gpufleet.agent.jobs import PodKeeper
 from gpufleet.agent.progress import RankReport
 from gpufleet.agent.runner import RankRunner, RankSpec
-from gpufleet.hub.api.job_schemas import PodProgressIn
+from gpufleet.api.jobs import PodProgressIn
 from gpufleet.snapshotter.sandbox import SandboxMode, SandboxSupport
 
 ACCOUNT = {"uid": 200_123, "gid": 200_123, "mode": "sandbox"}

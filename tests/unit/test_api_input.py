@@ -21,10 +21,10 @@ from tornado import web
 from tornado.httpserver import HTTPServer
 from tornado.testing import bind_unused_port
 
+from gpufleet.api.schemas import SessionRequestIn
 from gpufleet.hub import scopes
 from gpufleet.hub.api.handlers import routes
 from gpufleet.hub.api.identity import Identity
-from gpufleet.hub.api.schemas import SessionRequestIn
 from gpufleet.hub.timed import TimedWork
 from gpufleet.scheduler.store import db
 from gpufleet.scheduler.store.fleet import FleetStore

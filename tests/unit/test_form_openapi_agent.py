@@ -14,7 +14,7 @@ import pytest
 from tornado import web
 
 from gpufleet.agent.gpus import declared_gpu_uuid, declared_inventory
-from gpufleet.hub.api import schemas
+from gpufleet.api import schemas
 from gpufleet.hub.api.handlers import routes
 from gpufleet.hub.openapi import OPERATIONS, openapi_document
 from gpufleet.spawner.form import options_from_form, render_form

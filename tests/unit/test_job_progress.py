@@ -26,7 +26,7 @@ from tornado.netutil import bind_sockets
 from gpufleet import reporting as sdk_progress
 from gpufleet.agent.peers import Caller, ReportRefused
 from gpufleet.agent.progress import RankReport, merge, progress_app
-from gpufleet.hub.api.job_schemas import JobProgressOut, PodProgressIn
+from gpufleet.api.jobs import JobProgressOut, PodProgressIn
 from gpufleet.recovery.classify import JobProgress as JobProgressSeen
 from gpufleet.recovery.classify import RecoveryPolicy, hang_of
 from gpufleet.scheduler.store import db

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from gpufleet.api.schemas import ProjectUsageOut, QuotaUsageOut
 from gpufleet.hub.admin import project_rows
 from gpufleet.hub.api.identity import Identity
-from gpufleet.hub.api.schemas import ProjectUsageOut, QuotaUsageOut
 from gpufleet.hub.pages import environment, page_context, when, when_text
 from gpufleet.hub.snapshots import distinct, index_key, master_key, scan
 from gpufleet.snapshotter.capture import SourceSpec, create_snapshot

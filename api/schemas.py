@@ -9,11 +9,36 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from ...scheduler.validation import name_problem
-
 # The largest whole number any body may carry: what SQLite's and PostgreSQL's 64-bit
 # integers and JavaScript's numbers all hold exactly. A larger one is refused with a 400.
 MAX_INT = 2**53
+
+
+# Characters no name may hold: NUL (PostgreSQL refuses it in text; C strings end at it),
+# the other C0/C1 controls, and the bidirectional controls that make a name display other
+# than it reads (U+202A-U+202E embeddings and overrides, U+2066-U+2069 isolates, the
+# marks U+200E, U+200F and U+061C) — "Trojan Source", CVE-2021-42574. The scheduler's
+# pure core holds the same rule for what reaches it other than through these models
+# (scheduler/validation.py); a unit test holds the two to the same answer for every
+# character.
+BIDI_CONTROLS = frozenset(
+    "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c"
+)
+
+
+def name_problem(text: str) -> str | None:
+    """What makes ``text`` unfit to be a name (user, project, GPU type, node...), or None."""
+    for char in text:
+        if char == "\0":
+            return "holds a NUL character (U+0000)"
+        if char in BIDI_CONTROLS:
+            return (
+                f"holds the bidirectional control U+{ord(char):04X}, which makes text "
+                "display other than it reads"
+            )
+        if ord(char) < 0x20 or 0x7F <= ord(char) < 0xA0:
+            return f"holds the control character U+{ord(char):04X}"
+    return None
 
 
 def _plain_name(text: str) -> str:
@@ -50,11 +75,11 @@ def _as_utc(at: datetime) -> datetime:
 
 
 # A user, server, project, GPU type, profile, priority class, node or GPU name: no NUL,
-# control or bidirectional-control character (scheduler/validation.py says why).
+# control or bidirectional-control character (name_problem).
 Name = Annotated[str, AfterValidator(_plain_name)]
 # A GPU count as sent: a JSON number, or the text a form field held ("2": ASCII digits
-# alone, " 1" is refused), which scheduler/validation.py reads with a message saying what
-# to type. JSON true is not 1.
+# alone, " 1" is refused), which the controller reads with a message saying what to type
+# (scheduler/validation.py). JSON true is not 1.
 Count = Annotated[int | str, BeforeValidator(_count_as_sent)]
 # A time a client reports (kernel activity, a keep-alive's end), as an aware UTC datetime.
 Instant = Annotated[datetime, AfterValidator(_as_utc)]
