@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, date, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
@@ -522,21 +522,6 @@ class SpawnOptionsOut(BaseModel):
     projects: list[ProjectOut]
     profiles: list[ProfileOut]
     gpu_types: dict[str, int] = Field(description="GPU type → most GPUs one node has")
-
-
-class EventOut(BaseModel):
-    id: int
-    at: datetime
-    kind: str
-    message: str
-    reason: str
-    cause: str
-    workload_id: int | None
-    project: str | None
-    username: str | None
-    node: str | None
-    # Details for programs (e.g. an idle warning's ``last_active`` and ``due_at``).
-    data: dict[str, Any] = Field(default_factory=dict)
 
 
 class ErrorOut(BaseModel):

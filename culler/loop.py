@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from ..api.events import EventKind
 from ..hub.hubapi import stop_server
 from ..hub.snapshots import index_key, snapshot_store
 from ..scheduler.store.fleet import FleetStore
@@ -325,7 +326,7 @@ class IdleCuller:
                         self.store.record_session_event,
                         self.now(),
                         s.workload_id,
-                        "session-cull-failed",
+                        EventKind.SESSION_CULL_FAILED,
                         f"the live snapshot failed, so the session keeps running (tried "
                         f"again in {int(self.retry_after)} s): {e}",
                     )
@@ -401,7 +402,7 @@ class IdleCuller:
             self.store.record_session_event,
             now,
             s.workload_id,
-            "session-snapshot",
+            EventKind.SESSION_SNAPSHOT,
             f"live snapshot {result.get('id')}: {stats.get('files', 0)} files, "
             f"{int(stats.get('new_bytes', 0)) >> 20} MiB new, in {seconds:.1f} s",
         )

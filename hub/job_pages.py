@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import select
 from tornado import web
 
+from ..api.events import EventKind
 from ..api.jobs import JobOut
 from ..scheduler.errors import InvalidRequest
 from ..scheduler.store.models import Event, JobProgress, Workload, WorkloadKind
@@ -29,16 +30,16 @@ from .pages import PageHandler, project_names
 LOG_TAIL = 64 * 1024
 REFRESH_S = 3
 TIMELINE_EVENTS = (
-    "requested",
-    "admitted",
-    "started",
-    "job-fault",
-    "job-drained",
-    "job-failed",
-    "job-restarting",
-    "job-cancelled",
-    "preempting",
-    "ended",
+    EventKind.REQUESTED,
+    EventKind.ADMITTED,
+    EventKind.STARTED,
+    EventKind.JOB_FAULT,
+    EventKind.JOB_DRAINED,
+    EventKind.JOB_FAILED,
+    EventKind.JOB_RESTARTING,
+    EventKind.JOB_CANCELLED,
+    EventKind.PREEMPTING,
+    EventKind.ENDED,
 )
 
 

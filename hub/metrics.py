@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
+from ..api.events import EventKind
 from ..recovery.classify import FaultClass
 from ..scheduler.idle import IdleCause
 from ..scheduler.snapshot import PreemptionCause
@@ -91,7 +92,10 @@ class FleetCollector(Collector):
         with self.store.read() as session:
             for event_kind, cause, count in session.execute(
                 select(Event.kind, Event.reason, func.count())
-                .where(Event.kind.in_(("node-cordoned", "gpu-cordoned")), Event.cause == "recovery")
+                .where(
+                    Event.kind.in_((EventKind.NODE_CORDONED, EventKind.GPU_CORDONED)),
+                    Event.cause == "recovery",
+                )
                 .group_by(Event.kind, Event.reason)
             ):
                 cordons.add_metric([event_kind.removesuffix("-cordoned"), cause], count)

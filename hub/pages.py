@@ -31,6 +31,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 from tornado import web
 
+from ..api.events import EventKind
 from ..output import tree_order
 from ..scheduler.store.models import Event, Project, Workload, WorkloadKind, WorkloadState
 from . import scopes
@@ -319,7 +320,7 @@ class ServerStatus(PageHandler):
             if last is not None:
                 cull = session.scalars(
                     select(Event)
-                    .where(Event.workload_id == last.id, Event.kind == "session-cull")
+                    .where(Event.workload_id == last.id, Event.kind == EventKind.SESSION_CULL)
                     .order_by(Event.id.desc())
                     .limit(1)
                 ).first()

@@ -34,10 +34,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from .api.events import EventOut
 from .api.jobs import JobOut, LogOut
 from .api.schemas import (
     BreakerOut,
-    EventOut,
     NodeOut,
     ProjectUsageOut,
     SnapshotOut,

@@ -9,6 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from ...api import schemas
+from ...api.events import EventOut
 from ...scheduler.store.inventory import GpuSpec, NodeSpec
 from ...scheduler.store.models import (
     Allocation,
@@ -536,7 +537,7 @@ class EventsHandler(APIHandler):
             query = query.where(Event.username == identity.name)
         with self.controller.store.read() as session:
             events = [
-                schemas.EventOut.model_validate(e, from_attributes=True).model_dump(mode="json")
+                EventOut.model_validate(e, from_attributes=True).model_dump(mode="json")
                 for e in session.scalars(query)
             ]
         self.send({"items": events})

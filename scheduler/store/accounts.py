@@ -27,6 +27,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from ..errors import InvalidRequest
 from .base import StoreBase, _event
 from .models import UserAccount
@@ -126,7 +127,7 @@ class AccountStore(StoreBase):
         _event(
             session,
             now,
-            "account-created",
+            EventKind.ACCOUNT_CREATED,
             f"{username} runs as uid {uid} ({self.user_mode} mode)",
             username=username,
         )

@@ -33,6 +33,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from ...recovery.attempts import AttemptRecord, GiveUp, Resume, RetryPolicy, next_attempt
 from ...recovery.breaker import BreakerPolicy, may_cordon
 from ...recovery.classify import (
@@ -74,7 +75,7 @@ from .progress import percentile
 # What the agent reports of a failed rank: "rank 1: ValueError: bad learning rate".
 # (Nine digits at most: the rest of the line is what a rank wrote, and int() refuses 4,300.)
 _RANK_ERROR = re.compile(r"^rank (\d{1,9}): ([A-Za-z_][\w.]*): (.*)$", re.DOTALL)
-HARDWARE_EVENTS = ("gpu-xid", "gpu-lost")
+HARDWARE_EVENTS = (EventKind.GPU_XID, EventKind.GPU_LOST)
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class AttemptStore(StoreBase):
         _event(
             session,
             now,
-            "job-fault",
+            EventKind.JOB_FAULT,
             f"attempt {workload.attempt}: {verdict.reason}; stopping every rank",
             reason=verdict.fault.value,
             workload=workload,
@@ -200,7 +201,7 @@ class AttemptStore(StoreBase):
             _event(
                 session,
                 now,
-                "gpu-lemon",
+                EventKind.GPU_LEMON,
                 f"GPU {gpu.uuid} (index {gpu.index}) of node {node.name} is on the lemon "
                 f"list: {verdict.reason}; it stays out of service until an admin clears it",
                 reason=verdict.fault.value,
@@ -213,7 +214,7 @@ class AttemptStore(StoreBase):
             _event(
                 session,
                 now,
-                "gpu-cordoned",
+                EventKind.GPU_CORDONED,
                 f"GPU {gpu.uuid} (index {gpu.index}) of node {node.name} cordoned by the "
                 f"recovery loop: {verdict.reason}; it receives no new work until "
                 + (
@@ -239,7 +240,7 @@ class AttemptStore(StoreBase):
         _event(
             session,
             now,
-            "node-cordoned",
+            EventKind.NODE_CORDONED,
             f"node {node.name} cordoned by the recovery loop: {verdict.reason}; it "
             "receives no new work",
             reason=verdict.fault.value,
@@ -269,7 +270,7 @@ class AttemptStore(StoreBase):
             _event(
                 session,
                 now,
-                "recovery-breaker-tripped",
+                EventKind.RECOVERY_BREAKER_TRIPPED,
                 f"the recovery loop stops cordoning nodes of cluster {cluster.name}: {recent} "
                 f"of its {nodes} node(s) were cordoned by it within "
                 f"{self.breaker_policy.window_s:.0f} s, and one more would pass "
@@ -282,7 +283,7 @@ class AttemptStore(StoreBase):
         _event(
             session,
             now,
-            "recovery-cordon-withheld",
+            EventKind.RECOVERY_CORDON_WITHHELD,
             f"node {node.name} stays in service: the recovery breaker of cluster "
             f"{cluster.name} is open; the fault: {verdict.reason}",
             reason=verdict.fault.value,
@@ -305,7 +306,7 @@ class AttemptStore(StoreBase):
             _event(
                 session,
                 now,
-                "recovery-breaker-reset",
+                EventKind.RECOVERY_BREAKER_RESET,
                 f"{by} reset the recovery breaker of cluster {cluster_name}: the recovery "
                 "loop cordons faulty nodes again",
                 cause=by,
@@ -326,7 +327,7 @@ class AttemptStore(StoreBase):
             _event(
                 session,
                 now,
-                "gpu-lemon-cleared",
+                EventKind.GPU_LEMON_CLEARED,
                 f"{by} took GPU {gpu.uuid} (index {gpu.index}) of node {gpu.node.name} off "
                 "the lemon list: it takes new work again",
                 node=gpu.node.name,
@@ -380,7 +381,7 @@ class AttemptStore(StoreBase):
     def _drain(self, session: Session, now: datetime, node: Node, by: str, why: str) -> DrainStops:
         said = f"node {node.name} drained by {by}" + (f": {why}" if why else "")
         node.cordoned = True
-        _event(session, now, "node-drained", said, node=node.name, cause=by)
+        _event(session, now, EventKind.NODE_DRAINED, said, node=node.name, cause=by)
         held = select(Allocation.workload_id).where(
             Allocation.node_id == node.id, Allocation.closed_at.is_(None)
         )
@@ -405,7 +406,7 @@ class AttemptStore(StoreBase):
                 _event(
                     session,
                     now,
-                    "job-drained",
+                    EventKind.JOB_DRAINED,
                     f"attempt {workload.attempt}: {said}; every rank gets the checkpoint "
                     "signal, and the job restarts on another node without spending its "
                     "retry budget",
@@ -419,7 +420,7 @@ class AttemptStore(StoreBase):
             workload.state = WorkloadState.stopping
             workload.reason = f"{said}; the session is snapshotted and stops"
             workload.version += 1
-            _event(session, now, "session-drained", workload.reason, workload=workload)
+            _event(session, now, EventKind.SESSION_DRAINED, workload.reason, workload=workload)
             stops.append(
                 Stop(workload.id, "session", workload.username, workload.server_name, said)
             )
@@ -514,7 +515,7 @@ class AttemptStore(StoreBase):
         _event(
             session,
             now,
-            "job-restarting",
+            EventKind.JOB_RESTARTING,
             step.message,
             reason=verdict.fault.value,
             workload=workload,

@@ -17,6 +17,7 @@ from sqlalchemy import Engine, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from ..errors import LeaseLost, NotFound
 from . import db
 from .models import ControllerLease, Event, PriorityClass, Workload, WorkloadState
@@ -108,7 +109,7 @@ class StoreBase:
         _event(
             session,
             now,
-            "ended",
+            EventKind.ENDED,
             f"workload {workload.id} ended ({outcome}): {message}",
             reason=outcome,
             workload=workload,
@@ -118,7 +119,7 @@ class StoreBase:
 def _event(
     session: Session,
     now: datetime,
-    kind: str,
+    kind: EventKind,
     message: str,
     *,
     reason: str = "",

@@ -25,6 +25,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from .base import StoreBase, _event
 from .cycle import Stop
 from .models import (
@@ -146,7 +147,7 @@ class ClusterInventoryStore(StoreBase):
                 _event(
                     session,
                     now,
-                    "cluster-reachable",
+                    EventKind.CLUSTER_REACHABLE,
                     f"cluster {cluster}'s API server answers again",
                     cause=cluster,
                     data={"cluster": cluster},
@@ -160,7 +161,7 @@ class ClusterInventoryStore(StoreBase):
             _event(
                 session,
                 now,
-                "cluster-unreachable",
+                EventKind.CLUSTER_UNREACHABLE,
                 f"cluster {cluster}'s API server does not answer ({message}); its "
                 f"{len(names)} node(s) receive no new work until it does",
                 reason="api-server-unreachable",
@@ -195,7 +196,7 @@ class ClusterInventoryStore(StoreBase):
                 _event(
                     session,
                     now,
-                    "node-lost-session",
+                    EventKind.NODE_LOST_SESSION,
                     f"{reason}: the session ends; its GPUs are released once its pod is gone",
                     reason="node-lost",
                     workload=workload,
@@ -261,7 +262,7 @@ def _apply_state(
         _event(
             session,
             now,
-            "node-registered",
+            EventKind.NODE_REGISTERED,
             f"node {state.name} found in cluster {cluster.name} ({state.zone}) with "
             f"{state.gpus} × {state.gpu_type}",
             node=state.name,
@@ -301,7 +302,7 @@ def _cordon(session: Session, now: datetime, cluster: str, node: Node, cordoned:
     _event(
         session,
         now,
-        f"node-{verb}",
+        EventKind.NODE_CORDONED if cordoned else EventKind.NODE_UNCORDONED,
         f"node {node.name} is {verb} in cluster {cluster} (spec.unschedulable)"
         + ("; it receives no new work" if cordoned else ""),
         node=node.name,
@@ -325,7 +326,7 @@ def _health(
         _event(
             session,
             now,
-            "node-ready",
+            EventKind.NODE_READY,
             f"node {node.name} of cluster {cluster.name} is Ready",
             node=node.name,
             cause=cluster.name,
@@ -337,7 +338,7 @@ def _health(
     _event(
         session,
         now,
-        "node-not-ready",
+        EventKind.NODE_NOT_READY,
         f"node {node.name} of cluster {cluster.name} is not Ready ({state.why_not_ready}); "
         "it receives no new work",
         reason="node-not-ready",
@@ -369,7 +370,7 @@ def _slots(
     _event(
         session,
         now,
-        "gpu-count-changed",
+        EventKind.GPU_COUNT_CHANGED,
         f"node {node.name} of cluster {cluster} offers {state.gpus} GPU(s), was {had}",
         node=node.name,
         cause=cluster,
@@ -388,7 +389,7 @@ def _deleted(session: Session, now: datetime, cluster: str, node: Node) -> bool:
     _event(
         session,
         now,
-        "node-deleted",
+        EventKind.NODE_DELETED,
         f"node {node.name} was deleted from cluster {cluster}; it receives no new work",
         reason="node-deleted",
         node=node.name,
@@ -402,7 +403,7 @@ def _name_taken(session: Session, now: datetime, cluster: str, node: Node) -> No
     _event(
         session,
         now,
-        "node-name-conflict",
+        EventKind.NODE_NAME_CONFLICT,
         f"cluster {cluster} lists a node {node.name}, but a node of that name belongs to "
         f"{owner}; gpufleet ignores the second one (rename one of them)",
         reason="node-name-conflict",

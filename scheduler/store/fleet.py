@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import selectinload
 
+from ...api.events import EventKind
 from ..errors import InputError, InvalidRequest
 from ..model import project_tree
 from ..validation import SessionRequest, validate_session_request
@@ -149,7 +150,7 @@ class FleetStore(
                 _event(
                     session,
                     now,
-                    "membership-synced",
+                    EventKind.MEMBERSHIP_SYNCED,
                     f"{changes} project membership change(s) synced from hub groups",
                 )
         return changes
@@ -212,7 +213,7 @@ class FleetStore(
             _event(
                 session,
                 now,
-                "requested",
+                EventKind.REQUESTED,
                 f"{request.username} asked for {validated.gpus} × {validated.gpu_type} "
                 f"in project {project.name} for server {request.server_name or '(default)'}",
                 workload=workload,
@@ -247,7 +248,13 @@ class FleetStore(
             admitted = workload.reason.removeprefix("admitted")
             workload.reason = "running" + (admitted if admitted != workload.reason else "")
             workload.version += 1
-            _event(session, now, "started", f"workload {workload.id} is running", workload=workload)
+            _event(
+                session,
+                now,
+                EventKind.STARTED,
+                f"workload {workload.id} is running",
+                workload=workload,
+            )
             return workload
 
     def end(self, now: datetime, workload_id: int, outcome: str, message: str) -> Workload:
@@ -309,5 +316,8 @@ class FleetStore(
             return [w.id for w in expired]
 
     def record_event(self, now: datetime, kind: str, message: str, **fields: Any) -> None:
+        """An event of ``kind``, one of EventKind's values (a ValueError names any other,
+        before anything is written)."""
+        known = EventKind(kind)
         with self._write(now) as session:
-            _event(session, now, kind, message, **fields)
+            _event(session, now, known, message, **fields)

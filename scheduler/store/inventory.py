@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from ..errors import NotFound
 from .base import StoreBase, _event
 from .clusters import AGENT_PREFIX, is_slot
@@ -145,7 +146,7 @@ class InventoryStore(StoreBase):
                     _event(
                         session,
                         now,
-                        "node-registered",
+                        EventKind.NODE_REGISTERED,
                         f"node {spec.name} registered by "
                         f"{agent} with {len(spec.gpus)} × {spec.gpu_type}",
                         node=spec.name,
@@ -154,7 +155,7 @@ class InventoryStore(StoreBase):
                     _event(
                         session,
                         now,
-                        "node-back",
+                        EventKind.NODE_BACK,
                         f"node {spec.name} is reporting again",
                         node=spec.name,
                         cause=agent,
@@ -189,7 +190,7 @@ class InventoryStore(StoreBase):
                         _event(
                             session,
                             now,
-                            "gpu-missing",
+                            EventKind.GPU_MISSING,
                             f"GPU {missing.uuid} (index "
                             f"{missing.index}) is no longer reported on {spec.name}",
                             node=spec.name,
@@ -224,7 +225,7 @@ class InventoryStore(StoreBase):
                     _event(
                         session,
                         now,
-                        "node-back",
+                        EventKind.NODE_BACK,
                         f"node {node.name} is reporting again",
                         node=node.name,
                         cause=agent,
@@ -256,7 +257,7 @@ class InventoryStore(StoreBase):
             _event(
                 session,
                 now,
-                f"node-{verb}",
+                EventKind.NODE_CORDONED if cordoned else EventKind.NODE_UNCORDONED,
                 f"node {node_name} {verb} by {by}"
                 + ("; it receives no new work" if cordoned else ""),
                 node=node_name,
@@ -332,7 +333,7 @@ class InventoryStore(StoreBase):
             _event(
                 session,
                 now,
-                "gpu-xid",
+                EventKind.GPU_XID,
                 f"XID {xid} on GPU {uuid} (index {gpu.index}) of node {gpu.node.name}",
                 reason=f"xid-{xid}",
                 cause=agent,
@@ -403,7 +404,7 @@ def _gpu_event(session: Session, now: datetime, gpu: Gpu, agent: str, lost: bool
     _event(
         session,
         now,
-        "gpu-lost" if lost else "gpu-back",
+        EventKind.GPU_LOST if lost else EventKind.GPU_BACK,
         message,
         reason="nvml-gpu-lost" if lost else "",
         cause=agent,
@@ -430,7 +431,7 @@ def mark_silent(session: Session, now: datetime, timeout: timedelta) -> list[Nod
         _event(
             session,
             now,
-            "node-lost",
+            EventKind.NODE_LOST,
             f"node {node.name} has not reported for "
             f"{int(timeout.total_seconds())} s; it receives no new work",
             node=node.name,

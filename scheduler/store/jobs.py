@@ -29,6 +29,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
+from ...api.events import EventKind
 from ...recovery.checkpoints import filled
 from ...recovery.classify import AgentSilent, Verdict, classify
 from ..errors import InvalidRequest
@@ -227,7 +228,7 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
             _event(
                 session,
                 now,
-                "requested",
+                EventKind.REQUESTED,
                 f"{request.username} submitted job {workload.name}: {workload.gpus} × "
                 f"{valid.gpu_type} as {valid.pods} pod(s) of {valid.gpus_per_pod} in project "
                 f"{project.name} ({priority})",
@@ -260,7 +261,7 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 workload.outcome = "cancelled"
                 workload.reason = f"cancelled by {by}; stopping every rank"
                 workload.version += 1
-                _event(session, now, "job-cancelled", workload.reason, workload=workload)
+                _event(session, now, EventKind.JOB_CANCELLED, workload.reason, workload=workload)
             return workload
 
     def agent_sync(
@@ -335,7 +336,7 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 _event(
                     session,
                     now,
-                    "job-pod-adopted",
+                    EventKind.JOB_POD_ADOPTED,
                     f"pod {report.pod_index} on {node} kept running through a restart of its "
                     f"node agent, which took it over (attempt {workload.attempt}; nothing "
                     "was charged)",
@@ -354,13 +355,13 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                     workload.started_at = now
                     workload.reason = f"running: {workload.pods * workload.gpus_per_pod} rank(s)"
                     visible = True
-                    _event(session, now, "started", workload.reason, workload=workload)
+                    _event(session, now, EventKind.STARTED, workload.reason, workload=workload)
                 continue
             row.ended_at = now
             _event(
                 session,
                 now,
-                "job-pod-ended",
+                EventKind.JOB_POD_ENDED,
                 f"pod {report.pod_index} on {node}: {_pod_ending(row)}",
                 reason=report.state,
                 workload=workload,
@@ -380,7 +381,7 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 _event(
                     session,
                     now,
-                    "job-failed",
+                    EventKind.JOB_FAILED,
                     f"{workload.reason}; stopping the other pods",
                     reason=verdict.fault.value,
                     workload=workload,
@@ -477,7 +478,7 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
             _event(
                 session,
                 now,
-                "job-pod-ended",
+                EventKind.JOB_POD_ENDED,
                 f"pod {index} on {node.name}: {row.reason}",
                 reason="lost",
                 workload=workload,

@@ -24,6 +24,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from ...recovery.processes import part_marker
 from .base import _event
 from .models import Allocation, Gpu, Node, Workload
@@ -93,7 +94,7 @@ def release_leftovers(
         _event(
             session,
             now,
-            "gpu-leftovers-gone",
+            EventKind.GPU_LEFTOVERS_GONE,
             f"nothing of job {workload_id}'s lost pod {pod} runs on {node} any more: "
             f"{len(released)} GPU(s) held for it {held_for:.0f} s take work again"
             + (" once the node is uncordoned" if first.node.cordoned else ""),

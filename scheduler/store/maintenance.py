@@ -28,6 +28,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from .attempts import AttemptStore, DrainStops, _node_named
 from .base import _event
 from .maintenance_plan import GPU_STEPS, MAINTENANCE_KINDS, NODE_STEPS, OPERATION_OF
@@ -57,7 +58,7 @@ class MaintenanceStore(AttemptStore):
             _event(
                 session,
                 now,
-                "node-maintenance-planned",
+                EventKind.NODE_MAINTENANCE_PLANNED,
                 f"{by} asked for node {node_name} to be recycled: it is recycled once "
                 "nothing runs there, then diagnosed; it returns to service if the "
                 "diagnostics pass",
@@ -187,7 +188,7 @@ class MaintenanceStore(AttemptStore):
         _event(
             session,
             now,
-            "maintenance-passed" if passed else "maintenance-failed",
+            EventKind.MAINTENANCE_PASSED if passed else EventKind.MAINTENANCE_FAILED,
             f"{what} {'passed' if passed else 'failed'}"
             + (f" ({said})" if said else "")
             + f": {outcome}",
@@ -266,7 +267,7 @@ def _ask(
     _event(
         session,
         now,
-        "maintenance-asked",
+        EventKind.MAINTENANCE_ASKED,
         f"{kind} of {target} asked of its node agent",
         reason=kind,
         node=node.name,

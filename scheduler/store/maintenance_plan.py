@@ -18,6 +18,7 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from ...recovery.classify import HardwareAction, Verdict
 from .base import _event
 from .models import Gpu, Node
@@ -49,7 +50,7 @@ def plan_node_maintenance(session: Session, now: datetime, node: Node, verdict: 
     _event(
         session,
         now,
-        "node-maintenance-planned",
+        EventKind.NODE_MAINTENANCE_PLANNED,
         f"node {node.name} is recycled once nothing runs there, then diagnosed; it returns "
         "to service if the diagnostics pass",
         reason=verdict.fault.value,
@@ -68,7 +69,7 @@ def plan_gpu_maintenance(session: Session, now: datetime, gpu: Gpu, verdict: Ver
         _event(
             session,
             now,
-            "gpu-maintenance-planned",
+            EventKind.GPU_MAINTENANCE_PLANNED,
             f"GPU {gpu.uuid} (index {gpu.index}) of node {gpu.node.name} is reset at its next "
             f"idle point: {verdict.reason}",
             reason=verdict.fault.value,

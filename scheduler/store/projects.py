@@ -19,6 +19,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
+from ...api.events import EventKind
 from ..errors import InvalidRequest, NotFound
 from ..model import OverLimit, ProjectTree, Quota, guarantees_over_limits
 from ..model import Project as TreeProject
@@ -104,7 +105,7 @@ class ProjectAdminStore(StoreBase):
                     if key not in before or over.excess > before[key].excess:
                         raise InvalidRequest(over.message)
             for change in changes:
-                _event(session, now, "project-edited", f"{change} (by {by})", cause=by)
+                _event(session, now, EventKind.PROJECT_EDITED, f"{change} (by {by})", cause=by)
             return changes
 
 

@@ -42,14 +42,15 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from .base import StoreBase, _event
 from .models import Allocation, Event, Gpu, Node, Workload, WorkloadState
 
 # Workloads whose report is recorded: GPUs held and processes starting or running. A
 # stopping workload's pods are going away; ended and pending ones hold nothing.
 READ_BACK_STATES = (WorkloadState.admitted, WorkloadState.running)
-MISMATCH = "gpu-readback-mismatch"
-READ_BACK = "gpus-read-back"
+MISMATCH = EventKind.GPU_READBACK_MISMATCH
+READ_BACK = EventKind.GPUS_READ_BACK
 
 # A pod of a workload: (workload id, pod index).
 PodKey = tuple[int, int]

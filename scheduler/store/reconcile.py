@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from ..errors import InvalidRequest, NotFound
 from .base import StoreBase, _event
 from .models import Workload, WorkloadKind, WorkloadState
 
-RECONCILED = "reconciled"
+RECONCILED = EventKind.RECONCILED
 
 
 class ReconcileStore(StoreBase):

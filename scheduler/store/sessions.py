@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from ..errors import InvalidRequest, NotFound
 from .base import StoreBase, _event
 from .models import (
@@ -34,11 +35,11 @@ from .models import (
 _LIVE = (WorkloadState.admitted, WorkloadState.running)
 # The culler's decisions, as the events a user reads.
 _DECISION_EVENTS = {
-    "warn": "session-idle-warning",
-    "mark-idle": "session-marked-idle",
-    "unmark": "session-active-again",
-    "withdraw": "session-warning-withdrawn",
-    "cull": "session-cull",
+    "warn": EventKind.SESSION_IDLE_WARNING,
+    "mark-idle": EventKind.SESSION_MARKED_IDLE,
+    "unmark": EventKind.SESSION_ACTIVE_AGAIN,
+    "withdraw": EventKind.SESSION_WARNING_WITHDRAWN,
+    "cull": EventKind.SESSION_CULL,
 }
 
 
@@ -125,7 +126,7 @@ class SessionActivityStore(StoreBase):
                 _event(
                     session,
                     now,
-                    "session-active-again",
+                    EventKind.SESSION_ACTIVE_AGAIN,
                     f"in use again: {what}",
                     cause="session",
                     workload=workload,
@@ -165,7 +166,7 @@ class SessionActivityStore(StoreBase):
                 message = f"kept alive by {username or 'an admin'} until {until:%H:%M} UTC"
             else:
                 message = "keep-alive cleared"
-            _event(session, now, "session-keep-alive", message, workload=workload)
+            _event(session, now, EventKind.SESSION_KEEP_ALIVE, message, workload=workload)
             return row.keep_alive_until
 
     def culler_sessions(self) -> list[CulledSession]:
@@ -221,7 +222,7 @@ class SessionActivityStore(StoreBase):
                 return None
             cull = session.scalars(
                 select(Event)
-                .where(Event.workload_id == previous, Event.kind == "session-cull")
+                .where(Event.workload_id == previous, Event.kind == EventKind.SESSION_CULL)
                 .order_by(Event.id.desc())
                 .limit(1)
             ).first()
@@ -239,7 +240,7 @@ class SessionActivityStore(StoreBase):
             _event(
                 session,
                 now,
-                "session-final-snapshot-failed",
+                EventKind.SESSION_FINAL_SNAPSHOT_FAILED,
                 f"{message}; its files stay where they are and its GPUs stay allocated "
                 "while the snapshot is retried (an admin may release them)",
                 reason="snapshot-pending",
@@ -248,7 +249,7 @@ class SessionActivityStore(StoreBase):
             )
 
     def record_session_event(
-        self, now: datetime, workload_id: int, kind: str, message: str, reason: str = ""
+        self, now: datetime, workload_id: int, kind: EventKind, message: str, reason: str = ""
     ) -> None:
         with self._write(now) as session:
             workload = session.get(Workload, workload_id)

@@ -17,6 +17,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ...api.events import EventKind
 from .base import StoreBase, _event
 from .models import Project, Snapshot
 
@@ -53,7 +54,7 @@ class SnapshotStore(StoreBase):
                 _event(
                     session,
                     now,
-                    "snapshot-taken",
+                    EventKind.SNAPSHOT_TAKEN,
                     f"snapshot of {record.username}'s server {record.server_name or '(default)'}: "
                     f"{record.file_count} files, {record.size_bytes} bytes",
                     data={"manifest": record.manifest_key},
@@ -84,7 +85,7 @@ class SnapshotStore(StoreBase):
                 _event(
                     session,
                     now,
-                    "snapshot-index-rebuilt",
+                    EventKind.SNAPSHOT_INDEX_REBUILT,
                     f"snapshot index of {store_uri} rebuilt from the store: {added} added, "
                     f"{updated} updated, {removed} removed",
                 )

@@ -415,7 +415,7 @@ def test_a_second_controller_waits_for_the_lease_and_then_fences_the_first(
         lambda now: store.register_nodes(now, "agent-1", [node_spec("a3", "A100", [0])]),
         lambda now: store.sync_memberships(now, {}),
         lambda now: store.apply_config(now, [], [], [{"name": "low", "rank": 1}]),
-        lambda now: store.record_event(now, "note", "from the old controller"),
+        lambda now: store.record_event(now, "snapshot-retention", "from the old controller"),
     ]
     for write in writes:
         with pytest.raises(LeaseLost, match="controller-a no longer holds the database lease"):
