@@ -19,6 +19,7 @@ the action) prints JSON lines on stdout instead of tables.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -163,8 +164,18 @@ def _default_cache() -> Path:
 def snapshot_command(args: argparse.Namespace, console: Console, err: Console) -> int:
     try:
         from .snapshotter import errors
+
+        # Every action opens the repository, whose hashing and encryption come with the
+        # server extra; the extra comes whole, so these stand for what the actions import.
+        for part in ("crypto", "repository"):
+            importlib.import_module(f"{__package__}.snapshotter.{part}")
     except ImportError as e:
-        err.print(f"[red]the snapshot commands need gpufleet[server]:[/] {e}")
+        err.print(
+            f"gpufleet snapshot needs the server extra ({e.name} is missing): "
+            "pip install 'gpufleet[server]'",
+            markup=False,
+            highlight=False,
+        )
         return EXIT_MISSING_EXTRA
     try:
         repository = _open(args)
