@@ -16,6 +16,27 @@ from gpufleet.scheduler import validation
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_the_api_imports_pydantic_and_itself_alone() -> None:
+    """Every part of the project reads api/; api/ reads nothing of it (DESIGN.md)."""
+    outside: list[str] = []
+    for path in sorted((ROOT / "api").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            elif isinstance(node, ast.ImportFrom):  # relative: api/ itself (level 1) alone
+                names = [] if node.level == 1 else [f"{'.' * node.level}{node.module or ''}"]
+            else:
+                continue
+            outside += [
+                f"{path.name}: {name}"
+                for name in names
+                if name.split(".")[0] not in (*sys.stdlib_module_names, "pydantic", "pydantic_core")
+            ]
+    assert outside == []
+
+
 def test_the_api_and_the_scheduler_refuse_the_same_characters_in_names_with_one_message() -> None:
     # api/ imports nothing of the project, so it holds its own copy of the name rule; a body
     # the API lets through must not be refused by the scheduler's core, nor the other way.
