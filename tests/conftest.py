@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from sqlalchemy import Engine
@@ -19,6 +19,41 @@ from gpufleet.scheduler.store import db
 from .postgres import PostgresServer, PostgresUnavailable, skip_requested
 
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The Kubernetes tier runs first: under ``--dist loadfile`` it is the longest unit of
+    work (see ``pytest_xdist_make_scheduler``), and started last it would leave one worker
+    running it alone at the end."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/k8s/"))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` keeps each file's tests on one worker (its module-scoped hubs
+    start once), and here the whole Kubernetes tier too (its two clusters start once per
+    worker that runs any of it, and a second pair would cost more than it saves)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/k8s" if path.startswith("tests/k8s/") else path
+
+        def schedule(self) -> None:
+            # Schemathesis's tests (one per API operation) all carry their function's
+            # node id, and a scope scheduler keys tests by node id: it would run one.
+            collection = next(iter(self.registered_collections.values()))
+            repeated = {nodeid for nodeid in collection if collection.count(nodeid) > 1}
+            if repeated:
+                raise pytest.UsageError(
+                    f"{sorted(repeated)[0]} names several tests, and --dist loadfile would "
+                    "run one of them: run that file with --dist load (scripts/test does)"
+                )
+            super().schedule()
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -31,6 +31,7 @@ def nvml_gpus(hub: Hub, username: str) -> list[str]:
     return output.strip().split(",")
 
 
+@pytest.mark.smoke
 def test_two_sessions_see_exactly_their_own_gpus(fleet: Hub) -> None:
     assert fleet.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2).status_code in (
         201,

@@ -110,6 +110,7 @@ def pod_of(plane: ControlPlane, workload: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.browser
+@pytest.mark.smoke
 def test_alice_opens_jupyterlab_in_a_pod_with_exactly_its_gpus(
     kube_fleet: Hub, k8s_tier: ControlPlane, chromium: Browser
 ) -> None:
