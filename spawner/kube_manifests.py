@@ -471,8 +471,8 @@ def _resources(pod: SessionPod) -> Manifest:
     return {"limits": dict(sorted(limits.items())), "requests": dict(sorted(requests.items()))}
 
 
-def session_pod(pod: SessionPod) -> Manifest:
-    """The v1 Pod of a session (see the module's docstring for each choice)."""
+def _container(pod: SessionPod) -> Manifest:
+    """The session's one container: no privilege to gain, no capability."""
     container: Manifest = {"name": CONTAINER_NAME, "image": pod.image}
     if pod.image_pull_policy:
         container["imagePullPolicy"] = pod.image_pull_policy
@@ -501,7 +501,11 @@ def session_pod(pod: SessionPod) -> Manifest:
             "timeoutSeconds": 2,
             "failureThreshold": 3,
         }
+    return container
 
+
+def _pod_spec(pod: SessionPod) -> Manifest:
+    """The pod's spec: on the node gpufleet chose, never restarted, as the user's ids."""
     spec: Manifest = {
         "affinity": {
             "nodeAffinity": {
@@ -540,9 +544,14 @@ def session_pod(pod: SessionPod) -> Manifest:
     }
     if pod.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in pod.image_pull_secrets]
-    spec["containers"] = [container]
+    spec["containers"] = [_container(pod)]
     if pod.volumes:
         spec["volumes"] = [v.manifest() for v in pod.volumes]
+    return spec
+
+
+def session_pod(pod: SessionPod) -> Manifest:
+    """The v1 Pod of a session (see the module's docstring for each choice)."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -552,7 +561,7 @@ def session_pod(pod: SessionPod) -> Manifest:
             "labels": session_labels(pod),
             "annotations": session_annotations(pod),
         },
-        "spec": spec,
+        "spec": _pod_spec(pod),
     }
 
 
