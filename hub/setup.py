@@ -101,6 +101,15 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
     d.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(d.data_dir, 0o700)
     spawner_token = _platform_secrets(d.data_dir)
+    _configure_hub(c, d)
+    _configure_spawner(c, d, spawner_token)
+    _configure_services(c, d, spawner_token)
+    _configure_access(c, admin_users)
+    return d
+
+
+def _service_environment(d: Deployment) -> dict[str, str]:
+    """What the controller and the agent are started with: where the deployment lives."""
     env = {
         # The controller and agent read the file the hub was started with: the one that
         # called configure(), unless $GPUFLEET_CONFIG names an outer file that loads it.
@@ -115,8 +124,11 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
     if os.environ.get("GPUFLEET_SESSION_ENV"):
         # The agent's job ranks run from the environment the spawner's sessions run from.
         env["GPUFLEET_SESSION_ENV"] = os.environ["GPUFLEET_SESSION_ENV"]
+    return env
 
-    # --- the hub and its proxy
+
+def _configure_hub(c: Any, d: Deployment) -> None:
+    """The hub and its proxy: their addresses, database, cookie secret and pages."""
     c.JupyterHub.bind_url = d.public_url
     c.JupyterHub.hub_bind_url = f"http://{d.bind_ip}:{d.hub_api_port}"
     c.ConfigurableHTTPProxy.api_url = f"http://{d.bind_ip}:{d.proxy_api_port}"
@@ -134,7 +146,9 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
     # gpufleet's pages in the hub's navigation bar (templates/page.html extends the hub's).
     c.JupyterHub.template_paths = [str(Path(__file__).parent / "templates")]
 
-    # --- the spawner
+
+def _configure_spawner(c: Any, d: Deployment, spawner_token: str) -> None:
+    """Both backends' spawners: the controller they ask, their folders and tokens' scopes."""
     c.JupyterHub.spawner_class = "gpufleet.spawner.local.LocalGPUSpawner"
     c.LocalGPUSpawner.controller_api_url = d.controller_api_url
     c.LocalGPUSpawner.controller_token = spawner_token
@@ -160,7 +174,10 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
         f"access:services!service={CONTROLLER_SERVICE}",
     ]
 
-    # --- the gpufleet services
+
+def _configure_services(c: Any, d: Deployment, spawner_token: str) -> None:
+    """The gpufleet services the hub starts (controller, agent) or knows (the spawner)."""
+    env = _service_environment(d)
     c.JupyterHub.services = [
         {
             "name": CONTROLLER_SERVICE,
@@ -176,8 +193,12 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
             "command": [_script("gpufleet-agent")],
             "environment": env,
         },
-        {"name": SPAWNER_SERVICE, "api_token": c.LocalGPUSpawner.controller_token},
+        {"name": SPAWNER_SERVICE, "api_token": spawner_token},
     ]
+
+
+def _configure_access(c: Any, admin_users: tuple[str, ...]) -> None:
+    """gpufleet's scopes, the admins' group, and the roles of users and services."""
     c.JupyterHub.custom_scopes = scopes.DESCRIPTIONS
     # Projects map to hub groups of the same name (docs/roles-and-scopes.md); add yours with
     # c.JupyterHub.load_groups.update(...) after this call.
@@ -221,4 +242,3 @@ def configure(c: Any, config_file: str, admin_users: tuple[str, ...] = ()) -> De
             "services": [AGENT_SERVICE],
         },
     ]
-    return d
