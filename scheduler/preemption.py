@@ -28,7 +28,7 @@ import bisect
 import heapq
 import itertools
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -475,16 +475,7 @@ class VictimIndex:
         causes: dict[int, PreemptionCause] = {}
         own: list[Running] = []  # own_project: the project's eligible work, every zone
         if own_project:
-            for zone_key, zone in self.zones.items():
-                if zone_key[2] != t or request.project not in zone.gpus_by_project:
-                    continue
-                for victim in zone.members.values():
-                    if victim.project != request.project or victim.id in chosen:
-                        continue
-                    cause = self.cause(victim, request, rank, within, backfill=True)
-                    if cause is not None:
-                        causes[victim.id] = cause
-                        own.append(victim)
+            own = self._own_work(request, rank, within, chosen, causes)
             if sum(v.gpus for v in own) < own_needed:
                 return None
             searched = [
@@ -492,7 +483,95 @@ class VictimIndex:
                 for zone_key in capacity.zones_by_type.get(t, ())
             ]
         else:
-            searched = [(zone_key, zone) for zone_key, zone in self.zones.items()]
+            searched = list(self.zones.items())
+        zones = self._zones_in_order(
+            searched, request, rank, within, capacity, own_project, excluded, least
+        )
+        best: tuple[tuple[Any, ...], Victims] | None = None
+        need = Need(k, pods, quotas)
+        free = _FreeCounts(capacity)
+        for at_least, zone_key, zone in zones:
+            if best is not None and (best[0][0], best[0][1]) <= (at_least, 0.0):
+                break  # no zone further on evicts fewer GPUs, nor as few losing less
+            if own_project:
+                eligible = own
+            else:
+                eligible = self._eligible(
+                    zone.members.values(), request, rank, within, chosen, causes
+                )
+            found = cheapest_victims(
+                eligible,
+                free,
+                t,
+                need,
+                capacity.pods_fitting(zone_key, k),
+                self.now,
+                at_least,
+                zone=zone_key,
+            )
+            if found is None:
+                continue
+            cost, victims = found
+            key = (cost[0], cost[1], zone_key)
+            if best is None or key < best[0]:
+                best = (key, [(v, causes[v.id]) for v in victims])
+        return None if best is None else (best[0][2], best[1])
+
+    def _eligible(
+        self,
+        members: Iterable[Running],
+        request: Pending,
+        rank: int,
+        within: bool,
+        chosen: set[int],
+        causes: dict[int, PreemptionCause],
+        backfill: bool = False,
+    ) -> list[Running]:
+        """The ``members`` not ``chosen`` already that may be stopped for the request,
+        their causes recorded in ``causes``."""
+        eligible = []
+        for victim in members:
+            if victim.id in chosen:
+                continue
+            cause = self.cause(victim, request, rank, within, backfill=backfill)
+            if cause is not None:
+                causes[victim.id] = cause
+                eligible.append(victim)
+        return eligible
+
+    def _own_work(
+        self,
+        request: Pending,
+        rank: int,
+        within: bool,
+        chosen: set[int],
+        causes: dict[int, PreemptionCause],
+    ) -> list[Running]:
+        """The request's own project's work, in every zone of its GPU type, that its
+        request may stop: its lower preemptible classes and its backfill."""
+        own: list[Running] = []
+        for zone_key, zone in self.zones.items():
+            if zone_key[2] != request.gpu_type or request.project not in zone.gpus_by_project:
+                continue
+            mine = (v for v in zone.members.values() if v.project == request.project)
+            own += self._eligible(mine, request, rank, within, chosen, causes, backfill=True)
+        return own
+
+    def _zones_in_order(
+        self,
+        searched: list[tuple[ZoneKey, Zone]],
+        request: Pending,
+        rank: int,
+        within: bool,
+        capacity: Capacity,
+        own_project: bool,
+        excluded: ZoneKey | None,
+        least: int,
+    ) -> list[tuple[int, ZoneKey, Zone]]:
+        """The zones where evicting could make room for the gang, each with the fewest
+        GPUs it would need freed at least, from the fewest; those that could not make room
+        even by evicting every candidate a request of this kind may are left out."""
+        k, pods, t = request.gpus_per_pod, request.pods, request.gpu_type
         zones: list[tuple[int, ZoneKey, Zone]] = []
         for zone_key, zone in searched:
             if zone_key[2] != t or zone_key == excluded or zone_key not in capacity.buckets:
@@ -513,40 +592,7 @@ class VictimIndex:
                 short = request.gpus - capacity.zone_free[zone_key]
             zones.append((max(1, short, least), zone_key, zone))
         zones.sort(key=lambda z: (z[0], z[1]))
-        best: tuple[tuple[Any, ...], Victims] | None = None
-        need = Need(k, pods, quotas)
-        free = _FreeCounts(capacity)
-        for at_least, zone_key, zone in zones:
-            if best is not None and (best[0][0], best[0][1]) <= (at_least, 0.0):
-                break  # no zone further on evicts fewer GPUs, nor as few losing less
-            if own_project:
-                eligible = own
-            else:
-                eligible = []
-                for victim in zone.members.values():
-                    if victim.id in chosen:
-                        continue
-                    cause = self.cause(victim, request, rank, within)
-                    if cause is not None:
-                        causes[victim.id] = cause
-                        eligible.append(victim)
-            found = cheapest_victims(
-                eligible,
-                free,
-                t,
-                need,
-                capacity.pods_fitting(zone_key, k),
-                self.now,
-                at_least,
-                zone=zone_key,
-            )
-            if found is None:
-                continue
-            cost, victims = found
-            key = (cost[0], cost[1], zone_key)
-            if best is None or key < best[0]:
-                best = (key, [(v, causes[v.id]) for v in victims])
-        return None if best is None else (best[0][2], best[1])
+        return zones
 
 
 class _FreeCounts(Mapping[tuple[str, str], int]):
