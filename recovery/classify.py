@@ -530,6 +530,38 @@ def _fabric(
 
 def _outcome(signal: PodOutcome, earlier: Sequence[Signal], policy: RecoveryPolicy) -> Verdict:
     # A hardware signal on the job's GPUs or nodes just before outranks the exit code.
+    verdict = _hardware_before(signal, earlier, policy) or _stopped_or_not_started(signal)
+    if verdict is not None:
+        return verdict
+    if signal.rank_error is not None:
+        return _rank_error(signal, signal.rank_error)
+    if signal.reason == "OOMKilled":
+        return _verdict(
+            FaultClass.USER,
+            "the pod ran out of host memory (OOMKilled): not retried; use less memory or "
+            "ask for more",
+            evidence=[signal],
+        )
+    if signal.exit_code in USER_EXIT_CODES:
+        return _verdict(
+            FaultClass.USER,
+            f"the job's command exited {signal.exit_code} "
+            f"({USER_EXIT_CODES[signal.exit_code]}): not retried; check the command",
+            evidence=[signal],
+        )
+    return _verdict(
+        FaultClass.UNKNOWN,
+        f"the pod ended ({_how(signal)}) with nothing to explain it: the job restarts and "
+        "spends one attempt of its retry budget",
+        evidence=[signal],
+    )
+
+
+def _hardware_before(
+    signal: PodOutcome, earlier: Sequence[Signal], policy: RecoveryPolicy
+) -> Verdict | None:
+    """The verdict on the latest hardware signal on the pod's GPUs or nodes within
+    ``blame_window_s`` before it ended, when that one acts on the job; else None."""
     explaining = [
         s
         for s in earlier
@@ -538,21 +570,27 @@ def _outcome(signal: PodOutcome, earlier: Sequence[Signal], policy: RecoveryPoli
         and (getattr(s, "gpu", None) in signal.gpus or getattr(s, "node", None) in signal.nodes)
         and not isinstance(s, EccRising)
     ]
-    if explaining:
-        cause = classify(explaining[-1], earlier, policy)
-        if cause.job is not JobAction.KEEP:
-            return Verdict(
-                cause.fault,
-                cause.job,
-                cause.hardware,
-                cause.spends_budget,
-                f"the pod ended ({_how(signal)}) {signal.at - explaining[-1].at:.0f} s after "
-                f"{cause.reason}",
-                cause.gpus,
-                cause.nodes,
-                (signal, *cause.evidence),
-            )
-    how = _how(signal)
+    if not explaining:
+        return None
+    cause = classify(explaining[-1], earlier, policy)
+    if cause.job is JobAction.KEEP:
+        return None
+    return Verdict(
+        cause.fault,
+        cause.job,
+        cause.hardware,
+        cause.spends_budget,
+        f"the pod ended ({_how(signal)}) {signal.at - explaining[-1].at:.0f} s after "
+        f"{cause.reason}",
+        cause.gpus,
+        cause.nodes,
+        (signal, *cause.evidence),
+    )
+
+
+def _stopped_or_not_started(signal: PodOutcome) -> Verdict | None:
+    """The verdict its reason alone gives a pod that was stopped (a disruption) or never
+    started (as the job asks, or on its node); else None."""
     if signal.reason in DISRUPTIONS:
         return _verdict(
             FaultClass.DISRUPTION,
@@ -576,53 +614,37 @@ def _outcome(signal: PodOutcome, earlier: Sequence[Signal], policy: RecoveryPoli
             job=JobAction.RESTART_ELSEWHERE,
             evidence=[signal],
         )
-    error = signal.rank_error
-    if error is not None:
-        text = f"{error.exception}: {error.message}"
-        if any(m in text for m in CUDA_INFRASTRUCTURE):
-            return _verdict(
-                FaultClass.UNKNOWN,
-                f"rank {error.rank} failed with a GPU error ({text[:200]}) and no GPU "
-                "signal explains it: the job restarts",
-                evidence=[signal],
-            )
-        if any(m in text for m in NCCL_TIMEOUT):
-            return _verdict(
-                FaultClass.HANG,
-                f"rank {error.rank}'s collective timed out ({text[:200]}): the job restarts",
-                evidence=[signal],
-            )
-        if any(m in text for m in OUT_OF_MEMORY):
-            return _verdict(
-                FaultClass.USER,
-                f"rank {error.rank} ran out of GPU memory ({text[:200]}): not retried; use "
-                "a smaller batch or model, or more GPUs",
-                evidence=[signal],
-            )
+    return None
+
+
+def _rank_error(signal: PodOutcome, error: RankError) -> Verdict:
+    """A rank's exception: the GPU's or the collective's (restart), or the job's own
+    (out of GPU memory, an error in its code: not retried)."""
+    text = f"{error.exception}: {error.message}"
+    if any(m in text for m in CUDA_INFRASTRUCTURE):
         return _verdict(
-            FaultClass.USER,
-            f"rank {error.rank} raised {text[:300]} in the job's code: not retried; fix the "
-            "error and submit again",
+            FaultClass.UNKNOWN,
+            f"rank {error.rank} failed with a GPU error ({text[:200]}) and no GPU "
+            "signal explains it: the job restarts",
             evidence=[signal],
         )
-    if signal.reason == "OOMKilled":
+    if any(m in text for m in NCCL_TIMEOUT):
         return _verdict(
-            FaultClass.USER,
-            "the pod ran out of host memory (OOMKilled): not retried; use less memory or "
-            "ask for more",
+            FaultClass.HANG,
+            f"rank {error.rank}'s collective timed out ({text[:200]}): the job restarts",
             evidence=[signal],
         )
-    if signal.exit_code in USER_EXIT_CODES:
+    if any(m in text for m in OUT_OF_MEMORY):
         return _verdict(
             FaultClass.USER,
-            f"the job's command exited {signal.exit_code} "
-            f"({USER_EXIT_CODES[signal.exit_code]}): not retried; check the command",
+            f"rank {error.rank} ran out of GPU memory ({text[:200]}): not retried; use "
+            "a smaller batch or model, or more GPUs",
             evidence=[signal],
         )
     return _verdict(
-        FaultClass.UNKNOWN,
-        f"the pod ended ({how}) with nothing to explain it: the job restarts and spends one "
-        "attempt of its retry budget",
+        FaultClass.USER,
+        f"rank {error.rank} raised {text[:300]} in the job's code: not retried; fix the "
+        "error and submit again",
         evidence=[signal],
     )
 
