@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from ..api.events import EventKind
 from ..recovery.classify import FaultClass
@@ -42,41 +43,24 @@ class FleetCollector(Collector):
         self.store = store
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        queued = GaugeMetricFamily(
-            "gpufleet_queue_workloads",
-            "Workloads waiting for GPUs",
-            labels=["project", "gpu_type", "kind"],
-        )
-        allocated = GaugeMetricFamily(
-            "gpufleet_allocated_gpus", "GPUs allocated now", labels=["project", "gpu_type"]
-        )
-        capacity = GaugeMetricFamily(
-            "gpufleet_capacity_gpus",
-            "GPUs present on nodes, by health",
-            labels=["gpu_type", "health"],
-        )
+        # The queue, the allocations and the capacity are read at one moment: they add up.
         with self.store.read() as session:
-            for project, gpu_type, kind, count in session.execute(
-                select(Project.name, Workload.gpu_type, Workload.kind, func.count())
-                .join(Project, Workload.project_id == Project.id)
-                .where(Workload.state == WorkloadState.pending)
-                .group_by(Project.name, Workload.gpu_type, Workload.kind)
-            ):
-                queued.add_metric([project, gpu_type, kind.value], count)
-            for project, gpu_type, count in session.execute(
-                select(Project.name, Allocation.gpu_type, func.count())
-                .join(Project, Allocation.project_id == Project.id)
-                .where(Allocation.closed_at.is_(None))
-                .group_by(Project.name, Allocation.gpu_type)
-            ):
-                allocated.add_metric([project, gpu_type], count)
-            for gpu_type, health, count in session.execute(
-                select(Gpu.gpu_type, Node.health, func.count())
-                .join(Node, Gpu.node_id == Node.id)
-                .where(Gpu.present.is_(True))
-                .group_by(Gpu.gpu_type, Node.health)
-            ):
-                capacity.add_metric([gpu_type, health.value], count)
+            queued = _queued(session)
+            allocated = _allocated(session)
+            capacity = _capacity(session)
+        breakers = self._breakers()
+        cordons = self._cordons()
+        ettr = self._training_ratios()
+        idle = self._idle()
+        yield queued
+        yield allocated
+        yield idle
+        yield ettr
+        yield capacity
+        yield breakers
+        yield cordons
+
+    def _breakers(self) -> GaugeMetricFamily:
         breakers = GaugeMetricFamily(
             "gpufleet_recovery_breaker_open",
             "1 while a cluster's breaker keeps the recovery loop from cordoning its nodes",
@@ -84,6 +68,9 @@ class FleetCollector(Collector):
         )
         for cluster, tripped_at in self.store.breakers().items():
             breakers.add_metric([cluster], 0 if tripped_at is None else 1)
+        return breakers
+
+    def _cordons(self) -> CounterMetricFamily:
         cordons = CounterMetricFamily(
             "gpufleet_recovery_cordons",
             "Nodes and GPUs the recovery loop cordoned, by the class of the fault",
@@ -99,6 +86,9 @@ class FleetCollector(Collector):
                 .group_by(Event.kind, Event.reason)
             ):
                 cordons.add_metric([event_kind.removesuffix("-cordoned"), cause], count)
+        return cordons
+
+    def _training_ratios(self) -> GaugeMetricFamily:
         ettr = GaugeMetricFamily(
             "gpufleet_job_effective_training_ratio",
             "Each live job's effective training time ratio so far: the share of the time "
@@ -115,6 +105,9 @@ class FleetCollector(Collector):
                 ratio = training_ratio(recovery, now)
                 if ratio is not None:
                     ettr.add_metric([str(job_id), name, project], ratio)
+        return ettr
+
+    def _idle(self) -> GaugeMetricFamily:
         idle = GaugeMetricFamily(
             "gpufleet_idle_gpus",
             "Free GPUs of a type work waits for, after the last admission cycle, by why "
@@ -124,13 +117,53 @@ class FleetCollector(Collector):
         for gpu_type, causes in self.store.idle_gpus().items():
             for cause in IdleCause:
                 idle.add_metric([gpu_type, cause.value], causes.get(cause, 0))
-        yield queued
-        yield allocated
-        yield idle
-        yield ettr
-        yield capacity
-        yield breakers
-        yield cordons
+        return idle
+
+
+def _queued(session: Session) -> GaugeMetricFamily:
+    queued = GaugeMetricFamily(
+        "gpufleet_queue_workloads",
+        "Workloads waiting for GPUs",
+        labels=["project", "gpu_type", "kind"],
+    )
+    for project, gpu_type, kind, count in session.execute(
+        select(Project.name, Workload.gpu_type, Workload.kind, func.count())
+        .join(Project, Workload.project_id == Project.id)
+        .where(Workload.state == WorkloadState.pending)
+        .group_by(Project.name, Workload.gpu_type, Workload.kind)
+    ):
+        queued.add_metric([project, gpu_type, kind.value], count)
+    return queued
+
+
+def _allocated(session: Session) -> GaugeMetricFamily:
+    allocated = GaugeMetricFamily(
+        "gpufleet_allocated_gpus", "GPUs allocated now", labels=["project", "gpu_type"]
+    )
+    for project, gpu_type, count in session.execute(
+        select(Project.name, Allocation.gpu_type, func.count())
+        .join(Project, Allocation.project_id == Project.id)
+        .where(Allocation.closed_at.is_(None))
+        .group_by(Project.name, Allocation.gpu_type)
+    ):
+        allocated.add_metric([project, gpu_type], count)
+    return allocated
+
+
+def _capacity(session: Session) -> GaugeMetricFamily:
+    capacity = GaugeMetricFamily(
+        "gpufleet_capacity_gpus",
+        "GPUs present on nodes, by health",
+        labels=["gpu_type", "health"],
+    )
+    for gpu_type, health, count in session.execute(
+        select(Gpu.gpu_type, Node.health, func.count())
+        .join(Node, Gpu.node_id == Node.id)
+        .where(Gpu.present.is_(True))
+        .group_by(Gpu.gpu_type, Node.health)
+    ):
+        capacity.add_metric([gpu_type, health.value], count)
+    return capacity
 
 
 class ControllerMetrics:
