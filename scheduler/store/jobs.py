@@ -325,72 +325,83 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 continue  # not a pod of this agent's nodes: not its to report
             if report.attempt != workload.attempt:
                 continue  # of an attempt that has ended
-            row = rows.get(report.pod_index)
-            if row is None:
-                row = JobPod(
-                    workload_id=workload.id, pod_index=report.pod_index, node=node, state=""
-                )
-                session.add(row)
-                rows[report.pod_index] = row
-            if report.adopted and row.state == "running" and report.state == "running":
-                _event(
-                    session,
-                    now,
-                    EventKind.JOB_POD_ADOPTED,
-                    f"pod {report.pod_index} on {node} kept running through a restart of its "
-                    f"node agent, which took it over (attempt {workload.attempt}; nothing "
-                    "was charged)",
-                    workload=workload,
-                    node=node,
-                    data={"pod": report.pod_index, "attempt": workload.attempt},
-                )
-            if row.state in ENDED_POD_STATES or row.state == report.state:
-                continue
-            row.state = report.state
-            row.exit_code, row.signal, row.reason = report.exit_code, report.signal, report.reason
-            if report.state == "running":
-                row.started_at = now
-                if workload.state == WorkloadState.admitted:
-                    workload.state = WorkloadState.running
-                    workload.started_at = now
-                    workload.reason = f"running: {workload.pods * workload.gpus_per_pod} rank(s)"
-                    visible = True
-                    _event(session, now, EventKind.STARTED, workload.reason, workload=workload)
-                continue
-            row.ended_at = now
-            _event(
-                session,
-                now,
-                EventKind.JOB_POD_ENDED,
-                f"pod {report.pod_index} on {node}: {_pod_ending(row)}",
-                reason=report.state,
-                workload=workload,
-                node=node,
-                data={"pod": report.pod_index, "exit_code": row.exit_code, "signal": row.signal},
-            )
-            failed = report.state == "failed" or (
-                report.state == "exited" and report.exit_code != 0
-            )
-            if failed and workload.state != WorkloadState.stopping:
-                # Classified now, while the evidence is fresh and before the other pods'
-                # stop adds endings of its own (``store/attempts.py``).
-                verdict = self._classify_pod(session, now, workload, row)
-                said = f"pod {report.pod_index} on {node} {_pod_ending(row)}"
-                stopping_for(workload, verdict, now, said)
-                visible = True
-                _event(
-                    session,
-                    now,
-                    EventKind.JOB_FAILED,
-                    f"{workload.reason}; stopping the other pods",
-                    reason=verdict.fault.value,
-                    workload=workload,
-                    data={"attempt": workload.attempt, "verdict": verdict.reason},
-                )
+            visible |= self._apply_report(session, now, workload, report, node, rows)
         fault, ended = self._end_attempt_if_done(session, now, workload, rows)
         if visible and not ended:
             workload.version += 1
         return visible or ended, fault
+
+    def _apply_report(
+        self,
+        session: Session,
+        now: datetime,
+        workload: Workload,
+        report: PodReport,
+        node: str,
+        rows: dict[int, JobPod],
+    ) -> bool:
+        """Apply the report of one pod of the job's current attempt on ``node`` (its row
+        made if it has none yet in ``rows``); whether the job changed visibly."""
+        row = rows.get(report.pod_index)
+        if row is None:
+            row = JobPod(workload_id=workload.id, pod_index=report.pod_index, node=node, state="")
+            session.add(row)
+            rows[report.pod_index] = row
+        if report.adopted and row.state == "running" and report.state == "running":
+            _event(
+                session,
+                now,
+                EventKind.JOB_POD_ADOPTED,
+                f"pod {report.pod_index} on {node} kept running through a restart of its "
+                f"node agent, which took it over (attempt {workload.attempt}; nothing "
+                "was charged)",
+                workload=workload,
+                node=node,
+                data={"pod": report.pod_index, "attempt": workload.attempt},
+            )
+        if row.state in ENDED_POD_STATES or row.state == report.state:
+            return False
+        row.state = report.state
+        row.exit_code, row.signal, row.reason = report.exit_code, report.signal, report.reason
+        if report.state == "running":
+            row.started_at = now
+            return _job_running(session, now, workload)
+        row.ended_at = now
+        _event(
+            session,
+            now,
+            EventKind.JOB_POD_ENDED,
+            f"pod {report.pod_index} on {node}: {_pod_ending(row)}",
+            reason=report.state,
+            workload=workload,
+            node=node,
+            data={"pod": report.pod_index, "exit_code": row.exit_code, "signal": row.signal},
+        )
+        failed = report.state == "failed" or (report.state == "exited" and report.exit_code != 0)
+        if not failed or workload.state == WorkloadState.stopping:
+            return False
+        self._pod_failed(session, now, workload, row, node)
+        return True
+
+    def _pod_failed(
+        self, session: Session, now: datetime, workload: Workload, row: JobPod, node: str
+    ) -> None:
+        """A pod of the running attempt failed: the job stops its other pods, for the
+        fault class of what ended this one."""
+        # Classified now, while the evidence is fresh and before the other pods' stop adds
+        # endings of its own (``store/attempts.py``).
+        verdict = self._classify_pod(session, now, workload, row)
+        said = f"pod {row.pod_index} on {node} {_pod_ending(row)}"
+        stopping_for(workload, verdict, now, said)
+        _event(
+            session,
+            now,
+            EventKind.JOB_FAILED,
+            f"{workload.reason}; stopping the other pods",
+            reason=verdict.fault.value,
+            workload=workload,
+            data={"attempt": workload.attempt, "verdict": verdict.reason},
+        )
 
     def _end_attempt_if_done(
         self, session: Session, now: datetime, workload: Workload, rows: Mapping[int, JobPod]
@@ -554,6 +565,17 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 if size >= max_bytes:
                     break
         return LogSlice(b"".join(pieces).decode(errors="replace"), next_offset)
+
+
+def _job_running(session: Session, now: datetime, workload: Workload) -> bool:
+    """A pod of the job runs: an admitted job is running from now on. Whether it was."""
+    if workload.state != WorkloadState.admitted:
+        return False
+    workload.state = WorkloadState.running
+    workload.started_at = now
+    workload.reason = f"running: {workload.pods * workload.gpus_per_pod} rank(s)"
+    _event(session, now, EventKind.STARTED, workload.reason, workload=workload)
+    return True
 
 
 def _pods(session: Session, workload_id: int) -> Sequence[JobPod]:
