@@ -24,9 +24,10 @@ from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
 from .. import __version__
-from ..culler.snapshots import SnapshotSettings
 from ..recovery.nvml import GpuSample, NvmlError
 from ..recovery.processes import marked_process_details
+from ..snapshotter.node_operations import run_operation
+from ..snapshotter.runner import SnapshotSettings
 from ..snapshotter.sandbox import (
     DEFAULT_SESSION_PREFIX,
     SandboxMode,
@@ -52,7 +53,6 @@ from .maintenance import KINDS as MAINTENANCE_KINDS
 from .maintenance import MaintenanceSettings, run_maintenance
 from .metrics import Assignment
 from .network_guard import GuardUnavailable, NetworkGuard, table_name
-from .operations import run_operation
 from .placements import (
     VISIBLE_DEVICES,
     Conflict,
@@ -593,7 +593,7 @@ class NodeAgent(Application):
 
     async def _node_operations(self, client: httpx.AsyncClient) -> None:
         """Claim the snapshot passes, restores and maintenance asked of this agent's nodes
-        and run them (agent/operations.py, agent/maintenance.py), reporting progress at
+        and run them (snapshotter/node_operations.py, agent/maintenance.py), reporting progress at
         most every ``PROGRESS_EVERY_S`` while any runs; with none running, long-poll."""
         nodes = list(self.operation_nodes) or [n["name"] for n in self.inventory]
         nodes = nodes or [self.node_name]

@@ -5,6 +5,6 @@ idle, clear the mark, cull); ``loop.py`` runs in the controller, gathers each ru
 session's signals and carries the decision out; ``session_extension.py`` is the
 jupyter_server extension inside each session that reports its activity and keeps the
 controller's notices (a warning before a cull) for its JupyterLab front end in
-``labextension/``; ``snapshots.py`` runs a session's snapshot passes and restores as
-``gpufleet snapshot`` processes. Docs: docs/culler.md.
+``labextension/``. A session's snapshot passes run through the snapshotter's runner
+(``gpufleet.snapshotter.runner``). Docs: docs/culler.md.
 """

@@ -29,11 +29,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ..api.events import EventKind
 from ..hub.hubapi import stop_server
-from ..hub.snapshots import index_key, snapshot_store
 from ..scheduler.store.fleet import FleetStore
 from ..scheduler.store.sessions import CulledSession
 from ..scheduler.store.snapshots import SnapshotRecord
-from . import snapshots
+from ..snapshotter import runner as snapshots
+from ..snapshotter.listing import index_key, snapshot_store
 from .policy import Action, Cause, Decision, IdlePolicy, Session, Signals, decide, resolve
 
 
@@ -388,7 +388,7 @@ class IdleCuller:
                 project=s.project,
                 username=s.username,
                 server_name=s.server_name,
-                # As the index's rebuild from the store records it (hub/snapshots.py), so
+                # As the index's rebuild from the store records it (snapshotter/listing.py), so
                 # the rebuild replaces this row rather than listing the snapshot twice.
                 store_uri=self._store_uri(),
                 manifest_key=index_key(s.project, str(result.get("name", ""))),

@@ -32,7 +32,6 @@ from .. import __version__
 from ..agent.lifecycle import until_stopped
 from ..culler.errors import PolicyError
 from ..culler.loop import IdleCuller
-from ..culler.snapshots import SnapshotSettings
 from ..scheduler.errors import InputError, LeaseLost, NotFound, SchedulerError, SchemaMismatch
 from ..scheduler.model import project_tree
 from ..scheduler.snapshot import Policy
@@ -43,6 +42,7 @@ from ..scheduler.store.collector import collect_all
 from ..scheduler.store.cycle import Stop
 from ..scheduler.store.fleet import FleetStore
 from ..snapshotter.errors import SnapshotError
+from ..snapshotter.runner import SnapshotSettings
 from ..spawner.clusters import ClusterConfigError, check_loadable, parse_clusters
 from . import logs
 from .admin import admin_routes
@@ -697,14 +697,14 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
 
     def _snapshots(self) -> tuple[Any, bytes]:
         """The snapshot store and its master key; SnapshotError when unavailable."""
-        from .snapshots import open_snapshots
+        from ..snapshotter.listing import open_snapshots
 
         return open_snapshots(
             self.snapshot_store, self.snapshot_s3_endpoint, self.snapshot_key_file, self.data_dir
         )
 
     async def run_snapshot_retention(self) -> None:
-        from .snapshots import retention_pass
+        from ..snapshotter.listing import retention_pass
 
         store, key = self._snapshots()
         said = await retention_pass(self, store, key, time.time())
@@ -712,7 +712,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         self.refresh_snapshot_index()
 
     async def _snapshot_index_loop(self) -> None:
-        from . import snapshots
+        from ..snapshotter import listing as snapshots
 
         try:
             store, key = self._snapshots()

@@ -34,12 +34,12 @@ from tornado import web
 from ..api.events import EventKind
 from ..output import tree_order
 from ..scheduler.store.models import Event, Project, Workload, WorkloadKind, WorkloadState
+from ..snapshotter.listing import distinct
 from . import scopes
 from .api.base import Identity
 from .api.handlers import node_rows
 from .api.projects import MAX_WEEKS, finish_with_csv, project_usage, usage_for
 from .gpu_charts import session_charts
-from .snapshots import distinct
 from .usage import WeekUsage, week_start
 
 if TYPE_CHECKING:

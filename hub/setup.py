@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from ..snapshotter.errors import SnapshotError
+from ..snapshotter.listing import master_key
 from . import scopes
 from .secrets import SecretFileError, check_secret_file, secret_file
-from .snapshots import master_key
 
 CONTROLLER_SERVICE = "gpufleet"
 AGENT_SERVICE = "gpufleet-agent"

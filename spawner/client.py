@@ -153,7 +153,7 @@ class ControllerClient:
     async def running(
         self, workload_id: int, snapshot: dict[str, Any] | None = None, notice: str = ""
     ) -> WorkloadStatus:
-        """The server is up; ``snapshot``: what its snapshots hold (culler/snapshots.py);
+        """The server is up; ``snapshot``: what its snapshots hold (snapshotter/runner.py);
         ``notice``: what the session should tell its user about this start."""
         body: dict[str, Any] = {"snapshot": snapshot} if snapshot else {}
         if notice:

@@ -28,8 +28,8 @@ from tornado import web
 from traitlets import Float, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from ..culler.snapshots import SnapshotFailed
 from ..recovery import processes
+from ..snapshotter.runner import SnapshotFailed
 from .client import (
     ControllerClient,
     ControllerError,

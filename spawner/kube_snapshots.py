@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from tornado import web
 from traitlets import Bool, Float, List, Unicode
 
-from ..culler import snapshots
+from ..snapshotter import runner as snapshots
 from .client import ControllerClient
 from .kube_manifests import Volume
 from .resume import SnapshotOptions, restore_progress, restoring_message

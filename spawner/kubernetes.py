@@ -35,8 +35,8 @@ from kubespawner.spawner import EventReflector, PodReflector
 from tornado import web
 from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
 
-from ..culler.snapshots import SnapshotFailed
 from ..recovery import processes
+from ..snapshotter.runner import SnapshotFailed
 from .client import WorkloadStatus
 from .clusters import ClusterConfigError, ClusterSettings, api_client, parse_clusters
 from .handshake import GPUQueueSpawner

@@ -24,8 +24,8 @@ import httpx
 from tornado import web
 from traitlets import Float, Unicode
 
-from ..culler.snapshots import SnapshotFailed, Sources
 from ..recovery import processes
+from ..snapshotter.runner import SnapshotFailed, Sources
 from .client import RequestRejected, WorkloadStatus
 from .handshake import (
     GPUQueueSpawner,

@@ -25,7 +25,7 @@ from prometheus_client import Histogram
 from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from ..culler import snapshots
+from ..snapshotter import runner as snapshots
 from ..snapshotter.envspec import conda_environments, home_excludes
 
 # In the hub's own registry: JupyterHub serves it at /hub/metrics.

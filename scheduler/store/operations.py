@@ -4,7 +4,7 @@ On Kubernetes a session's files live on its node (hostPath volumes, the containe
 layer); neither the hub nor the controller can read them, and the snapshot master key
 must never enter a user's pod. So a snapshot pass or a restore is *asked for* here and
 *done* by the node agent of the workload's node, which holds the key as the platform
-does (``agent/operations.py``). The life of one operation:
+does (``snapshotter/node_operations.py``). The life of one operation:
 
     pending --(agent claims)--> running --(agent reports)--> done | failed
     pending --(nobody claims in time: the asker gives up)--> failed

@@ -1,9 +1,9 @@
 """Node operations: snapshot passes and restores a node agent runs for a Kubernetes session
-(scheduler/store/operations.py, hub/api/node_operations.py, agent/operations.py).
+(scheduler/store/operations.py, hub/api/node_operations.py, snapshotter/node_operations.py).
 
 The controller's routes run in this process under tornado over a real store (SQLite), as
 in test_gpu_readback_api.py; the spawner's side is its real ControllerClient and
-``culler.snapshots.on_node``; the agent's side is its HTTP sync, played here.
+``snapshotter.runner.on_node``; the agent's side is its HTTP sync, played here.
 """
 
 from __future__ import annotations
@@ -19,13 +19,6 @@ import httpx
 import pytest
 from tornado import web
 
-from gpufleet.agent.operations import (
-    OverlayMount,
-    container_layer,
-    overlay_mounts,
-    prepare_volume,
-)
-from gpufleet.culler.snapshots import SnapshotFailed, on_node
 from gpufleet.hub import scopes
 from gpufleet.hub.api.handlers import routes
 from gpufleet.hub.api.identity import Identity
@@ -34,6 +27,13 @@ from gpufleet.scheduler.errors import NotFound
 from gpufleet.scheduler.snapshot import Policy
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.validation import SessionRequest
+from gpufleet.snapshotter.node_operations import (
+    OverlayMount,
+    container_layer,
+    overlay_mounts,
+    prepare_volume,
+)
+from gpufleet.snapshotter.runner import SnapshotFailed, on_node
 from gpufleet.spawner.client import ControllerClient
 
 from .test_api_input import PREFIX, Controller, fleet_store, serve

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gpufleet.culler.snapshots import Restored
+from gpufleet.snapshotter.runner import Restored
 
 TAKEN = datetime(2026, 11, 30, 14, 2, 31, tzinfo=UTC).timestamp()
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from sqlalchemy import Engine, select
 
-from gpufleet.hub.snapshots import master_key, scan
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.models import Event, Project, Snapshot
 from gpufleet.scheduler.store.snapshots import SnapshotRecord
 from gpufleet.snapshotter.capture import SourceSpec, create_snapshot
+from gpufleet.snapshotter.listing import master_key, scan
 from gpufleet.snapshotter.repository import Repository
 from gpufleet.snapshotter.store import LocalStore
 
@@ -81,7 +81,7 @@ def test_a_recorded_snapshot_is_one_row(engine: Engine) -> None:
 
 
 def test_scheduled_retention_forgets_what_the_policy_does_not_keep(tmp_path: Path) -> None:
-    from gpufleet.hub.snapshots import retain_and_collect
+    from gpufleet.snapshotter.listing import retain_and_collect
     from gpufleet.snapshotter.retention import RetentionPolicy
 
     key = master_key(tmp_path / "master.key", create=True)

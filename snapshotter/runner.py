@@ -21,10 +21,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .errors import CullerError
+from .errors import SnapshotError
 
 
-class SnapshotFailed(CullerError):
+class SnapshotFailed(SnapshotError):
     """A snapshot or restore process failed; the message carries its own explanation."""
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..culler import snapshots
 from ..recovery.processes import marked_process_details
+from . import runner as snapshots
 
 
 @dataclass(frozen=True)

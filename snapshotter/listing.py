@@ -29,13 +29,13 @@ from typing import Any
 from urllib.parse import quote
 
 from ..scheduler.store.snapshots import SnapshotRecord
-from ..snapshotter import retention
-from ..snapshotter.crypto import new_master_key, read_master_key
-from ..snapshotter.errors import CorruptObject, SnapshotNotFound
-from ..snapshotter.gc import collect_garbage
-from ..snapshotter.repository import Repository
-from ..snapshotter.retention import RetentionPolicy
-from ..snapshotter.store import Store, open_store
+from . import retention
+from .crypto import new_master_key, read_master_key
+from .errors import CorruptObject, SnapshotNotFound
+from .gc import collect_garbage
+from .repository import Repository
+from .retention import RetentionPolicy
+from .store import Store, open_store
 
 log = logging.getLogger(__name__)
 
