@@ -421,77 +421,92 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
+# Every parameter a path may hold; an operation has those its path names.
+PATH_PARAMETERS = (
+    WORKLOAD_ID,
+    USERNAME,
+    NODE_NAME,
+    JOB_ID,
+    PROJECT_NAME,
+    OPERATION_ID,
+    GPU_UUID,
+    CLUSTER,
+    TIMED_ID,
+)
+
+
+def _register(components: dict[str, Any], model: type[BaseModel]) -> None:
+    """``model``'s schema, and those it refers to, among the document's components."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(schema.pop("$defs", {}))
+    components[model.__name__] = schema
+
+
+def _parameters(op: Operation) -> list[dict[str, Any]]:
+    """The operation's path parameters, then its query parameters."""
+    in_path = [
+        {
+            "name": name,
+            "in": "path",
+            "required": True,
+            "schema": {"type": kind},
+            "description": text,
+        }
+        for name, kind, text in PATH_PARAMETERS
+        if "{" + name + "}" in op.path
+    ]
+    return in_path + [
+        {
+            "name": name,
+            "in": "query",
+            "required": False,
+            "schema": {"type": kind},
+            "description": text,
+        }
+        for name, kind, text in op.query
+    ]
+
+
+def _operation(op: Operation, components: dict[str, Any]) -> dict[str, Any]:
+    """The operation object of ``op``, its body's and answer's schemas registered."""
+    error = {"content": {"application/json": {"schema": _ref(schemas.ErrorOut)}}}
+    answer: dict[str, Any] = {"description": "OK"}
+    if op.answer is not None:
+        _register(components, op.answer)
+        answer["content"] = {"application/json": {"schema": _ref(op.answer)}}
+    else:
+        answer["content"] = {"application/json": {"schema": {"type": "object"}}}
+    operation: dict[str, Any] = {
+        "summary": op.summary,
+        "parameters": _parameters(op),
+        "responses": {
+            str(op.status): answer,
+            "400": {"description": "bad input", **error},
+            "401": {"description": "no valid token", **error},
+            "403": {"description": "missing scope", **error},
+            "404": {"description": "not found", **error},
+        },
+        "x-scopes": list(op.scopes),
+    }
+    if op.scopes:
+        operation["security"] = [{"hubToken": []}]
+    if op.body is not None:
+        _register(components, op.body)
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(op.body)}},
+        }
+        operation["responses"]["415"] = {"description": "the body is not JSON", **error}
+    return operation
+
+
 @cache
 def openapi_document(version: str) -> dict[str, Any]:
     components: dict[str, Any] = {}
     paths: dict[str, dict[str, Any]] = {}
-
-    def register(model: type[BaseModel]) -> None:
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(schema.pop("$defs", {}))
-        components[model.__name__] = schema
-
-    register(schemas.ErrorOut)
-    error = {"content": {"application/json": {"schema": _ref(schemas.ErrorOut)}}}
+    _register(components, schemas.ErrorOut)
     for op in OPERATIONS:
-        parameters = [
-            {
-                "name": name,
-                "in": "path",
-                "required": True,
-                "schema": {"type": kind},
-                "description": text,
-            }
-            for name, kind, text in (
-                WORKLOAD_ID,
-                USERNAME,
-                NODE_NAME,
-                JOB_ID,
-                PROJECT_NAME,
-                OPERATION_ID,
-                GPU_UUID,
-                CLUSTER,
-                TIMED_ID,
-            )
-            if "{" + name + "}" in op.path
-        ] + [
-            {
-                "name": name,
-                "in": "query",
-                "required": False,
-                "schema": {"type": kind},
-                "description": text,
-            }
-            for name, kind, text in op.query
-        ]
-        answer: dict[str, Any] = {"description": "OK"}
-        if op.answer is not None:
-            register(op.answer)
-            answer["content"] = {"application/json": {"schema": _ref(op.answer)}}
-        else:
-            answer["content"] = {"application/json": {"schema": {"type": "object"}}}
-        operation: dict[str, Any] = {
-            "summary": op.summary,
-            "parameters": parameters,
-            "responses": {
-                str(op.status): answer,
-                "400": {"description": "bad input", **error},
-                "401": {"description": "no valid token", **error},
-                "403": {"description": "missing scope", **error},
-                "404": {"description": "not found", **error},
-            },
-            "x-scopes": list(op.scopes),
-        }
-        if op.scopes:
-            operation["security"] = [{"hubToken": []}]
-        if op.body is not None:
-            register(op.body)
-            operation["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": _ref(op.body)}},
-            }
-            operation["responses"]["415"] = {"description": "the body is not JSON", **error}
-        paths.setdefault(op.path, {})[op.method] = operation
+        paths.setdefault(op.path, {})[op.method] = _operation(op, components)
     return {
         "openapi": "3.1.0",
         "info": {
