@@ -48,6 +48,7 @@ from .gpus import (
 )
 from .job_launch import RankSandbox
 from .jobs import PodKeeper
+from .layers import find_container_layer
 from .lifecycle import until_stopped
 from .maintenance import KINDS as MAINTENANCE_KINDS
 from .maintenance import MaintenanceSettings, run_maintenance
@@ -624,7 +625,7 @@ class NodeAgent(Application):
                         operation["request"],
                         settings,
                         progress,
-                        self.container_layer_roots,
+                        lambda marker: find_container_layer(marker, self.container_layer_roots),
                     )
                 reports[oid] = {"id": oid, "state": "done", "result": result}
             except Exception as e:  # noqa: BLE001 (said to the asker, who decides)

@@ -31,9 +31,8 @@ from ..api.events import EventKind
 from ..hub.hubapi import stop_server
 from ..scheduler.store.fleet import FleetStore
 from ..scheduler.store.sessions import CulledSession
-from ..scheduler.store.snapshots import SnapshotRecord
 from ..snapshotter import runner as snapshots
-from ..snapshotter.listing import index_key, snapshot_store
+from ..snapshotter.listing import SnapshotRecord, index_key, snapshot_store
 from .policy import Action, Cause, Decision, IdlePolicy, Session, Signals, decide, resolve
 
 

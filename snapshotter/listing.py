@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from ..scheduler.store.snapshots import SnapshotRecord
 from . import retention
 from .crypto import new_master_key, read_master_key
 from .errors import CorruptObject, SnapshotNotFound
@@ -38,6 +37,22 @@ from .retention import RetentionPolicy
 from .store import Store, open_store
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """One manifest of a snapshot store, as the controller's index keeps it (a row of
+    ``scheduler/store/snapshots.py``)."""
+
+    project: str
+    username: str
+    server_name: str
+    store_uri: str
+    manifest_key: str  # the manifest's object name in the store: unique
+    created_at: datetime
+    size_bytes: int
+    file_count: int
+    workload_id: int | None = None
 
 
 def master_key(path: str | os.PathLike[str], create: bool) -> bytes:

@@ -5,13 +5,13 @@ The agent holds the snapshot master key, as the hub and the controller do; a use
 never does. It reads the session's hostPath volumes where the hub said they are, and what
 the container changed outside them from the container's overlay upper directory, found
 from the session's own processes: the oldest process carrying the session's marker is the
-container's first, and its mount table names the overlay its root (a container runtime's
-image layers: containerd, CRI-O, Docker) or its top-level directories (gpufleet's own
-sandbox, one overlay layer per directory) are mounted from. A container whose layer is
-not an overlay on this node (another snapshotter, a VM runtime) is reported as such: its
-volumes are still snapshotted.
+container's first (the agent finds it: ``agent/layers.py``), and its mount table names the
+overlay its root (a container runtime's image layers: containerd, CRI-O, Docker) or its
+top-level directories (gpufleet's own sandbox, one overlay layer per directory) are
+mounted from. A container whose layer is not an overlay on this node (another
+snapshotter, a VM runtime) is reported as such: its volumes are still snapshotted.
 
-The functions here are pure but for ``find_container_layer`` (reads /proc) and
+The functions here are pure but for ``process_layer`` (reads /proc) and
 ``run_operation`` (runs ``gpufleet snapshot``).
 """
 
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..recovery.processes import marked_process_details
 from . import runner as snapshots
 
 
@@ -93,13 +92,10 @@ class LayerRefused(Exception):
     """The mount table names an upper directory the agent will not read; says why."""
 
 
-def find_container_layer(
-    marker: str, roots: Sequence[str], proc: Path = Path("/proc")
-) -> str | None:
-    """The upper directory of the container whose processes carry ``marker``, read from
-    its first process's mount table; None when no such process runs here or its layer is
-    not an overlay. Raises :class:`LayerRefused` for a layer that is not provably that
-    container's own.
+def process_layer(pid: int, roots: Sequence[str], proc: Path = Path("/proc")) -> str | None:
+    """The upper directory of the container whose first process is ``pid``, read from that
+    process's mount table; None when the process is gone or its layer is not an overlay.
+    Raises :class:`LayerRefused` for a layer that is not provably that container's own.
 
     The mount table is the kernel's, but of the user's mount namespace: a user may mount
     an overlay of their own (in a user namespace) whose ``upperdir`` names, as a string, a
@@ -109,14 +105,8 @@ def find_container_layer(
     container runtime's directories) and really lies under what the container sees: a
     probe file made there appears at the same place through the process's own root.
     """
-    if not marker:
-        return None
-    mine = [p for p in marked_process_details((), proc) if p.marker == marker]
-    if not mine:
-        return None
-    first = min(mine, key=lambda p: (p.started, p.pid))
     try:
-        table = (proc / str(first.pid) / "mountinfo").read_text()
+        table = (proc / str(pid) / "mountinfo").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     mounts = overlay_mounts(table)
@@ -133,7 +123,7 @@ def find_container_layer(
     probed = [m.mount_point for m in mounts if m.mount_point == "/"] or [
         m.mount_point for m in mounts if posixpath.dirname(m.upper) == layer
     ][:1]
-    root_of_process = proc / str(first.pid) / "root"
+    root_of_process = proc / str(pid) / "root"
     if not probed or not _shows_through(real, probed[0], root_of_process):
         raise LayerRefused(
             f"the upper directory {layer} named by the container's mount table is not what "
@@ -176,6 +166,9 @@ def prepare_volume(path: str, owner: Sequence[int] | None) -> None:
 
 
 Report = Callable[[dict[str, Any]], None]
+# The container layer of the session whose processes carry a marker (None: not found
+# here); raises LayerRefused. Blocking.
+LayerFinder = Callable[[str], str | None]
 
 
 async def run_operation(
@@ -183,7 +176,7 @@ async def run_operation(
     request: Mapping[str, Any],
     settings: snapshots.SnapshotSettings,
     on_progress: Report,
-    layer_roots: Sequence[str] = (),
+    find_layer: LayerFinder,
 ) -> dict[str, Any]:
     """Run one operation; its result. Raises ``snapshots.SnapshotFailed``."""
     project, user, server = request["project"], request["username"], request["server"]
@@ -208,9 +201,7 @@ async def run_operation(
     layer_note = ""
     if request.get("container"):
         try:
-            layer = await asyncio.to_thread(
-                find_container_layer, str(request.get("marker", "")), layer_roots
-            )
+            layer = await asyncio.to_thread(find_layer, str(request.get("marker", "")))
         except LayerRefused as e:
             layer, layer_note = None, f"the container's layer was not read: {e}"
         if layer is not None:

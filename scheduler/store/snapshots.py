@@ -3,9 +3,13 @@
 The manifests in the store are the truth (DESIGN.md); these rows let pages, the API and
 the culler find a user's snapshots without reading the store. ``record_snapshot`` adds
 the row of a snapshot the controller just saw committed; ``rebuild_snapshot_index``
-makes the rows of one store match a scan of it (``gpufleet.hub.snapshots.scan``), adding
-what is missing, updating what differs and removing rows whose manifest is gone.
+makes the rows of one store match a scan of it (``gpufleet.snapshotter.listing.scan``),
+adding what is missing, updating what differs and removing rows whose manifest is gone.
 Mixed into ``FleetStore``; every write is fenced by the controller lease.
+
+The records are the snapshotter's (``snapshotter.listing.IndexedSnapshot``); this module
+reads them through :class:`IndexedSnapshot`, what a row is made of, and imports nothing of
+the snapshotter.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Protocol
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -22,17 +27,27 @@ from .base import StoreBase, _event
 from .models import Project, Snapshot
 
 
-@dataclass(frozen=True)
-class SnapshotRecord:
-    project: str
-    username: str
-    server_name: str
-    store_uri: str
-    manifest_key: str  # the manifest's object name in the store: unique
-    created_at: datetime
-    size_bytes: int
-    file_count: int
-    workload_id: int | None = None
+class IndexedSnapshot(Protocol):
+    """What an index row is made of: one manifest in a snapshot store."""
+
+    @property
+    def project(self) -> str: ...
+    @property
+    def username(self) -> str: ...
+    @property
+    def server_name(self) -> str: ...
+    @property
+    def store_uri(self) -> str: ...
+    @property
+    def manifest_key(self) -> str: ...  # the manifest's object name in the store: unique
+    @property
+    def created_at(self) -> datetime: ...
+    @property
+    def size_bytes(self) -> int: ...
+    @property
+    def file_count(self) -> int: ...
+    @property
+    def workload_id(self) -> int | None: ...  # None: the row keeps the one it has
 
 
 @dataclass(frozen=True)
@@ -43,7 +58,7 @@ class IndexChanges:
 
 
 class SnapshotStore(StoreBase):
-    def record_snapshot(self, now: datetime, record: SnapshotRecord) -> None:
+    def record_snapshot(self, now: datetime, record: IndexedSnapshot) -> None:
         with self._write(now) as session:
             project_ids = self._project_ids(session)
             row = session.scalars(
@@ -63,7 +78,7 @@ class SnapshotStore(StoreBase):
                 _update(row, record, project_ids)
 
     def rebuild_snapshot_index(
-        self, now: datetime, store_uri: str, scanned: Iterable[SnapshotRecord]
+        self, now: datetime, store_uri: str, scanned: Iterable[IndexedSnapshot]
     ) -> IndexChanges:
         """Make the rows of ``store_uri`` exactly the scanned manifests."""
         found = {r.manifest_key: r for r in scanned}
@@ -108,13 +123,13 @@ class SnapshotStore(StoreBase):
         return {name: pid for name, pid in session.execute(select(Project.name, Project.id))}
 
 
-def _row(record: SnapshotRecord, project_ids: dict[str, int]) -> Snapshot:
+def _row(record: IndexedSnapshot, project_ids: dict[str, int]) -> Snapshot:
     row = Snapshot(manifest_key=record.manifest_key, store_uri=record.store_uri)
     _update(row, record, project_ids)
     return row
 
 
-def _update(row: Snapshot, record: SnapshotRecord, project_ids: dict[str, int]) -> bool:
+def _update(row: Snapshot, record: IndexedSnapshot, project_ids: dict[str, int]) -> bool:
     """Copy the record onto the row; whether anything changed."""
     values = {
         "username": record.username,

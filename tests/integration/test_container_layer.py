@@ -1,8 +1,9 @@
 """How the node agent finds a container's layer, against real overlay mounts in mount
-namespaces of their own (snapshotter/node_operations.py): the layer a container really has is found;
-one a hostile user makes up (an overlay of their own whose ``upperdir`` string names
-another's directory on the host) is refused, as is one outside the runtime's directories.
-Needs root (mount namespaces and overlayfs), as the agent does."""
+namespaces of their own (agent/layers.py, snapshotter/node_operations.py): the layer a
+container really has is found; one a hostile user makes up (an overlay of their own
+whose ``upperdir`` string names another's directory on the host) is refused, as is one
+outside the runtime's directories. Needs root (mount namespaces and overlayfs), as the
+agent does."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.agent.layers import find_container_layer
 from gpufleet.recovery.processes import MARKER_VARIABLE
-from gpufleet.snapshotter.node_operations import LayerRefused, find_container_layer
+from gpufleet.snapshotter.node_operations import LayerRefused
 
 from .harness import wait_for
 

@@ -10,9 +10,8 @@ from sqlalchemy import Engine, select
 
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.models import Event, Project, Snapshot
-from gpufleet.scheduler.store.snapshots import SnapshotRecord
 from gpufleet.snapshotter.capture import SourceSpec, create_snapshot
-from gpufleet.snapshotter.listing import master_key, scan
+from gpufleet.snapshotter.listing import SnapshotRecord, master_key, scan
 from gpufleet.snapshotter.repository import Repository
 from gpufleet.snapshotter.store import LocalStore
 
