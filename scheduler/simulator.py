@@ -43,7 +43,8 @@ Modelling choices (``docs/simulator.md`` explains them):
 Measurements (``simulator_measures``): while some job waits, the replay integrates, over
 the GPU types waiting jobs ask for, the GPUs held, the fleet's GPUs and the ceiling the
 quota tree permits (``QuotaCeiling``, recomputed only at timestamps where something
-changed); each preemption decision is measured as its plan is applied.
+changed), in ``simulator_report.ClockIntegrals``; each preemption decision is measured as
+its plan is applied (``simulator_preemptions``).
 """
 
 from __future__ import annotations
@@ -77,14 +78,10 @@ from .simulator_jobs import (
     shape,
     with_trace_groups,
 )
-from .simulator_measures import (
-    PreemptionDecision,
-    QuotaCeiling,
-    free_for,
-    gang_fits,
-    pod_need,
-)
+from .simulator_measures import PreemptionDecision, QuotaCeiling
+from .simulator_preemptions import MeasuredPreemptions
 from .simulator_report import (
+    ClockIntegrals,
     ClockTotals,
     JobRecord,
     NeverFits,
@@ -224,7 +221,7 @@ def _checkpointed(r: Running, at: float) -> Running:
     )
 
 
-class _Replay(RecoveringReplay):
+class _Replay(RecoveringReplay, MeasuredPreemptions):
     """The replay's state and its event loop (see the module docstring's invariants)."""
 
     def __init__(
@@ -303,69 +300,19 @@ class _Replay(RecoveringReplay):
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> ClockTotals:
-        start = clock = self.events[0][0] if self.events else 0.0
-        held_s = held_waiting_s = waiting_s = 0.0
         events = self.events
-        waiting_capacity_s = ceiling_s = ceiling_lend_s = ceiling_whole_s = ceiling_quotas_s = 0.0
-        idle_s: dict[IdleCause, float] = defaultdict(float)
+        start = clock = events[0][0] if events else 0.0
+        integrals = ClockIntegrals()
         while events:
             now = events[0][0]
-            elapsed = now - clock
-            if elapsed > 0:
-                held_s += self.held * elapsed
-                if self.queue:
-                    held, capacity, ceiling, ceiling_lend, ceiling_whole, ceiling_quotas = (
-                        self.while_waiting
-                    )
-                    held_waiting_s += held * elapsed
-                    waiting_capacity_s += capacity * elapsed
-                    ceiling_s += ceiling * elapsed
-                    ceiling_lend_s += ceiling_lend * elapsed
-                    ceiling_whole_s += ceiling_whole * elapsed
-                    ceiling_quotas_s += ceiling_quotas * elapsed
-                    waiting_s += elapsed
-                    for cause, gpus in self.idle.items():
-                        idle_s[cause] += gpus * elapsed
+            if now > clock:
+                integrals.advance(
+                    now - clock, self.held, self.while_waiting if self.queue else None, self.idle
+                )
                 clock = now
-            replan = False
-            while events and events[0][0] == now:
-                _, kind, _, wid, attempt = heapq.heappop(events)
-                if kind == REPAIRED:  # ``wid`` numbers a node here
-                    replan |= self._repaired(wid, now)
-                    continue
-                job = self.jobs[wid]
-                if kind == ARRIVE:
-                    self._enqueue(job)
-                    replan = True
-                elif job.attempt != attempt:
-                    continue  # the run this event belongs to is over
-                elif kind == FINISH:
-                    if job.fault_at is None:  # one struck by a fault does not finish
-                        self._finish(job, now)
-                        replan = True
-                elif kind == CHECKPOINT:
-                    self._checkpoint(job, now)
-                elif kind == STOPPED:
-                    self._stopped(job, now)
-                    replan = True
-                elif kind == FAULT:
-                    self._faulted(job, now, FAULT_DETECTED)
-                elif kind == FAULT_DETECTED:
-                    self._fault_detected(job, now, REPAIRED)
-                    replan = True
-                else:  # WAKE: the workload may now be preempted
-                    replan = True
-            if replan and self.queue:
-                if self.policy.mode is Mode.GPUFLEET or self._could_admit():
-                    self._apply(self.planner(self._snapshot(), now), now)
-                else:
-                    self.reasons_stale = True
-            for project in self.changed:
-                steps = self.allocation[project]
-                held = self.held_by_project[project]
-                if not steps or steps[-1][1] != held:
-                    steps.append((now, held))
-            self.changed.clear()
+            if self._apply_events(now) and self.queue:
+                self._cycle(now)
+            self._record_allocations(now)
             if self.measures_stale:
                 self._measure_while_waiting()
         if self.queue and self.reasons_stale:
@@ -373,21 +320,58 @@ class _Replay(RecoveringReplay):
             self.last_plan = self.planner(self._snapshot(), clock)
             if self.last_plan.admissions or self.last_plan.preemptions:
                 raise PlanConflict("the core acted on a fleet where nothing queued fits")
-        return ClockTotals(
-            start_s=start,
-            end_s=clock,
-            held_gpu_s=held_s,
-            held_while_waiting_gpu_s=held_waiting_s,
-            capacity_while_waiting_gpu_s=waiting_capacity_s,
-            ceiling_while_waiting_gpu_s=ceiling_s,
-            ceiling_within_lend_limits_while_waiting_gpu_s=ceiling_lend_s,
-            ceiling_whole_requests_while_waiting_gpu_s=ceiling_whole_s,
-            ceiling_whole_within_lend_limits_while_waiting_gpu_s=ceiling_quotas_s,
-            idle_while_waiting_gpu_s={cause.value: gpu_s for cause, gpu_s in idle_s.items()},
-            waiting_s=waiting_s,
-            admissions=self.admissions,
-            plan_calls=self.plan_calls,
-        )
+        return integrals.totals(start, clock, self.admissions, self.plan_calls)
+
+    def _apply_events(self, now: float) -> bool:
+        """Apply every event of timestamp ``now``, in the order of their kinds; whether
+        the core must be asked again."""
+        events = self.events
+        replan = False
+        while events and events[0][0] == now:
+            _, kind, _, wid, attempt = heapq.heappop(events)
+            if kind == REPAIRED:  # ``wid`` numbers a node here
+                replan |= self._repaired(wid, now)
+                continue
+            job = self.jobs[wid]
+            if kind == ARRIVE:
+                self._enqueue(job)
+                replan = True
+            elif job.attempt != attempt:
+                continue  # the run this event belongs to is over
+            elif kind == FINISH:
+                if job.fault_at is None:  # one struck by a fault does not finish
+                    self._finish(job, now)
+                    replan = True
+            elif kind == CHECKPOINT:
+                self._checkpoint(job, now)
+            elif kind == STOPPED:
+                self._stopped(job, now)
+                replan = True
+            elif kind == FAULT:
+                self._faulted(job, now, FAULT_DETECTED)
+            elif kind == FAULT_DETECTED:
+                self._fault_detected(job, now, REPAIRED)
+                replan = True
+            else:  # WAKE: the workload may now be preempted
+                replan = True
+        return replan
+
+    def _cycle(self, now: float) -> None:
+        """Ask the core and apply its plan; under fifo and static, only when something
+        queued could fit the free GPUs (else the waiting reasons are left stale)."""
+        if self.policy.mode is Mode.GPUFLEET or self._could_admit():
+            self._apply(self.planner(self._snapshot(), now), now)
+        else:
+            self.reasons_stale = True
+
+    def _record_allocations(self, now: float) -> None:
+        """A step in the allocation series of each project whose holding changed."""
+        for project in self.changed:
+            steps = self.allocation[project]
+            held = self.held_by_project[project]
+            if not steps or steps[-1][1] != held:
+                steps.append((now, held))
+        self.changed.clear()
 
     def _measure_while_waiting(self) -> None:
         """Only the GPU types some queued request asks for count: GPUs of a type nobody
@@ -487,88 +471,6 @@ class _Replay(RecoveringReplay):
             self._measure_preemption(
                 self.jobs[preemptor], victims, plan, now, for_a_cap=preemptor in for_caps
             )
-
-    def _measure_preemption(
-        self, job: BookedJob, victims: list[Running], plan: Plan, now: float, for_a_cap: bool
-    ) -> None:
-        """One decision's figures (``PreemptionDecision``), on the fleet as the plan left
-        it. A gang's victims share one zone; the first victim's is the one measured.
-        ``for_a_cap``: a cap on its path asked for victims (backfill taken back)."""
-        others_kept = [pod for k in plan.kept if k.workload_id != job.wid for pod in k.pods]
-        free_in: dict[tuple[str, str], dict[str, int]] = {}
-        for (gpu_type, cluster, zone), names in self.zone_nodes.items():
-            if gpu_type == job.gpu_type:
-                nodes = (self.nodes[n] for n in names)
-                free_in[(cluster, zone)] = free_for(nodes, others_kept)
-        own = [pod for k in plan.kept if k.workload_id == job.wid for pod in k.pods]
-        where = self.nodes[own[0].node] if own else victims[0]  # where it lands
-        cluster, zone = where.cluster, where.zone
-        free = sum(free_in.get((cluster, zone), {}).values())
-        # Zones kept for another request (the plan's held zones) are not the preemptor's.
-        usable = {
-            key: per_node
-            for key, per_node in free_in.items()
-            if plan.held.get((*key, job.gpu_type), job.wid) == job.wid
-        }
-        evicted = sum(v.gpus for v in victims)
-        quota_need = self._quota_need(job, victims, plan)
-        need = max(
-            min(
-                pod_need(
-                    ((count, self.nodes[name].total) for name, count in per_node.items()),
-                    job.gpus_per_pod,
-                    job.pods,
-                )
-                for per_node in free_in.values()
-            ),
-            quota_need,
-        )
-        decision = PreemptionDecision(
-            at_s=now,
-            job_id=job.trace.job_id,
-            victims=tuple(self.jobs[v.id].trace.job_id for v in victims),
-            cluster=cluster,
-            zone=zone,
-            gpus=job.trace.num_gpus,
-            free_gpus=free,
-            need_gpus=need,
-            evicted_gpus=evicted,
-            fitted=quota_need <= 0
-            and not for_a_cap
-            and any(
-                gang_fits(per_node.values(), job.gpus_per_pod, job.pods)
-                for per_node in usable.values()
-            ),
-        )
-        self.decisions.append(decision)
-        job.preemptor_of += 1
-        job.evicted_gpus += evicted
-        job.evicted_beyond_need_gpus += decision.beyond_need_gpus
-
-    def _quota_need(self, job: BookedJob, victims: list[Running], plan: Plan) -> int:
-        """The GPUs the preemptor's caps asked its victims to free, as the plan left the
-        rest: the most, over the capped nodes on its project's path, by which its GPUs
-        would take the subtree over its cap once what stops there (but its own victims)
-        is gone — the other preemptors' kept placements counted as their projects'."""
-        t = job.gpu_type
-        mine = {v.id for v in victims}
-        path = (job.project, *self.tree.ancestors(job.project))
-        used: dict[str, int] = defaultdict(int)
-        for r in self.running.values():
-            if r.gpu_type == t and not (r.stopping and r.id not in mine):
-                for name in (r.project, *self.tree.ancestors(r.project)):
-                    used[name] += r.gpus
-        for kept in plan.kept:
-            other = self.jobs[kept.workload_id]
-            if kept.workload_id != job.wid and other.gpu_type == t:
-                for name in (other.project, *self.tree.ancestors(other.project)):
-                    used[name] += other.trace.num_gpus
-        need = 0
-        for name in path:
-            cap = self.ceiling.limit.get((name, t), math.inf)
-            if cap != math.inf:
-                need = max(need, int(used[name] + job.trace.num_gpus - cap))
-        return need
 
     def _start(
         self, job: BookedJob, cluster: str, zone: str, pods: tuple[Pod, ...], now: float
@@ -706,33 +608,7 @@ class _Replay(RecoveringReplay):
                 # Never-fitting jobs were never queued (``_shape``): this one could start.
                 why = waiting.get(job.wid)
                 reason = f"{why.cause}: {why.reason}" if why is not None else "not planned"
-            last = job.runs[-1] if job.runs else None
-            records.append(
-                JobRecord(
-                    job_id=job.trace.job_id,
-                    project=job.project,
-                    kind=job.trace.kind,
-                    priority=job.priority,
-                    gpu_type=job.gpu_type,
-                    num_gpus=job.trace.num_gpus,
-                    submit_s=job.trace.submit_s,
-                    start_s=job.runs[0].start_s if job.runs else None,
-                    end_s=job.end,
-                    cluster=last.cluster if last else None,
-                    zone=last.zone if last else None,
-                    nodes=last.nodes if last else (),
-                    preemptions=job.preemptions,
-                    lost_gpu_s=job.lost_gpu_s,
-                    faults=job.faults,
-                    fault_lost_gpu_s=job.fault_lost_gpu_s,
-                    duration_s=job.trace.duration_s,
-                    runs=tuple(job.runs),
-                    waiting_reason=reason,
-                    preemptor_of=job.preemptor_of,
-                    evicted_gpus=job.evicted_gpus,
-                    evicted_beyond_need_gpus=job.evicted_beyond_need_gpus,
-                )
-            )
+            records.append(job.record(reason))
         return records
 
 

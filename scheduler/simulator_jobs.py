@@ -11,7 +11,7 @@ from .inputs import TraceJob
 from .model import FleetNode, Project, ProjectTree
 from .quota import QuotaLimits
 from .simulator_measures import beyond_limits
-from .simulator_report import NeverFits, Run
+from .simulator_report import JobRecord, NeverFits, Run
 from .snapshot import Mode, Pending
 
 # Priority classes, higher rank first. The projects file names classes but carries no
@@ -89,6 +89,34 @@ class BookedJob:
             pods=pods,
             priority=priority,
             created_at=trace.submit_s,
+        )
+
+    def record(self, waiting_reason: str | None) -> JobRecord:
+        """What the report says of the job: its runs, the last one's place, what it lost."""
+        last = self.runs[-1] if self.runs else None
+        return JobRecord(
+            job_id=self.trace.job_id,
+            project=self.project,
+            kind=self.trace.kind,
+            priority=self.priority,
+            gpu_type=self.gpu_type,
+            num_gpus=self.trace.num_gpus,
+            submit_s=self.trace.submit_s,
+            start_s=self.runs[0].start_s if self.runs else None,
+            end_s=self.end,
+            cluster=last.cluster if last else None,
+            zone=last.zone if last else None,
+            nodes=last.nodes if last else (),
+            preemptions=self.preemptions,
+            lost_gpu_s=self.lost_gpu_s,
+            faults=self.faults,
+            fault_lost_gpu_s=self.fault_lost_gpu_s,
+            duration_s=self.trace.duration_s,
+            runs=tuple(self.runs),
+            waiting_reason=waiting_reason,
+            preemptor_of=self.preemptor_of,
+            evicted_gpus=self.evicted_gpus,
+            evicted_beyond_need_gpus=self.evicted_beyond_need_gpus,
         )
 
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .idle import IdleCause
 from .model import FleetNode, ProjectTree
 from .simulator_measures import PreemptionDecision
 from .snapshot import Mode
@@ -179,6 +180,58 @@ class ClockTotals:
     waiting_s: float = 0.0
     admissions: int = 0
     plan_calls: int = 0
+
+
+class ClockIntegrals:
+    """The integrals of ``ClockTotals`` as the replay's clock advances: GPUs held always;
+    while some job waits, over the GPU types waiting jobs ask for, GPUs held, the fleet's
+    GPUs, the quota tree's four ceilings and the free GPUs by why they are idle."""
+
+    def __init__(self) -> None:
+        self.held_s = self.held_waiting_s = self.waiting_s = 0.0
+        self.capacity_s = self.ceiling_s = self.ceiling_lend_s = 0.0
+        self.ceiling_whole_s = self.ceiling_quotas_s = 0.0
+        self.idle_s: dict[IdleCause, float] = defaultdict(float)
+
+    def advance(
+        self,
+        elapsed: float,
+        held: int,
+        while_waiting: tuple[int, int, float, float, float, float] | None,
+        idle: Mapping[IdleCause, int],
+    ) -> None:
+        """``elapsed`` seconds with ``held`` GPUs held and, when some job waited (else
+        ``while_waiting`` is None), its measures and ``idle`` GPUs by cause."""
+        self.held_s += held * elapsed
+        if while_waiting is None:
+            return
+        held_types, capacity, ceiling, ceiling_lend, ceiling_whole, ceiling_quotas = while_waiting
+        self.held_waiting_s += held_types * elapsed
+        self.capacity_s += capacity * elapsed
+        self.ceiling_s += ceiling * elapsed
+        self.ceiling_lend_s += ceiling_lend * elapsed
+        self.ceiling_whole_s += ceiling_whole * elapsed
+        self.ceiling_quotas_s += ceiling_quotas * elapsed
+        self.waiting_s += elapsed
+        for cause, gpus in idle.items():
+            self.idle_s[cause] += gpus * elapsed
+
+    def totals(self, start_s: float, end_s: float, admissions: int, plan_calls: int) -> ClockTotals:
+        return ClockTotals(
+            start_s=start_s,
+            end_s=end_s,
+            held_gpu_s=self.held_s,
+            held_while_waiting_gpu_s=self.held_waiting_s,
+            capacity_while_waiting_gpu_s=self.capacity_s,
+            ceiling_while_waiting_gpu_s=self.ceiling_s,
+            ceiling_within_lend_limits_while_waiting_gpu_s=self.ceiling_lend_s,
+            ceiling_whole_requests_while_waiting_gpu_s=self.ceiling_whole_s,
+            ceiling_whole_within_lend_limits_while_waiting_gpu_s=self.ceiling_quotas_s,
+            idle_while_waiting_gpu_s={cause.value: gpu_s for cause, gpu_s in self.idle_s.items()},
+            waiting_s=self.waiting_s,
+            admissions=admissions,
+            plan_calls=plan_calls,
+        )
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float | None:
