@@ -265,24 +265,11 @@ def summarise(
 ) -> Summary:
     started = [r for r in records if r.start_s is not None]
     finished = [r for r in records if r.end_s is not None]
-    waits_by_project: dict[str, list[float]] = defaultdict(list)
-    waits_by_priority: dict[str, list[float]] = defaultdict(list)
-    for r in started:
-        assert r.start_s is not None
-        waits_by_project[r.project].append(r.start_s - r.submit_s)
-        waits_by_priority[r.priority].append(r.start_s - r.submit_s)
-    jct_by_project: dict[str, list[float]] = defaultdict(list)
-    for r in finished:
-        assert r.end_s is not None
-        jct_by_project[r.project].append(r.end_s - r.submit_s)
-    ratios = [
-        (r.num_gpus, ratio)
-        for r in finished
-        if r.kind == "job" and (ratio := r.effective_training_ratio) is not None
-    ]
+    waits_by_project, waits_by_priority, jct_by_project = _waits_and_jcts(started, finished)
+    mean_ratio, weighted_ratio = _training_ratios(finished)
     makespan = totals.end_s - totals.start_s
-    fleet_gpu_s = gpus * makespan
-    waiting_fleet_gpu_s = totals.capacity_while_waiting_gpu_s
+    # While waiting, the GPUs of the types waiting jobs asked for are the denominator.
+    waiting = totals.capacity_while_waiting_gpu_s
     return Summary(
         jobs=len(records) + len(never_fits),
         started=len(started),
@@ -291,28 +278,18 @@ def summarise(
         never_started=len(records) - len(started),
         gpus=gpus,
         makespan_s=makespan,
-        gpu_utilisation=totals.held_gpu_s / fleet_gpu_s if fleet_gpu_s > 0 else None,
-        allocation_while_waiting=totals.held_while_waiting_gpu_s / waiting_fleet_gpu_s
-        if waiting_fleet_gpu_s > 0
-        else None,
-        allocation_ceiling_while_waiting=totals.ceiling_while_waiting_gpu_s / waiting_fleet_gpu_s
-        if waiting_fleet_gpu_s > 0
-        else None,
-        allocation_ceiling_within_lend_limits_while_waiting=(
-            totals.ceiling_within_lend_limits_while_waiting_gpu_s / waiting_fleet_gpu_s
-        )
-        if waiting_fleet_gpu_s > 0
-        else None,
-        allocation_ceiling_whole_requests_while_waiting=(
-            totals.ceiling_whole_requests_while_waiting_gpu_s / waiting_fleet_gpu_s
-        )
-        if waiting_fleet_gpu_s > 0
-        else None,
-        allocation_ceiling_whole_within_lend_limits_while_waiting=(
-            totals.ceiling_whole_within_lend_limits_while_waiting_gpu_s / waiting_fleet_gpu_s
-        )
-        if waiting_fleet_gpu_s > 0
-        else None,
+        gpu_utilisation=_share(totals.held_gpu_s, gpus * makespan),
+        allocation_while_waiting=_share(totals.held_while_waiting_gpu_s, waiting),
+        allocation_ceiling_while_waiting=_share(totals.ceiling_while_waiting_gpu_s, waiting),
+        allocation_ceiling_within_lend_limits_while_waiting=_share(
+            totals.ceiling_within_lend_limits_while_waiting_gpu_s, waiting
+        ),
+        allocation_ceiling_whole_requests_while_waiting=_share(
+            totals.ceiling_whole_requests_while_waiting_gpu_s, waiting
+        ),
+        allocation_ceiling_whole_within_lend_limits_while_waiting=_share(
+            totals.ceiling_whole_within_lend_limits_while_waiting_gpu_s, waiting
+        ),
         waiting_s=totals.waiting_s,
         mean_jct_s=_mean([r.end_s - r.submit_s for r in finished if r.end_s is not None]),
         preemptions=sum(r.preemptions for r in records),
@@ -327,20 +304,53 @@ def summarise(
         waits=waits_of(w for ws in waits_by_project.values() for w in ws),
         faults=sum(r.faults for r in records),
         fault_lost_gpu_hours=sum(r.fault_lost_gpu_s for r in records) / 3600,
-        mean_effective_training_ratio=_mean([ratio for _, ratio in ratios]),
-        gpu_weighted_effective_training_ratio=(
-            sum(g * ratio for g, ratio in ratios) / sum(g for g, _ in ratios) if ratios else None
-        ),
+        mean_effective_training_ratio=mean_ratio,
+        gpu_weighted_effective_training_ratio=weighted_ratio,
         waits_by_project={p: waits_of(w) for p, w in sorted(waits_by_project.items())},
         waits_by_priority={p: waits_of(w) for p, w in sorted(waits_by_priority.items())},
         mean_jct_by_project={p: _mean(j) for p, j in sorted(jct_by_project.items())},
         idle_while_waiting_by_cause={
-            cause: gpu_s / waiting_fleet_gpu_s
+            cause: gpu_s / waiting
             for cause, gpu_s in sorted(totals.idle_while_waiting_gpu_s.items())
         }
-        if waiting_fleet_gpu_s > 0
+        if waiting > 0
         else {},
     )
+
+
+def _share(part: float, whole: float) -> float | None:
+    """``part`` as a fraction of ``whole``; None when there is no whole."""
+    return part / whole if whole > 0 else None
+
+
+def _waits_and_jcts(
+    started: Sequence[JobRecord], finished: Sequence[JobRecord]
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:
+    """The waits of the started jobs by project and by priority, and the completion times
+    of the finished ones by project."""
+    waits_by_project: dict[str, list[float]] = defaultdict(list)
+    waits_by_priority: dict[str, list[float]] = defaultdict(list)
+    for r in started:
+        assert r.start_s is not None
+        waits_by_project[r.project].append(r.start_s - r.submit_s)
+        waits_by_priority[r.priority].append(r.start_s - r.submit_s)
+    jct_by_project: dict[str, list[float]] = defaultdict(list)
+    for r in finished:
+        assert r.end_s is not None
+        jct_by_project[r.project].append(r.end_s - r.submit_s)
+    return waits_by_project, waits_by_priority, jct_by_project
+
+
+def _training_ratios(finished: Sequence[JobRecord]) -> tuple[float | None, float | None]:
+    """Over the finished training jobs: the mean effective training ratio, and the mean
+    weighted by GPUs."""
+    ratios = [
+        (r.num_gpus, ratio)
+        for r in finished
+        if r.kind == "job" and (ratio := r.effective_training_ratio) is not None
+    ]
+    weighted = sum(g * ratio for g, ratio in ratios) / sum(g for g, _ in ratios) if ratios else None
+    return _mean([ratio for _, ratio in ratios]), weighted
 
 
 # ------------------------------------------------------------------------- JSON
