@@ -3,14 +3,16 @@ and carry the decision out — warn, mark idle, clear the mark, or cull.
 
 A cull goes: warning → live snapshot pass while the server runs (the culler's own process
 of ``gpufleet snapshot``), started when the warning is given so that it is done by the
-time the warning announced → at that time, stop through the hub API → the spawner stops
-every process, takes the final incremental pass and only then releases the GPUs
-(``spawner/local.py``) → the scheduler gives them to the waiting workload. If the live
-pass fails the session is not stopped (unless its policy says ``stop_without_snapshot``);
-it is tried again after ``retry_after`` seconds.
+time the warning announced → at that time, stop through the hub API (the ``ServerStops``
+port the controller gives it, ``culler/ports.py``) → the spawner stops every process,
+takes the final incremental pass and only then releases the GPUs (``spawner/local.py``)
+→ the scheduler gives them to the waiting workload. If the live pass fails the session is
+not stopped (unless its policy says ``stop_without_snapshot``); it is tried again after
+``retry_after`` seconds.
 
-The culler reads and writes the database through the store and talks to the hub; it
-never imports the scheduler's core: marking a session idle is a row the scheduler reads.
+The culler reads and writes the database through the store and reads the hub's activity;
+it imports nothing of the hub and never imports the scheduler's core: marking a session
+idle is a row the scheduler reads.
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ..api.events import EventKind
-from ..hub.hubapi import stop_server
 from ..scheduler.store.fleet import FleetStore
 from ..scheduler.store.sessions import CulledSession
 from ..snapshotter import runner as snapshots
 from ..snapshotter.listing import SnapshotRecord, index_key, snapshot_store
 from .policy import Action, Cause, Decision, IdlePolicy, Session, Signals, decide, resolve
+from .ports import ServerStops
 
 
 class CullerMetrics:
@@ -93,6 +95,7 @@ class IdleCuller:
         store: FleetStore,
         policies: Mapping[str, Any],
         *,
+        stopper: ServerStops,
         hub_api_url: str,
         hub_api_token: str,
         snapshot_settings: snapshots.SnapshotSettings | None,
@@ -107,6 +110,7 @@ class IdleCuller:
     ):
         self.store = store
         self.policies = policies
+        self.stopper = stopper
         self.hub_api_url = hub_api_url
         self.headers = {"Authorization": f"token {hub_api_token}"}
         self.snapshot_settings = snapshot_settings
@@ -341,17 +345,17 @@ class IdleCuller:
                 s.username,
             )
             return
-        async with httpx.AsyncClient(timeout=30, headers=self.headers) as client:
-            response = await stop_server(client, self.hub_api_url, s.username, s.server_name)
-        if response.status_code >= 400 and response.status_code != 404:
+        # The reason the user reads was recorded with the cull decision (``session-cull``).
+        outcome = await self.stopper.stop(
+            s.username,
+            s.server_name,
+            workload_id=s.workload_id,
+            message=decision.reason,
+            by="culler",
+        )
+        if not outcome.stopped:  # logged with the hub's answer
             self.metrics.cull_failures.labels("stop").inc()
             self._failed_at[s.workload_id] = time.monotonic()
-            self.log.warning(
-                "the hub did not stop culled session %s: %s %s",
-                s.workload_id,
-                response.status_code,
-                response.text[:200],
-            )
             return
         self._stopping.add(s.workload_id)
         self.metrics.culls.labels(decision.cause.value or "idle").inc()

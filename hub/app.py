@@ -59,6 +59,7 @@ from .reconciler import Reconciler
 from .recovery_options import RecoveryOptions
 from .secrets import SecretFileError, check_secret_file
 from .serving import CountingApplication, answer_in_flight
+from .stopper import ServerStopper
 from .timed import TimedOptions, TimedWork
 from .uid_claims import DEFAULT_REGISTRY, Claim, ClaimError, HeldClaim, claim, deployment_identity
 from .victims import VictimStopper
@@ -343,12 +344,6 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
             self.exit_with(f"c.FleetController.clusters: {e}", code=2)
         self.kube: KubeInventory | None = None
         self.notifier = Notifier()
-        self.victims = VictimStopper(
-            os.environ.get("JUPYTERHUB_API_URL", ""),
-            os.environ.get("JUPYTERHUB_API_TOKEN", ""),
-            self.log,
-            self.preemption_retry_seconds,
-        )
         self.engine = self.make_engine()
         try:
             if self.auto_create_schema and db.is_empty(self.engine):
@@ -361,6 +356,16 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         self.store = FleetStore(
             self.engine, holder, lease_ttl=timedelta(seconds=self.db_lease_seconds)
         )
+        # The one way the controller stops a user's server: the culler, preemption (and
+        # drains) and the reconciler all go through it.
+        self.servers = ServerStopper(
+            os.environ.get("JUPYTERHUB_API_URL", ""),
+            os.environ.get("JUPYTERHUB_API_TOKEN", ""),
+            self.store,
+            self.log,
+            self.now,
+        )
+        self.victims = VictimStopper(self.servers, self.log, self.preemption_retry_seconds)
         self._configure_accounts()
         try:
             policies = self.recovery_policies()
@@ -378,6 +383,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         self.culler = IdleCuller(
             self.store,
             self.idle_policies,
+            stopper=self.servers,
             hub_api_url=os.environ.get("JUPYTERHUB_API_URL", ""),
             hub_api_token=os.environ.get("JUPYTERHUB_API_TOKEN", ""),
             snapshot_settings=SnapshotSettings(
@@ -776,6 +782,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         reconciler = Reconciler(
             self.store,
             self.metrics,
+            self.servers,
             self.hub_api_url,
             self.hub_api_token,
             self.log,

@@ -18,5 +18,6 @@ async def stop_server(
     client: httpx.AsyncClient, api_url: str, username: str, server_name: str
 ) -> httpx.Response:
     """Ask the hub to stop a server. 202/204: stopping or stopped; 404: there is none;
-    400: it is starting or stopping just now (ask again later)."""
+    400: the hub cannot stop it now (being renamed, say). The controller stops servers
+    through ``stopper.ServerStopper`` alone, which calls this."""
     return await client.delete(f"{api_url}{server_path(username, server_name)}")

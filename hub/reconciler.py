@@ -14,8 +14,9 @@ One pass (``Reconciler.run_once``), in this order (``hub/reconcile.py`` says why
    can skip a user, and a skipped server would look stopped;
 6. ``reconcile(...)``; each repair is applied and recorded as a ``reconciled`` event:
    a workload is ended through the store (only at the version the decision saw), a
-   server is stopped through the hub's API once a second look confirms it (still ready,
-   still no open workload; its spawner then ends its processes and releases), processes
+   server is stopped through the hub's API (``hub/stopper.py``, as the culler and
+   preemption stop one) once a second look confirms it (still ready, still no open
+   workload; its spawner then ends its processes and releases), processes
    are ended with ``processes.end_all`` (SIGTERM, then SIGKILL).
 
 ``settle_before_start`` answers the same question for one server at once, on the path of
@@ -52,11 +53,11 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from ..api.events import EventKind
 from ..recovery import processes
 from ..scheduler.errors import InvalidRequest, LeaseLost, SchedulerError
 from ..scheduler.store.fleet import FleetStore
 from ..scheduler.store.models import Event, Workload, WorkloadKind, WorkloadState
-from .hubapi import stop_server
 from .metrics import ControllerMetrics
 from .notifier import Notifier
 from .reconcile import (
@@ -73,6 +74,7 @@ from .reconcile import (
     before_start,
     reconcile,
 )
+from .stopper import ServerStopper
 
 PAGINATION = "application/jupyterhub-pagination+json"
 
@@ -98,6 +100,7 @@ class Reconciler:
         self,
         store: FleetStore,
         metrics: ControllerMetrics,
+        servers: ServerStopper,
         hub_api_url: str,
         hub_api_token: str,
         log: logging.Logger,
@@ -105,13 +108,16 @@ class Reconciler:
         pods: Callable[[], Awaitable[frozenset[str] | None]] | None = None,
         delete_pods: Callable[[str], Awaitable[int]] | None = None,
     ):
-        """``pods``: the markers of the workloads that have a pod in the fleet's Kubernetes
-        clusters, None when some cluster cannot say (then the pass repairs nothing);
-        ``delete_pods``: delete the pods carrying a marker, in every cluster (how many)."""
+        """``servers``: stops a server through the hub (``hub_api_url`` and its token are
+        for reading the hub's servers); ``pods``: the markers of the workloads that have a
+        pod in the fleet's Kubernetes clusters, None when some cluster cannot say (then the
+        pass repairs nothing); ``delete_pods``: delete the pods carrying a marker, in every
+        cluster (how many)."""
         self.pods = pods
         self.delete_pods = delete_pods
         self.store = store
         self.metrics = metrics
+        self.servers = servers
         self.hub_api_url = hub_api_url.rstrip("/")
         self.headers = {"Authorization": f"token {hub_api_token}"}
         self.log = log
@@ -241,29 +247,22 @@ class Reconciler:
             self.store, repair.username, repair.server_name
         ):
             return
-        response = await stop_server(client, self.hub_api_url, repair.username, repair.server_name)
-        if response.status_code >= 400 and response.status_code != 404:
-            # 400: the server is starting or stopping just now; the next pass looks again.
-            self.log.info(
-                "the hub did not stop %s's server %r: %s %s",
-                repair.username,
-                repair.server_name,
-                response.status_code,
-                response.text[:300],
-            )
-            return
-        self.store.record_reconciled(
-            self.clock(),
-            repair.reason,
-            rule=repair.rule.value,
+        outcome = await self.servers.stop(
+            repair.username,
+            repair.server_name,
             workload_id=repair.workload_id,
+            message=repair.reason,
+            by="reconciler",
+            event=EventKind.RECONCILED,
+            reason=repair.rule.value,
             data={
                 "repair": "stop-server",
                 "username": repair.username,
                 "server_name": repair.server_name,
             },
         )
-        self._count(repair)
+        if outcome.stopped:  # else logged with the hub's answer; the next pass looks again
+            self._count(repair)
 
     async def _end_processes(self, repair: EndProcesses) -> None:
         gone = await processes.end_all(repair.marker)

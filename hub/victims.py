@@ -8,9 +8,10 @@ snapshot before the stop comes with the snapshotter). The waiting workload is ad
 the first cycle after that. A job's node agents learn from their next sync that it is
 stopping, and end its ranks (SIGTERM, the grace period, SIGKILL) before reporting it gone.
 
-The hub may be down or busy with that server: a victim still stopping is asked again
-every ``retry_after`` seconds, so a controller restart or a failed call delays a
-preemption but never loses it.
+The stop itself is ``ServerStopper``'s (``hub/stopper.py``), as for the culler and the
+reconciler. The hub may be down or busy with that server: a victim still stopping is
+asked again every ``retry_after`` seconds, so a controller restart or a failed call
+delays a preemption but never loses it.
 """
 
 from __future__ import annotations
@@ -20,19 +21,14 @@ import logging
 import time
 from collections.abc import Iterable
 
-import httpx
-
 from ..scheduler.snapshot import Running
 from ..scheduler.store.cycle import Stop
-from .hubapi import stop_server
+from .stopper import ServerStopper
 
 
 class VictimStopper:
-    def __init__(
-        self, hub_api_url: str, hub_api_token: str, log: logging.Logger, retry_after: float
-    ):
-        self.hub_api_url = hub_api_url
-        self.headers = {"Authorization": f"token {hub_api_token}"}
+    def __init__(self, servers: ServerStopper, log: logging.Logger, retry_after: float):
+        self.servers = servers
         self.log = log
         self.retry_after = retry_after
         self._asked: dict[int, float] = {}  # workload -> monotonic time of the last request
@@ -65,27 +61,12 @@ class VictimStopper:
     async def _stop(self, victim: Stop) -> None:
         if victim.kind != "session":
             return  # a job: its node agents see it stopping and stop its ranks
-        if not self.hub_api_url:
-            self.log.warning("no hub API: cannot stop preempted session %s", victim.workload_id)
-            return
-        try:
-            async with httpx.AsyncClient(timeout=10, headers=self.headers) as client:
-                response = await stop_server(
-                    client, self.hub_api_url, victim.user, victim.server_name
-                )
-        except httpx.HTTPError as e:
-            self.log.warning("could not ask the hub to stop workload %s: %s", victim.workload_id, e)
-            return
-        if response.status_code >= 400 and response.status_code != 404:
-            self.log.info(
-                "the hub did not stop preempted workload %s yet: %s %s",
-                victim.workload_id,
-                response.status_code,
-                response.text[:200],
-            )
-            return
-        self.log.info(
-            "asked the hub to stop preempted workload %s",
-            victim.workload_id,
-            extra={"user": victim.user, "server": victim.server_name, "reason": victim.reason},
+        # The reason the user reads was recorded when the stop was decided (a
+        # ``preempting``, ``session-drained`` or ``node-lost-session`` event), once.
+        await self.servers.stop(
+            victim.user,
+            victim.server_name,
+            workload_id=victim.workload_id,
+            message=victim.reason,
+            by="scheduler",
         )

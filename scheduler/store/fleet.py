@@ -315,9 +315,18 @@ class FleetStore(
                 )
             return [w.id for w in expired]
 
-    def record_event(self, now: datetime, kind: str, message: str, **fields: Any) -> None:
+    def record_event(
+        self,
+        now: datetime,
+        kind: str,
+        message: str,
+        *,
+        workload_id: int | None = None,
+        **fields: Any,
+    ) -> None:
         """An event of ``kind``, one of EventKind's values (a ValueError names any other,
-        before anything is written)."""
+        before anything is written), about workload ``workload_id`` if given."""
         known = EventKind(kind)
         with self._write(now) as session:
-            _event(session, now, known, message, **fields)
+            workload = session.get(Workload, workload_id) if workload_id is not None else None
+            _event(session, now, known, message, workload=workload, **fields)
