@@ -27,13 +27,13 @@ from .. import __version__
 from ..recovery.nvml import GpuSample, NvmlError
 from ..recovery.processes import marked_process_details
 from ..snapshotter.node_operations import run_operation
-from ..snapshotter.runner import SnapshotSettings
 from ..snapshotter.sandbox import (
     DEFAULT_SESSION_PREFIX,
     SandboxMode,
     default_session_env,
     probe,
 )
+from ..snapshotter.settings import RenamedSnapshotOptions, StoreAccess
 from .checkpoints import CredentialsFileError, load_checkpoint_credentials
 from .exporter import GpuState, start_exporter
 from .gpus import (
@@ -76,7 +76,7 @@ def _sample_body(sample: GpuSample) -> dict[str, Any]:
     return body
 
 
-class NodeAgent(Application):
+class NodeAgent(Application, RenamedSnapshotOptions):
     name = "gpufleet-agent"
     version = __version__
     description = "The gpufleet node agent (one per GPU node)."
@@ -213,51 +213,9 @@ class NodeAgent(Application):
         data = os.environ.get("GPUFLEET_DATA_DIR", ".gpufleet")
         return os.path.join(os.path.abspath(data), "homes", "{username}")
 
-    snapshot_store = Unicode(
-        help="Where session snapshots are kept (the controller's c.FleetController."
-        "snapshot_store): the agent writes and restores Kubernetes sessions' snapshots on "
-        "its node (docs/kubernetes.md). Default: the controller's setting, else "
-        "$GPUFLEET_SNAPSHOT_STORE, else $GPUFLEET_DATA_DIR/snapshots.",
-    ).tag(config=True)
-
-    @default("snapshot_store")
-    def _default_snapshot_store(self) -> str:
-        return str(
-            self.config.FleetController.get("snapshot_store")
-            or os.environ.get("GPUFLEET_SNAPSHOT_STORE")
-            or os.path.join(
-                os.path.abspath(os.environ.get("GPUFLEET_DATA_DIR", ".gpufleet")), "snapshots"
-            )
-        )
-
-    snapshot_key_file = Unicode(
-        help="The snapshot master key (the controller's c.FleetController.snapshot_key_file). "
-        "Default: the controller's setting, else $GPUFLEET_SNAPSHOT_KEY_FILE, else "
-        "$GPUFLEET_DATA_DIR/snapshot-master.key.",
-    ).tag(config=True)
-
-    @default("snapshot_key_file")
-    def _default_snapshot_key_file(self) -> str:
-        return str(
-            self.config.FleetController.get("snapshot_key_file")
-            or os.environ.get("GPUFLEET_SNAPSHOT_KEY_FILE")
-            or os.path.join(
-                os.path.abspath(os.environ.get("GPUFLEET_DATA_DIR", ".gpufleet")),
-                "snapshot-master.key",
-            )
-        )
-
-    snapshot_s3_endpoint = Unicode(
-        help="The S3 endpoint of an s3:// snapshot store that is not AWS itself. Default: "
-        "the controller's c.FleetController.snapshot_s3_endpoint, else $GPUFLEET_S3_ENDPOINT.",
-    ).tag(config=True)
-
-    @default("snapshot_s3_endpoint")
-    def _default_snapshot_s3_endpoint(self) -> str:
-        return str(
-            self.config.FleetController.get("snapshot_s3_endpoint")
-            or os.environ.get("GPUFLEET_S3_ENDPOINT", "")
-        )
+    # Where snapshots go: c.SnapshotSettings (snapshotter/settings.py), as the controller
+    # reads it; the earlier c.NodeAgent.snapshot_* and c.FleetController.snapshot_* names
+    # are still read (snapshot_access).
 
     node_operations = Bool(
         True,
@@ -584,13 +542,14 @@ class NodeAgent(Application):
             reported = readback.placements
             await asyncio.sleep(self.placement_interval)
 
-    def snapshot_settings(self) -> SnapshotSettings:
-        return SnapshotSettings(
-            self.snapshot_store,
-            self.snapshot_key_file,
-            self.snapshot_s3_endpoint,
-            os.path.join(self.data_dir, "statcache"),
-        )
+    def snapshot_access(self) -> StoreAccess:
+        """Where this agent's snapshot passes and restores go: c.SnapshotSettings, under
+        the deployment's data directory ($GPUFLEET_DATA_DIR), with stat caches in the
+        agent's own. The controller's earlier option names count here too, as they did
+        when the agent's defaults were the controller's settings."""
+        data = os.path.abspath(os.environ.get("GPUFLEET_DATA_DIR", ".gpufleet"))
+        settings = self.snapshot_settings(also_from=("FleetController",))
+        return settings.access(data, cache_dir=os.path.join(self.data_dir, "statcache"))
 
     async def _node_operations(self, client: httpx.AsyncClient) -> None:
         """Claim the snapshot passes, restores and maintenance asked of this agent's nodes
@@ -598,7 +557,7 @@ class NodeAgent(Application):
         most every ``PROGRESS_EVERY_S`` while any runs; with none running, long-poll."""
         nodes = list(self.operation_nodes) or [n["name"] for n in self.inventory]
         nodes = nodes or [self.node_name]
-        settings = self.snapshot_settings()
+        settings = self.snapshot_access()
         reports: dict[int, dict[str, Any]] = {}
         running: dict[asyncio.Task[None], int] = {}
         wake = asyncio.Event()

@@ -33,7 +33,8 @@ from ..api.events import EventKind
 from ..scheduler.store.fleet import FleetStore
 from ..scheduler.store.sessions import CulledSession
 from ..snapshotter import runner as snapshots
-from ..snapshotter.listing import SnapshotRecord, index_key, snapshot_store
+from ..snapshotter.listing import SnapshotRecord, index_key
+from ..snapshotter.settings import StoreAccess
 from .policy import Action, Cause, Decision, IdlePolicy, Session, Signals, decide, resolve
 from .ports import ServerStops
 
@@ -98,7 +99,7 @@ class IdleCuller:
         stopper: ServerStops,
         hub_api_url: str,
         hub_api_token: str,
-        snapshot_settings: snapshots.SnapshotSettings | None,
+        snapshot_settings: StoreAccess | None,
         registry: CollectorRegistry,
         log: logging.Logger,
         now: Callable[[], datetime],
@@ -450,9 +451,7 @@ class IdleCuller:
         """The snapshot store's URI as the store itself names it (``file:///...``)."""
         assert self.snapshot_settings is not None
         if getattr(self, "_opened_store_uri", None) is None:
-            self._opened_store_uri = snapshot_store(
-                self.snapshot_settings.store, self.snapshot_settings.s3_endpoint
-            ).uri
+            self._opened_store_uri = self.snapshot_settings.open_store().uri
         return self._opened_store_uri
 
     # ------------------------------------------------------------------- hub

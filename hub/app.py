@@ -42,7 +42,7 @@ from ..scheduler.store.collector import collect_all
 from ..scheduler.store.cycle import Stop
 from ..scheduler.store.fleet import FleetStore
 from ..snapshotter.errors import SnapshotError
-from ..snapshotter.runner import SnapshotSettings
+from ..snapshotter.settings import RenamedSnapshotOptions
 from ..spawner.clusters import ClusterConfigError, check_loadable, parse_clusters
 from . import logs
 from .admin import admin_routes
@@ -76,7 +76,7 @@ DEFAULT_PRIORITY_CLASSES = [
 ]
 
 
-class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
+class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnapshotOptions):
     name = "gpufleet-controller"
     version = __version__
     description = "The gpufleet fleet controller (a JupyterHub service)."
@@ -215,23 +215,9 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
         "one stops renewing (rolling updates, crashes).",
     ).tag(config=True)
 
-    snapshot_store = Unicode(
-        "",
-        help="Where session snapshots are kept: s3://bucket/prefix (any S3-compatible "
-        "endpoint; credentials from the usual AWS_* variables) or a local directory. "
-        "Empty: <data_dir>/snapshots (docs/snapshots.md).",
-    ).tag(config=True)
-
-    snapshot_key_file = Unicode(
-        "",
-        help="The snapshot master key: 32 random bytes, base64 (`openssl rand -base64 32`). "
-        "It seals every project's key; without it no snapshot can be read. Empty: "
-        "<data_dir>/snapshot-master.key, created on first start.",
-    ).tag(config=True)
-
-    snapshot_s3_endpoint = Unicode(
-        "", help="The S3 endpoint URL for an s3:// snapshot store that is not AWS itself."
-    ).tag(config=True)
+    # Where snapshots go: c.SnapshotSettings (snapshotter/settings.py), which the spawners
+    # and the node agents read too; the earlier c.FleetController.snapshot_* names come
+    # with RenamedSnapshotOptions.
 
     snapshot_index_interval = Float(
         3600.0,
@@ -366,6 +352,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
             self.now,
         )
         self.victims = VictimStopper(self.servers, self.log, self.preemption_retry_seconds)
+        self.snapshot_access = self.snapshot_settings().access(self.data_dir)
         self._configure_accounts()
         try:
             policies = self.recovery_policies()
@@ -386,12 +373,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
             stopper=self.servers,
             hub_api_url=os.environ.get("JUPYTERHUB_API_URL", ""),
             hub_api_token=os.environ.get("JUPYTERHUB_API_TOKEN", ""),
-            snapshot_settings=SnapshotSettings(
-                self.snapshot_store or os.path.join(self.data_dir, "snapshots"),
-                self.snapshot_key_file or os.path.join(self.data_dir, "snapshot-master.key"),
-                self.snapshot_s3_endpoint,
-                os.path.join(self.data_dir, "statcache"),
-            ),
+            snapshot_settings=self.snapshot_access,
             registry=self.metrics.registry,
             log=self.log,
             now=self.now,
@@ -433,7 +415,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
                 self.exit_with(f"c.FleetController.sandbox_uids: {problem}", code=2)
         self.store.user_mode = self.user_mode
         self.store.sandbox_uids = (first, last)
-        key = Path(self.snapshot_key_file or os.path.join(self.data_dir, "snapshot-master.key"))
+        key = Path(self.snapshot_access.key_file)
         if key.exists():
             try:
                 check_secret_file(key, "the snapshot master key")
@@ -703,17 +685,20 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin):
 
     def _snapshots(self) -> tuple[Any, bytes]:
         """The snapshot store and its master key; SnapshotError when unavailable."""
-        from ..snapshotter.listing import open_snapshots
-
-        return open_snapshots(
-            self.snapshot_store, self.snapshot_s3_endpoint, self.snapshot_key_file, self.data_dir
-        )
+        return self.snapshot_access.open()
 
     async def run_snapshot_retention(self) -> None:
-        from ..snapshotter.listing import retention_pass
+        from ..snapshotter.retention import RetentionPolicy, retention_pass
 
         store, key = self._snapshots()
-        said = await retention_pass(self, store, key, time.time())
+        said = await retention_pass(
+            store,
+            key,
+            self.store.project_names(),
+            RetentionPolicy(self.snapshot_keep_last, self.snapshot_keep_daily),
+            self.snapshot_gc_margin_seconds,
+            time.time(),
+        )
         self.store.record_event(self.now(), "snapshot-retention", said)
         self.refresh_snapshot_index()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..snapshotter.errors import SnapshotError
-from ..snapshotter.listing import master_key
+from ..snapshotter.settings import master_key
 from . import scopes
 from .secrets import SecretFileError, check_secret_file, secret_file
 
@@ -161,9 +161,9 @@ def _configure_spawner(c: Any, d: Deployment, spawner_token: str) -> None:
     c.LocalGPUSpawner.fake_nvml_dir = str(d.data_dir / "agent" / "fake-nvml")
     c.LocalGPUSpawner.sandbox_dir = str(d.data_dir / "sessions")
     # The same store, key and stat caches as the controller's defaults (docs/culler.md).
-    c.LocalGPUSpawner.snapshot_store = str(d.data_dir / "snapshots")
-    c.LocalGPUSpawner.snapshot_key_file = str(d.data_dir / "snapshot-master.key")
-    c.LocalGPUSpawner.snapshot_cache_dir = str(d.data_dir / "statcache")
+    c.SnapshotSettings.store = str(d.data_dir / "snapshots")
+    c.SnapshotSettings.key_file = str(d.data_dir / "snapshot-master.key")
+    c.SnapshotSettings.cache_dir = str(d.data_dir / "statcache")
     c.Spawner.default_url = "/lab"
     c.Spawner.http_timeout = 120
     c.Spawner.server_token_scopes = [

@@ -1,40 +1,33 @@
-"""The controller's side of snapshots: where they are stored, and its index of them.
+"""The controller's index of snapshots: what a scan of the store finds, and what the pages
+list.
 
-The store and the master key come from ``c.FleetController.snapshot_store`` and
-``snapshot_key_file`` (a local directory and a key file under the data directory by
-default: the embedded setup needs no S3). The index rows in the database are rebuilt from
-a scan of every project's manifests when the controller starts leading and then every
-``snapshot_index_interval`` seconds: the store is the truth, the rows follow it. Scans
-run in a worker thread, never in the event loop; a damaged manifest is logged and left
-out, as ``gpufleet snapshot list`` marks it, and the scan goes on.
+The manifests in the store are the truth; the controller keeps rows in its database
+(``scheduler/store/snapshots.py``) so that pages and the API list snapshots without
+reading the store. The rows are rebuilt from :func:`scan` of every project's manifests
+when the controller starts leading and then every ``snapshot_index_interval`` seconds.
+Scans run in a worker thread, never in the event loop; a damaged manifest is logged and
+left out, as ``gpufleet snapshot list`` marks it, and the scan goes on. Where the store
+is, and its key: ``settings.py``.
 
-``distinct`` is what the pages list: one row per snapshot. The culler records a live
-snapshot's row under the store's setting and the manifest's name inside its project
-(``snapshots/<user>/<server>/<id>``), the scan under the store's URI and the full object
-name (``projects/<project>/snapshots/...``), so one snapshot can have two rows; the culler
-should record ``index_key(project, name)`` and ``store.uri`` as the scan does.
+:func:`distinct` is what the pages list: one row per snapshot. The culler records a live
+snapshot's row under the store's URI and :func:`index_key` of its manifest, as the scan
+does, so the rebuild replaces that row; rows written before under the manifest's name
+inside its project (``snapshots/<user>/<server>/<id>``) are merged with the scan's by
+:func:`snapshot_key`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from . import retention
-from .crypto import new_master_key, read_master_key
 from .errors import CorruptObject, SnapshotNotFound
-from .gc import collect_garbage
 from .repository import Repository
-from .retention import RetentionPolicy
-from .store import Store, open_store
+from .store import Store
 
 log = logging.getLogger(__name__)
 
@@ -55,88 +48,10 @@ class SnapshotRecord:
     workload_id: int | None = None
 
 
-def master_key(path: str | os.PathLike[str], create: bool) -> bytes:
-    """The master key in ``path``; with ``create``, a new one is written there first if
-    there is none (mode 0600), for the embedded default."""
-    key_path = Path(path)
-    if create and not key_path.exists():
-        key_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(base64.b64encode(new_master_key()).decode() + "\n")
-    return read_master_key(key_path)
-
-
-def snapshot_store(uri: str, s3_endpoint: str = "") -> Store:
-    options = {"endpoint_url": s3_endpoint} if uri.startswith("s3://") and s3_endpoint else {}
-    return open_store(uri, **options)
-
-
 def index_key(project: str, manifest_name: str) -> str:
     """The index's key of a manifest: its full object name in the store, as the scan
     records it (``manifest_name`` is the name inside the project's repository)."""
     return f"projects/{quote(project, safe='')}/{manifest_name}"
-
-
-@dataclass(frozen=True)
-class RetentionRun:
-    forgotten: int  # snapshots the policy did not keep
-    deleted_packs: int
-    deleted_bytes: int
-
-
-def retain_and_collect(
-    store: Store,
-    master: bytes,
-    projects: Iterable[str],
-    policy: RetentionPolicy,
-    margin_s: float,
-    now: float,
-) -> RetentionRun:
-    """Apply the retention policy to every project's repository, then collect the data
-    nothing keeps any more (``gpufleet snapshot gc`` for each project). Blocking."""
-    forgotten = packs = size = 0
-    for project in projects:
-        try:
-            repository = Repository.open(store, project, master, create=False)
-        except SnapshotNotFound:
-            continue
-        forgotten += len(retention.apply(repository, policy, now))
-        report = collect_garbage(repository, margin_s=margin_s, now=now)
-        packs += report.deleted_packs
-        size += report.deleted_bytes
-    return RetentionRun(forgotten, packs, size)
-
-
-def open_snapshots(
-    store_uri: str, s3_endpoint: str, key_file: str, data_dir: str
-) -> tuple[Store, bytes]:
-    """The controller's snapshot store and master key (under ``data_dir`` unless set: the
-    embedded default, whose key is made on first use); SnapshotError when unavailable."""
-    store = snapshot_store(store_uri or os.path.join(data_dir, "snapshots"), s3_endpoint)
-    default_key = os.path.join(data_dir, "snapshot-master.key")
-    return store, master_key(key_file or default_key, create=not key_file)
-
-
-async def retention_pass(options: Any, store: Store, master: bytes, now: float) -> str:
-    """One scheduled retention and collection over every project, with the controller's
-    ``snapshot_keep_last``, ``snapshot_keep_daily`` and ``snapshot_gc_margin_seconds``;
-    what it did, in words."""
-    policy = RetentionPolicy(options.snapshot_keep_last, options.snapshot_keep_daily)
-    run = await asyncio.to_thread(
-        retain_and_collect,
-        store,
-        master,
-        options.store.project_names(),
-        policy,
-        options.snapshot_gc_margin_seconds,
-        now,
-    )
-    return (
-        f"snapshot retention (keep the last {policy.keep_last}, one a day for "
-        f"{policy.keep_daily} days): {run.forgotten} snapshot(s) forgotten, "
-        f"{run.deleted_packs} pack(s) of unused data deleted ({run.deleted_bytes} bytes)"
-    )
 
 
 def scan(

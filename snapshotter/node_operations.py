@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import runner as snapshots
+from .settings import StoreAccess
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ LayerFinder = Callable[[str], str | None]
 async def run_operation(
     kind: str,
     request: Mapping[str, Any],
-    settings: snapshots.SnapshotSettings,
+    settings: StoreAccess,
     on_progress: Report,
     find_layer: LayerFinder,
 ) -> dict[str, Any]:

@@ -6,18 +6,27 @@ back from ``now``, today included). Everything else is forgotten: its manifest i
 and its data goes at the next garbage collection unless another snapshot still needs it.
 The most recent snapshot of an owner is always kept, whatever the policy says, because it
 is what the owner's next start restores.
+
+``retain_and_collect`` applies a policy to every project of a store and collects what
+nothing keeps any more; ``retention_pass`` is that, off the event loop, as the
+controller's scheduled run (``c.FleetController.snapshot_retention_schedule``) does it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .errors import SnapshotNotFound
+from .gc import collect_garbage
+from .repository import Repository
+
 if TYPE_CHECKING:
-    from .repository import Repository
+    from .store import Store
 
 
 @dataclass(frozen=True)
@@ -83,3 +92,53 @@ def apply(
         for snapshot_id in decision.forget:
             repository.delete_manifest(by_id[snapshot_id])
     return list(decision.forget)
+
+
+@dataclass(frozen=True)
+class RetentionRun:
+    forgotten: int  # snapshots the policy did not keep
+    deleted_packs: int
+    deleted_bytes: int
+
+
+def retain_and_collect(
+    store: Store,
+    master: bytes,
+    projects: Iterable[str],
+    policy: RetentionPolicy,
+    margin_s: float,
+    now: float,
+) -> RetentionRun:
+    """Apply the retention policy to every project's repository, then collect the data
+    nothing keeps any more (``gpufleet snapshot gc`` for each project). Blocking."""
+    forgotten = packs = size = 0
+    for project in projects:
+        try:
+            repository = Repository.open(store, project, master, create=False)
+        except SnapshotNotFound:
+            continue
+        forgotten += len(apply(repository, policy, now))
+        report = collect_garbage(repository, margin_s=margin_s, now=now)
+        packs += report.deleted_packs
+        size += report.deleted_bytes
+    return RetentionRun(forgotten, packs, size)
+
+
+async def retention_pass(
+    store: Store,
+    master: bytes,
+    projects: Iterable[str],
+    policy: RetentionPolicy,
+    margin_s: float,
+    now: float,
+) -> str:
+    """One retention and collection over every project, in a worker thread; what it did,
+    in words (the controller's ``snapshot-retention`` event)."""
+    run = await asyncio.to_thread(
+        retain_and_collect, store, master, list(projects), policy, margin_s, now
+    )
+    return (
+        f"snapshot retention (keep the last {policy.keep_last}, one a day for "
+        f"{policy.keep_daily} days): {run.forgotten} snapshot(s) forgotten, "
+        f"{run.deleted_packs} pack(s) of unused data deleted ({run.deleted_bytes} bytes)"
+    )

@@ -1,10 +1,13 @@
 """Snapshot passes and restores of one session, run as ``gpufleet snapshot`` processes.
 
-The culler's live pass (in the controller) and the spawner's final pass and restore (in
-the hub) run the command line in a process of its own: the work is heavy (reading,
-hashing, compressing gigabytes) and must never hold up an event loop, and a process can
-be given the session's identity and environment. Progress and results come back as JSON
-lines (``--json``).
+The culler's live pass (in the controller), the spawner's final pass and restore (in the
+hub) and the node agent's operations (``node_operations.py``) run the command line in a
+process of its own: the work is heavy (reading, hashing, compressing gigabytes) and must
+never hold up an event loop, and a process can be given the session's identity and
+environment. Progress and results come back as JSON lines (``--json``). Where the
+snapshots go is a :class:`~.settings.StoreAccess` (``c.SnapshotSettings``, resolved).
+A session whose files only its node's agent can read is asked of that agent through
+:func:`on_node`.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import shutil
 import sys
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from .errors import SnapshotError
+from .settings import StoreAccess
 
 
 class SnapshotFailed(SnapshotError):
@@ -66,25 +70,6 @@ class Sources:
         return bool(self.paths or self.prefixes or self.overlays)
 
 
-@dataclass(frozen=True)
-class SnapshotSettings:
-    """Where snapshots go: the same settings the ``gpufleet snapshot`` command reads."""
-
-    store: str
-    key_file: str
-    s3_endpoint: str = ""
-    cache_dir: str = ""
-    extra_env: Mapping[str, str] = field(default_factory=dict)
-
-    def env(self) -> dict[str, str]:
-        env = {**os.environ, **self.extra_env}
-        env["GPUFLEET_SNAPSHOT_STORE"] = self.store
-        env["GPUFLEET_SNAPSHOT_KEY_FILE"] = self.key_file
-        if self.s3_endpoint:
-            env["GPUFLEET_S3_ENDPOINT"] = self.s3_endpoint
-        return env
-
-
 Progress = Callable[[dict[str, Any]], None]
 
 
@@ -98,7 +83,7 @@ def _command() -> list[str]:
 
 
 async def create(
-    settings: SnapshotSettings,
+    settings: StoreAccess,
     project: str,
     user: str,
     server: str,
@@ -123,7 +108,7 @@ async def create(
 
 
 async def restore_latest(
-    settings: SnapshotSettings,
+    settings: StoreAccess,
     project: str,
     user: str,
     server: str,
@@ -146,7 +131,7 @@ async def restore_latest(
 
 
 async def show_latest(
-    settings: SnapshotSettings, project: str, user: str, server: str
+    settings: StoreAccess, project: str, user: str, server: str
 ) -> dict[str, Any] | None:
     """The owner's latest snapshot of this server (``id``, ``created_at``, ``sources``:
     name, path, kind), None when there is none."""
@@ -181,7 +166,7 @@ class Restored:
 
 
 async def restore_missing(
-    settings: SnapshotSettings,
+    settings: StoreAccess,
     project: str,
     user: str,
     server: str,
@@ -306,7 +291,7 @@ async def on_node(
 
 
 async def _run(
-    settings: SnapshotSettings, project: str, args: list[str], on_progress: Progress | None
+    settings: StoreAccess, project: str, args: list[str], on_progress: Progress | None
 ) -> dict[str, Any]:
     argv = [*_command(), "snapshot", "--json", "--project", project, *args]
     process = await asyncio.create_subprocess_exec(

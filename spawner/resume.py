@@ -27,6 +27,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..snapshotter import runner as snapshots
 from ..snapshotter.envspec import conda_environments, home_excludes
+from ..snapshotter.settings import RenamedSnapshotOptions, StoreAccess, renamed_help
 
 # In the hub's own registry: JupyterHub serves it at /hub/metrics.
 _BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -61,49 +62,19 @@ class SnapshotOptions(LoggingConfigurable):
     ).tag(config=True)
 
 
-class SnapshottingMixin(SnapshotOptions):
+class SnapshottingMixin(SnapshotOptions, RenamedSnapshotOptions):
     snapshots_enabled = Bool(
         True,
         help="Snapshot a session's home, its container changes and its environments when it "
         "stops, and restore what is missing when it starts (docs/culler.md).",
     ).tag(config=True)
 
-    snapshot_store = Unicode(
-        help="Where snapshots go: the controller's c.FleetController.snapshot_store. "
-        "Default: $GPUFLEET_SNAPSHOT_STORE, else <data_dir>/snapshots.",
-    ).tag(config=True)
-
-    @default("snapshot_store")
-    def _default_snapshot_store(self) -> str:
-        return os.environ.get("GPUFLEET_SNAPSHOT_STORE") or os.path.join(_data_dir(), "snapshots")
-
-    snapshot_key_file = Unicode(
-        help="The snapshot master key: the controller's c.FleetController.snapshot_key_file. "
-        "Default: $GPUFLEET_SNAPSHOT_KEY_FILE, else <data_dir>/snapshot-master.key.",
-    ).tag(config=True)
-
-    @default("snapshot_key_file")
-    def _default_snapshot_key_file(self) -> str:
-        return os.environ.get("GPUFLEET_SNAPSHOT_KEY_FILE") or os.path.join(
-            _data_dir(), "snapshot-master.key"
-        )
-
-    snapshot_s3_endpoint = Unicode(
-        help="The S3 endpoint of an s3:// snapshot store that is not AWS itself.",
-    ).tag(config=True)
-
-    @default("snapshot_s3_endpoint")
-    def _default_snapshot_s3_endpoint(self) -> str:
-        return os.environ.get("GPUFLEET_S3_ENDPOINT", "")
-
-    snapshot_cache_dir = Unicode(
-        help="Where stat caches live (what the last pass read, so the next reads only what "
-        "changed); shared with the controller's live passes. Default: <data_dir>/statcache.",
-    ).tag(config=True)
-
-    @default("snapshot_cache_dir")
-    def _default_snapshot_cache_dir(self) -> str:
-        return os.path.join(_data_dir(), "statcache")
+    # Where snapshots go: c.SnapshotSettings (snapshotter/settings.py), which the
+    # controller and the node agents read too. The earlier c.LocalGPUSpawner.snapshot_*
+    # names come with RenamedSnapshotOptions, and this one:
+    snapshot_cache_dir = Unicode(None, allow_none=True, help=renamed_help("cache_dir")).tag(
+        config=True
+    )
 
     free_upper_after_snapshot = Bool(
         True,
@@ -119,13 +90,10 @@ class SnapshottingMixin(SnapshotOptions):
     sandbox_upper: str
     sandbox_mode: str
 
-    def snapshot_settings(self) -> snapshots.SnapshotSettings:
-        return snapshots.SnapshotSettings(
-            self.snapshot_store,
-            self.snapshot_key_file,
-            self.snapshot_s3_endpoint,
-            self.snapshot_cache_dir,
-        )
+    def snapshot_access(self) -> StoreAccess:
+        """Where this session's final passes and restores go: c.SnapshotSettings, under
+        the deployment's data directory."""
+        return self.snapshot_settings().access(_data_dir())
 
     def snapshot_sources(self, home: str) -> snapshots.Sources:
         """The session's home; its overlay upper directory when it runs in one (everything
@@ -153,7 +121,7 @@ class SnapshottingMixin(SnapshotOptions):
     ) -> dict[str, Any]:
         """The final pass, tried ``final_snapshot_attempts`` times; raises the last
         failure. Frees the upper directory once the snapshot is committed."""
-        settings = self.snapshot_settings()
+        settings = self.snapshot_access()
         failure: snapshots.SnapshotFailed | None = None
         for attempt in range(self.final_snapshot_attempts):
             started = time.monotonic()
@@ -180,7 +148,7 @@ class SnapshottingMixin(SnapshotOptions):
         """Restore what the latest snapshot holds and is missing here; what the user should
         read about it ("" when nothing was restored)."""
         restored = await snapshots.restore_missing(
-            self.snapshot_settings(),
+            self.snapshot_access(),
             project,
             user,
             server,

@@ -53,9 +53,8 @@ os.environ.update({credentials!r})
 for service in c.JupyterHub.services:
     if "environment" in service:
         service["environment"].update({credentials!r})
-c.FleetController.snapshot_store = c.LocalGPUSpawner.snapshot_store = {store!r}
-c.FleetController.snapshot_s3_endpoint = {endpoint!r}
-c.LocalGPUSpawner.snapshot_s3_endpoint = {endpoint!r}
+c.SnapshotSettings.store = {store!r}
+c.SnapshotSettings.s3_endpoint = {endpoint!r}
 """
 
 

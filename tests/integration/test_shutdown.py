@@ -29,8 +29,8 @@ credentials = {{"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEF
 for service in c.JupyterHub.services:
     if "environment" in service:
         service["environment"].update(credentials)
-c.FleetController.snapshot_store = "s3://silent/snapshots"
-c.FleetController.snapshot_s3_endpoint = "http://127.0.0.1:{port}"
+c.SnapshotSettings.store = "s3://silent/snapshots"
+c.SnapshotSettings.s3_endpoint = "http://127.0.0.1:{port}"
 """
 
 

@@ -16,8 +16,9 @@ from gpufleet.hub.admin import project_rows
 from gpufleet.hub.api.identity import Identity
 from gpufleet.hub.pages import environment, page_context, when, when_text
 from gpufleet.snapshotter.capture import SourceSpec, create_snapshot
-from gpufleet.snapshotter.listing import distinct, index_key, master_key, scan
+from gpufleet.snapshotter.listing import distinct, index_key, scan
 from gpufleet.snapshotter.repository import Repository
+from gpufleet.snapshotter.settings import master_key
 from gpufleet.snapshotter.store import LocalStore
 from gpufleet.spawner.form import render_form
 

@@ -78,7 +78,7 @@ def test_a_readable_master_key_stops_the_controller(tmp_path: Path) -> None:
     key = tmp_path / "master.key"
     key.write_text("a" * 44 + "\n")
     key.chmod(0o640)
-    config.write_text(config.read_text() + f"c.FleetController.snapshot_key_file = {str(key)!r}\n")
+    config.write_text(config.read_text() + f"c.SnapshotSettings.key_file = {str(key)!r}\n")
     result = run("--config", str(config))
     assert result.returncode == 2
     assert f"chmod 600 {key}" in result.stderr

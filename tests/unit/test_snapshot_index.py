@@ -11,8 +11,9 @@ from sqlalchemy import Engine, select
 from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.store.models import Event, Project, Snapshot
 from gpufleet.snapshotter.capture import SourceSpec, create_snapshot
-from gpufleet.snapshotter.listing import SnapshotRecord, master_key, scan
+from gpufleet.snapshotter.listing import SnapshotRecord, scan
 from gpufleet.snapshotter.repository import Repository
+from gpufleet.snapshotter.settings import master_key
 from gpufleet.snapshotter.store import LocalStore
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
@@ -80,8 +81,7 @@ def test_a_recorded_snapshot_is_one_row(engine: Engine) -> None:
 
 
 def test_scheduled_retention_forgets_what_the_policy_does_not_keep(tmp_path: Path) -> None:
-    from gpufleet.snapshotter.listing import retain_and_collect
-    from gpufleet.snapshotter.retention import RetentionPolicy
+    from gpufleet.snapshotter.retention import RetentionPolicy, retain_and_collect
 
     key = master_key(tmp_path / "master.key", create=True)
     snapshots = LocalStore(tmp_path / "snapshots")

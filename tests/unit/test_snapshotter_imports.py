@@ -47,8 +47,7 @@ def test_the_snapshotter_imports_only_the_api_of_the_project() -> None:
     problems = [p for path in modules for p in forbidden(path, path.read_text())]
     assert problems == [], (
         "snapshotter/ may import only gpufleet.api (DESIGN.md, 'The folders'); what it "
-        "needs of a caller (a process finder, a database row) is passed in:\n"
-        + "\n".join(problems)
+        "needs of a caller (a process finder, a database row) is passed in:\n" + "\n".join(problems)
     )
 
 
