@@ -50,8 +50,6 @@ at the end, on failure and on Ctrl-C (or SIGTERM) too.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import inspect
 import json
 import os
@@ -60,10 +58,8 @@ import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -74,7 +70,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from k8s_churn import GPUS, MARK, node_specs
+from k8s_children import Child, CpuWindow
+from k8s_churn import GPUS, node_specs
 from sqlalchemy import func, select
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the tests' Kubernetes tier
@@ -91,184 +88,6 @@ NODE_MONITOR_GRACE_S = 40
 SEEN_DEADLINE_S = 15.0
 TARGET_P99_S = 1.0
 TARGET_CPU = 5.0  # % of one core
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-# ------------------------------------------------------------------ the processes
-def _die_with_parent() -> None:
-    """In the child before exec: killed if the bench dies without stopping it."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-
-
-class Child:
-    """A process of the bench in a session of its own: its ``@@kind {json}`` lines kept
-    (with ``on_line`` called for each), its stderr in a log file; ``stop`` kills its group."""
-
-    def __init__(
-        self,
-        name: str,
-        argv: Sequence[str],
-        logdir: Path,
-        on_line: Callable[[str, dict[str, Any]], None] | None = None,
-    ):
-        self.name = name
-        self.log_path = logdir / f"{name}.log"
-        self.messages: list[tuple[str, dict[str, Any]]] = []
-        self.changed = threading.Condition()
-        self._on_line = on_line
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
-        self._reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if not line.startswith(MARK):
-                continue
-            kind, _, data = line[len(MARK) :].partition(" ")
-            message = json.loads(data)
-            with self.changed:
-                self.messages.append((kind, message))
-                if self._on_line is not None:
-                    self._on_line(kind, message)
-                self.changed.notify_all()
-        with self.changed:
-            self.changed.notify_all()
-
-    def wait_for(
-        self, check: Callable[[], bool], what: str, deadline_s: float, missing_ok: bool = False
-    ) -> bool:
-        """Until ``check`` (called under the lock) holds; fails with the log's end if the
-        process exits first, or if the deadline passes (unless ``missing_ok``: False)."""
-        deadline = time.monotonic() + deadline_s
-        with self.changed:
-            while not check():
-                if self.process.poll() is not None and not self._reader.is_alive():
-                    raise RuntimeError(
-                        f"{self.name} exited while waiting for {what}\n{self.tail()}"
-                    )
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    if missing_ok:
-                        return False
-                    raise RuntimeError(f"no {what} within {deadline_s:.0f} s\n{self.tail()}")
-                self.changed.wait(min(left, 1.0))
-        return True
-
-    def last(self, kind: str) -> dict[str, Any] | None:
-        with self.changed:
-            return next((m for k, m in reversed(self.messages) if k == kind), None)
-
-    def of_kind(self, kind: str) -> list[dict[str, Any]]:
-        with self.changed:
-            return [m for k, m in self.messages if k == kind]
-
-    def tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return f"--- end of {self.log_path}:\n" + "\n".join(text.splitlines()[-lines:])
-
-    def signal(self, sig: signal.Signals) -> None:
-        if self.process.poll() is None:
-            os.kill(self.process.pid, sig)
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM, then SIGKILL to its group after ``grace_s``."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=grace_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self._reader.join(timeout=5)
-
-
-# ------------------------------------------------------------------ CPU accounting
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def machine_ticks() -> tuple[int, int, int]:
-    """(busy, all, steal) jiffies of every CPU so far."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
-    idle = values[3] + values[4]
-    steal = values[7] if len(values) > 7 else 0
-    total = sum(values[:8])
-    return total - idle - steal, total, steal
-
-
-@dataclass
-class CpuWindow:
-    """CPU time of named processes (and the machine) between ``start`` and ``stop``."""
-
-    pids: dict[str, list[int]]
-    began: dict[str, float] = field(default_factory=dict)
-    used: dict[str, float] = field(default_factory=dict)
-    wall: float = 0.0
-    machine: tuple[int, int, int] = (0, 0, 0)
-    _wall0: float = field(default=0.0, init=False)
-    _machine0: tuple[int, int, int] = field(default=(0, 0, 0), init=False)
-
-    def _sample(self) -> dict[str, float]:
-        sample = {k: sum(cpu_seconds(p) for p in pids) for k, pids in self.pids.items()}
-        times = os.times()
-        sample["bench (changes, readers)"] = times.user + times.system
-        return sample
-
-    def start(self) -> None:
-        self.began = self._sample()
-        self._wall0 = time.monotonic()
-        self._machine0 = machine_ticks()
-
-    def stop(self) -> None:
-        now = self._sample()
-        self.wall = time.monotonic() - self._wall0
-        self.used = {k: now[k] - self.began[k] for k in now}
-        busy, total, steal = machine_ticks()
-        self.machine = (
-            busy - self._machine0[0],
-            total - self._machine0[1],
-            steal - self._machine0[2],
-        )
-
-    def percent(self, key: str) -> float:
-        return 100.0 * self.used[key] / self.wall
-
-    def others(self) -> float:
-        """What every other process of the machine used, % of one core."""
-        busy, total, _ = self.machine
-        mine = sum(self.used.values()) * CLOCK_TICKS
-        return 100.0 * (os.cpu_count() or 1) * max(0, busy - mine) / total
-
-    def busy(self) -> float:
-        return 100.0 * self.machine[0] / self.machine[1]
-
-    def steal(self) -> float:
-        return 100.0 * self.machine[2] / self.machine[1]
 
 
 # --------------------------------------------------------------------- the bench
@@ -435,7 +254,6 @@ def run(args: argparse.Namespace) -> None:
         binaries = find_binaries()
     except K8sUnavailable as e:
         raise SystemExit(str(e)) from None
-    n = args.nodes_per_cluster
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="gpufleet-bench-k8s-"))
     children: list[Child] = []
@@ -455,146 +273,197 @@ def run(args: argparse.Namespace) -> None:
             }
             for name in CLUSTERS
         ]
-        churn = _config(
-            work / "churn.json",
-            {
-                "period": args.period,
-                "connections": args.connections,
-                "clusters": [{**c, "token": c["admin"], "count": n} for c in clusters],
-            },
-        )
-        here = Path(__file__).resolve().parent
-        driver = Child("churn", [sys.executable, str(here / "k8s_churn.py"), str(churn)], work)
-        children.append(driver)
-        driver.wait_for(lambda: driver.last("registered") is not None, "registration", 600.0)
-        registered = driver.last("registered") or {}
-        print(
-            f"{registered['nodes']} nodes registered (Node, status, Lease) in "
-            f"{registered['seconds']:.1f} s",
-            flush=True,
-        )
-        ready_s = wait_all_ready(plane, n, driver, deadline_s=120.0 + n / 5)
-        print(f"all Ready (not-ready taints gone) {ready_s:.1f} s later", flush=True)
-
+        driver = start_churn(args, plane, clusters, work, children)
         database = work / "gpufleet.sqlite"
-        engine = db.make_engine(f"sqlite:///{database}")
-        db.upgrade(engine)
-        engine.dispose()
         profile = work / "controller.pstats" if args.profile else None
-        controller_config = _config(
-            work / "controller.json",
-            {
-                "database": str(database),
-                "kubeconfig": str(plane.kubeconfig),
-                "clusters": list(CLUSTERS),
-                "profile": str(profile) if profile else None,
-            },
-        )
-        observers = str(here / "k8s_observers.py")
-        controller = Child(
-            "controller",
-            [sys.executable, observers, "controller", str(controller_config)],
-            work,
-            sightings.controller,
-        )
-        children.append(controller)
-        sides = {GPUFLEET: controller}
-        watched = [{k: c[k] for k in ("name", "server", "ca", "token")} for c in clusters]
-        for side, client in (
-            (WATCHER, "httpx"),
-            (AIOHTTP_WATCHER, "aiohttp"),
-            (THREADED_WATCHER, "thread"),
-        ):
-            if (client == "aiohttp" and not args.aiohttp_watcher) or (
-                client == "thread" and not args.threaded_watcher
-            ):
-                continue
-            config = _config(work / f"{client}.json", {"client": client, "clusters": watched})
-            sides[side] = Child(
-                f"watcher-{client}",
-                [sys.executable, observers, "watcher", str(config)],
-                work,
-                sightings.watcher(side),
-            )
-            children.append(sides[side])
-        began = time.monotonic()
-        for name in CLUSTERS:
-
-            def listed_all(name: str = name) -> bool:
-                return sum(1 for k in sightings.times[GPUFLEET] if k[0] == name) >= n
-
-            controller.wait_for(
-                listed_all,
-                f"the controller's first listing of {name}",
-                120.0 + n / 5,
-            )
-        for side, child in sides.items():
-            if side != GPUFLEET:
-                child.wait_for(
-                    partial(lambda c: len(c.of_kind("ready")) == len(CLUSTERS), child),
-                    f"the {side}'s lists",
-                    60.0,
-                )
-        listed = time.monotonic() - began
-        first = ", ".join(
-            f"{t['cluster']} {t['took']:.1f} s" for t in sightings.transactions if t["states"] >= n
-        )
-        print(
-            f"controller and watchers listed every node in {listed:.1f} s (the controller's "
-            f"first complete listing written in {first})"
-        )
+        sides = start_observers(args, plane, clusters, database, profile, sightings, children)
+        wait_listed(args.nodes_per_cluster, sides, sightings)
         caught_up = wait_on_plan(driver, args.period, deadline_s=300.0)
         if caught_up is None:
             print("the churn driver is still behind its plan after 300 s: measuring anyway")
         else:
             print(f"renewals on time after {caught_up:.0f} s; measuring", flush=True)
-
-        pids = {
-            **{_cpu_label(side): [c.pid] for side, c in sides.items()},
-            "churn driver": [driver.pid],
-            **{
-                role: [_pid(plane[c].processes[key]) for c in CLUSTERS]
-                for role, key in (
-                    ("kube-apiserver ×2", "apiserver"),
-                    ("etcd ×2", "etcd"),
-                    ("kube-controller-manager ×2", "controller-manager"),
-                    ("kube-scheduler ×2", "scheduler"),
-                )
-            },
-        }
-        quiet, window = CpuWindow(pids), CpuWindow(pids)
-        churn_before = len(driver.of_kind("churn"))
-        window_began_at = datetime.now(UTC)
-        transactions_before = len(sightings.transactions)
-        if args.profile:
-            controller.signal(signal.SIGUSR1)
-        quiet.start()
-        print(f"{args.cpu_window:g} s of churn alone, then {args.changes} changes", flush=True)
-        time.sleep(args.cpu_window)
-        quiet.stop()
-        window.start()
-        changes = make_changes(plane, args.changes, n, sightings, sides, rng)
-        window.stop()
-        window_transactions = sightings.transactions[transactions_before:]
-        churn_stats = driver.of_kind("churn")[max(0, churn_before - 1) :]
-        for child in sides.values():
-            child.stop()
-        report(args, changes, (quiet, window), churn_stats, window_transactions, sides[WATCHER])
-        report_store(database, window_began_at)
+        measure(args, plane, driver, sides, sightings, rng, database)
         if profile is not None and profile.exists():
-            print(
-                "\ncontroller profile over the window (cProfile; its CPU figure includes the "
-                "profiler's overhead):"
-            )
-            stats = pstats.Stats(str(profile))
-            stats.sort_stats("tottime").print_stats(25)
-            stats.sort_stats("cumulative").print_stats(25)
+            print_profile(profile)
     finally:
         for child in reversed(children):
             child.stop()
         if plane is not None:
             plane.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def start_churn(
+    args: argparse.Namespace,
+    plane: ControlPlane,
+    clusters: Sequence[Mapping[str, str]],
+    work: Path,
+    children: list[Child],
+) -> Child:
+    """The churn driver (in ``children``), once its nodes are registered and Ready."""
+    n = args.nodes_per_cluster
+    churn = _config(
+        work / "churn.json",
+        {
+            "period": args.period,
+            "connections": args.connections,
+            "clusters": [{**c, "token": c["admin"], "count": n} for c in clusters],
+        },
+    )
+    here = Path(__file__).resolve().parent
+    driver = Child("churn", [sys.executable, str(here / "k8s_churn.py"), str(churn)], work)
+    children.append(driver)
+    driver.wait_for(lambda: driver.last("registered") is not None, "registration", 600.0)
+    registered = driver.last("registered") or {}
+    print(
+        f"{registered['nodes']} nodes registered (Node, status, Lease) in "
+        f"{registered['seconds']:.1f} s",
+        flush=True,
+    )
+    ready_s = wait_all_ready(plane, n, driver, deadline_s=120.0 + n / 5)
+    print(f"all Ready (not-ready taints gone) {ready_s:.1f} s later", flush=True)
+    return driver
+
+
+def start_observers(
+    args: argparse.Namespace,
+    plane: ControlPlane,
+    clusters: Sequence[Mapping[str, str]],
+    database: Path,
+    profile: Path | None,
+    sightings: Sightings,
+    children: list[Child],
+) -> dict[str, Child]:
+    """The controller under test (its store in ``database``, made here) and the bare
+    watchers asked for, each reporting to ``sightings``: the sides, by name."""
+    engine = db.make_engine(f"sqlite:///{database}")
+    db.upgrade(engine)
+    engine.dispose()
+    work = database.parent
+    controller_config = _config(
+        work / "controller.json",
+        {
+            "database": str(database),
+            "kubeconfig": str(plane.kubeconfig),
+            "clusters": list(CLUSTERS),
+            "profile": str(profile) if profile else None,
+        },
+    )
+    observers = str(Path(__file__).resolve().parent / "k8s_observers.py")
+    controller = Child(
+        "controller",
+        [sys.executable, observers, "controller", str(controller_config)],
+        work,
+        sightings.controller,
+    )
+    children.append(controller)
+    sides = {GPUFLEET: controller}
+    watched = [{k: c[k] for k in ("name", "server", "ca", "token")} for c in clusters]
+    for side, client in (
+        (WATCHER, "httpx"),
+        (AIOHTTP_WATCHER, "aiohttp"),
+        (THREADED_WATCHER, "thread"),
+    ):
+        if (client == "aiohttp" and not args.aiohttp_watcher) or (
+            client == "thread" and not args.threaded_watcher
+        ):
+            continue
+        config = _config(work / f"{client}.json", {"client": client, "clusters": watched})
+        sides[side] = Child(
+            f"watcher-{client}",
+            [sys.executable, observers, "watcher", str(config)],
+            work,
+            sightings.watcher(side),
+        )
+        children.append(sides[side])
+    return sides
+
+
+def wait_listed(n: int, sides: Mapping[str, Child], sightings: Sightings) -> None:
+    """Until the controller has written its first listing of every cluster's ``n`` nodes
+    and every watcher has listed them."""
+    began = time.monotonic()
+    controller = sides[GPUFLEET]
+    for name in CLUSTERS:
+
+        def listed_all(name: str = name) -> bool:
+            return sum(1 for k in sightings.times[GPUFLEET] if k[0] == name) >= n
+
+        controller.wait_for(
+            listed_all,
+            f"the controller's first listing of {name}",
+            120.0 + n / 5,
+        )
+    for side, child in sides.items():
+        if side != GPUFLEET:
+            child.wait_for(
+                partial(lambda c: len(c.of_kind("ready")) == len(CLUSTERS), child),
+                f"the {side}'s lists",
+                60.0,
+            )
+    listed = time.monotonic() - began
+    first = ", ".join(
+        f"{t['cluster']} {t['took']:.1f} s" for t in sightings.transactions if t["states"] >= n
+    )
+    print(
+        f"controller and watchers listed every node in {listed:.1f} s (the controller's "
+        f"first complete listing written in {first})"
+    )
+
+
+def measure(
+    args: argparse.Namespace,
+    plane: ControlPlane,
+    driver: Child,
+    sides: Mapping[str, Child],
+    sightings: Sightings,
+    rng: random.Random,
+    database: Path,
+) -> None:
+    """The CPU window of churn alone, then the changes under churn, then the report."""
+    pids = {
+        **{_cpu_label(side): [c.pid] for side, c in sides.items()},
+        "churn driver": [driver.pid],
+        **{
+            role: [_pid(plane[c].processes[key]) for c in CLUSTERS]
+            for role, key in (
+                ("kube-apiserver ×2", "apiserver"),
+                ("etcd ×2", "etcd"),
+                ("kube-controller-manager ×2", "controller-manager"),
+                ("kube-scheduler ×2", "scheduler"),
+            )
+        },
+    }
+    quiet, window = CpuWindow(pids), CpuWindow(pids)
+    churn_before = len(driver.of_kind("churn"))
+    window_began_at = datetime.now(UTC)
+    transactions_before = len(sightings.transactions)
+    if args.profile:
+        sides[GPUFLEET].signal(signal.SIGUSR1)
+    quiet.start()
+    print(f"{args.cpu_window:g} s of churn alone, then {args.changes} changes", flush=True)
+    time.sleep(args.cpu_window)
+    quiet.stop()
+    window.start()
+    changes = make_changes(plane, args.changes, args.nodes_per_cluster, sightings, sides, rng)
+    window.stop()
+    window_transactions = sightings.transactions[transactions_before:]
+    churn_stats = driver.of_kind("churn")[max(0, churn_before - 1) :]
+    for child in sides.values():
+        child.stop()
+    report(args, changes, (quiet, window), churn_stats, window_transactions, sides[WATCHER])
+    report_store(database, window_began_at)
+
+
+def print_profile(profile: Path) -> None:
+    print(
+        "\ncontroller profile over the window (cProfile; its CPU figure includes the "
+        "profiler's overhead):"
+    )
+    stats = pstats.Stats(str(profile))
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(25)
 
 
 def _pid(process: ManagedProcess) -> int:
@@ -640,11 +509,22 @@ def report(
         f"({', '.join(f'{v} {k}' for k, v in sorted(kinds.items()))}) over {window.wall:.0f} s"
     )
     sides = list(changes[0].seen) if changes else []
+    if not report_latency(changes, sides):
+        return
+    print()
+    report_cpu(quiet, window, sides)
+    print()
+    report_churn(churn, writes, watcher, changes, transactions)
+
+
+def report_latency(changes: Sequence[Change], sides: Sequence[str]) -> bool:
+    """From each change to each side's sighting: p50, p99, max, the ratios and the
+    target's verdict. False when no change was seen by every side."""
     missed = {side: sum(1 for c in changes if c.seen[side] is None) for side in sides}
     seen = [c for c in changes if all(t is not None for t in c.seen.values())]
     if not seen:
         print("no change was seen by every side")
-        return
+        return False
     after = {side: [c.seen[side] - c.sent for c in seen] for side in sides}  # type: ignore[operator]
     added = [c.seen[GPUFLEET] - c.seen[WATCHER] for c in seen]  # type: ignore[operator]
     print()
@@ -673,8 +553,11 @@ def report(
         f"target p99 ≤ {TARGET_P99_S:g} s: {verdict}; not seen within {SEEN_DEADLINE_S:g} s: "
         + ", ".join(f"{side} {count}" for side, count in missed.items())
     )
+    return True
 
-    print()
+
+def report_cpu(quiet: CpuWindow, window: CpuWindow, sides: Sequence[str]) -> None:
+    """Each process's CPU in both windows, the machine's, and the target's verdict."""
     print(
         f"{'CPU, % of one core':<40} {'churn alone':>12} {'+ changes':>12}\n"
         f"{'':<40} {f'({quiet.wall:.0f} s)':>12} {f'({window.wall:.0f} s)':>12}"
@@ -700,7 +583,16 @@ def report(
         print(f"{label}: controller CPU {ratios}; target < {TARGET_CPU:g} % of a core: {verdict}")
     print(f"{os.cpu_count()} cores; hypervisor steal {window.steal():.1f} % of the time")
 
-    print()
+
+def report_churn(
+    churn: Sequence[Mapping[str, Any]],
+    writes: float,
+    watcher: Child,
+    changes: Sequence[Change],
+    transactions: Sequence[Mapping[str, Any]],
+) -> None:
+    """The churn achieved in the window (against ``writes`` planned renewals a second),
+    the watch events it made, and what the store wrote."""
     if len(churn) >= 2:
         elapsed = churn[-1]["t"] - churn[0]["t"]
         status = sum(c["status"] for c in churn[1:])
