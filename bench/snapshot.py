@@ -47,6 +47,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -514,63 +515,22 @@ def main(argv: list[str] | None = None) -> None:
     if total < MIN_BYTES or files < MIN_FILES:
         raise SystemExit("the environment is too small: add packages to PACKAGES")
 
-    work = env.parent / f"{env.name}-work"
-    if work.exists():
-        with contextlib.suppress(subprocess.CalledProcessError):
-            run(["umount", str(work / "tmpfs")], stderr=subprocess.DEVNULL)
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    work = fresh_workdir(env)
     profile_dir = env.parent / f"{env.name}-profiles" if args.profile else None
     if profile_dir is not None:
         profile_dir.mkdir(exist_ok=True)
     server = None
     try:
-        alice, bob = work / "alice" / "env", work / "bob" / "env"
+        alice, bob = user_copies(env, work)
         started = time.perf_counter()
-        for copy in (alice, bob):
-            copy.parent.mkdir()
-            run(["cp", "-a", str(env), str(copy)])
-        pip_install(bob, SECOND_USER_EXTRA)
-        os.sync()
-        for copy in (alice, bob):
-            warm(copy)  # cp may copy in the kernel, leaving the copies out of the page cache
-        say(
-            f"two users' copies (cp -a), the second with {' '.join(SECOND_USER_EXTRA)} "
-            f"installed: {time.perf_counter() - started:.1f} s"
-        )
-        store: Store
-        if args.local:
-            store = LocalStore(work / "store")
-            (work / "baseline").mkdir()
-            baseline = Baseline(None, "", work / "baseline")
-            say(f"store: LocalStore {work / 'store'}; baseline: a file in {work / 'baseline'}")
-        else:
-            from gpufleet.snapshotter.s3 import S3Store
-
-            s3server = load_s3server()
-            started = time.perf_counter()
-            server = s3server.S3Server.start()
-            bucket = server.create_bucket("bench")
-            options = server.store_options()
-            store = S3Store(bucket, "gpufleet", **options)
-            import boto3
-
-            client = boto3.client(
-                "s3",
-                endpoint_url=options["endpoint_url"],
-                region_name=options["region"],
-                aws_access_key_id=options["access_key"],
-                aws_secret_access_key=options["secret_key"],
-            )
-            baseline = Baseline(client, bucket, None)
-            say(
-                f"store: SeaweedFS S3 at {server.endpoint_url}, bucket {bucket}, data in "
-                f"{server.workdir} (started in {time.perf_counter() - started:.1f} s)"
-            )
+        if not args.local:
+            server = load_s3server().S3Server.start()
+        store, baseline = stores(work, server, started)
         clock = Clock(server.process.pid if server is not None else None)
         with scratch(work) as (tmp, tmp_kind):
             say(f"restores go to {tmp_kind}")
-            results = measure(args, env, alice, bob, store, baseline, tmp, work, clock, profile_dir)
+            bench = Bench(args, env, alice, bob, store, baseline, tmp, work, clock, profile_dir)
+            results = measure(bench)
         report(results, total, files)
     finally:
         if server is not None:
@@ -582,110 +542,196 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def measure(
-    args: argparse.Namespace,
-    env: Path,
-    alice: Path,
-    bob: Path,
-    store: Store,
-    baseline: Baseline,
-    tmp: Path,
-    work: Path,
-    clock: Clock,
-    profile_dir: Path | None,
-) -> dict[str, Any]:
+def fresh_workdir(env: Path) -> Path:
+    """An empty working directory beside the cached environment (a previous run's
+    removed, its tmpfs unmounted)."""
+    work = env.parent / f"{env.name}-work"
+    if work.exists():
+        with contextlib.suppress(subprocess.CalledProcessError):
+            run(["umount", str(work / "tmpfs")], stderr=subprocess.DEVNULL)
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    return work
+
+
+def user_copies(env: Path, work: Path) -> tuple[Path, Path]:
+    """Two users' copies of the environment (``cp -a``), the second with
+    ``SECOND_USER_EXTRA`` installed, both read once so that they are cached."""
+    alice, bob = work / "alice" / "env", work / "bob" / "env"
+    started = time.perf_counter()
+    for copy in (alice, bob):
+        copy.parent.mkdir()
+        run(["cp", "-a", str(env), str(copy)])
+    pip_install(bob, SECOND_USER_EXTRA)
+    os.sync()
+    for copy in (alice, bob):
+        warm(copy)  # cp may copy in the kernel, leaving the copies out of the page cache
+    say(
+        f"two users' copies (cp -a), the second with {' '.join(SECOND_USER_EXTRA)} "
+        f"installed: {time.perf_counter() - started:.1f} s"
+    )
+    return alice, bob
+
+
+def stores(work: Path, server: Any | None, started: float) -> tuple[Store, Baseline]:
+    """gpufleet's store and the baseline's: on the S3 ``server`` (started at ``started``,
+    ``time.perf_counter``), or without one in ``work`` (a ``LocalStore``, and a file)."""
+    if server is None:
+        (work / "baseline").mkdir()
+        say(f"store: LocalStore {work / 'store'}; baseline: a file in {work / 'baseline'}")
+        return LocalStore(work / "store"), Baseline(None, "", work / "baseline")
+    import boto3
+
+    from gpufleet.snapshotter.s3 import S3Store
+
+    bucket = server.create_bucket("bench")
+    options = server.store_options()
+    client = boto3.client(
+        "s3",
+        endpoint_url=options["endpoint_url"],
+        region_name=options["region"],
+        aws_access_key_id=options["access_key"],
+        aws_secret_access_key=options["secret_key"],
+    )
+    say(
+        f"store: SeaweedFS S3 at {server.endpoint_url}, bucket {bucket}, data in "
+        f"{server.workdir} (started in {time.perf_counter() - started:.1f} s)"
+    )
+    return S3Store(bucket, "gpufleet", **options), Baseline(client, bucket, None)
+
+
+@dataclass
+class Bench:
+    """What the timed steps run on: the users' copies, the stores, the restores' empty
+    directory (``tmp``), the working directory, the clock, and the projects' master key."""
+
+    args: argparse.Namespace
+    env: Path
+    alice: Path
+    bob: Path
+    store: Store
+    baseline: Baseline
+    tmp: Path
+    work: Path
+    clock: Clock
+    profile_dir: Path | None
+    master: bytes = field(default_factory=new_master_key)
+
+
+def measure(bench: Bench) -> dict[str, Any]:
+    """The rounds, then the changed environment and the second user; the figures."""
     r: dict[str, Any] = {k: [] for k in ("base_up", "full", "unchanged", "base_down", "restore")}
-    master = new_master_key()
     whole: dict[str, float] = {}
-    with clock.timed(whole):
-        for i in range(args.rounds):
+    with bench.clock.timed(whole):
+        for i in range(bench.args.rounds):
             say()
-            say(f"round {i + 1} of {args.rounds}")
-            t: dict[str, float] = {}
-            with clock.timed(t):
-                baseline.upload(alice)
-            r["base_up"].append(t)
-            r["base_bytes"] = baseline.stored()
-            say(f"  baseline tar | zstd -3 -T0 -> upload: {t['wall']:.2f} s; {cpu_note(t)}")
-
-            # Each round a project of its own: nothing to deduplicate against.
-            repository = Repository.open(store, f"bench-{i}", master)
-            cache = work / f"cache-alice-{i}"
-            t = {}
-            with profiled("full-snapshot", profile_dir if i == 0 else None), clock.timed(t):
-                full = snapshot(repository, alice, "alice", cache, args)
-            r["full"].append(t)
-            r["full_bytes"] = full.stats.uploaded_bytes
-            say(f"  gpufleet full snapshot: {t['wall']:.2f} s; {describe(full)}; {cpu_note(t)}")
-            t = {}
-            with profiled("unchanged", profile_dir if i == 0 else None), clock.timed(t):
-                same = snapshot(repository, alice, "alice", cache, args)
-            r["unchanged"].append(t)
-            say(f"  gpufleet unchanged: {t['wall']:.2f} s; {describe(same)}; {cpu_note(t)}")
-
-            target = tmp / f"baseline-{i}"
-            target.mkdir()
-            t = {}
-            with clock.timed(t):
-                baseline.restore(target)
-            r["base_down"].append(t)
-            say(f"  baseline download | zstd -d | tar -x: {t['wall']:.2f} s; {cpu_note(t)}")
-            shutil.rmtree(target)
-
-            target = tmp / f"gpufleet-{i}"
-            t = {}
-            with profiled("restore", profile_dir if i == 0 else None), clock.timed(t):
-                reader = Repository.open(store, f"bench-{i}", master, create=False)
-                manifest = reader.read_manifest(reader.find(full.id))
-                restored = restore_snapshot(
-                    reader,
-                    manifest,
-                    targets={manifest.sources[0].name: target},
-                    workers=args.workers,
-                    cache_dir=work / f"cache-restore-{i}",
-                )
-            r["restore"].append(t)
-            say(
-                f"  gpufleet restore: {t['wall']:.2f} s; {restored.files} files, "
-                f"{size(restored.bytes)} from {restored.packs} packs; {cpu_note(t)}"
-            )
-            if i == 0:
-                problems = verify(env, target)
-                r["problems"] = len(problems)
-                say(f"  the restored tree against the source: {len(problems) or 'no'} differences")
-                for problem in problems[:10]:
-                    say(f"    {problem}")
-            shutil.rmtree(target)
-
+            say(f"round {i + 1} of {bench.args.rounds}")
+            repository, cache = measure_round(bench, i, r)
         say()
-        before = stat_map(alice)
-        pip_install(alice, ONE_MORE)
-        after = stat_map(alice)
-        changed = sorted(p for p, sig in after.items() if before.get(p) != sig)
-        changed = [p for p in changed if p not in before or not stat.S_ISDIR(after[p][0])]
-        r["pkg_bytes"] = zstd_size(alice, changed)
-        t = {}
-        with clock.timed(t):
-            added = snapshot(repository, alice, "alice", cache, args)
-        r["pkg_up"] = added.stats.uploaded_bytes
-        say(
-            f"after pip install {' '.join(ONE_MORE)} ({len(changed)} paths added or changed; "
-            f"{size(r['pkg_bytes'])} as tar | zstd -3): {t['wall']:.2f} s; {describe(added)}"
-        )
-
-        r["bob_bytes"] = zstd_size(bob)
-        t = {}
-        with clock.timed(t):
-            second = snapshot(repository, bob, "bob", work / "cache-bob", args)
-        r["bob_up"] = second.stats.uploaded_bytes
-        say(
-            f"second user (a copy with {' '.join(SECOND_USER_EXTRA)}; {size(r['bob_bytes'])} as "
-            f"tar | zstd -3): {t['wall']:.2f} s; {describe(second)}"
-        )
+        measure_changes(bench, repository, cache, r)
     cores = os.cpu_count() or 1
     r["steal"] = whole["steal"] / (whole["wall"] * cores)
     r["others"] = max(0.0, whole["cpu_others"]) / (whole["wall"] * cores)
     return r
+
+
+def measure_round(bench: Bench, i: int, r: dict[str, Any]) -> tuple[Repository, Path]:
+    """Round ``i``: the baseline's upload, gpufleet's full and unchanged snapshots of the
+    first user's copy, then both restores. The round's repository and stat cache."""
+    args, clock, alice = bench.args, bench.clock, bench.alice
+    t: dict[str, float] = {}
+    with clock.timed(t):
+        bench.baseline.upload(alice)
+    r["base_up"].append(t)
+    r["base_bytes"] = bench.baseline.stored()
+    say(f"  baseline tar | zstd -3 -T0 -> upload: {t['wall']:.2f} s; {cpu_note(t)}")
+
+    # Each round a project of its own: nothing to deduplicate against.
+    repository = Repository.open(bench.store, f"bench-{i}", bench.master)
+    cache = bench.work / f"cache-alice-{i}"
+    profile_dir = bench.profile_dir if i == 0 else None
+    t = {}
+    with profiled("full-snapshot", profile_dir), clock.timed(t):
+        full = snapshot(repository, alice, "alice", cache, args)
+    r["full"].append(t)
+    r["full_bytes"] = full.stats.uploaded_bytes
+    say(f"  gpufleet full snapshot: {t['wall']:.2f} s; {describe(full)}; {cpu_note(t)}")
+    t = {}
+    with profiled("unchanged", profile_dir), clock.timed(t):
+        same = snapshot(repository, alice, "alice", cache, args)
+    r["unchanged"].append(t)
+    say(f"  gpufleet unchanged: {t['wall']:.2f} s; {describe(same)}; {cpu_note(t)}")
+    measure_restores(bench, i, full, r)
+    return repository, cache
+
+
+def measure_restores(bench: Bench, i: int, full: Manifest, r: dict[str, Any]) -> None:
+    """Round ``i``'s restores into empty directories: the baseline's, then gpufleet's of
+    the ``full`` snapshot (checked against the source in the first round)."""
+    clock = bench.clock
+    target = bench.tmp / f"baseline-{i}"
+    target.mkdir()
+    t: dict[str, float] = {}
+    with clock.timed(t):
+        bench.baseline.restore(target)
+    r["base_down"].append(t)
+    say(f"  baseline download | zstd -d | tar -x: {t['wall']:.2f} s; {cpu_note(t)}")
+    shutil.rmtree(target)
+
+    target = bench.tmp / f"gpufleet-{i}"
+    t = {}
+    with profiled("restore", bench.profile_dir if i == 0 else None), clock.timed(t):
+        reader = Repository.open(bench.store, f"bench-{i}", bench.master, create=False)
+        manifest = reader.read_manifest(reader.find(full.id))
+        restored = restore_snapshot(
+            reader,
+            manifest,
+            targets={manifest.sources[0].name: target},
+            workers=bench.args.workers,
+            cache_dir=bench.work / f"cache-restore-{i}",
+        )
+    r["restore"].append(t)
+    say(
+        f"  gpufleet restore: {t['wall']:.2f} s; {restored.files} files, "
+        f"{size(restored.bytes)} from {restored.packs} packs; {cpu_note(t)}"
+    )
+    if i == 0:
+        problems = verify(bench.env, target)
+        r["problems"] = len(problems)
+        say(f"  the restored tree against the source: {len(problems) or 'no'} differences")
+        for problem in problems[:10]:
+            say(f"    {problem}")
+    shutil.rmtree(target)
+
+
+def measure_changes(bench: Bench, repository: Repository, cache: Path, r: dict[str, Any]) -> None:
+    """What a snapshot uploads after one more package in the first user's copy (its stat
+    ``cache`` the last round's), and for the second user's copy, against their size."""
+    args, clock, alice, bob = bench.args, bench.clock, bench.alice, bench.bob
+    before = stat_map(alice)
+    pip_install(alice, ONE_MORE)
+    after = stat_map(alice)
+    changed = sorted(p for p, sig in after.items() if before.get(p) != sig)
+    changed = [p for p in changed if p not in before or not stat.S_ISDIR(after[p][0])]
+    r["pkg_bytes"] = zstd_size(alice, changed)
+    t: dict[str, float] = {}
+    with clock.timed(t):
+        added = snapshot(repository, alice, "alice", cache, args)
+    r["pkg_up"] = added.stats.uploaded_bytes
+    say(
+        f"after pip install {' '.join(ONE_MORE)} ({len(changed)} paths added or changed; "
+        f"{size(r['pkg_bytes'])} as tar | zstd -3): {t['wall']:.2f} s; {describe(added)}"
+    )
+
+    r["bob_bytes"] = zstd_size(bob)
+    t = {}
+    with clock.timed(t):
+        second = snapshot(repository, bob, "bob", bench.work / "cache-bob", args)
+    r["bob_up"] = second.stats.uploaded_bytes
+    say(
+        f"second user (a copy with {' '.join(SECOND_USER_EXTRA)}; {size(r['bob_bytes'])} as "
+        f"tar | zstd -3): {t['wall']:.2f} s; {describe(second)}"
+    )
 
 
 def report(r: dict[str, Any], total: int, files: int) -> None:
