@@ -21,11 +21,9 @@ that garbage collection is about to delete.
 from __future__ import annotations
 
 import fnmatch
-import grp
 import marshal
 import mmap
 import os
-import pwd
 import re
 import socket
 import stat
@@ -34,7 +32,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from functools import cache
 from operator import attrgetter
 from pathlib import Path
 from stat import S_ISREG
@@ -47,14 +44,12 @@ from pyfastcdc import FastCDC
 from . import statcache
 from .collector import cycle_collector_paused
 from .errors import CaptureError
+from .fileattrs import data_ranges, group_name, user_name, xattrs
 from .index import Index
 from .manifest import Manifest, Source, SourceKind, Stats, new_snapshot_id
 from .pack import BUNDLE_BYTES, DATA, TREE, FinishedPack, PackAssembler, Segment, seal_segment
 from .repository import Repository, SnapshotRef
 from .tree import Node, NodeType, encode_entries, node_json
-
-# Overlay's own bookkeeping, never part of a file's attributes.
-_OVERLAY_XATTRS = ("trusted.overlay.", "user.overlay.")
 
 
 @dataclass(frozen=True)
@@ -307,7 +302,7 @@ class _Run:
         self, path: str, size: int, sparse: bool
     ) -> tuple[tuple[bytes, ...], tuple[tuple[int, int], ...]]:
         with open(path, "rb", buffering=0) as f:
-            ranges = _data_ranges(f.fileno(), size) if sparse else ()
+            ranges = data_ranges(f.fileno(), size) if sparse else ()
             if ranges:
                 chunks = []
                 for offset, length in ranges:
@@ -335,55 +330,6 @@ class _Run:
                 if isinstance(piece, memoryview):
                     piece.release()
         return ids
-
-
-def _data_ranges(fd: int, size: int) -> tuple[tuple[int, int], ...]:
-    """The (offset, length) ranges of a sparse file that hold data."""
-    ranges = []
-    offset = 0
-    while offset < size:
-        try:
-            start = os.lseek(fd, offset, os.SEEK_DATA)
-        except OSError:
-            break  # no data after offset: the rest is a hole
-        end = os.lseek(fd, start, os.SEEK_HOLE)
-        ranges.append((start, min(end, size) - start))
-        offset = end
-    if not ranges:
-        ranges.append((0, 0))  # all hole: one empty range marks it sparse
-    return tuple(ranges)
-
-
-@cache
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return ""
-
-
-@cache
-def _group(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return ""
-
-
-def _xattrs(path: str) -> dict[str, bytes]:
-    try:
-        names = os.listxattr(path, follow_symlinks=False)
-    except OSError:
-        return {}
-    found = {}
-    for name in names:
-        if name.startswith(_OVERLAY_XATTRS):
-            continue
-        try:
-            found[name] = os.getxattr(path, name, follow_symlinks=False)
-        except OSError:
-            continue  # removed meanwhile, or not readable: nothing to restore
-    return found
 
 
 _TYPES = {
@@ -629,11 +575,11 @@ class _Walker:
             stat.S_IMODE(st.st_mode),
             st.st_uid,
             st.st_gid,
-            _user(st.st_uid),
-            _group(st.st_gid),
+            user_name(st.st_uid),
+            group_name(st.st_gid),
             st.st_mtime_ns,
             st.st_size if kind is NodeType.FILE else 0,
-            _xattrs(e.where),
+            xattrs(e.where),
             chunks,
             sparse,
             e.target,
@@ -691,85 +637,14 @@ def create_snapshot(
     snapshot_id = new_snapshot_id(now)
     lock = repository.acquire_writer_lock(snapshot_id)
     try:
-        # Lock, tombstones, packs, index — in this order (see gc.py): what is left is
-        # stored now, and stays stored until this run has committed or given up. Those
-        # requests go on while the sources are walked; the walk needs none of them.
-        def prepare() -> tuple[Index, SnapshotRef | None]:
-            tombstoned = repository.tombstoned_packs()
-            stored = {info.name for info in repository.list_packs()}
-            index = repository.load_index()
-            index.drop_packs(tombstoned | (set(index.packs) - stored))
-            return index, repository.latest(user, server)
-
         run = _Run(
             repository, Index(), workers or os.cpu_count() or 2, compression_level, on_progress
         )
-        preparing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snap-prepare")
-        try:
-            prepared = preparing.submit(prepare)
-            walkers = []
-            for spec in sources:
-                cache_file = (
-                    statcache.cache_path(
-                        cache_dir, repository.store.uri, repository.project, str(spec.path)
-                    )
-                    if cache_dir is not None
-                    else None
-                )
-                cache = statcache.load(cache_file) if cache_file else statcache.StatCache()
-                alive = (
-                    preparing.submit(repository.has_manifest, cache.snapshot)
-                    if cache.snapshot
-                    else None
-                )
-                walker = _Walker(run, spec, cache, use_dirs=False)
-                if spec.kind is SourceKind.OVERLAY:
-                    walker.walk_overlay(spec.path, spec.merged)
-                else:
-                    walker.walk_tree(spec.path)
-                walkers.append((walker, cache_file, alive))
-            run.index, parent = prepared.result()
-            for walker, _, alive in walkers:
-                walker.use_dirs = alive is not None and alive.result()
-                walker.settle()
-            run.progress.phase = "read"
-            run.read_all([e for w, _, _ in walkers for e in w.to_read])
-            run.progress.phase = "trees"
-            for walker, _, _ in walkers:
-                walker.build_trees()
-            run.progress.phase = "upload"
-            run.flush()
-        finally:
-            preparing.shutdown(wait=True, cancel_futures=True)
-            run.close()
+        walked, parent = _store_sources(run, sources, user, server, cache_dir)
         uploaded = run.uploaded
         if run.new_packs:
             _, size = repository.write_index(run.new_packs)
             uploaded += size
-        manifest_sources = tuple(
-            Source(
-                name=w.spec.name,
-                path=str(w.spec.path),
-                kind=w.spec.kind,
-                tree=w.dirs[-1].tree,
-                files=w.files,
-                bytes=w.bytes,
-                exclude=w.spec.exclude,
-                spec=w.spec.spec,
-                root=w.root_node(),
-            )
-            for w, _, _ in walkers
-        )
-        stats = Stats(
-            files=sum(w.files for w, _, _ in walkers),
-            dirs=sum(len(w.dirs) for w, _, _ in walkers),
-            bytes=sum(w.bytes for w, _, _ in walkers),
-            reused_files=sum(w.reused for w, _, _ in walkers),
-            reused_dirs=sum(len(w.dirs) - w.rebuilt_dirs for w, _, _ in walkers),
-            new_bytes=run.new_bytes,
-            uploaded_bytes=uploaded,
-            duration_s=round(time.monotonic() - started, 3),
-        )
         manifest = Manifest(
             id=snapshot_id,
             project=repository.project,
@@ -777,19 +652,117 @@ def create_snapshot(
             server=server,
             created_at=now if now is not None else time.time(),
             hostname=socket.gethostname(),
-            sources=manifest_sources,
-            stats=stats,
+            sources=tuple(_manifest_source(w.walker) for w in walked),
+            stats=_stats([w.walker for w in walked], run, uploaded, started),
             parent=parent.id if parent is not None else None,
             tags=tuple(tags),
         )
         repository.check_writer_lock(lock)
         manifest = _with_upload(manifest, repository.write_manifest(manifest) + uploaded)
-        for walker, cache_file, _ in walkers:
-            if cache_file is not None:
-                statcache.save(cache_file, walker.new_cache(manifest.name))
+        for w in walked:
+            if w.cache_file is not None:
+                statcache.save(w.cache_file, w.walker.new_cache(manifest.name))
         return manifest
     finally:
         repository.release_writer_lock(lock)
+
+
+@dataclass(frozen=True)
+class _Walked:
+    walker: _Walker
+    cache_file: Path | None  # where its stat cache is kept; None: no cache
+    # Whether the snapshot its stat cache was written for still exists (None: the cache
+    # names none): only then may the cache's trees stand for unread directories.
+    alive: Future[bool] | None
+
+
+def _store_sources(
+    run: _Run,
+    sources: Sequence[SourceSpec],
+    user: str,
+    server: str,
+    cache_dir: Path | None,
+) -> tuple[list[_Walked], SnapshotRef | None]:
+    """Walk, read and store every source, trees included: the sources as walked, and
+    the snapshot this one follows (the owner's latest, or None)."""
+    repository = run.repository
+
+    # Lock, tombstones, packs, index — in this order (see gc.py): what is left is stored
+    # now, and stays stored until this run has committed or given up. Those requests go
+    # on while the sources are walked; the walk needs none of them.
+    def prepare() -> tuple[Index, SnapshotRef | None]:
+        tombstoned = repository.tombstoned_packs()
+        stored = {info.name for info in repository.list_packs()}
+        index = repository.load_index()
+        index.drop_packs(tombstoned | (set(index.packs) - stored))
+        return index, repository.latest(user, server)
+
+    preparing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snap-prepare")
+    try:
+        prepared = preparing.submit(prepare)
+        walked = [_walk(run, spec, cache_dir, preparing) for spec in sources]
+        run.index, parent = prepared.result()
+        for w in walked:
+            w.walker.use_dirs = w.alive is not None and w.alive.result()
+            w.walker.settle()
+        run.progress.phase = "read"
+        run.read_all([e for w in walked for e in w.walker.to_read])
+        run.progress.phase = "trees"
+        for w in walked:
+            w.walker.build_trees()
+        run.progress.phase = "upload"
+        run.flush()
+    finally:
+        preparing.shutdown(wait=True, cancel_futures=True)
+        run.close()
+    return walked, parent
+
+
+def _walk(
+    run: _Run, spec: SourceSpec, cache_dir: Path | None, preparing: ThreadPoolExecutor
+) -> _Walked:
+    """Phase 1 for one source, with the stat cache its last snapshot left."""
+    repository = run.repository
+    cache_file = (
+        statcache.cache_path(cache_dir, repository.store.uri, repository.project, str(spec.path))
+        if cache_dir is not None
+        else None
+    )
+    cache = statcache.load(cache_file) if cache_file else statcache.StatCache()
+    alive = preparing.submit(repository.has_manifest, cache.snapshot) if cache.snapshot else None
+    walker = _Walker(run, spec, cache, use_dirs=False)
+    if spec.kind is SourceKind.OVERLAY:
+        walker.walk_overlay(spec.path, spec.merged)
+    else:
+        walker.walk_tree(spec.path)
+    return _Walked(walker, cache_file, alive)
+
+
+def _manifest_source(w: _Walker) -> Source:
+    return Source(
+        name=w.spec.name,
+        path=str(w.spec.path),
+        kind=w.spec.kind,
+        tree=w.dirs[-1].tree,
+        files=w.files,
+        bytes=w.bytes,
+        exclude=w.spec.exclude,
+        spec=w.spec.spec,
+        root=w.root_node(),
+    )
+
+
+def _stats(walkers: Sequence[_Walker], run: _Run, uploaded: int, started: float) -> Stats:
+    return Stats(
+        files=sum(w.files for w in walkers),
+        dirs=sum(len(w.dirs) for w in walkers),
+        bytes=sum(w.bytes for w in walkers),
+        reused_files=sum(w.reused for w in walkers),
+        reused_dirs=sum(len(w.dirs) - w.rebuilt_dirs for w in walkers),
+        new_bytes=run.new_bytes,
+        uploaded_bytes=uploaded,
+        duration_s=round(time.monotonic() - started, 3),
+    )
 
 
 def _with_upload(manifest: Manifest, uploaded: int) -> Manifest:
