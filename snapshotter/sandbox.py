@@ -309,65 +309,10 @@ def sandbox_argv(
     """
     if not argv:
         raise ValueError("sandbox_argv needs a command to run (argv is empty)")
-    if user == (support.uid, support.gid):
-        user = None  # already that user
-    if user is not None and not support.is_root and user != (support.uid, support.gid):
-        raise ValueError(
-            f"cannot run the session as uid/gid {user}: switching users needs root, and this "
-            f"process runs as {support.uid}/{support.gid}"
-        )
-    mode = support.mode
-    if mode is SandboxMode.NONE:
+    user = _switched_user(support, user)
+    if support.mode is SandboxMode.NONE:
         return _as_user(argv, user)
-    bwrap = support.bwrap
-    if bwrap is None:
-        raise ValueError(f"sandbox mode {mode.value} needs bwrap, and the support names none")
-    prefix: list[str] = []
-    root_args: list[str] = [bwrap]
-    layers = [entry for entry in root if entry.link is None]
-    if mode in _OVERLAY_MODES:
-        paths = [
-            _check_overlay_path("upper directory", upper),
-            _check_overlay_path("work directory", work),
-            _check_overlay_path("merged directory", merged),
-        ]
-        stacked = [_check_overlay_path("lower layer", lower) for lower in lowers]
-        if mode is SandboxMode.OVERLAY_BWRAP:
-            for entry in layers:
-                for lower in stacked:
-                    root_args += ["--overlay-src", f"{lower}/{entry.name}"]
-                root_args += ["--overlay-src", entry.path, "--overlay"]
-                root_args += [f"{paths[0]}/{entry.name}", f"{paths[1]}/{entry.name}", entry.path]
-        else:
-            groups = [
-                [
-                    ":".join([*(f"{lower}/{entry.name}" for lower in stacked), entry.path]),
-                    *(f"{path}/{entry.name}" for path in paths),
-                ]
-                for entry in layers
-            ]
-            if mode is SandboxMode.OVERLAY_MOUNT:
-                script = _MOUNT_SCRIPT.format(options=_OVERLAY_OPTIONS)
-                prefix = [support.unshare or "unshare", "-m", "--", "/bin/sh", "-c", script]
-            else:  # OVERLAY_USERNS: userxattr implies no redirects and no metacopy
-                script = _MOUNT_SCRIPT.format(options="userxattr").removeprefix(
-                    "mount --make-rprivate / && "
-                )
-                prefix = [support.unshare or "unshare", "-U", "-r", "-m", "--", "/bin/sh", "-c"]
-                prefix.append(script)
-                root_args += ["--unshare-user", "--uid", str(support.uid)]
-                root_args += ["--gid", str(support.gid)]
-            prefix += ["sh", *(arg for group in groups for arg in group), "--"]
-            for entry in layers:
-                root_args += ["--bind", f"{paths[2]}/{entry.name}", entry.path]
-    else:  # READONLY
-        for entry in layers:
-            root_args += ["--ro-bind", entry.path, entry.path]
-    for entry in root:
-        if entry.link is not None:
-            root_args += ["--symlink", entry.link, entry.path]
-    root_args += ["--ro-bind", "/sys", "/sys"]
-
+    prefix, root_args = _root_args(support, root, (upper, work, merged), lowers)
     args = [*prefix, *root_args, "--proc", "/proc", "--dev", "/dev"]
     args += ["--perms", "1777", "--tmpfs", "/dev/shm"]
     for device in devices if devices is not None else support.gpu_devices:
@@ -378,13 +323,7 @@ def sandbox_argv(
     mounts = [(home, home)]
     if env_prefix is not None:
         mounts.append((env_prefix, env_prefix))
-    mounts += binds
-    for parent in _parents([destination for _, destination in [*mounts, *read_only]]):
-        args += ["--perms", "0755", "--dir", parent]
-    for source, destination in mounts:
-        args += ["--bind", str(source), str(destination)]
-    for source, destination in read_only:
-        args += ["--ro-bind", str(source), str(destination)]
+    args += _bind_args([*mounts, *binds], read_only)
     if not share_pids:
         args.append("--unshare-pid")
     if chdir is not None:
@@ -393,6 +332,101 @@ def sandbox_argv(
     if user is not None and support.is_root:
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     return [*args, "--", *_as_user(argv, user)]
+
+
+def _switched_user(support: SandboxSupport, user: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The user to switch to in the sandbox: None when that is the caller already.
+    ValueError when switching needs root and the caller is not."""
+    if user == (support.uid, support.gid):
+        return None
+    if user is not None and not support.is_root:
+        raise ValueError(
+            f"cannot run the session as uid/gid {user}: switching users needs root, and this "
+            f"process runs as {support.uid}/{support.gid}"
+        )
+    return user
+
+
+def _root_args(
+    support: SandboxSupport,
+    root: Sequence[RootEntry],
+    dirs: tuple[Path, Path, Path],
+    lowers: Sequence[Path],
+) -> tuple[list[str], list[str]]:
+    """What makes the sandbox's ``/``: the command that runs before bwrap (the mount
+    script of the ``unshare`` modes; empty otherwise) and bwrap with its root's
+    arguments. ``dirs``: the upper, work and merged directories."""
+    mode = support.mode
+    bwrap = support.bwrap
+    if bwrap is None:
+        raise ValueError(f"sandbox mode {mode.value} needs bwrap, and the support names none")
+    prefix: list[str] = []
+    root_args: list[str] = [bwrap]
+    layers = [entry for entry in root if entry.link is None]
+    if mode in _OVERLAY_MODES:
+        names = ("upper directory", "work directory", "merged directory")
+        paths = [_check_overlay_path(name, path) for name, path in zip(names, dirs, strict=True)]
+        stacked = [_check_overlay_path("lower layer", lower) for lower in lowers]
+        if mode is SandboxMode.OVERLAY_BWRAP:
+            for entry in layers:
+                for lower in stacked:
+                    root_args += ["--overlay-src", f"{lower}/{entry.name}"]
+                root_args += ["--overlay-src", entry.path, "--overlay"]
+                root_args += [f"{paths[0]}/{entry.name}", f"{paths[1]}/{entry.name}", entry.path]
+        else:
+            prefix = _mount_script(support, layers, paths, stacked)
+            if mode is SandboxMode.OVERLAY_USERNS:
+                root_args += ["--unshare-user", "--uid", str(support.uid)]
+                root_args += ["--gid", str(support.gid)]
+            for entry in layers:
+                root_args += ["--bind", f"{paths[2]}/{entry.name}", entry.path]
+    else:  # READONLY
+        for entry in layers:
+            root_args += ["--ro-bind", entry.path, entry.path]
+    for entry in root:
+        if entry.link is not None:
+            root_args += ["--symlink", entry.link, entry.path]
+    root_args += ["--ro-bind", "/sys", "/sys"]
+    return prefix, root_args
+
+
+def _mount_script(
+    support: SandboxSupport, layers: Sequence[RootEntry], paths: list[str], stacked: list[str]
+) -> list[str]:
+    """The ``unshare`` command that mounts each layer's overlay at its part of the merged
+    directory and then runs bwrap (``overlay-mount``, ``overlay-userns``)."""
+    groups = [
+        [
+            ":".join([*(f"{lower}/{entry.name}" for lower in stacked), entry.path]),
+            *(f"{path}/{entry.name}" for path in paths),
+        ]
+        for entry in layers
+    ]
+    unshare = support.unshare or "unshare"
+    if support.mode is SandboxMode.OVERLAY_MOUNT:
+        script = _MOUNT_SCRIPT.format(options=_OVERLAY_OPTIONS)
+        prefix = [unshare, "-m", "--", "/bin/sh", "-c", script]
+    else:  # OVERLAY_USERNS: userxattr implies no redirects and no metacopy
+        script = _MOUNT_SCRIPT.format(options="userxattr").removeprefix(
+            "mount --make-rprivate / && "
+        )
+        prefix = [unshare, "-U", "-r", "-m", "--", "/bin/sh", "-c", script]
+    return [*prefix, "sh", *(arg for group in groups for arg in group), "--"]
+
+
+def _bind_args(
+    mounts: Sequence[tuple[Path, Path]], read_only: Sequence[tuple[Path, Path]]
+) -> list[str]:
+    """Bind each ``(source, destination)`` of ``mounts`` read-write, then each of
+    ``read_only`` read-only, their missing parents made traversable first."""
+    args: list[str] = []
+    for parent in _parents([destination for _, destination in [*mounts, *read_only]]):
+        args += ["--perms", "0755", "--dir", parent]
+    for source, destination in mounts:
+        args += ["--bind", str(source), str(destination)]
+    for source, destination in read_only:
+        args += ["--ro-bind", str(source), str(destination)]
+    return args
 
 
 def identity_files(
