@@ -58,7 +58,20 @@ def add_snapshot(commands: Any) -> None:
         help="for programs: progress and the result as JSON lines on stdout, no bar",
     )
     sub = snap.add_subparsers(dest="snapshot_command", metavar="ACTION", required=True)
+    _add_create(sub)
+    _add_reading(sub)
+    _add_restore(sub)
+    _add_upkeep(sub)
+    for action in ("create", "list", "show", "restore", "check", "rebuild-index"):
+        sub.choices[action].add_argument(
+            "--json",
+            action="store_true",
+            default=argparse.SUPPRESS,  # absent: the option before the action stands
+            help="for programs: JSON lines on stdout",
+        )
 
+
+def _add_create(sub: Any) -> None:
     create = sub.add_parser("create", help="snapshot directories and environment prefixes")
     create.add_argument("paths", nargs="*", type=Path, help="directories (e.g. a home)")
     create.add_argument(
@@ -82,6 +95,9 @@ def add_snapshot(commands: Any) -> None:
     create.add_argument("--cache-dir", type=Path, default=_default_cache())
     create.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
 
+
+def _add_reading(sub: Any) -> None:
+    """The actions that only read: list, show, diff."""
     listing = sub.add_parser("list", help="snapshots, oldest first")
     listing.add_argument("--user")
     listing.add_argument("--server")
@@ -96,6 +112,8 @@ def add_snapshot(commands: Any) -> None:
     diff.add_argument("first")
     diff.add_argument("second")
 
+
+def _add_restore(sub: Any) -> None:
     restore = sub.add_parser("restore", help="bring a snapshot back")
     restore.add_argument("id", help="an id, or 'latest' with --user")
     restore.add_argument("--user")
@@ -125,6 +143,9 @@ def add_snapshot(commands: Any) -> None:
         help="processes that fetch and write the data (default: two per core; 1: this one)",
     )
 
+
+def _add_upkeep(sub: Any) -> None:
+    """The actions that keep a repository: delete, gc, check, rebuild-index."""
     delete = sub.add_parser("delete", help="forget snapshots (data goes at the next gc)")
     delete.add_argument("ids", nargs="+")
 
@@ -147,13 +168,6 @@ def add_snapshot(commands: Any) -> None:
         "rebuild-index",
         help="write a whole index from the index files that open and the packs' own tables",
     )
-    for action in ("create", "list", "show", "restore", "check", "rebuild-index"):
-        sub.choices[action].add_argument(
-            "--json",
-            action="store_true",
-            default=argparse.SUPPRESS,  # absent: the option before the action stands
-            help="for programs: JSON lines on stdout",
-        )
 
 
 def _default_cache() -> Path:
