@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .envspec import conda_environments
 from .errors import SnapshotError
 from .settings import StoreAccess
 
@@ -68,6 +69,29 @@ class Sources:
 
     def __bool__(self) -> bool:
         return bool(self.paths or self.prefixes or self.overlays)
+
+
+def local_sources(home: str, upper: str, exclude: Sequence[str]) -> Sources:
+    """What a local session's snapshots hold: its home; its overlay upper directory
+    ``upper`` when it runs in one (everything it changed outside its home is there, conda
+    environments included); otherwise the environment prefixes conda recorded outside its
+    home. Reads the home's conda environment list."""
+    overlays: tuple[str, ...] = ()
+    prefixes: tuple[str, ...] = ()
+    if upper:
+        overlays = (upper,)
+    else:
+        prefixes = tuple(
+            str(p)
+            for p in conda_environments([Path(home)])
+            if not str(p).startswith(home.rstrip("/") + "/")
+        )
+    return Sources(
+        paths=(home,) if home else (),
+        prefixes=prefixes,
+        overlays=overlays,
+        exclude=tuple(exclude),
+    )
 
 
 Progress = Callable[[dict[str, Any]], None]

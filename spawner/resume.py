@@ -26,7 +26,7 @@ from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from ..snapshotter import runner as snapshots
-from ..snapshotter.envspec import conda_environments, home_excludes
+from ..snapshotter.envspec import home_excludes
 from ..snapshotter.settings import RenamedSnapshotOptions, StoreAccess, renamed_help
 
 # In the hub's own registry: JupyterHub serves it at /hub/metrics.
@@ -96,25 +96,8 @@ class SnapshottingMixin(SnapshotOptions, RenamedSnapshotOptions):
         return self.snapshot_settings().access(_data_dir())
 
     def snapshot_sources(self, home: str) -> snapshots.Sources:
-        """The session's home; its overlay upper directory when it runs in one (everything
-        it changed outside its home is there, conda environments included); otherwise the
-        environment prefixes conda recorded outside its home."""
-        overlays: tuple[str, ...] = ()
-        prefixes: tuple[str, ...] = ()
-        if self.sandbox_upper:
-            overlays = (self.sandbox_upper,)
-        else:
-            prefixes = tuple(
-                str(p)
-                for p in conda_environments([Path(home)])
-                if not str(p).startswith(home.rstrip("/") + "/")
-            )
-        return snapshots.Sources(
-            paths=(home,) if home else (),
-            prefixes=prefixes,
-            overlays=overlays,
-            exclude=tuple(self.snapshot_excludes),
-        )
+        """What this local session's snapshots hold (``runner.local_sources``)."""
+        return snapshots.local_sources(home, self.sandbox_upper, self.snapshot_excludes)
 
     async def final_snapshot(
         self, project: str, user: str, server: str, sources: snapshots.Sources
