@@ -9,7 +9,11 @@ command line or an environment unchecked. Other :class:`~.runner.RunnerError`\\ 
 node's own (no sandbox, no base environment).
 
 The command is the session sandbox's (``containment.py``), built as the pod's user's
-account; the directories it needs are made here, owned as the sandbox needs them.
+account; the directories it needs are made here, owned as the sandbox needs them. What a
+pod is started with (:class:`LaunchSpec`: its account, argv, variables, working directory
+and binds) is decided by :func:`launch_spec`, a pure function of the job's spec and the
+node's facts (:class:`PodFacts`); :func:`contained_command` gathers those facts, makes the
+directories and turns the spec into the command line the rank runner starts.
 """
 
 from __future__ import annotations
@@ -96,6 +100,15 @@ class PodPlace:
     def ranks_dir(self) -> Path:
         return self.directory / "ranks"
 
+    @property
+    def sandbox(self) -> SandboxDirs:
+        """The pod's own overlay layers, scratch and /tmp."""
+        return SandboxDirs(self.directory / "sandbox")
+
+    def script(self, spec: Mapping[str, Any]) -> Path:
+        """Where the job's entry script is kept for its pods on this node."""
+        return self.job_dir / str(spec["script_name"])
+
 
 def check_spec(spec: Mapping[str, Any], checkpoint_places: Iterable[str]) -> None:
     """Refuse (``JobRefused``, with what to change) what no node could pass on as asked
@@ -159,13 +172,101 @@ def pinned_environment(desired: Mapping[str, Any], sandbox: RankSandbox) -> Path
 
 
 @dataclass(frozen=True)
-class _PodDirs:
-    """What a pod's sandbox gets of the host, made ready."""
+class PodFacts:
+    """What a pod's launch reads of this node besides the job's spec and the sandbox's
+    settings, found (or made) by the agent: :func:`contained_command` gathers them."""
 
-    sandbox: SandboxDirs
-    script: Path  # the entry script, read-only inside
-    writable: list[Path]  # bound read-write at their own place
-    writable_at: list[tuple[Path, Path]]  # (source, destination), read-write
+    port: int  # the job's rendezvous port on this machine
+    progress_url: str  # where ranks report progress; "" for nowhere
+    pinned: Path | None  # the job's copy of its session's environment (pinned_environment)
+    # The user's directory bound read-write for the job's local checkpoint location (their
+    # home, or theirs under the checkpoint root; made by _make_pod_dirs); None without one.
+    checkpoint_dir: Path | None
+    cwd_is_dir: bool  # the working directory the job asks for (asked_cwd) is one here
+    fake_nvml: Path | None = None  # the folder gpufleet's fake NVML library is served from
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What one pod's ``torchrun`` is started with, decided by :func:`launch_spec` from the
+    job's spec and the node's facts alone; :func:`contained_command` runs it contained
+    (``containment.rank_command``). Ranks have no resource limits of their own: a pod
+    holds its GPUs (``CUDA_VISIBLE_DEVICES``), and its user's account bounds the rest."""
+
+    account: RankAccount  # whom the ranks run as
+    argv: tuple[str, ...]  # torchrun's, run inside from the job's environment
+    env: dict[str, str]  # exactly the ranks' variables inside
+    cwd: Path  # inside
+    dirs: SandboxDirs  # the pod's own layers, scratch and /tmp
+    writable: tuple[Path, ...]  # bound read-write at their own place
+    writable_at: tuple[tuple[Path, Path], ...]  # (host, inside), read-write
+    read_only: tuple[tuple[Path, Path], ...]  # (host, inside), the entry script among them
+    # The user's passwd and group entries shown over the host's at /etc (written into the
+    # pod's root when it starts): a system account has its own already.
+    identity: bool
+    pinned: Path | None  # the session's environment, a layer below the pod's own
+    outer_env: dict[str, str]  # what the sandbox's own processes (bwrap, setpriv) run with
+
+
+def asked_cwd(spec: Mapping[str, Any], home: Path) -> Path | None:
+    """The working directory the job asks for (its user's home when it names none), when it
+    is the home or inside it; None otherwise (the ranks then start in the home). Pure."""
+    cwd = Path(str(spec.get("cwd") or home))
+    return cwd if cwd == home or cwd.is_relative_to(home) else None
+
+
+def launch_spec(
+    desired: Mapping[str, Any],
+    place: PodPlace,
+    account: RankAccount,
+    system: bool,
+    sandbox: RankSandbox,
+    facts: PodFacts,
+) -> LaunchSpec:
+    """The pod's ``torchrun`` as ``desired`` (the controller's record of the pod and its
+    job's spec) asks for it, as ``account`` (``system``: an account of the machine's own),
+    in ``sandbox``, on a node with ``facts``. Pure. Raises ``JobRefused`` for an S3
+    checkpoint this node has no credentials of the user's for."""
+    spec = desired["spec"]
+    asked = asked_cwd(spec, account.home)
+    cwd = asked if asked is not None and facts.cwd_is_dir else account.home
+    python = str(spec.get("python") or sandbox.prefix / "bin" / "python")
+    script = place.script(spec)
+    argv = (
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={desired['pods']}",
+        f"--node-rank={place.pod_index}",
+        f"--nproc-per-node={int(desired['gpus_per_pod'])}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={facts.port}",
+        f"--log-dir={place.ranks_dir}",
+        "--redirects=3",
+        str(script),
+        *(str(a) for a in spec.get("args", [])),
+    )
+    chosen = {str(k): str(v) for k, v in dict(spec.get("env", {})).items()}
+    platform = _platform_env(desired, place, account, sandbox, facts)
+    writable = [place.ranks_dir]
+    if facts.checkpoint_dir is not None and facts.checkpoint_dir != account.home:
+        writable.append(facts.checkpoint_dir)
+    # No layer of its own to hold the job's environment: a directory of the pod's, at the
+    # prefix's place.
+    env_dir = () if sandbox.support.overlay else ((place.directory / "env", sandbox.prefix),)
+    return LaunchSpec(
+        account=account,
+        argv=argv,
+        env=rank_environment(account, sandbox.base_env, sandbox.prefix, chosen, platform),
+        cwd=cwd,
+        dirs=place.sandbox,
+        writable=tuple(writable),
+        writable_at=env_dir,
+        read_only=tuple((path, path) for path in (*sandbox.read_only, script)),
+        identity=not system,
+        pinned=facts.pinned,
+        outer_env={"PATH": OUTER_PATH, "LANG": "C.UTF-8"},
+    )
 
 
 def contained_command(
@@ -180,94 +281,79 @@ def contained_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The pod's torchrun as its user's contained command, its directories made; and the
     agent's own environment for it. Raises ``RunnerError`` (``JobRefused`` for what the
-    job asks) where it cannot run contained. Blocking (small files and directories only)."""
+    job asks) where it cannot run contained. Blocking (small files and directories only):
+    what it decides is :func:`launch_spec`'s."""
     spec = desired["spec"]
     check_spec(spec, [str(account.home), str(sandbox.checkpoint_root / account.username)])
-    made = _make_pod_dirs(spec, place, account, sandbox)
-    cwd = Path(str(spec.get("cwd") or account.home))
-    if not (cwd == account.home or cwd.is_relative_to(account.home)) or not cwd.is_dir():
-        cwd = account.home
-    python = str(spec.get("python") or sandbox.prefix / "bin" / "python")
-    argv = (
-        python,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={desired['pods']}",
-        f"--node-rank={place.pod_index}",
-        f"--nproc-per-node={int(desired['gpus_per_pod'])}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        f"--log-dir={place.ranks_dir}",
-        "--redirects=3",
-        str(made.script),
-        *(str(a) for a in spec.get("args", [])),
+    checkpoint_dir = _make_pod_dirs(spec, place, account, sandbox)
+    asked = asked_cwd(spec, account.home)
+    facts = PodFacts(
+        port=port,
+        progress_url=progress_url,
+        pinned=pinned,
+        checkpoint_dir=checkpoint_dir,
+        cwd_is_dir=asked is not None and asked.is_dir(),
+        fake_nvml=fake_nvml_dir(sandbox.read_only),
     )
-    chosen = {str(k): str(v) for k, v in dict(spec.get("env", {})).items()}
-    platform = _platform_env(desired, place, account, sandbox, progress_url)
-    env = rank_environment(account, sandbox.base_env, sandbox.prefix, chosen, platform)
-    read_only = [(path, path) for path in (*sandbox.read_only, made.script)]
-    # The passwd and group files over the host's: the user has an entry inside (a
-    # system account has its own already).
-    if not system:
+    launch = launch_spec(desired, place, account, system, sandbox, facts)
+    read_only = list(launch.read_only)
+    if launch.identity:
         read_only += write_identity(
-            made.sandbox.root, account.username, account.uid, account.gid, account.home
+            launch.dirs.root, account.username, account.uid, account.gid, account.home
         )
     command = rank_command(
         sandbox.support,
-        made.sandbox,
+        launch.dirs,
         root=sandbox.root,
         account=account,
         base_env=sandbox.base_env,
         prefix=sandbox.prefix,
-        argv=argv,
-        env=env,
-        cwd=cwd,
-        writable=made.writable,
-        writable_at=made.writable_at,
+        argv=launch.argv,
+        env=launch.env,
+        cwd=launch.cwd,
+        writable=launch.writable,
+        writable_at=launch.writable_at,
         read_only=read_only,
-        pinned=pinned,
+        pinned=launch.pinned,
     )
-    return command, {"PATH": OUTER_PATH, "LANG": "C.UTF-8"}
+    return command, dict(launch.outer_env)
 
 
 def _make_pod_dirs(
     spec: Mapping[str, Any], place: PodPlace, account: RankAccount, sandbox: RankSandbox
-) -> _PodDirs:
+) -> Path | None:
     """The pod's directories, layers and entry script, and the user's checkpoint
-    directory and home, made with the owners the sandbox needs."""
+    directory and home, made with the owners the sandbox needs; the directory of the
+    user's that holds the job's local checkpoint location (None without one)."""
     uid, gid = account.uid, account.gid
     place.job_dir.mkdir(mode=0o700, exist_ok=True)
     # What the ranks write (torchrun's per-rank logs) is theirs; the keeper reads it
     # back without following their links (job_logs.read_new).
-    dirs = SandboxDirs(place.directory / "sandbox")
+    dirs = place.sandbox
     for path in (place.directory, dirs.root):
         path.mkdir(mode=0o700, exist_ok=True)
     place.ranks_dir.mkdir(mode=0o700, exist_ok=True)
     os.chown(place.ranks_dir, uid, gid)
     prepare_layers(dirs, sandbox.root, account, sandbox.prefix)
-    writable_at: list[tuple[Path, Path]] = []
     if not sandbox.support.overlay:
-        # No layer of its own to hold the job's environment: a directory of the pod's,
-        # at the prefix's place (an empty mount point of root's on the host).
+        # The job's environment lives in a directory of the pod's (launch_spec), bound at
+        # the prefix's place: an empty mount point of root's on the host.
         sandbox.prefix.mkdir(mode=0o755, parents=True, exist_ok=True)
         owned_directory(place.directory / "env", uid, gid)
-        writable_at.append((place.directory / "env", sandbox.prefix))
-    script = place.job_dir / str(spec["script_name"])
+    script = place.script(spec)
     if not script.exists():
         script.write_text(str(spec["script"]))
         script.chmod(0o644)
-    writable = [place.ranks_dir]
+    where = None
     checkpoint = str(spec.get("checkpoint_uri", ""))
     if checkpoint and not checkpoint.startswith("s3://"):
         try:
             where = checkpoint_place(Path(checkpoint), account, sandbox.checkpoint_root)
         except RunnerError as e:
             raise JobRefused(str(e)) from e
-        if where != account.home:
-            writable.append(where)
     if not account.home.is_dir():
         owned_directory(account.home, uid, gid, mode=0o700)
-    return _PodDirs(dirs, script, writable, writable_at)
+    return where
 
 
 def _platform_env(
@@ -275,7 +361,7 @@ def _platform_env(
     place: PodPlace,
     account: RankAccount,
     sandbox: RankSandbox,
-    progress_url: str,
+    facts: PodFacts,
 ) -> dict[str, str]:
     """The variables the platform sets for every rank of the pod (which the job's own
     ``env`` cannot override): its marker, its GPUs, its job, where it reports progress and
@@ -286,6 +372,7 @@ def _platform_env(
     except RunnerError as e:
         raise JobRefused(str(e)) from e
     devices = ",".join(desired["gpu_uuids"])
+    progress_url = facts.progress_url
     return {
         processes.MARKER_VARIABLE: processes.part_marker(str(desired["marker"]), place.pod_index),
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
@@ -299,7 +386,7 @@ def _platform_env(
         "GPUFLEET_ATTEMPT": str(place.attempt),
         "GPUFLEET_RESUME_FROM": str(desired.get("resume_from") or ""),
         **({"GPUFLEET_PROGRESS_URL": progress_url} if progress_url else {}),
-        **fake_nvml_env(sandbox.read_only),
+        **fake_nvml_env(facts.fake_nvml),
         **credentials,
     }
 
@@ -329,12 +416,20 @@ def owned_directory(path: Path, uid: int, gid: int, mode: int = 0o755) -> None:
         os.chown(path, uid, gid, follow_symlinks=False)
 
 
-def fake_nvml_env(read_only: tuple[Path, ...]) -> dict[str, str]:
-    """Where a rank finds gpufleet's fake NVML library, when this node serves it."""
+def fake_nvml_dir(read_only: tuple[Path, ...]) -> Path | None:
+    """The folder among ``read_only`` that serves gpufleet's fake NVML library, if any."""
     for directory in read_only:
         if (directory / "libnvidia-ml.so.1").exists():
-            return {
-                "LD_LIBRARY_PATH": str(directory),
-                "GPUFLEET_FAKE_NVML_CONTROL": str(directory / "control"),
-            }
-    return {}
+            return directory
+    return None
+
+
+def fake_nvml_env(directory: Path | None) -> dict[str, str]:
+    """Where a rank finds gpufleet's fake NVML library, when this node serves it
+    (``directory``). Pure."""
+    if directory is None:
+        return {}
+    return {
+        "LD_LIBRARY_PATH": str(directory),
+        "GPUFLEET_FAKE_NVML_CONTROL": str(directory / "control"),
+    }

@@ -16,6 +16,9 @@ as its own, and learns how it ended from the file, whoever was there to see it. 
 begun before the restart (``<rank>.stopping``) is carried on without a second SIGTERM.
 
 The runner does the work; it does not decide. The node agent calls it for the controller.
+What a rank's process starts with (its command line under its shell, its variables, its
+working directory) is :func:`rank_process`'s, a pure function; :meth:`RankRunner.start`
+starts it and records it.
 """
 
 from __future__ import annotations
@@ -77,6 +80,41 @@ LAUNCHER_GONE_WAIT_S = 10.0  # for the shell to record, once nothing of the rank
 
 
 @dataclass(frozen=True)
+class RankProcess:
+    """What a rank's process is started with: its command line under the rank's shell
+    (``LAUNCHER``), its environment and its working directory."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str | None
+
+
+def rank_process(
+    spec: RankSpec, marker: str, exit_file: Path, base_env: Mapping[str, str], inherit: bool
+) -> RankProcess:
+    """How rank ``spec`` is started, its processes marked with ``marker`` and its shell
+    recording its exit status in ``exit_file``: with ``inherit``, ``base_env``, its own
+    ``env``, its marker and its GPUs' variables; without (a contained rank), only its
+    ``env``. Pure."""
+    if inherit:
+        devices = ",".join(spec.gpu_uuids)
+        env = {
+            **base_env,
+            **spec.env,
+            processes.MARKER_VARIABLE: marker,
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": devices,
+            "NVIDIA_VISIBLE_DEVICES": devices or "none",
+        }
+    else:
+        # A contained rank: its command sets the marker inside, so only the rank's own
+        # processes carry it, and SIGTERM reaches them (the checkpoint signal) rather than
+        # the sandbox around them, whose end would SIGKILL them at once.
+        env = dict(spec.env)
+    return RankProcess((*LAUNCHER, str(exit_file), *spec.argv), env, spec.cwd)
+
+
+@dataclass(frozen=True)
 class RankStatus:
     rank_id: str
     pid: int
@@ -124,31 +162,18 @@ class RankRunner:
         if current is not None and self.status(spec.rank_id).state == "running":
             raise RankExists(f"rank {spec.rank_id} is already running (pid {current.status.pid})")
         marker = spec.marker or processes.new_marker()
-        devices = ",".join(spec.gpu_uuids)
-        if self.inherit:
-            env = {
-                **self.base_env,
-                **spec.env,
-                processes.MARKER_VARIABLE: marker,
-                "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                "CUDA_VISIBLE_DEVICES": devices,
-                "NVIDIA_VISIBLE_DEVICES": devices or "none",
-            }
-        else:
-            # A contained rank: its command sets the marker inside, so only the rank's own
-            # processes carry it, and SIGTERM reaches them (the checkpoint signal) rather
-            # than the sandbox around them, whose end would SIGKILL them at once.
-            env = dict(spec.env)
         for stale in ("exit", "stopping", "launcher"):
             self._path(spec.rank_id, stale).unlink(missing_ok=True)
         stdout, stderr = self._path(spec.rank_id, "stdout"), self._path(spec.rank_id, "stderr")
-        exit_file = self._path(spec.rank_id, "exit")
+        launch = rank_process(
+            spec, marker, self._path(spec.rank_id, "exit"), self.base_env, self.inherit
+        )
         with stdout.open("wb") as out, stderr.open("wb") as err:
             try:
                 process = subprocess.Popen(
-                    [*LAUNCHER, str(exit_file), *spec.argv],
-                    env=env,
-                    cwd=spec.cwd,
+                    launch.argv,
+                    env=launch.env,
+                    cwd=launch.cwd,
                     stdout=out,
                     stderr=err,
                     stdin=subprocess.DEVNULL,
@@ -156,6 +181,19 @@ class RankRunner:
                 )
             except (OSError, ValueError) as e:
                 raise RunnerError(f"rank {spec.rank_id} could not start: {e}") from e
+        launched = self._record_launch(spec.rank_id, process, marker)
+        status = RankStatus(
+            spec.rank_id, process.pid, "running", None, None, stdout, stderr, time.time()
+        )
+        self._ranks[spec.rank_id] = _Rank(
+            marker, status, launched, processes.Watch(marker), process
+        )
+        return status
+
+    def _record_launch(self, rank_id: str, process: subprocess.Popen[bytes], marker: str) -> int:
+        """Write what a later runner needs to find the rank again (``<rank>.launcher``);
+        its shell's start, in clock ticks after boot. Without the record the rank is
+        killed: no later agent could find it, and it must not run on unseen."""
         launched = processes.start_ticks(process.pid) or 0
         record = {
             "pid": process.pid,
@@ -165,20 +203,13 @@ class RankRunner:
             "at": time.time(),
         }
         try:
-            write_whole(self._path(spec.rank_id, "launcher"), json.dumps(record) + "\n")
+            write_whole(self._path(rank_id, "launcher"), json.dumps(record) + "\n")
         except OSError as e:
-            # Without its record no later agent could find it: it must not run on unseen.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-            raise RunnerError(f"rank {spec.rank_id} could not be recorded: {e}") from e
-        status = RankStatus(
-            spec.rank_id, process.pid, "running", None, None, stdout, stderr, time.time()
-        )
-        self._ranks[spec.rank_id] = _Rank(
-            marker, status, launched, processes.Watch(marker), process
-        )
-        return status
+            raise RunnerError(f"rank {rank_id} could not be recorded: {e}") from e
+        return launched
 
     def adopt(self, rank_id: str) -> RankStatus:
         """Take over rank ``rank_id``, started by an earlier runner with this log
