@@ -312,7 +312,7 @@ def verify(expected: Path, restored: Path) -> list[str]:
         problems.append(f"{rel}: only in {'the source' if rel in want else 'the restore'}")
     for rel in sorted(want.keys() & got.keys()):
         a, b = os.lstat(expected / rel), os.lstat(restored / rel)
-        fields = ("st_mode", "st_uid", "st_gid", "st_mtime_ns")
+        fields: tuple[str, ...] = ("st_mode", "st_uid", "st_gid", "st_mtime_ns")
         fields += ("st_size",) if not stat.S_ISDIR(a.st_mode) else ()
         bad = [f for f in fields if getattr(a, f) != getattr(b, f)]
         if stat.S_ISLNK(a.st_mode) and os.readlink(expected / rel) != os.readlink(restored / rel):
