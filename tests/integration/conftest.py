@@ -33,12 +33,13 @@ def fleet(hub: Hub) -> Iterator[Hub]:
 
 
 # The culler's tests (test_culler.py, test_culler_browser.py): vision culls idle sessions
-# (always, 20 s, a 6 s warning), nlp only marks them (on-demand). Snapshots go to the real
+# (always, 20 s, a 10 s warning: time for a researcher on a busy
+# machine to act on it), nlp only marks them (on-demand). Snapshots go to the real
 # S3 server (SeaweedFS), as a deployment's would: credentials in the usual AWS_* variables,
 # for the hub (its spawners' final passes and restores) and the controller (live passes).
 CULLER_CONFIG = """
 c.FleetController.idle_policies = {
-    "default": {"mode": "always", "idle_timeout_s": 20, "warn_before_s": 6},
+    "default": {"mode": "always", "idle_timeout_s": 20, "warn_before_s": 10},
     "projects": {"nlp": {"mode": "on-demand"}},
 }
 c.FleetController.cull_interval = 1

@@ -98,6 +98,10 @@ def _kept_running(
 def test_restarts_of_the_agent_and_of_the_whole_platform_cost_running_jobs_nothing(
     hub: Hub,
 ) -> None:
+    """About 90 s: three restarts one after the other (the agent killed, the agent stopped,
+    the whole platform), each waiting for a new agent to take four pods over, while the
+    same two jobs step on. Split, each part would start its own hub and jobs and wait for
+    them to step, and the last could not show that takeovers add up (4, 8, 12 adopted)."""
     jobs = [_submit(hub, "alice", "vision"), _submit(hub, "carol", "nlp")]
     for job_id in jobs:
         wait_for(lambda j=job_id: _step(hub, j) >= 5, 180, f"job {job_id} stepping")

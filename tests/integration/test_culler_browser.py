@@ -1,5 +1,5 @@
 """The culler's notices as a researcher sees them: in JupyterLab, in headless Chromium, on a
-real hub whose vision project stops idle sessions (20 s, warned 6 s before) and whose nlp
+real hub whose vision project stops idle sessions (20 s, warned 10 s before) and whose nlp
 project only marks them (``conftest.CULLER_CONFIG``, the culler looking every second).
 
 An open JupyterLab polls its server on its own (kernels, sessions, contents, terminals,
@@ -203,7 +203,7 @@ def test_the_warning_shows_in_jupyterlab_before_the_stop_and_the_resume_says_wha
         page = ui.login(context, "alice")
         page.goto("/user/alice/lab")
         expect(page.locator("#jp-main-dock-panel")).to_be_visible(timeout=ui.LAB_TIMEOUT_MS)
-        # The warning stands for 6 s: the lab looks every 1.5 s (the controller's poll_s).
+        # The warning stands for 10 s: the lab looks every 1.5 s (the controller's poll_s).
         warning = page.get_by_text(re.compile(r"Idle for \d+.*snapshotted and stopped at"))
         expect(warning.first).to_be_visible(timeout=60_000)
         ended = hub.wait_ended(alice, 90)
