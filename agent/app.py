@@ -23,7 +23,7 @@ from tornado.httpserver import HTTPServer
 from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
-from .. import __version__
+from ..api import __version__
 from ..recovery.nvml import GpuSample, NvmlError
 from ..recovery.processes import marked_process_details
 from ..snapshotter.node_operations import run_operation

@@ -5,10 +5,17 @@ are the subpackages ``gpufleet.hub``, ``gpufleet.scheduler``, ``gpufleet.spawner
 installed with the ``server`` extra.
 """
 
+from .api import __version__
 from .reporting import attempt, checkpoint_saved, checkpoint_started, progress, resume_from
 
-__version__ = "0.1.0"
-__all__ = ["attempt", "checkpoint_saved", "checkpoint_started", "progress", "resume_from"]
+__all__ = [
+    "__version__",
+    "attempt",
+    "checkpoint_saved",
+    "checkpoint_started",
+    "progress",
+    "resume_from",
+]
 
 
 def load_ipython_extension(ipython: object) -> None:
