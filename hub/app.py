@@ -38,7 +38,6 @@ from ..scheduler.snapshot import Policy
 from ..scheduler.store import db
 from ..scheduler.store.accounts import check_range
 from ..scheduler.store.clusters import KUBERNETES
-from ..scheduler.store.collector import collect_all
 from ..scheduler.store.cycle import Stop
 from ..scheduler.store.fleet import FleetStore
 from ..snapshotter.errors import SnapshotError
@@ -57,6 +56,7 @@ from .notifier import Notifier
 from .pages import page_routes
 from .reconciler import Reconciler
 from .recovery_options import RecoveryOptions
+from .scheduling import PLANNERS, AdmissionCycles
 from .secrets import SecretFileError, check_secret_file
 from .serving import CountingApplication, answer_in_flight
 from .stopper import ServerStopper
@@ -147,6 +147,15 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
 
     admission_interval = Float(
         1.0, help="Seconds between admission cycles when nothing else triggers one."
+    ).tag(config=True)
+
+    planner = Enum(
+        PLANNERS,
+        "process",
+        help="Where admission cycles are planned (hub/scheduling.py): 'process', a child "
+        "process (the API answers as fast while a cycle is planned); 'thread', a worker "
+        "thread (needs no second process, but shares Python's GIL with the API); 'loop', "
+        "the event loop itself (the API waits for every cycle).",
     ).tag(config=True)
 
     full_collection_interval = Float(
@@ -389,8 +398,10 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
         self.leading_since: datetime | None = None
         # The recovery spares of the last admission cycle this controller ran.
         self.spare_nodes: frozenset[str] = frozenset()
-        self._kicked = asyncio.Event()
-        self._last_full_collection = time.monotonic()
+        try:
+            self.admission = AdmissionCycles(self, self.planner)
+        except ValueError as e:
+            self.exit_with(f"c.FleetController.planner: {e}", code=2)
         self._index_wanted = asyncio.Event()
         self.snapshot_index_at: datetime | None = None
         self._became_leader = asyncio.Event()
@@ -455,7 +466,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
 
     def kick(self) -> None:
         """Run an admission cycle soon (a request arrived, GPUs were released)."""
-        self._kicked.set()
+        self.admission.kick()
 
     async def identify(self, handler: web.RequestHandler) -> Identity | None:
         if self.hub_auth is None:
@@ -588,53 +599,6 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
                 if not was_leader:
                     self.kick()
             await asyncio.sleep(self.db_lease_seconds / 3)
-
-    async def _admission_loop(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kicked.wait(), self.admission_interval)
-            self._kicked.clear()
-            if self.is_leader:
-                self.run_admission_cycle()
-
-    def run_admission_cycle(self) -> None:
-        started = time.perf_counter()
-        now = self.now()
-        try:
-            expired = self.store.expire_leases(now)
-            result = self.store.scheduling_cycle(now, self.scheduling_policy)
-        except LeaseLost:
-            self.is_leader = False
-            self.log.warning("lost the database lease during an admission cycle; standing by")
-            return
-        except (SQLAlchemyError, SchedulerError):
-            self.log.exception("admission cycle failed; retrying next cycle")
-            return
-        self.metrics.cycle_duration.observe(time.perf_counter() - started)
-        if time.monotonic() - self._last_full_collection >= self.full_collection_interval:
-            freed = collect_all()
-            self._last_full_collection = time.monotonic()
-            self.log.debug("full garbage collection freed %d objects", freed)
-        for admitted in result.admitted:
-            self.metrics.admissions.labels(admitted.gpu_type).inc()
-            self.metrics.wait_time.labels(admitted.project).observe(admitted.waited_seconds)
-        for preemption in result.plan.preemptions:
-            self.metrics.preemptions.labels(preemption.cause.value).inc()
-        self.spare_nodes = frozenset(n for names in result.plan.spares.values() for n in names)
-        for _ in expired:
-            self.metrics.ended.labels("session", "expired").inc()
-        self.victims.stop(result.stops)
-        self.victims.retry(self.store.mirror.running.values(), self.store.mirror.server_names)
-        self.notifier.changed([*expired, *result.changed])
-        if result.admitted or expired or result.stops:
-            self.log.info(
-                "admission cycle",
-                extra={
-                    "admitted": [a.workload_id for a in result.admitted],
-                    "preempted": [s.workload_id for s in result.stops],
-                    "expired": expired,
-                },
-            )
 
     @property
     def scheduling_policy(self) -> Policy:
@@ -846,7 +810,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
         await self._became_leader.wait()
         self.store.apply_config(self.now(), self.projects, self.profiles, self.priority_classes)
         for loop in (
-            self._admission_loop,
+            self.admission.run,
             self._watch_nodes,
             self._sync_memberships,
             self._reconcile_loop,

@@ -19,6 +19,7 @@ cycle failed to commit.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -68,31 +69,59 @@ EVERYTHING = ("all", 0)
 
 
 class ChangeTracker:
-    """Notes what committed transactions of one session factory changed."""
+    """Notes what committed transactions of one session factory changed.
+
+    Safe from any thread: the event loop's handlers, the worker threads that write, and
+    the thread the scheduling cycle plans in all use it, under one lock."""
 
     def __init__(self, factory: sessionmaker[Session]):
         self.dirty: set[tuple[str, int]] = {EVERYTHING}
+        # What each open transaction has flushed, by session: committing, or about to.
+        self._flushed: dict[int, set[tuple[str, int]]] = {}
+        self._lock = threading.Lock()
         event.listen(factory, "after_flush", self._after_flush)
         event.listen(factory, "after_commit", self._after_commit)
         event.listen(factory, "after_soft_rollback", self._after_rollback)
+        event.listen(factory, "after_transaction_end", self._after_transaction_end)
 
     def take(self) -> set[tuple[str, int]]:
-        dirty, self.dirty = self.dirty, set()
+        with self._lock:
+            dirty, self.dirty = self.dirty, set()
         return dirty
 
     def everything(self) -> None:
-        self.dirty.add(EVERYTHING)
+        with self._lock:
+            self.dirty.add(EVERYTHING)
+
+    def since_take(self) -> set[tuple[str, int]]:
+        """What committed since the last ``take``, and what open transactions flushed: a
+        transaction whose database commit is done but whose ``after_commit`` has not run
+        yet is among the latter. A superset (a flushed transaction may still roll back)."""
+        with self._lock:
+            return self.dirty.union(*self._flushed.values())
 
     def _after_flush(self, session: Session, _context: Any) -> None:
-        noted = session.info.setdefault("gpufleet_changes", set())
-        for obj in (*session.new, *session.dirty, *session.deleted):
-            noted.update(_changes(obj, session))
+        objects = (*session.new, *session.dirty, *session.deleted)
+        changes = {change for obj in objects for change in _changes(obj, session)}
+        with self._lock:
+            noted = session.info.setdefault("gpufleet_changes", set())
+            noted.update(changes)
+            self._flushed[id(session)] = noted
 
     def _after_commit(self, session: Session) -> None:
-        self.dirty |= session.info.pop("gpufleet_changes", set())
+        with self._lock:
+            self.dirty |= session.info.pop("gpufleet_changes", set())
+            self._flushed.pop(id(session), None)
 
     def _after_rollback(self, session: Session, _previous: Any) -> None:
-        session.info.pop("gpufleet_changes", None)
+        with self._lock:
+            session.info.pop("gpufleet_changes", None)
+            self._flushed.pop(id(session), None)
+
+    def _after_transaction_end(self, session: Session, transaction: Any) -> None:
+        if transaction.parent is None:  # a session closed without commit or rollback too
+            with self._lock:
+                self._flushed.pop(id(session), None)
 
 
 def _changes(obj: Any, session: Session) -> Iterable[tuple[str, int]]:
