@@ -1,4 +1,4 @@
-"""Maintenance the node agent runs for the controller (``scheduler/store/maintenance.py``):
+"""Maintenance the node agent runs for the controller (``state/maintenance.py``):
 a GPU reset, a node recycle and diagnostics, each a node operation with no workload.
 
 On real GPUs each runs the command the admin configured (``NodeAgent.gpu_reset_command``,

@@ -6,7 +6,7 @@ gets, and tells the container runtime in ``NVIDIA_VISIBLE_DEVICES`` (a comma lis
 UUIDs), which the container's processes inherit. The node agent reads that variable from
 ``/proc/<pid>/environ`` of each marked process of this machine and reports, per marker, the
 UUIDs of GPUs it serves; the controller then records the workload on those GPUs
-(``scheduler/store/readback.py``), so metrics, idle detection and the admin panel name the
+(``state/readback.py``), so metrics, idle detection and the admin panel name the
 GPUs the workload really uses.
 
 The functions here are pure: processes in, placements out (the adapter that reads /proc is

@@ -78,16 +78,16 @@ from gpufleet.hub.metrics import ControllerMetrics
 from gpufleet.hub.notifier import Notifier
 from gpufleet.hub.scheduling import PLANNERS, AdmissionCycles
 from gpufleet.scheduler.snapshot import Policy, Running
-from gpufleet.scheduler.store.cycle import Stop
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.models import (
+from gpufleet.state.cycle import Stop
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.models import (
     Project,
     ProjectKind,
     Workload,
     WorkloadKind,
     WorkloadState,
 )
-from gpufleet.scheduler.store.planners import NICENESS, ProcessPlanner
+from gpufleet.state.planners import NICENESS, ProcessPlanner
 
 PREFIX = "/services/gpufleet/"
 RESEARCHER = "user17"  # one of the world's 2,000 users: a few sessions, some waiting

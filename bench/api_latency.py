@@ -28,7 +28,7 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the tests' hub harness
-from gpufleet.scheduler.store.models import (
+from gpufleet.state.models import (
     Project,
     Workload,
     WorkloadKind,

@@ -36,8 +36,6 @@ from pathlib import Path
 
 from gpufleet.agent.containment import RankAccount, rank_command, rank_environment
 from gpufleet.agent.job_launch import owned_directory, prepare_layers
-from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.snapshotter.sandbox import (
     SandboxDirs,
     default_session_env,
@@ -46,6 +44,8 @@ from gpufleet.snapshotter.sandbox import (
     write_identity,
 )
 from gpufleet.spawner.sandboxing import Containment, SessionDirs, sandboxed_command
+from gpufleet.state import db
+from gpufleet.state.fleet import FleetStore
 
 BASE = Path(default_session_env())
 PREFIX = Path("/opt/gpufleet/env")

@@ -14,9 +14,9 @@ from typing import Any
 
 from sqlalchemy import insert, select
 
-from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.models import (
+from gpufleet.state import db
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.models import (
     Allocation,
     Cluster,
     Gpu,

@@ -75,8 +75,8 @@ from k8s_churn import GPUS, node_specs
 from sqlalchemy import func, select
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the tests' Kubernetes tier
-from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.models import Event
+from gpufleet.state import db
+from gpufleet.state.models import Event
 from tests.k8s import control_plane
 from tests.k8s.control_plane import ControlPlane, K8sUnavailable, find_binaries
 from tests.k8s.nodes import GPU_RESOURCE, is_ready

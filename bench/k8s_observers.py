@@ -44,10 +44,10 @@ from k8s_churn import say
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the tests' Kubernetes tier
 from gpufleet.hub.kube_inventory import KubeInventory
-from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.clusters import ClusterNodeState
-from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.spawner.clusters import ClusterSettings
+from gpufleet.state import db
+from gpufleet.state.clusters import ClusterNodeState
+from gpufleet.state.fleet import FleetStore
 from tests.k8s.nodes import GPU_RESOURCE
 
 

@@ -30,11 +30,11 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ..api.events import EventKind
-from ..scheduler.store.fleet import FleetStore
-from ..scheduler.store.sessions import CulledSession
 from ..snapshotter import runner as snapshots
 from ..snapshotter.listing import SnapshotRecord, index_key
 from ..snapshotter.settings import StoreAccess
+from ..state.fleet import FleetStore
+from ..state.sessions import CulledSession
 from .policy import Action, Cause, Decision, IdlePolicy, Session, Signals, decide, resolve
 from .ports import ServerStops
 
@@ -415,7 +415,7 @@ class IdleCuller:
         self, s: CulledSession, sources: snapshots.Sources
     ) -> dict[str, Any]:
         """The live pass of a session whose files are on its node (Kubernetes), asked of
-        the node agent there (scheduler/store/operations.py)."""
+        the node agent there (state/operations.py)."""
         request = {
             "paths": list(sources.paths),
             "exclude": list(sources.exclude),

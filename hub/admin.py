@@ -38,7 +38,7 @@ from ..scheduler.errors import InvalidRequest, NotFound
 from ..scheduler.model import Project as TreeProject
 from ..scheduler.model import ProjectTree, Quota
 from ..scheduler.quota import QuotaLimits
-from ..scheduler.store.models import (
+from ..state.models import (
     Allocation,
     Event,
     Gpu,
@@ -48,7 +48,7 @@ from ..scheduler.store.models import (
     Workload,
     WorkloadState,
 )
-from ..scheduler.store.projects import UNCHANGED, ProjectEdit, QuotaEdit
+from ..state.projects import UNCHANGED, ProjectEdit, QuotaEdit
 from .api.handlers import node_rows
 from .api.projects import project_usage
 from .errors import ClusterUnavailable

@@ -35,14 +35,14 @@ from ..culler.loop import IdleCuller
 from ..scheduler.errors import InputError, LeaseLost, NotFound, SchedulerError, SchemaMismatch
 from ..scheduler.model import project_tree
 from ..scheduler.snapshot import Policy
-from ..scheduler.store import db
-from ..scheduler.store.accounts import check_range
-from ..scheduler.store.clusters import KUBERNETES
-from ..scheduler.store.cycle import Stop
-from ..scheduler.store.fleet import FleetStore
 from ..snapshotter.errors import SnapshotError
 from ..snapshotter.settings import RenamedSnapshotOptions
 from ..spawner.clusters import ClusterConfigError, check_loadable, parse_clusters
+from ..state import db
+from ..state.accounts import check_range
+from ..state.clusters import KUBERNETES
+from ..state.cycle import Stop
+from ..state.fleet import FleetStore
 from . import logs
 from .admin import admin_routes
 from .api.base import Identity
@@ -162,7 +162,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
         600.0,
         help="Seconds between full garbage collections of the controller's memory, run "
         "after an admission cycle. Cycles run with the collector paused and freeze what "
-        "survives them (scheduler/store/collector.py); this returns what became cyclic "
+        "survives them (state/collector.py); this returns what became cyclic "
         "garbage after being frozen. At 16,000 GPUs one takes 80-90 ms.",
     ).tag(config=True)
 

@@ -12,7 +12,7 @@ from sqlalchemy.engine import make_url
 from traitlets import Unicode, default
 from traitlets.config import Application
 
-from ..scheduler.store import db
+from ..state import db
 from .secrets import SecretFileError, read_secret
 
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from tornado import web
 
     from ..culler.loop import IdleCuller
-    from ..scheduler.store.fleet import FleetStore
+    from ..state.fleet import FleetStore
     from .api.identity import Identity
     from .metrics import ControllerMetrics
     from .notifier import Notifier

@@ -1,7 +1,7 @@
 """Charts drawn as SVG on the server (no JavaScript): each GPU's utilisation and memory
 over time, from the history the controller keeps of the node agents' samples
 (``gpu_history``; docs/monitoring.md says what it keeps), and a job's steps and loss, from
-the thinned history its progress keeps (store/progress.py, ``history``).
+the thinned history its progress keeps (state/progress.py, ``history``).
 
 :func:`chart_svg` and :func:`progress_svg` are pure: series in, an SVG string out, every
 text escaped. Their time labels never overlap, whatever the window: how many there are
@@ -25,9 +25,9 @@ from markupsafe import Markup
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ..scheduler.store.inventory import GpuPoint, InventoryStore
-from ..scheduler.store.models import Allocation, Gpu, JobProgress, Node
-from ..scheduler.store.progress import ProgressPoint, history_points
+from ..state.inventory import GpuPoint, InventoryStore
+from ..state.models import Allocation, Gpu, JobProgress, Node
+from ..state.progress import ProgressPoint, history_points
 
 # The usage page's colours, in the same order (hub/pages.py).
 PALETTE = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6")

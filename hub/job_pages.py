@@ -21,7 +21,7 @@ from tornado import web
 from ..api.events import EventKind
 from ..api.jobs import JobOut
 from ..scheduler.errors import InvalidRequest
-from ..scheduler.store.models import Event, JobProgress, Workload, WorkloadKind
+from ..state.models import Event, JobProgress, Workload, WorkloadKind
 from .api.jobs import cancel_job, job_out, load_job
 from .api.views import WORKLOAD_DETAILS
 from .gpu_charts import job_charts

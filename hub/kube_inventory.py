@@ -35,10 +35,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ..agent.gpus import gpu_type_of
 from ..scheduler.errors import SchedulerError
-from ..scheduler.store.clusters import ClusterNodeState
-from ..scheduler.store.cycle import Stop
-from ..scheduler.store.fleet import FleetStore
 from ..spawner.clusters import ClusterSettings, api_client
+from ..state.clusters import ClusterNodeState
+from ..state.cycle import Stop
+from ..state.fleet import FleetStore
 from .node_stream import Endpoint, NodeStream, WatchExpired
 
 _SUFFIXES = {

@@ -20,7 +20,7 @@ from ..api.events import EventKind
 from ..recovery.classify import FaultClass
 from ..scheduler.idle import IdleCause
 from ..scheduler.snapshot import PreemptionCause
-from ..scheduler.store.models import (
+from ..state.models import (
     WORKLOAD_OUTCOMES,
     Allocation,
     Event,
@@ -31,11 +31,11 @@ from ..scheduler.store.models import (
     WorkloadKind,
     WorkloadState,
 )
-from ..scheduler.store.progress import training_ratio
+from ..state.progress import training_ratio
 from .reconcile import Rule
 
 if TYPE_CHECKING:
-    from ..scheduler.store.fleet import FleetStore
+    from ..state.fleet import FleetStore
 
 
 class FleetCollector(Collector):

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..scheduler.store.clusters import ClusterNodeState
+from ..state.clusters import ClusterNodeState
 
 
 class WatchExpired(Exception):

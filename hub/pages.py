@@ -33,8 +33,8 @@ from tornado import web
 
 from ..api.events import EventKind
 from ..output import tree_order
-from ..scheduler.store.models import Event, Project, Workload, WorkloadKind, WorkloadState
 from ..snapshotter.listing import distinct
+from ..state.models import Event, Project, Workload, WorkloadKind, WorkloadState
 from . import scopes
 from .api.base import Identity
 from .api.handlers import node_rows

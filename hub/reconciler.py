@@ -56,8 +56,8 @@ from sqlalchemy.orm import Session
 from ..api.events import EventKind
 from ..recovery import processes
 from ..scheduler.errors import InvalidRequest, LeaseLost, SchedulerError
-from ..scheduler.store.fleet import FleetStore
-from ..scheduler.store.models import Event, Workload, WorkloadKind, WorkloadState
+from ..state.fleet import FleetStore
+from ..state.models import Event, Workload, WorkloadKind, WorkloadState
 from .metrics import ControllerMetrics
 from .notifier import Notifier
 from .reconcile import (

@@ -2,7 +2,7 @@
 
 Every ``admission_interval`` seconds, or at once when kicked (a request arrived, GPUs
 were released), the controller that holds the lease runs a scheduling cycle
-(``scheduler/store/cycle.py``). At 16,000 GPUs and 10,000 waiting a cycle takes up to
+(``state/cycle.py``). At 16,000 GPUs and 10,000 waiting a cycle takes up to
 100-470 ms (p99, ``bench/scheduler_cycle.py``), nearly all of it refreshing the mirror
 and planning; run on the event loop, every API request, agent heartbeat and spawner
 long poll would wait for it.
@@ -10,7 +10,7 @@ long poll would wait for it.
 So a cycle is planned elsewhere (``FleetController.planner``) and only committed here:
 
 - ``process`` (the default): in a child process of its own, with its own mirror and
-  memo (``scheduler/store/planners.py``), at niceness 5 so that where the two compete
+  memo (``state/planners.py``), at niceness 5 so that where the two compete
   for a core the API comes first. The event loop keeps its CPU and its GIL.
 - ``thread``: on a worker thread of the controller. It holds Python's GIL while it
   plans; the event loop gets it back only every switch interval (5 ms), after each
@@ -62,10 +62,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ..scheduler.errors import LeaseLost, SchedulerError
 from ..scheduler.snapshot import Plan, Policy, Running
-from ..scheduler.store.collector import collect_all
-from ..scheduler.store.cycle import CycleResult, Outcome, PlannedCycle, Stop
-from ..scheduler.store.fleet import FleetStore
-from ..scheduler.store.planners import ProcessPlanner, ThreadPlanner
+from ..state.collector import collect_all
+from ..state.cycle import CycleResult, Outcome, PlannedCycle, Stop
+from ..state.fleet import FleetStore
+from ..state.planners import ProcessPlanner, ThreadPlanner
 from .metrics import ControllerMetrics
 from .notifier import Notifier
 

@@ -35,7 +35,7 @@ import httpx
 
 from ..api.events import EventKind
 from ..culler.ports import StopOutcome
-from ..scheduler.store.fleet import FleetStore
+from ..state.fleet import FleetStore
 from .hubapi import stop_server
 
 __all__ = ["ServerStopper", "StopOutcome"]

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable
 
 from ..scheduler.snapshot import Running
-from ..scheduler.store.cycle import Stop
+from ..state.cycle import Stop
 from .stopper import ServerStopper
 
 

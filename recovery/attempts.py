@@ -22,7 +22,7 @@ The rules (docs/recovery.md, "Attempts"):
   the first such restart away from hardware newly blamed goes at once, since what failed
   is left out (a second quick fault in a row waits as usual);
 - a restart "elsewhere" never lands on the GPUs and nodes blamed, until they pass
-  maintenance (``scheduler/store/maintenance.py`` then drops them from the job's record);
+  maintenance (``state/maintenance.py`` then drops them from the job's record);
   a restart "in place" may use the same GPUs again;
 - the next attempt resumes from the newest checkpoint any attempt saved.
 """

@@ -104,7 +104,7 @@ class Pending:
     # back and forth.
     preempted_by: frozenset[int] = frozenset()
     # Nodes and GPUs it must not land on: a job's next attempt after a fault blamed them
-    # (recovery/attempts.py), until they pass maintenance (store/maintenance.py). Like a
+    # (recovery/attempts.py), until they pass maintenance (state/maintenance.py). Like a
     # node selector, they make the request particular.
     avoid_nodes: frozenset[str] = frozenset()
     avoid_gpus: frozenset[str] = frozenset()

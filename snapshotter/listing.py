@@ -2,7 +2,7 @@
 list.
 
 The manifests in the store are the truth; the controller keeps rows in its database
-(``scheduler/store/snapshots.py``) so that pages and the API list snapshots without
+(``state/snapshots.py``) so that pages and the API list snapshots without
 reading the store. The rows are rebuilt from :func:`scan` of every project's manifests
 when the controller starts leading and then every ``snapshot_index_interval`` seconds.
 Scans run in a worker thread, never in the event loop; a damaged manifest is logged and
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SnapshotRecord:
     """One manifest of a snapshot store, as the controller's index keeps it (a row of
-    ``scheduler/store/snapshots.py``)."""
+    ``state/snapshots.py``)."""
 
     project: str
     username: str

@@ -1,5 +1,5 @@
 """Node operations the agent runs for the controller: snapshot passes and restores of a
-Kubernetes session's files, on the node where they are (``scheduler/store/operations.py``).
+Kubernetes session's files, on the node where they are (``state/operations.py``).
 
 The agent holds the snapshot master key, as the hub and the controller do; a user's pod
 never does. It reads the session's hostPath volumes where the hub said they are, and what

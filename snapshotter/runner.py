@@ -269,7 +269,7 @@ async def on_node(
     on_progress: Progress | None = None,
     poll_s: float = 0.2,
 ) -> dict[str, Any]:
-    """Ask a node agent for an operation (``store/operations.py``) and wait for its end:
+    """Ask a node agent for an operation (``state/operations.py``) and wait for its end:
     its result. Raises :class:`SnapshotFailed` when it fails, when no agent claims it
     within ``claim_within`` seconds, or when its agent stops reporting on it for
     ``silent_within`` seconds (it reports every half second while it runs: it died, or

@@ -3,7 +3,7 @@
 A session pod's files are on its node: its hostPath volumes (``snapshot_volumes``: the
 home, an environment prefix) and its container's layer. The hub cannot read them, and
 the snapshot master key must never enter the user's pod, so every pass and restore is a
-*node operation* (``scheduler/store/operations.py``) that the gpufleet agent on that node
+*node operation* (``state/operations.py``) that the gpufleet agent on that node
 runs, holding the key as the platform does (``agent/operations.py``):
 
 - start: once the scheduler chose the node, and before the pod exists, the agent restores

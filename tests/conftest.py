@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from sqlalchemy import Engine
 
-from gpufleet.scheduler.store import db
+from gpufleet.state import db
 
 from .postgres import PostgresServer, PostgresUnavailable, skip_requested
 
@@ -58,7 +58,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 @pytest.fixture(autouse=True)
 def _unfreeze_after_each_test() -> Iterator[None]:
-    """A scheduling cycle freezes what is alive when it ends (``store/collector.py``), in
+    """A scheduling cycle freezes what is alive when it ends (``state/collector.py``), in
     the test process too; the controller returns what later became cyclic garbage with a
     periodic full collection. Here each test gives it back to the collector instead."""
     yield

@@ -10,8 +10,9 @@ from sqlalchemy.orm import Session, selectinload
 
 from ...api import schemas
 from ...api.events import EventOut
-from ...scheduler.store.inventory import GpuSpec, NodeSpec
-from ...scheduler.store.models import (
+from ...scheduler.validation import SessionRequest
+from ...state.inventory import GpuSpec, NodeSpec
+from ...state.models import (
     Allocation,
     Event,
     Node,
@@ -20,8 +21,7 @@ from ...scheduler.store.models import (
     WorkloadKind,
     Zone,
 )
-from ...scheduler.store.readback import Placement
-from ...scheduler.validation import SessionRequest
+from ...state.readback import Placement
 from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
 from ..reconciler import settle_before_start
@@ -486,7 +486,7 @@ class AgentXidHandler(APIHandler):
 
 class AgentPlacementsHandler(APIHandler):
     """Which GPUs workloads' processes were really given, as a node agent read them; the
-    controller records each workload on those GPUs (``store/readback.py``)."""
+    controller records each workload on those GPUs (``state/readback.py``)."""
 
     async def post(self) -> None:
         identity = self.require(scopes.AGENT)

@@ -17,11 +17,11 @@ from sqlalchemy.orm import Session
 from ...api import jobs as js
 from ...recovery.checkpoints import filled
 from ...recovery.job_spec import launch_problems
-from ...scheduler.store.jobs import DesiredPod, JobSpec, LogChunk, PodReport
-from ...scheduler.store.models import JobPod, JobProgress, Workload, WorkloadKind, WorkloadState
-from ...scheduler.store.progress import ProgressReport, Saved, progress_json, training_ratio
 from ...scheduler.validation import JobRequest
 from ...snapshotter.sandbox import remove_tree
+from ...state.jobs import DesiredPod, JobSpec, LogChunk, PodReport
+from ...state.models import JobPod, JobProgress, Workload, WorkloadKind, WorkloadState
+from ...state.progress import ProgressReport, Saved, progress_json, training_ratio
 from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
 from .base import APIHandler, Identity, store_errors_as_http

@@ -1,5 +1,5 @@
 """Snapshot passes and restores the node agent of a session's node does
-(``scheduler/store/operations.py``).
+(``state/operations.py``).
 
 ``POST /workloads/<id>/node-operations``: the hub's spawner (or an admin) asks for one;
 ``GET /node-operations/<id>``: its state and progress; ``POST /node-operations/<id>/abandon``:
@@ -19,7 +19,7 @@ from ...api.node_operations import (
     NodeOperationIn,
     NodeOperationOut,
 )
-from ...scheduler.store.operations import Operation
+from ...state.operations import Operation
 from .. import scopes
 from .base import APIHandler, store_errors_as_http
 

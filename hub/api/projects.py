@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session, selectinload
 from tornado import web
 
 from ...api import schemas
-from ...scheduler.store.models import Allocation, Project, Workload, WorkloadState
-from ...scheduler.store.projects import UNCHANGED, ProjectEdit, QuotaEdit
+from ...state.models import Allocation, Project, Workload, WorkloadState
+from ...state.projects import UNCHANGED, ProjectEdit, QuotaEdit
 from .. import scopes
 from ..errors import BadRequest
 from ..usage import Span, WeekUsage, to_csv_rows, usage_by_week, week_start

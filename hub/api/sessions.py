@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from ...api import schemas
-from ...scheduler.store.sessions import ActivityReport, SessionState
+from ...state.sessions import ActivityReport, SessionState
 from .. import scopes
 from ..errors import Unauthenticated
 from .base import APIHandler, store_errors_as_http

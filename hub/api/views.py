@@ -8,7 +8,7 @@ from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from ...api import schemas
-from ...scheduler.store.models import Allocation, Node, Workload, WorkloadKind, WorkloadState, Zone
+from ...state.models import Allocation, Node, Workload, WorkloadKind, WorkloadState, Zone
 from ..errors import BadRequest, NotFoundError
 
 MAX_WAIT_SECONDS = 60

@@ -19,7 +19,7 @@ from playwright.sync_api import Browser, expect
 
 from gpufleet.client import Client
 from gpufleet.hub.gpu_charts import progress_svg
-from gpufleet.scheduler.store.progress import ProgressPoint
+from gpufleet.state.progress import ProgressPoint
 
 from . import browser as ui
 from .browser import login, new_context

@@ -14,12 +14,12 @@ import pytest
 from sqlalchemy import select
 
 from gpufleet.hub.kube_inventory import KubeInventory
-from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.clusters import slot_uuid
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.models import Cluster as ClusterRow
-from gpufleet.scheduler.store.models import Event, Gpu, Node, NodeHealth, Zone
 from gpufleet.spawner.clusters import ClusterSettings
+from gpufleet.state import db
+from gpufleet.state.clusters import slot_uuid
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.models import Cluster as ClusterRow
+from gpufleet.state.models import Event, Gpu, Node, NodeHealth, Zone
 
 from .control_plane import ControlPlane
 from .kube import eventually

@@ -12,10 +12,10 @@ import pytest
 from sqlalchemy import Engine
 
 from gpufleet.scheduler.errors import InvalidRequest
-from gpufleet.scheduler.store.accounts import check_range, first_free_uid
-from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.snapshotter.sandbox import SandboxMode, SandboxSupport
 from gpufleet.spawner.sandboxing import SandboxUnavailable, choose
+from gpufleet.state.accounts import check_range, first_free_uid
+from gpufleet.state.fleet import FleetStore
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 

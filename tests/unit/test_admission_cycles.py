@@ -37,11 +37,11 @@ from gpufleet.hub.notifier import Notifier
 from gpufleet.hub.scheduling import AdmissionCycles
 from gpufleet.scheduler.idle import IdleCause
 from gpufleet.scheduler.snapshot import Policy, Running
-from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.cycle import Outcome, PlannedCycle, Stop
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.models import Event, Workload
-from gpufleet.scheduler.store.planners import ProcessPlanner, ThreadPlanner
+from gpufleet.state import db
+from gpufleet.state.cycle import Outcome, PlannedCycle, Stop
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.models import Event, Workload
+from gpufleet.state.planners import ProcessPlanner, ThreadPlanner
 
 from .test_store import (
     GROUPS,

@@ -26,10 +26,10 @@ from gpufleet.hub import scopes
 from gpufleet.hub.api.handlers import routes
 from gpufleet.hub.api.identity import Identity
 from gpufleet.hub.timed import TimedWork
-from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
 from gpufleet.spawner.client import ControllerClient, ControllerUnavailable, RequestRejected
+from gpufleet.state import db
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.inventory import GpuSpec, NodeSpec
 
 PREFIX = "/services/gpufleet/"
 HUGE = "1" * 4301  # one digit past what int() reads

@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import Engine, select
 
-from gpufleet.scheduler.store.clusters import ClusterNodeState, slot_uuid
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
-from gpufleet.scheduler.store.models import Allocation, Gpu, Node, NodeHealth
+from gpufleet.state.clusters import ClusterNodeState, slot_uuid
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.inventory import GpuSpec, NodeSpec
+from gpufleet.state.models import Allocation, Gpu, Node, NodeHealth
 
 from .test_store import (
     GROUPS,
@@ -259,8 +259,8 @@ def test_the_controller_ends_the_sessions_of_a_node_lost_past_the_grace(store: F
     import logging
 
     from gpufleet.hub.kube_inventory import KubeInventory
-    from gpufleet.scheduler.store.cycle import Stop
     from gpufleet.spawner.clusters import ClusterSettings
+    from gpufleet.state.cycle import Stop
 
     told: list[list[Stop]] = []
     clock = [t(0)]
@@ -308,8 +308,8 @@ def test_a_deleted_node_ends_its_sessions_too_but_an_unreachable_cluster_does_no
     import logging
 
     from gpufleet.hub.kube_inventory import KubeInventory
-    from gpufleet.scheduler.store.cycle import Stop
     from gpufleet.spawner.clusters import ClusterSettings
+    from gpufleet.state.cycle import Stop
 
     told: list[list[Stop]] = []
     kube = KubeInventory(

@@ -33,7 +33,7 @@ TYPESCRIPT = ("culler/labextension/src",)
 ALLOWED: dict[tuple[str, str], str] = {
     ("hub/app.py", ""): "being split",
     ("hub/app.py", "FleetController.initialize"): "being split",
-    ("scheduler/store/cycle.py", "SchedulingStore._decisions"): "being split",
+    ("state/cycle.py", "SchedulingStore._decisions"): "being split",
 }
 
 

@@ -1,4 +1,4 @@
-"""Garbage collection around scheduling cycles (``scheduler/store/collector.py``): no
+"""Garbage collection around scheduling cycles (``state/collector.py``): no
 collection inside a cycle, the survivors frozen after it, and the periodic full collection
 returning what became cyclic garbage after being frozen."""
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpufleet.scheduler.store.collector import collect_all, collector_paused
+from gpufleet.state.collector import collect_all, collector_paused
 
 
 class _Node:

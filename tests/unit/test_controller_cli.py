@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from gpufleet.scheduler.store import db
+from gpufleet.state import db
 
 CONTROLLER = str(Path(sys.executable).parent / "gpufleet-controller")
 

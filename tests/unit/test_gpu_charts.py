@@ -29,8 +29,8 @@ from gpufleet.hub.gpu_charts import (
     time_ticks,
     workload_series,
 )
-from gpufleet.scheduler.store.inventory import GpuPoint
-from gpufleet.scheduler.store.progress import ProgressPoint
+from gpufleet.state.inventory import GpuPoint
+from gpufleet.state.progress import ProgressPoint
 
 SVG = "{http://www.w3.org/2000/svg}"
 T0 = datetime(2026, 1, 12, 9, 0, tzinfo=UTC)

@@ -9,14 +9,14 @@ import pytest
 from sqlalchemy import Engine
 
 from gpufleet.hub.gpu_charts import JobCharts, job_charts, session_charts
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.inventory import (
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.inventory import (
     HISTORY_MAX_POINTS,
     GpuPoint,
     HistoryTier,
     history_to_drop,
 )
-from gpufleet.scheduler.store.models import GpuHistoryPoint
+from gpufleet.state.models import GpuHistoryPoint
 
 from .test_store import allocations, ask, cycle, make_store, t
 

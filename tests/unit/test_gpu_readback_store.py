@@ -1,4 +1,4 @@
-"""Recording which GPUs workloads' processes really have (scheduler/store/readback.py).
+"""Recording which GPUs workloads' processes really have (state/readback.py).
 
 Store tests run on SQLite and PostgreSQL (the ``engine`` fixture); PostgreSQL checks the
 unique index on open allocations at every statement, so a swap that ever held one GPU
@@ -14,10 +14,11 @@ import pytest
 from sqlalchemy import Engine, select
 
 from gpufleet.scheduler.snapshot import Policy
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
-from gpufleet.scheduler.store.models import Allocation, Event, Workload, WorkloadState
-from gpufleet.scheduler.store.readback import (
+from gpufleet.scheduler.validation import SessionRequest
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.inventory import GpuSpec, NodeSpec
+from gpufleet.state.models import Allocation, Event, Workload, WorkloadState
+from gpufleet.state.readback import (
     GpuFacts,
     Held,
     Mismatch,
@@ -27,7 +28,6 @@ from gpufleet.scheduler.store.readback import (
     plan_reseat,
     split_marker,
 )
-from gpufleet.scheduler.validation import SessionRequest
 
 T0 = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
 LEASE = timedelta(minutes=5)

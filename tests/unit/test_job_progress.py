@@ -1,6 +1,6 @@
 """Job progress from inside training: the light SDK's reporter
 (sdk/reporting.py) against a real HTTP endpoint, the agent's endpoint and merge
-(agent/progress.py), and the store's record (scheduler/store/progress.py) on SQLite and
+(agent/progress.py), and the store's record (state/progress.py) on SQLite and
 PostgreSQL."""
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from gpufleet.agent.progress import RankReport, merge, progress_app
 from gpufleet.api.jobs import JobProgressOut, PodProgressIn
 from gpufleet.recovery.classify import JobProgress as JobProgressSeen
 from gpufleet.recovery.classify import RecoveryPolicy, hang_of
-from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.models import Event, JobProgress, Workload
-from gpufleet.scheduler.store.progress import (
+from gpufleet.state import db
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.models import Event, JobProgress, Workload
+from gpufleet.state.progress import (
     HISTORY_POINTS,
     ProgressReport,
     Saved,

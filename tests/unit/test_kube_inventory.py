@@ -15,8 +15,8 @@ from gpufleet.hub.kube_inventory import (
     observe_node,
     parse_quantity,
 )
-from gpufleet.scheduler.store.clusters import ClusterNodeState
 from gpufleet.spawner.clusters import ClusterConfigError, ClusterSettings, parse_clusters
+from gpufleet.state.clusters import ClusterNodeState
 
 
 @pytest.fixture

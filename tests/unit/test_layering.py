@@ -32,9 +32,6 @@ ALLOWED: dict[str, frozenset[str]] = {
     ),
     ROOT_PACKAGE: frozenset({"api"}),
 }
-# Where a capability's code still lives inside another folder, it is held to the rules of
-# the capability it is: the database is ``state``, wherever its modules sit.
-HOMES = {("scheduler", "store"): "state"}
 # Imports that break the table today, each with what is left to do; the test fails once one
 # is no longer needed, so the list only shrinks.
 PENDING = {
@@ -52,8 +49,7 @@ class Import:
 
 
 def folder_of(path: Path) -> str:
-    parts = [*path.relative_to(ROOT).parts, ""]
-    return HOMES.get((parts[0], parts[1]), parts[0])
+    return path.relative_to(ROOT).parts[0]
 
 
 def _package(path: Path) -> list[str]:
@@ -69,7 +65,7 @@ def _target(module: str) -> str:
     parts = [*module.split(".")[1:], ""]
     if parts[0] not in ALLOWED:
         return ROOT_PACKAGE  # gpufleet, gpufleet.client, gpufleet.reporting, ...
-    return HOMES.get((parts[0], parts[1]), parts[0])
+    return parts[0]
 
 
 def imports_of(path: Path, source: str | None = None) -> Iterator[Import]:
@@ -156,9 +152,8 @@ def test_a_forbidden_import_is_found_lazy_or_not() -> None:
         (sdk, "from .scheduler import plan\n", "scheduler", False),
         (sdk, "def run():\n    from .scheduler import plan\n", "scheduler", True),
         (sdk, "if TYPE_CHECKING:\n    from .scheduler import plan\n", "scheduler", True),
-        (ROOT / "scheduler" / "store" / "x.py", "from ..plan import plan\n", "scheduler", False),
+        (ROOT / "state" / "x.py", "from ..scheduler.plan import plan\n", "scheduler", False),
     ]
     for path, text, target, lazy in cases:
         (imported,) = list(imports_of(path, text))
         assert (imported.target, imported.lazy) == (target, lazy), text
-    assert folder_of(ROOT / "scheduler" / "store" / "x.py") == "state"

@@ -1,5 +1,5 @@
 """Node operations: snapshot passes and restores a node agent runs for a Kubernetes session
-(scheduler/store/operations.py, hub/api/node_operations.py, snapshotter/node_operations.py).
+(state/operations.py, hub/api/node_operations.py, snapshotter/node_operations.py).
 
 The controller's routes run in this process under tornado over a real store (SQLite), as
 in test_gpu_readback_api.py; the spawner's side is its real ControllerClient and
@@ -25,7 +25,6 @@ from gpufleet.hub.api.identity import Identity
 from gpufleet.hub.notifier import Notifier
 from gpufleet.scheduler.errors import NotFound
 from gpufleet.scheduler.snapshot import Policy
-from gpufleet.scheduler.store.fleet import FleetStore
 from gpufleet.scheduler.validation import SessionRequest
 from gpufleet.snapshotter.node_operations import (
     OverlayMount,
@@ -35,6 +34,7 @@ from gpufleet.snapshotter.node_operations import (
 )
 from gpufleet.snapshotter.runner import SnapshotFailed, on_node
 from gpufleet.spawner.client import ControllerClient
+from gpufleet.state.fleet import FleetStore
 
 from .test_api_input import PREFIX, Controller, fleet_store, serve
 

@@ -19,8 +19,8 @@ import pytest
 
 from gpufleet.hub.kube_inventory import observe_node
 from gpufleet.hub.node_stream import Endpoint, NodeStream, WatchExpired, WatchFailed
-from gpufleet.scheduler.store.clusters import ClusterNodeState
 from gpufleet.spawner.clusters import ClusterSettings
+from gpufleet.state.clusters import ClusterNodeState
 
 SETTINGS = ClusterSettings(name="c", kubeconfig="/dev/null")
 

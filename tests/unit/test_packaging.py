@@ -92,7 +92,7 @@ def test_the_wheel_holds_every_data_file_the_code_reads(source_tree: Path, tmp_p
     assert {
         "gpufleet/hub/templates/page.html",
         "gpufleet/hub/templates/gpufleet-admin.html",
-        "gpufleet/scheduler/store/migrations/script.py.mako",
+        "gpufleet/state/migrations/script.py.mako",
         "gpufleet/recovery/fake_nvml/fake_nvml.c",
         "gpufleet/py.typed",
     } <= expected
@@ -107,8 +107,8 @@ def test_the_wheel_holds_every_data_file_the_code_reads(source_tree: Path, tmp_p
     assert f"{extension}/package.json" in shipped
     assert {data + name for name in shipped} - names == set()
     # The migrations themselves, which upgrade-db runs from the installed package.
-    versions = PACKAGE_DIRS["gpufleet.scheduler.store.migrations.versions"]
+    versions = PACKAGE_DIRS["gpufleet.state.migrations.versions"]
     migrations = {p.name for p in (source_tree / versions).glob("*.py")}
     assert migrations
-    prefix = "gpufleet/scheduler/store/migrations/versions/"
+    prefix = "gpufleet/state/migrations/versions/"
     assert {prefix + name for name in migrations} - names == set()

@@ -20,11 +20,11 @@ from gpufleet.hub.api.handlers import routes
 from gpufleet.hub.api.identity import Identity
 from gpufleet.scheduler.errors import InputError, InvalidRequest
 from gpufleet.scheduler.model import guarantees_over_limits, project_tree
-from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
-from gpufleet.scheduler.store.models import Event, Project
-from gpufleet.scheduler.store.projects import ProjectEdit, QuotaEdit
+from gpufleet.state import db
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.inventory import GpuSpec, NodeSpec
+from gpufleet.state.models import Event, Project
+from gpufleet.state.projects import ProjectEdit, QuotaEdit
 
 from .test_api_input import PREFIX, Controller, serve
 

@@ -25,10 +25,10 @@ from gpufleet.hub.reconciler import (
 )
 from gpufleet.recovery import processes
 from gpufleet.scheduler.errors import InvalidRequest, LeaseLost, NotFound
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
-from gpufleet.scheduler.store.models import Allocation, Event, Node, Workload, WorkloadState
 from gpufleet.scheduler.validation import SessionRequest
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.inventory import GpuSpec, NodeSpec
+from gpufleet.state.models import Allocation, Event, Node, Workload, WorkloadState
 
 T0 = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)

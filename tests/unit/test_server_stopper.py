@@ -24,9 +24,9 @@ from tornado.testing import bind_unused_port
 
 from gpufleet.api.events import EventKind
 from gpufleet.hub.stopper import ServerStopper, StopOutcome
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.models import Event
 from gpufleet.scheduler.validation import SessionRequest
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.models import Event
 
 from .test_api_input import fleet_store, serve
 

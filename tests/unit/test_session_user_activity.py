@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from sqlalchemy import Engine
 
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.sessions import ActivityReport
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.sessions import ActivityReport
 
 from .test_store import events, make_store, running_session, t, workload
 

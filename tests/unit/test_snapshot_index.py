@@ -8,13 +8,13 @@ from pathlib import Path
 
 from sqlalchemy import Engine, select
 
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.models import Event, Project, Snapshot
 from gpufleet.snapshotter.capture import SourceSpec, create_snapshot
 from gpufleet.snapshotter.listing import SnapshotRecord, scan
 from gpufleet.snapshotter.repository import Repository
 from gpufleet.snapshotter.settings import master_key
 from gpufleet.snapshotter.store import LocalStore
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.models import Event, Project, Snapshot
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 PROJECTS = [{"name": "vision"}, {"name": "nlp"}]

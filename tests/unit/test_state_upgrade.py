@@ -19,12 +19,12 @@ from typing import Any
 from sqlalchemy import Connection, Engine, MetaData, insert, select
 
 from gpufleet.scheduler.snapshot import Policy
-from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
-from gpufleet.scheduler.store.models import Allocation, Event, JobProgress, Workload
-from gpufleet.scheduler.store.progress import progress_json
 from gpufleet.scheduler.validation import SessionRequest
+from gpufleet.state import db
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.inventory import GpuSpec, NodeSpec
+from gpufleet.state.models import Allocation, Event, JobProgress, Workload
+from gpufleet.state.progress import progress_json
 
 # The head revision of the release before the database moved to its own folder (state/):
 # the schema a database in the field may be at when this version is installed over it.

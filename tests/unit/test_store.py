@@ -20,11 +20,12 @@ from sqlalchemy.orm import Session
 
 from gpufleet.scheduler.errors import InvalidRequest, LeaseLost, SchemaMismatch
 from gpufleet.scheduler.snapshot import Policy
-from gpufleet.scheduler.store import db
-from gpufleet.scheduler.store.cycle import AdmittedWait, CycleResult
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.inventory import GpuSpec, NodeSpec
-from gpufleet.scheduler.store.models import (
+from gpufleet.scheduler.validation import Catalogue, ProfileRule, SessionRequest
+from gpufleet.state import db
+from gpufleet.state.cycle import AdmittedWait, CycleResult
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.inventory import GpuSpec, NodeSpec
+from gpufleet.state.models import (
     Allocation,
     Base,
     Cluster,
@@ -39,7 +40,6 @@ from gpufleet.scheduler.store.models import (
     WorkloadState,
     Zone,
 )
-from gpufleet.scheduler.validation import Catalogue, ProfileRule, SessionRequest
 
 T0 = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
 REQUEST_LEASE = timedelta(seconds=30)
@@ -665,7 +665,7 @@ def running_session(store: FleetStore, username: str = "alice") -> int:
 
 
 def test_a_busy_kernel_unmarks_an_idle_session_in_the_same_request(store: FleetStore) -> None:
-    from gpufleet.scheduler.store.sessions import ActivityReport
+    from gpufleet.state.sessions import ActivityReport
 
     wid = running_session(store)
     assert store.record_idle_decision(t(10), wid, "mark-idle", "idle for 60 min", last_active=t(3))
@@ -686,7 +686,7 @@ def test_a_busy_kernel_unmarks_an_idle_session_in_the_same_request(store: FleetS
 
 def test_a_report_for_someone_elses_session_finds_nothing(store: FleetStore) -> None:
     from gpufleet.scheduler.errors import NotFound
-    from gpufleet.scheduler.store.sessions import ActivityReport
+    from gpufleet.state.sessions import ActivityReport
 
     wid = running_session(store)
     report = ActivityReport(

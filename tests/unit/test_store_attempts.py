@@ -14,9 +14,10 @@ from sqlalchemy import Engine, select
 from gpufleet.recovery.attempts import RetryPolicy
 from gpufleet.scheduler.errors import NotFound
 from gpufleet.scheduler.snapshot import Policy
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.jobs import LogChunk, PodReport
-from gpufleet.scheduler.store.models import (
+from gpufleet.scheduler.validation import JobRequest
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.jobs import LogChunk, PodReport
+from gpufleet.state.models import (
     Allocation,
     Event,
     Gpu,
@@ -24,13 +25,12 @@ from gpufleet.scheduler.store.models import (
     Node,
     WorkloadState,
 )
-from gpufleet.scheduler.store.progress import (
+from gpufleet.state.progress import (
     ProgressReport,
     Saved,
     progress_json,
     training_ratio,
 )
-from gpufleet.scheduler.validation import JobRequest
 
 from .test_store import ask, events, make_store, t, workload
 from .test_store_jobs import NODES, SPEC, open_allocations, report

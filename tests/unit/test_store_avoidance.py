@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import Engine, select
 
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.jobs import PodReport
-from gpufleet.scheduler.store.models import Allocation, WorkloadState
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.jobs import PodReport
+from gpufleet.state.models import Allocation, WorkloadState
 
 from .test_store import events, make_store, t, workload
 from .test_store_attempts import NOW_POLICY, placed_on, running, submit

@@ -17,10 +17,10 @@ from gpufleet.hub.metrics import ControllerMetrics
 from gpufleet.scheduler.errors import CycleConflict
 from gpufleet.scheduler.idle import IdleCause
 from gpufleet.scheduler.snapshot import Policy, SchedulingSnapshot
-from gpufleet.scheduler.store.cycle import CycleResult
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.mirror import EVERYTHING, Mirror
-from gpufleet.scheduler.store.models import Event, Node, Workload, WorkloadState
+from gpufleet.state.cycle import CycleResult
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.mirror import EVERYTHING, Mirror
+from gpufleet.state.models import Event, Node, Workload, WorkloadState
 
 from .test_store import allocations, ask, events, store, t, workload
 

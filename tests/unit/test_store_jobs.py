@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import Engine, select
 
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.jobs import JobSpec, LogChunk, PodReport
-from gpufleet.scheduler.store.models import Allocation, WorkloadState
 from gpufleet.scheduler.validation import JobRequest
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.jobs import JobSpec, LogChunk, PodReport
+from gpufleet.state.models import Allocation, WorkloadState
 
 from .test_store import cycle, make_store, t, workload
 

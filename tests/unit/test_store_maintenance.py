@@ -11,9 +11,9 @@ import pytest
 from sqlalchemy import Engine
 
 from gpufleet.scheduler.errors import NotFound
-from gpufleet.scheduler.store.fleet import FleetStore
-from gpufleet.scheduler.store.jobs import PodReport
-from gpufleet.scheduler.store.models import Gpu, WorkloadState
+from gpufleet.state.fleet import FleetStore
+from gpufleet.state.jobs import PodReport
+from gpufleet.state.models import Gpu, WorkloadState
 
 from .test_store import ask, events, make_store, t, workload
 from .test_store_attempts import NOW_POLICY, running, submit, workload_node

@@ -27,8 +27,8 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ...api.events import EventKind
-from ..errors import InvalidRequest
+from ..api.events import EventKind
+from ..scheduler.errors import InvalidRequest
 from .base import StoreBase, _event
 from .models import UserAccount
 

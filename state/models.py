@@ -296,7 +296,7 @@ class Gpu(Base):
     leftover_marker: Mapped[str | None] = mapped_column(String(80), default=None)
     leftover_workload_id: Mapped[int | None] = mapped_column(Integer, default=None)
     leftover_since: Mapped[datetime | None] = mapped_column(default=None)
-    # Maintenance the recovery loop wants for it (``store/maintenance.py``): reset,
+    # Maintenance the recovery loop wants for it (``state/maintenance.py``): reset,
     # reset-at-idle or diagnose while due; resetting or diagnosing while the agent runs it.
     maintenance: Mapped[str | None] = mapped_column(String(32), default=None)
     sampled_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -364,7 +364,7 @@ class Workload(Base):
     # allocated (the reconciler leaves it alone) until a retry commits or an admin releases.
     snapshot_pending_since: Mapped[datetime | None] = mapped_column(default=None)
     # A job's launch: {"script", "script_name", "args", "python", "cwd", "env",
-    # "checkpoint_uri"} (``store.jobs.JobSpec``); None for a session.
+    # "checkpoint_uri"} (``state.jobs.JobSpec``); None for a session.
     spec: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     # A job runs as attempts (recovery/attempts.py): the one running or waiting now, the
     # infrastructure faults spent so far, and no admission before ``not_before`` (the
@@ -470,7 +470,7 @@ class NodeOperation(Base):
 class JobProgress(Base):
     """What a job's ranks last said of their progress (``gpufleet.progress``,
     ``checkpoint_started``, ``checkpoint_saved``), through their node agents: one row per
-    job, the pods' reports merged (store/progress.py): the latest report by its time, never
+    job, the pods' reports merged (state/progress.py): the latest report by its time, never
     by its step number (a counter may restart every epoch); every step time, of the most
     recent ``step_times`` kept; the latest metrics; a thinned history of (time, step,
     epoch, loss) for the job page's charts; the last checkpoint and how many were saved."""

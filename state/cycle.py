@@ -49,13 +49,13 @@ from typing import Any
 from sqlalchemy import Connection, Update, bindparam, insert, or_, update
 from sqlalchemy.orm import Session
 
-from .. import failpoints
-from ..errors import CycleConflict
-from ..idle import IdleCause, idle_after_plan
-from ..memo import PlanMemo
-from ..plan import plan
-from ..quota import QuotaLimits
-from ..snapshot import Plan, Policy, Running, SchedulingSnapshot, WaitCause, Waiting
+from ..scheduler import failpoints
+from ..scheduler.errors import CycleConflict
+from ..scheduler.idle import IdleCause, idle_after_plan
+from ..scheduler.memo import PlanMemo
+from ..scheduler.plan import plan
+from ..scheduler.quota import QuotaLimits
+from ..scheduler.snapshot import Plan, Policy, Running, SchedulingSnapshot, WaitCause, Waiting
 from .base import StoreBase
 from .collector import collector_paused
 from .mirror import EVERYTHING, ChangeTracker, Mirror, Shown, promised_json

@@ -18,8 +18,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ...api.events import EventKind
-from ..errors import InvalidRequest, NotFound
+from ..api.events import EventKind
+from ..scheduler.errors import InvalidRequest, NotFound
 from .base import StoreBase, _event
 from .models import (
     Allocation,

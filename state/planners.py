@@ -10,7 +10,7 @@ on one worker thread, so a settle always lands before the next plan.
 - ``ThreadPlanner`` plans with the controller's own store, mirror and memo, on that
   thread. Python's GIL is shared with the event loop while it plans.
 - ``ProcessPlanner`` plans in a child process (``python -m
-  gpufleet.scheduler.store.planners``) with a store, a mirror and a memo of its own over
+  gpufleet.state.planners``) with a store, a mirror and a memo of its own over
   the same database, which it only reads. The controller's change tracker stays in the
   controller: each plan request carries what it noted since the last one. The child
   ends when the controller closes the connection or dies (it reads end-of-file), and is
@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ..errors import SchedulerError
-from ..snapshot import Plan, Policy
+from ..scheduler.errors import SchedulerError
+from ..scheduler.snapshot import Plan, Policy
 from . import db
 from .collector import collect_all, collector_paused
 from .cycle import Change, Outcome, PlannedCycle, SchedulingStore

@@ -2,7 +2,7 @@
 
 from alembic import context
 
-from gpufleet.scheduler.store.models import Base
+from gpufleet.state.models import Base
 
 config = context.config
 engine = config.attributes["engine"]

@@ -19,10 +19,10 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from ...api.events import EventKind
-from ..errors import InvalidRequest, NotFound
-from ..model import OverLimit, ProjectTree, Quota, guarantees_over_limits
-from ..model import Project as TreeProject
+from ..api.events import EventKind
+from ..scheduler.errors import InvalidRequest, NotFound
+from ..scheduler.model import OverLimit, ProjectTree, Quota, guarantees_over_limits
+from ..scheduler.model import Project as TreeProject
 from .base import StoreBase, _event
 from .models import Gpu, PriorityClass, Project, ProjectQuota
 

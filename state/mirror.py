@@ -29,10 +29,10 @@ from typing import Any, NamedTuple
 from sqlalchemy import event, inspect, select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
-from ..holds import hand_back_holds
-from ..model import Project as TreeProject
-from ..model import ProjectTree, Quota
-from ..snapshot import (
+from ..scheduler.holds import hand_back_holds
+from ..scheduler.model import Project as TreeProject
+from ..scheduler.model import ProjectTree, Quota
+from ..scheduler.snapshot import (
     NodeState,
     Pending,
     Plan,
@@ -42,7 +42,7 @@ from ..snapshot import (
     SchedulingSnapshot,
     WaitCause,
 )
-from ..tracked import ChangeStream
+from ..scheduler.tracked import ChangeStream
 from .models import (
     Allocation,
     Cluster,
@@ -375,7 +375,7 @@ class Mirror:
         for pod in old.pods:
             for uuid in pod.gpus:
                 # Only if still this workload's: two workloads that swapped GPUs (the GPU
-                # read-back, store/readback.py) are re-read in any order.
+                # read-back, state/readback.py) are re-read in any order.
                 if self.taken.get(uuid) == workload_id:
                     del self.taken[uuid]
             touched.add(self.node_ids[pod.node])

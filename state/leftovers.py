@@ -24,8 +24,8 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ...api.events import EventKind
-from ...recovery.processes import part_marker
+from ..api.events import EventKind
+from ..recovery.processes import part_marker
 from .base import _event
 from .models import Allocation, Gpu, Node, Workload
 

@@ -28,7 +28,7 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from ..errors import InvalidRequest, NotFound
+from ..scheduler.errors import InvalidRequest, NotFound
 from .base import StoreBase, _get_workload
 from .models import Allocation, NodeOperation, WorkloadKind
 
@@ -40,7 +40,7 @@ KEEP_ENDED = timedelta(days=7)
 @dataclass(frozen=True)
 class Operation:
     id: int
-    workload_id: int | None  # None: maintenance (store/maintenance.py)
+    workload_id: int | None  # None: maintenance (state/maintenance.py)
     node: str
     kind: str
     request: dict[str, Any]
@@ -187,7 +187,7 @@ class NodeOperationStore(StoreBase):
             return True
 
     def _operation_ended(self, session: Session, now: datetime, row: NodeOperation) -> None:
-        """What an operation's end does beyond its row (maintenance: ``store/maintenance.py``)."""
+        """What an operation's end does beyond its row (maintenance: ``state/maintenance.py``)."""
 
     def abandon_node_operation(self, now: datetime, operation_id: int, error: str) -> bool:
         """Fail an operation its asker gave up on (nobody claimed it, or its agent stopped

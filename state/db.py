@@ -19,7 +19,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..errors import SchemaMismatch
+from ..scheduler.errors import SchemaMismatch
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 UPGRADE_COMMAND = "gpufleet-controller upgrade-db"

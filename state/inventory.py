@@ -17,8 +17,8 @@ from typing import Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from ...api.events import EventKind
-from ..errors import NotFound
+from ..api.events import EventKind
+from ..scheduler.errors import NotFound
 from .base import StoreBase, _event
 from .clusters import AGENT_PREFIX, is_slot
 from .models import Cluster, Gpu, GpuHistoryPoint, Node, NodeHealth, Zone

@@ -17,8 +17,8 @@ from sqlalchemy import Engine, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ...api.events import EventKind
-from ..errors import LeaseLost, NotFound
+from ..api.events import EventKind
+from ..scheduler.errors import LeaseLost, NotFound
 from . import db
 from .models import ControllerLease, Event, PriorityClass, Workload, WorkloadState
 

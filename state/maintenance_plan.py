@@ -1,5 +1,5 @@
 """Which maintenance a recovery verdict leaves due on a node or a GPU, and what each step
-of it is (``store/maintenance.py`` carries it out through the node agents).
+of it is (``state/maintenance.py`` carries it out through the node agents).
 
 A node that fell off (XID 79, a lost GPU, NVML's NODE_REBOOT) is recycled once it is
 empty, then diagnosed; a GPU with a hardware XID is reset once nothing holds it; a GPU
@@ -18,8 +18,8 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
-from ...api.events import EventKind
-from ...recovery.classify import HardwareAction, Verdict
+from ..api.events import EventKind
+from ..recovery.classify import HardwareAction, Verdict
 from .base import _event
 from .models import Gpu, Node
 

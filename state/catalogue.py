@@ -9,7 +9,7 @@ from collections import defaultdict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..validation import Catalogue, ProfileRule
+from ..scheduler.validation import Catalogue, ProfileRule
 from .base import StoreBase
 from .models import Gpu, Membership, Node, PriorityClass, Profile, Project, ProjectKind
 

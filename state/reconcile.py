@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
-from ...api.events import EventKind
-from ..errors import InvalidRequest, NotFound
+from ..api.events import EventKind
+from ..scheduler.errors import InvalidRequest, NotFound
 from .base import StoreBase, _event
 from .models import Workload, WorkloadKind, WorkloadState
 
@@ -54,7 +54,7 @@ class ReconcileStore(StoreBase):
         Only if it is still open at ``version``, the version the decision was taken on;
         returns it once ended — or, for a job stopping for a fault or a preemption before
         its agent reported its pods' ends, once it is back in the queue as its next
-        attempt (``store/attempts.py``) — else None. The caller observed that no process
+        attempt (``state/attempts.py``) — else None. The caller observed that no process
         of it is alive.
         """
         with self._write(now) as session:

@@ -22,7 +22,7 @@ from typing import Protocol
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ...api.events import EventKind
+from ..api.events import EventKind
 from .base import StoreBase, _event
 from .models import Project, Snapshot
 

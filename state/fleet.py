@@ -18,10 +18,10 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import selectinload
 
-from ...api.events import EventKind
-from ..errors import InputError, InvalidRequest
-from ..model import project_tree
-from ..validation import SessionRequest, validate_session_request
+from ..api.events import EventKind
+from ..scheduler.errors import InputError, InvalidRequest
+from ..scheduler.model import project_tree
+from ..scheduler.validation import SessionRequest, validate_session_request
 from .accounts import AccountStore
 from .base import _event, _get_workload, _preemptible
 from .catalogue import CatalogueStore

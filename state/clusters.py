@@ -25,7 +25,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ...api.events import EventKind
+from ..api.events import EventKind
 from .base import StoreBase, _event
 from .cycle import Stop
 from .models import (

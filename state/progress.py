@@ -30,7 +30,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from ...recovery.checkpoints import within as checkpoint_within
+from ..recovery.checkpoints import within as checkpoint_within
 from .models import JobProgress, Workload, WorkloadKind, WorkloadState
 
 KEEP_STEP_TIMES = 512

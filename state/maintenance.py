@@ -1,6 +1,6 @@
 """Maintenance in the store: a node's recycle and diagnostics, a GPU's reset and
 diagnostics, asked of the node's agent as node operations with no workload
-(``store/operations.py``) once nothing runs where they would act, and what their ends do.
+(``state/operations.py``) once nothing runs where they would act, and what their ends do.
 
 ``maintenance_plan.py`` says what a verdict leaves due; an admin's ``recycle_node`` drains
 the node and leaves a recycle due. The controller's recovery loop calls
@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ...api.events import EventKind
+from ..api.events import EventKind
 from .attempts import AttemptStore, DrainStops, _node_named
 from .base import _event
 from .maintenance_plan import GPU_STEPS, MAINTENANCE_KINDS, NODE_STEPS, OPERATION_OF

@@ -29,11 +29,11 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
-from ...api.events import EventKind
-from ...recovery.checkpoints import filled
-from ...recovery.classify import AgentSilent, Verdict, classify
-from ..errors import InvalidRequest
-from ..validation import JobRequest, validate_job_request
+from ..api.events import EventKind
+from ..recovery.checkpoints import filled
+from ..recovery.classify import AgentSilent, Verdict, classify
+from ..scheduler.errors import InvalidRequest
+from ..scheduler.validation import JobRequest, validate_job_request
 from .accounts import AccountStore
 from .attempts import AttemptStore, log_offset, stopping_for
 from .base import _event, _get_workload, _preemptible
@@ -389,7 +389,7 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
         """A pod of the running attempt failed: the job stops its other pods, for the
         fault class of what ended this one."""
         # Classified now, while the evidence is fresh and before the other pods' stop adds
-        # endings of its own (``store/attempts.py``).
+        # endings of its own (``state/attempts.py``).
         verdict = self._classify_pod(session, now, workload, row)
         said = f"pod {row.pod_index} on {node} {_pod_ending(row)}"
         stopping_for(workload, verdict, now, said)
@@ -426,7 +426,7 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
         node's agent has been silent for ``jobs_after`` (``timeout`` when None) each job
         with a pod there stops as ``agent-lost`` and resumes elsewhere, its pods on the
         silent node counted as ended (``lost``) while their GPUs stay held for whatever
-        of them may still run (``store/leftovers.py``). The longer wait lets an agent that
+        of them may still run (``state/leftovers.py``). The longer wait lets an agent that
         restarts (a crash, an upgrade) take its pods over, which costs them nothing.
 
         A node is acted on once per silence: when its silence passes ``jobs_after``

@@ -33,10 +33,10 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ...api.events import EventKind
-from ...recovery.attempts import AttemptRecord, GiveUp, Resume, RetryPolicy, next_attempt
-from ...recovery.breaker import BreakerPolicy, may_cordon
-from ...recovery.classify import (
+from ..api.events import EventKind
+from ..recovery.attempts import AttemptRecord, GiveUp, Resume, RetryPolicy, next_attempt
+from ..recovery.breaker import BreakerPolicy, may_cordon
+from ..recovery.classify import (
     FaultClass,
     GpuLost,
     HardwareAction,
@@ -51,8 +51,8 @@ from ...recovery.classify import (
     hang_of,
     outcome_reason,
 )
-from ...recovery.classify import JobProgress as JobProgressSeen
-from ..errors import NotFound
+from ..recovery.classify import JobProgress as JobProgressSeen
+from ..scheduler.errors import NotFound
 from .base import StoreBase, _event
 from .cycle import Stop
 from .maintenance_plan import plan_gpu_maintenance, plan_node_maintenance
@@ -100,7 +100,7 @@ class AttemptStore(StoreBase):
     retry_policy = RetryPolicy()
     recovery_policy = RecoveryPolicy()
     breaker_policy = BreakerPolicy()
-    plan_maintenance = True  # what a fault leaves due is done (store/maintenance.py)
+    plan_maintenance = True  # what a fault leaves due is done (state/maintenance.py)
 
     # ------------------------------------------------------------ classify
     def _classify_pod(
