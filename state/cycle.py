@@ -273,135 +273,24 @@ class SchedulingStore(StoreBase):
     ) -> PlannedCycle:
         """The rows that carry out ``decided``, read off the mirror it was planned on."""
         mirror = self.mirror
-        events: list[dict[str, Any]] = []
-        allocations: list[dict[str, Any]] = []
-        admitted = []
-        depends: set[Change] = set()
-        for admission in decided.admissions:
-            request = mirror.pending[admission.workload_id]
-            project_id = mirror.project_ids[request.project]
-            depends.add(("workload", request.id))
-            for pod_index, pod in enumerate(admission.pods):
-                node_id = mirror.node_ids[pod.node]
-                depends.add(("node", node_id))
-                allocations.extend(
-                    {
-                        "workload_id": request.id,
-                        "gpu_uuid": uuid,
-                        "node_id": node_id,
-                        "pod_index": pod_index,
-                        "project_id": project_id,
-                        "username": request.user,
-                        "gpu_type": request.gpu_type,
-                        "opened_at": now,
-                    }
-                    for uuid in pod.gpus
-                )
-            nodes = ", ".join(sorted({pod.node for pod in admission.pods}))
-            borrowed = (
-                f"; {admission.borrowed} borrowed beyond project {request.project}'s guarantee"
-                if admission.borrowed
-                else ""
-            )
-            reason = f"admitted on {nodes} ({admission.zone}){borrowed}"
-            admitted.append({"wid": request.id, "reason": reason})
-            events.append(
-                _event_row(
-                    now,
-                    "admitted",
-                    f"workload {request.id} admitted: {request.gpus} × {request.gpu_type} on "
-                    f"{nodes} in {admission.cluster}/{admission.zone}{borrowed}",
-                    request.id,
-                    request.project,
-                    request.user,
-                    reason="borrowed" if admission.borrowed else "",
-                    data={"gpus": [g for pod in admission.pods for g in pod.gpus]},
-                )
-            )
-        stops = []
-        stopping = []
-        victims = []
-        for preemption in decided.preemptions:
-            victim = mirror.running[preemption.victim_id]
-            depends.update((("workload", victim.id), ("workload", preemption.for_workload_id)))
-            reason = f"preempted: {preemption.reason}"
-            stopping.append(
-                {"wid": victim.id, "reason": reason, "for_id": preemption.for_workload_id}
-            )
-            victims.append(replace(victim, stopping=True, stopping_for=preemption.for_workload_id))
-            stops.append(
-                Stop(
-                    victim.id,
-                    victim.kind,
-                    victim.user,
-                    mirror.server_names.get(victim.id, ""),
-                    reason,
-                )
-            )
-            events.append(
-                _event_row(
-                    now,
-                    "preempting",
-                    f"workload {victim.id} is being stopped to make room for workload "
-                    f"{preemption.for_workload_id}: {preemption.reason}",
-                    victim.id,
-                    victim.project,
-                    victim.user,
-                    reason=preemption.cause.value,
-                    data={"for": preemption.for_workload_id},
-                )
-            )
+        admissions = _admission_rows(mirror, now, decided)
+        preemptions = _preemption_rows(mirror, now, decided)
         kept = [{"wid": k.workload_id, "promised": promised_json(k.pods)} for k in decided.kept]
         holds = _hold_changes(mirror.holding, decided)
+        waits, wait_events = _wait_rows(mirror, now, shown)
+        depends = admissions.depends | preemptions.depends
         depends.update(("workload", row["wid"]) for row in (*kept, *holds))
-        waits = []
-        for workload_id, show in shown.items():
-            before = mirror.shown.get(workload_id)
-            waits.append({"wid": workload_id, "reason": show.reason, "position": show.position})
-            if before is None or before.cause != show.cause:
-                request = mirror.pending[workload_id]
-                events.append(
-                    _event_row(
-                        now,
-                        "waiting",
-                        f"workload {workload_id} waits: {show.reason}",
-                        workload_id,
-                        request.project,
-                        request.user,
-                        reason=show.cause.value,
-                    )
-                )
-        victim_ids = {v.id for v in victims}
-        still = (
-            *(r for r in mirror.running.values() if r.stopping and r.id not in victim_ids),
-            *victims,
-        )
-        result = CycleResult(
-            admitted=tuple(
-                AdmittedWait(r.id, r.project, r.gpu_type, moment - r.created_at)
-                for r in (mirror.pending[a.workload_id] for a in decided.admissions)
-            ),
-            stops=tuple(stops),
-            changed=(
-                *(a.workload_id for a in decided.admissions),
-                *(p.victim_id for p in decided.preemptions),
-                *shown,
-            ),
-            plan=decided,
-            stopping=still,
-            server_names={r.id: mirror.server_names.get(r.id, "") for r in still},
-        )
         return PlannedCycle(
             now=now,
-            allocations=tuple(allocations),
-            admitted=tuple(admitted),
-            stopping=tuple(stopping),
+            allocations=tuple(admissions.allocations),
+            admitted=tuple(admissions.admitted),
+            stopping=tuple(preemptions.stopping),
             kept=tuple(kept),
             holds=tuple(holds),
-            events=tuple(events),
+            events=(*admissions.events, *preemptions.events, *wait_events),
             waits=tuple(waits),
             depends=frozenset(depends),
-            result=result,
+            result=_cycle_result(mirror, moment, decided, shown, preemptions),
         )
 
     def _write_decisions(
@@ -500,6 +389,165 @@ def _stale(planned: PlannedCycle, changed: set[Change]) -> bool:
 def _decisions_only(decided: Plan) -> Plan:
     """What ``idle_gpus`` reads of a plan: its waits may hold the cycle's state."""
     return Plan(admissions=decided.admissions, kept=decided.kept, held=decided.held)
+
+
+@dataclass
+class _Admissions:
+    """The rows a cycle's admissions write: their GPUs' allocations, the workloads set
+    admitted, their events, and the change tracker's marks they depend on."""
+
+    allocations: list[dict[str, Any]] = field(default_factory=list)
+    admitted: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    depends: set[Change] = field(default_factory=set)
+
+
+@dataclass
+class _Preemptions:
+    """The rows a cycle's preemptions write (the victims set stopping, their events), the
+    stops the backend carries out, the victims as they will stand, and the marks they
+    depend on."""
+
+    stopping: list[dict[str, Any]] = field(default_factory=list)
+    stops: list[Stop] = field(default_factory=list)
+    victims: list[Running] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    depends: set[Change] = field(default_factory=set)
+
+
+def _admission_rows(mirror: Mirror, now: datetime, decided: Plan) -> _Admissions:
+    """The allocations opened, the workloads set admitted and their events; each depends
+    on its workload and on the nodes it is placed on."""
+    out = _Admissions()
+    for admission in decided.admissions:
+        request = mirror.pending[admission.workload_id]
+        project_id = mirror.project_ids[request.project]
+        out.depends.add(("workload", request.id))
+        for pod_index, pod in enumerate(admission.pods):
+            node_id = mirror.node_ids[pod.node]
+            out.depends.add(("node", node_id))
+            out.allocations.extend(
+                {
+                    "workload_id": request.id,
+                    "gpu_uuid": uuid,
+                    "node_id": node_id,
+                    "pod_index": pod_index,
+                    "project_id": project_id,
+                    "username": request.user,
+                    "gpu_type": request.gpu_type,
+                    "opened_at": now,
+                }
+                for uuid in pod.gpus
+            )
+        nodes = ", ".join(sorted({pod.node for pod in admission.pods}))
+        borrowed = (
+            f"; {admission.borrowed} borrowed beyond project {request.project}'s guarantee"
+            if admission.borrowed
+            else ""
+        )
+        reason = f"admitted on {nodes} ({admission.zone}){borrowed}"
+        out.admitted.append({"wid": request.id, "reason": reason})
+        out.events.append(
+            _event_row(
+                now,
+                "admitted",
+                f"workload {request.id} admitted: {request.gpus} × {request.gpu_type} on "
+                f"{nodes} in {admission.cluster}/{admission.zone}{borrowed}",
+                request.id,
+                request.project,
+                request.user,
+                reason="borrowed" if admission.borrowed else "",
+                data={"gpus": [g for pod in admission.pods for g in pod.gpus]},
+            )
+        )
+    return out
+
+
+def _preemption_rows(mirror: Mirror, now: datetime, decided: Plan) -> _Preemptions:
+    """The victims set stopping, their stops and events; each depends on the victim and
+    on the workload it makes room for."""
+    out = _Preemptions()
+    for preemption in decided.preemptions:
+        victim = mirror.running[preemption.victim_id]
+        for_id = preemption.for_workload_id
+        out.depends.update((("workload", victim.id), ("workload", for_id)))
+        reason = f"preempted: {preemption.reason}"
+        out.stopping.append({"wid": victim.id, "reason": reason, "for_id": for_id})
+        out.victims.append(replace(victim, stopping=True, stopping_for=for_id))
+        server_name = mirror.server_names.get(victim.id, "")
+        out.stops.append(Stop(victim.id, victim.kind, victim.user, server_name, reason))
+        out.events.append(
+            _event_row(
+                now,
+                "preempting",
+                f"workload {victim.id} is being stopped to make room for workload "
+                f"{for_id}: {preemption.reason}",
+                victim.id,
+                victim.project,
+                victim.user,
+                reason=preemption.cause.value,
+                data={"for": for_id},
+            )
+        )
+    return out
+
+
+def _wait_rows(
+    mirror: Mirror, now: datetime, shown: Mapping[int, Shown]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The waiting rows' new reasons and positions (``shown``), and a "waiting" event for
+    each workload whose cause of waiting is new or changed."""
+    waits: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    for workload_id, show in shown.items():
+        before = mirror.shown.get(workload_id)
+        waits.append({"wid": workload_id, "reason": show.reason, "position": show.position})
+        if before is None or before.cause != show.cause:
+            request = mirror.pending[workload_id]
+            events.append(
+                _event_row(
+                    now,
+                    "waiting",
+                    f"workload {workload_id} waits: {show.reason}",
+                    workload_id,
+                    request.project,
+                    request.user,
+                    reason=show.cause.value,
+                )
+            )
+    return waits, events
+
+
+def _cycle_result(
+    mirror: Mirror,
+    moment: float,
+    decided: Plan,
+    shown: Mapping[int, Shown],
+    preemptions: _Preemptions,
+) -> CycleResult:
+    """What the controller acts on once the cycle commits: the admitted and how long they
+    waited, the stops, the workloads changed, and every victim still stopping (those of
+    earlier cycles, then this one's)."""
+    victim_ids = {v.id for v in preemptions.victims}
+    still = (
+        *(r for r in mirror.running.values() if r.stopping and r.id not in victim_ids),
+        *preemptions.victims,
+    )
+    return CycleResult(
+        admitted=tuple(
+            AdmittedWait(r.id, r.project, r.gpu_type, moment - r.created_at)
+            for r in (mirror.pending[a.workload_id] for a in decided.admissions)
+        ),
+        stops=tuple(preemptions.stops),
+        changed=(
+            *(a.workload_id for a in decided.admissions),
+            *(p.victim_id for p in decided.preemptions),
+            *shown,
+        ),
+        plan=decided,
+        stopping=still,
+        server_names={r.id: mirror.server_names.get(r.id, "") for r in still},
+    )
 
 
 def _hold_changes(before: Mapping[int, tuple[str, str]], decided: Plan) -> list[dict[str, Any]]:
