@@ -1,15 +1,17 @@
 """The fleet controller: a JupyterHub managed service and the only writer of the database.
 
-It serves the REST API (and later the pages), runs the admission loop, watches node
-heartbeats, syncs project membership from hub groups and runs the reconciler. It reads
-the same ``jupyterhub_config.py`` as the hub (``c.FleetController.*``).
+It serves the REST API and the pages, holds the database lease and, while it does, runs
+its loops: admission cycles, the culler, the reconciler, the recovery loop, the watch
+over node heartbeats, membership sync, the snapshot index and timed work. Each loop is a
+component of its own module with its own options (docs/architecture.md, "The
+controller's loops"). It reads the same ``jupyterhub_config.py`` as the hub
+(``c.FleetController.*``, ``c.Culling.*``, ...).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import logging
 import os
 import pwd
@@ -22,8 +24,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import httpx
-from sqlalchemy.exc import SQLAlchemyError
 from tornado import web
 from tornado.httpserver import HTTPServer
 from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
@@ -31,11 +31,9 @@ from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from .. import __version__
 from ..agent.lifecycle import until_stopped
 from ..culler.errors import PolicyError
-from ..culler.loop import IdleCuller
-from ..scheduler.errors import InputError, LeaseLost, NotFound, SchedulerError, SchemaMismatch
+from ..scheduler.errors import InputError, NotFound, SchemaMismatch
 from ..scheduler.model import project_tree
 from ..scheduler.snapshot import Policy
-from ..snapshotter.errors import SnapshotError
 from ..snapshotter.settings import RenamedSnapshotOptions
 from ..spawner.clusters import ClusterConfigError, check_loadable, parse_clusters
 from ..state import db
@@ -48,17 +46,24 @@ from .admin import admin_routes
 from .api.base import Identity
 from .api.handlers import routes
 from .appbase import DatabaseMixin, UpgradeDB
+from .components import EarlierLoopNames, Loops
+from .culling import Culling
 from .errors import ClusterUnavailable
+from .inventory_loop import NodeWatch
 from .job_pages import job_page_routes
 from .kube_inventory import KubeInventory
+from .lease import LeaseHolder
+from .memberships import MembershipSync
 from .metrics import ControllerMetrics
 from .notifier import Notifier
 from .pages import page_routes
-from .reconciler import Reconciler
+from .reconciling import Reconciling
+from .recovery_loop import RecoveryLoop
 from .recovery_options import RecoveryOptions
 from .scheduling import PLANNERS, AdmissionCycles
 from .secrets import SecretFileError, check_secret_file
 from .serving import CountingApplication, answer_in_flight
+from .snapshot_index import SnapshotIndexing
 from .stopper import ServerStopper
 from .timed import TimedOptions, TimedWork
 from .uid_claims import DEFAULT_REGISTRY, Claim, ClaimError, HeldClaim, claim, deployment_identity
@@ -76,12 +81,22 @@ DEFAULT_PRIORITY_CLASSES = [
 ]
 
 
-class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnapshotOptions):
+class FleetController(
+    RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnapshotOptions, EarlierLoopNames
+):
     name = "gpufleet-controller"
     version = __version__
     description = "The gpufleet fleet controller (a JupyterHub service)."
     subcommands = {"upgrade-db": (UpgradeDB, UpgradeDB.description)}
-    classes = [UpgradeDB]
+    classes = [
+        UpgradeDB,
+        Culling,
+        SnapshotIndexing,
+        Reconciling,
+        RecoveryLoop,
+        NodeWatch,
+        MembershipSync,
+    ]
 
     service_url = Unicode(
         help="Where the controller listens; set by JupyterHub as $JUPYTERHUB_SERVICE_URL.",
@@ -166,12 +181,6 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
         "garbage after being frozen. At 16,000 GPUs one takes 80-90 ms.",
     ).tag(config=True)
 
-    node_heartbeat_timeout = Float(
-        30.0,
-        help="A node whose agent has not reported for this many seconds is marked unknown and "
-        "receives no new work.",
-    ).tag(config=True)
-
     clusters = List(
         Dict(),
         help="""The Kubernetes clusters of the fleet (docs/kubernetes.md); empty: this machine
@@ -200,24 +209,6 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
         5.0, help="Seconds between checks that each cluster's API server answers."
     ).tag(config=True)
 
-    membership_sync_interval = Float(
-        15.0, help="Seconds between syncs of project membership from JupyterHub groups."
-    ).tag(config=True)
-
-    reconcile_interval = Float(
-        30.0,
-        help="Seconds between reconciler passes, which compare the database with what "
-        "really runs (the hub's servers, this machine's session processes) and repair "
-        "both ways (docs/reconciler.md).",
-    ).tag(config=True)
-
-    reconcile_grace = Float(
-        60.0,
-        help="A disagreement between the database and what runs is repaired only once the "
-        "workload has been in its state (or ended) this many seconds, so spawns, stops and "
-        "releases in progress finish first (docs/reconciler.md).",
-    ).tag(config=True)
-
     db_lease_seconds = Float(
         15.0,
         help="The database lease: a second controller takes over this long after the active "
@@ -226,13 +217,8 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
 
     # Where snapshots go: c.SnapshotSettings (snapshotter/settings.py), which the spawners
     # and the node agents read too; the earlier c.FleetController.snapshot_* names come
-    # with RenamedSnapshotOptions.
-
-    snapshot_index_interval = Float(
-        3600.0,
-        help="Seconds between rebuilds of the database's snapshot index from the store "
-        "(the store is the truth; the index lets pages and the API list snapshots fast).",
-    ).tag(config=True)
+    # with RenamedSnapshotOptions. The loops' options are their components' (Culling,
+    # Reconciling, ...; hub/components.py), their earlier names here EarlierLoopNames'.
 
     job_checkpoint_store = Unicode(
         help="Where a job's checkpoints go unless its submission says otherwise: a local "
@@ -282,31 +268,6 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
         "researchers' processes share no machine with another deployment's.",
     ).tag(config=True)
 
-    snapshot_index_min_interval = Float(
-        10.0,
-        help="Fewest seconds between two reads of the snapshot store into the index; a "
-        "session's end asks for one (so researchers see their last snapshot in seconds).",
-    ).tag(config=True)
-
-    idle_policies = Dict(
-        help="Idle culling per project and profile: {'default': {...}, 'projects': {name: "
-        "{...}}, 'profiles': {name: {...}}}, a profile's keys over its project's over the "
-        "default. Keys: mode ('always': stop after the time-out; 'on-demand', the default: "
-        "only mark idle sessions, which the scheduler reclaims first when someone waits), "
-        "idle_timeout_s, warn_before_s, max_age_s, keep_alive_max_s, reclaim_by_anyone, "
-        "stop_without_snapshot. See docs/culler.md.",
-    ).tag(config=True)
-
-    cull_interval = Float(
-        30.0, help="Seconds between the culler's rounds over the running sessions."
-    ).tag(config=True)
-
-    cull_retry_seconds = Float(
-        300.0,
-        help="After a cull failed (its live snapshot, or the hub's stop), wait this long "
-        "before trying that session again.",
-    ).tag(config=True)
-
     gpu_busy_utilization = Float(
         5.0,
         help="A GPU sample at or over this utilisation (percent) shows the GPU working: its "
@@ -339,26 +300,13 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
             self.exit_with(f"c.FleetController.clusters: {e}", code=2)
         self.kube: KubeInventory | None = None
         self.notifier = Notifier()
-        self.engine = self.make_engine()
-        try:
-            if self.auto_create_schema and db.is_empty(self.engine):
-                self.log.info("creating the gpufleet schema in an empty database")
-                db.upgrade(self.engine)
-            db.check_schema(self.engine)
-        except SchemaMismatch as e:
-            self.exit_with(str(e), code=3)
-        holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.store = FleetStore(
-            self.engine, holder, lease_ttl=timedelta(seconds=self.db_lease_seconds)
-        )
+        self._open_database()
+        self.hub_api_url = os.environ.get("JUPYTERHUB_API_URL", "")
+        self.hub_api_token = os.environ.get("JUPYTERHUB_API_TOKEN", "")
         # The one way the controller stops a user's server: the culler, preemption (and
         # drains) and the reconciler all go through it.
         self.servers = ServerStopper(
-            os.environ.get("JUPYTERHUB_API_URL", ""),
-            os.environ.get("JUPYTERHUB_API_TOKEN", ""),
-            self.store,
-            self.log,
-            self.now,
+            self.hub_api_url, self.hub_api_token, self.store, self.log, self.now
         )
         self.victims = VictimStopper(self.servers, self.log, self.preemption_retry_seconds)
         self.snapshot_access = self.snapshot_settings().access(self.data_dir)
@@ -372,50 +320,55 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
         except ValueError as e:
             self.exit_with(f"job restarts: {e}", code=2)
         self.metrics = ControllerMetrics(self.store)
-        try:
-            self.timed = TimedWork(self, self.engine, self.retention_trigger())
-        except ValueError as e:
-            self.exit_with(str(e), code=2)
-        self.culler = IdleCuller(
-            self.store,
-            self.idle_policies,
-            stopper=self.servers,
-            hub_api_url=os.environ.get("JUPYTERHUB_API_URL", ""),
-            hub_api_token=os.environ.get("JUPYTERHUB_API_TOKEN", ""),
-            snapshot_settings=self.snapshot_access,
-            registry=self.metrics.registry,
-            log=self.log,
-            now=self.now,
-            interval=self.cull_interval,
-            retry_after=self.cull_retry_seconds,
-            notify=self.notifier.changed,
-        )
-        try:
-            self.culler.check_policies([str(p["name"]) for p in self.projects])
-        except PolicyError as e:
-            self.exit_with(f"c.FleetController.idle_policies: {e}", code=2)
         self.is_leader = False
         self.leading_since: datetime | None = None
         # The recovery spares of the last admission cycle this controller ran.
         self.spare_nodes: frozenset[str] = frozenset()
-        try:
-            self.admission = AdmissionCycles(self, self.planner)
-        except ValueError as e:
-            self.exit_with(f"c.FleetController.planner: {e}", code=2)
-        self._index_wanted = asyncio.Event()
-        self.snapshot_index_at: datetime | None = None
-        self._became_leader = asyncio.Event()
-        self._memberships_synced_at = 0.0
-        self._membership_lock = asyncio.Lock()
-        self._tasks: list[asyncio.Task[None]] = []
-        self.hub_api_url = os.environ.get("JUPYTERHUB_API_URL", "")
-        self.hub_api_token = os.environ.get("JUPYTERHUB_API_TOKEN", "")
+        self._make_components()
         self.hub_auth: Any = None
         if self.hub_api_url and self.hub_api_token:
             from jupyterhub.services.auth import HubOAuth
 
             # The singleton: the pages' OAuth callback handler finds the same instance.
             self.hub_auth = HubOAuth.instance(api_token=self.hub_api_token, cache_max_age=60)
+
+    def _open_database(self) -> None:
+        self.engine = self.make_engine()
+        try:
+            if self.auto_create_schema and db.is_empty(self.engine):
+                self.log.info("creating the gpufleet schema in an empty database")
+                db.upgrade(self.engine)
+            db.check_schema(self.engine)
+        except SchemaMismatch as e:
+            self.exit_with(str(e), code=3)
+        holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.store = FleetStore(
+            self.engine, holder, lease_ttl=timedelta(seconds=self.db_lease_seconds)
+        )
+
+    def _make_components(self) -> None:
+        """The lease, the timed work and the loops, each given the controller; a
+        configuration that cannot work stops the start (exit 2)."""
+        self.lease = LeaseHolder(self)
+        try:
+            self.timed = TimedWork(self, self.engine, self.retention_trigger())
+        except ValueError as e:
+            self.exit_with(str(e), code=2)
+        try:
+            self.admission = AdmissionCycles(self, self.planner)
+        except ValueError as e:
+            self.exit_with(f"c.FleetController.planner: {e}", code=2)
+        try:
+            self.culling = Culling(self, parent=self)
+        except PolicyError as e:
+            self.exit_with(f"c.Culling.idle_policies: {e}", code=2)
+        self.culler = self.culling.culler
+        self.node_watch = NodeWatch(self, parent=self)
+        self.memberships = MembershipSync(self, parent=self)
+        self.reconciling = Reconciling(self, parent=self)
+        self.recovery_loop = RecoveryLoop(self, parent=self)
+        self.snapshot_indexing = SnapshotIndexing(self, parent=self)
+        self.loops = Loops()
 
     def _configure_accounts(self) -> None:
         first, last = self.sandbox_uids
@@ -484,41 +437,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
     # ----------------------------------------------------------- membership
     async def refresh_memberships(self, max_age: float) -> None:
         """Sync project membership from hub groups unless it was synced within ``max_age``."""
-        if not self.hub_api_url:
-            return
-        async with self._membership_lock:
-            if time.monotonic() - self._memberships_synced_at < max_age:
-                return
-            groups = await self._fetch_hub_groups()
-            try:
-                self.store.sync_memberships(self.now(), groups)
-            except LeaseLost:
-                # A controller that does not hold the lease (yet: one killed a moment ago
-                # still does) may not write; the leader syncs, and the request goes on
-                # with the memberships recorded (its own write says it is not the leader).
-                return
-            self._memberships_synced_at = time.monotonic()
-
-    async def _fetch_hub_groups(self) -> dict[str, list[str]]:
-        groups: dict[str, list[str]] = {}
-        headers = {
-            "Authorization": f"token {self.hub_api_token}",
-            "Accept": "application/jupyterhub-pagination+json",
-        }
-        offset = 0
-        async with httpx.AsyncClient(timeout=10) as client:
-            while True:
-                response = await client.get(
-                    f"{self.hub_api_url}/groups", params={"offset": offset}, headers=headers
-                )
-                response.raise_for_status()
-                page = response.json()
-                for group in page["items"]:
-                    groups[group["name"]] = list(group.get("users", []))
-                next_page = page.get("_pagination", {}).get("next")
-                if not next_page:
-                    return groups
-                offset = next_page["offset"]
+        await self.memberships.refresh(max_age)
 
     async def cordon(self, node: str, cordoned: bool, by: str) -> bool:
         """Cordon or uncordon ``node``. A node of a Kubernetes cluster is cordoned there
@@ -566,40 +485,7 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
             return frozenset()
         return await self.kube.live_pod_markers()
 
-    # ----------------------------------------------------------- loops
-    async def _hold_lease(self) -> None:
-        while True:
-            was_leader = self.is_leader
-            try:
-                held = self.store.try_acquire_lease(self.now())
-                if held and not was_leader:
-                    self.store.forget_mirror()  # another controller may have written
-                    extended = self.store.extend_leases(self.now(), self.request_lease)
-                    self.log.info(
-                        "holding the database lease as %s; renewed %d waiting request(s)",
-                        self.store.holder,
-                        extended,
-                    )
-            except (SQLAlchemyError, LeaseLost):
-                self.log.exception("could not take or renew the database lease")
-                held = False
-            if not held and was_leader:
-                self.log.warning("lost the database lease; standing by")
-            elif not held:
-                self.log.info("another controller holds the database lease; standing by")
-            self.is_leader = held
-            if not held:
-                self.leading_since = None
-            elif not was_leader:
-                self.leading_since = self.now()
-            if held != was_leader:
-                (self.timed.lead if held else self.timed.follow)()
-            if held:
-                self._became_leader.set()
-                if not was_leader:
-                    self.kick()
-            await asyncio.sleep(self.db_lease_seconds / 3)
-
+    # ----------------------------------------------------------- policies, snapshots
     @property
     def scheduling_policy(self) -> Policy:
         return Policy(
@@ -607,45 +493,6 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
             max_preemption_searches=self.max_preemption_searches,
             spares=tuple(sorted(self.recovery_spares.items())),
         )
-
-    async def _watch_nodes(self) -> None:
-        previous: datetime | None = None  # this leader's last pass: each silence acts once
-        while True:
-            await asyncio.sleep(max(self.node_heartbeat_timeout / 3, 0.2))
-            timeout = timedelta(seconds=self.node_heartbeat_timeout)
-            jobs_after = timedelta(seconds=self.job_agent_lost_seconds)
-            now = self.now()
-            # Agents could not report while no controller held the lease: silence counts
-            # only once this one has led for the whole timeout.
-            since = self.leading_since
-            if not self.is_leader or since is None or now - since < timeout:
-                previous = None
-                continue
-            try:
-                lost = self.store.lose_silent_nodes(now, timeout, jobs_after, previous)
-            except (SQLAlchemyError, SchedulerError):
-                self.log.exception("could not check node heartbeats")
-                continue
-            previous = now
-            if lost.nodes:
-                self.log.warning("nodes stopped reporting", extra={"nodes": lost.nodes})
-            for fault in lost.restarted:
-                self.metrics.job_restarts.labels(fault).inc()
-            if lost.changed:
-                self.notifier.changed(lost.changed)
-                self.kick()
-
-    async def _sync_memberships(self) -> None:
-        while True:
-            if self.is_leader:
-                try:
-                    await self.refresh_memberships(max_age=0)
-                except (httpx.HTTPError, SQLAlchemyError, SchedulerError):
-                    self.log.exception("could not sync project membership from hub groups")
-            await asyncio.sleep(self.membership_sync_interval)
-
-    async def _culler_loop(self) -> None:
-        await self.culler.run(lambda: self.is_leader)
 
     def _snapshots(self) -> tuple[Any, bytes]:
         """The snapshot store and its master key; SnapshotError when unavailable."""
@@ -666,94 +513,13 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
         self.store.record_event(self.now(), "snapshot-retention", said)
         self.refresh_snapshot_index()
 
-    async def _snapshot_index_loop(self) -> None:
-        from ..snapshotter import listing as snapshots
-
-        try:
-            store, key = self._snapshots()
-        except SnapshotError as e:
-            self.log.error("snapshots are unavailable: %s", e)
-            return
-        while True:
-            self._index_wanted.clear()
-            if self.is_leader:
-                try:
-                    started = self.now()
-                    records = await asyncio.to_thread(
-                        snapshots.scan, store, key, self.store.project_names()
-                    )
-                    changes = self.store.rebuild_snapshot_index(self.now(), store.uri, records)
-                    self.snapshot_index_at = started
-                    self.log.info("snapshot index: %s", changes)
-                except (SnapshotError, SQLAlchemyError, SchedulerError):
-                    self.log.exception("could not rebuild the snapshot index; retrying later")
-            # Asked again when a session ends (its final snapshot is in the store by
-            # then), at most every snapshot_index_min_interval seconds.
-            await asyncio.sleep(self.snapshot_index_min_interval)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._index_wanted.wait(),
-                    max(0.0, self.snapshot_index_interval - self.snapshot_index_min_interval),
-                )
-
     def refresh_snapshot_index(self) -> None:
         """Read the snapshot store into the index soon (a session ended)."""
-        self._index_wanted.set()
+        self.snapshot_indexing.refresh()
 
-    async def _recovery_loop(self) -> None:
-        """Stop the jobs that stopped progressing (they come back as their next attempt),
-        and ask the node agents for the maintenance that became possible."""
-        while True:
-            await asyncio.sleep(self.hang_check_interval)
-            if not self.is_leader:
-                continue
-            try:
-                stopped = self.store.stop_hung_jobs(self.now())
-            except (SQLAlchemyError, SchedulerError):
-                self.log.exception("recovery: looking for hung jobs failed; retrying")
-                continue
-            if stopped:
-                self.log.warning("recovery: stopping hung job(s) %s", stopped)
-                self.notifier.changed(stopped)  # the node agents stop their ranks
-            try:
-                asked = self.store.start_due_maintenance(self.now())
-            except (SQLAlchemyError, SchedulerError):
-                self.log.exception("recovery: starting due maintenance failed; retrying")
-                continue
-            if asked:
-                self.log.info("recovery: maintenance asked of the node agents: %s", asked)
-                self.notifier.wake_agents()
-
-    async def _reconcile_loop(self) -> None:
-        if not self.hub_api_url:
-            self.log.warning("no hub API ($JUPYTERHUB_API_URL): the reconciler is off")
-            return
-        reconciler = Reconciler(
-            self.store,
-            self.metrics,
-            self.servers,
-            self.hub_api_url,
-            self.hub_api_token,
-            self.log,
-            self.now,
-            pods=self.live_pod_markers,
-            delete_pods=self.kube.delete_pods_with_marker if self.kube is not None else None,
-        )
-        while True:
-            await asyncio.sleep(self.reconcile_interval)
-            if not self.is_leader:
-                continue
-            try:
-                changed = await reconciler.run_once(timedelta(seconds=self.reconcile_grace))
-            except httpx.TransportError as e:  # the hub restarting
-                self.log.warning("reconciler: the hub's API did not answer (%s); retrying", e)
-                continue
-            except (httpx.HTTPError, SQLAlchemyError, SchedulerError):
-                self.log.exception("reconciler pass failed; retrying next pass")
-                continue
-            if changed:
-                self.notifier.changed(changed)
-                self.kick()  # released GPUs may admit waiting requests
+    @property
+    def snapshot_index_at(self) -> datetime | None:
+        return self.snapshot_indexing.indexed_at
 
     # ----------------------------------------------------------- start
     def make_web_app(self) -> CountingApplication:
@@ -791,9 +557,21 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
         server = HTTPServer(app, xheaders=True)
         server.listen(url.port or 80, url.hostname or "127.0.0.1")
         self.log.info("gpufleet controller %s listening on %s", self.version, self.service_url)
-        self._tasks.append(asyncio.create_task(self._hold_lease()))
+        try:
+            await self._start_loops()
+            await asyncio.Event().wait()
+        finally:
+            try:
+                await answer_in_flight(server, app, self.notifier)
+            finally:
+                await self.loops.stop()
+
+    async def _start_loops(self) -> None:
+        """The lease first, then (once this controller leads, which may be never while
+        another does) the declared projects and profiles, then every loop."""
+        self.loops.start([self.lease.run])
         if self.cluster_settings:
-            self.kube = KubeInventory(
+            kube = self.kube = KubeInventory(
                 self.cluster_settings,
                 self.store,
                 log=self.log,
@@ -804,25 +582,21 @@ class FleetController(RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnaps
                 node_lost_grace=self.node_lost_grace_seconds,
                 stop_sessions=self._stop_sessions_of_lost_nodes,
             )
-            await self.kube.start()
-            self._tasks.append(asyncio.create_task(self.kube.run(lambda: self.is_leader)))
-        # Apply the declared projects and profiles once we may write.
-        await self._became_leader.wait()
+            await kube.start()
+            self.loops.start([lambda: kube.run(lambda: self.is_leader)])
+        await self.lease.became_leader.wait()
         self.store.apply_config(self.now(), self.projects, self.profiles, self.priority_classes)
-        for loop in (
-            self.admission.run,
-            self._watch_nodes,
-            self._sync_memberships,
-            self._reconcile_loop,
-            self._recovery_loop,
-            self._snapshot_index_loop,
-            self._culler_loop,
-        ):
-            self._tasks.append(asyncio.create_task(loop()))
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await answer_in_flight(server, app, self.notifier)
+        self.loops.start(
+            [
+                self.admission.run,
+                self.node_watch.run,
+                self.memberships.run,
+                self.reconciling.run,
+                self.recovery_loop.run,
+                self.snapshot_indexing.run,
+                self.culling.run,
+            ]
+        )
 
     def start(self) -> None:
         if self.subapp is not None:

@@ -35,7 +35,6 @@ class ControllerContext(Protocol):
     is_leader: bool
     spare_nodes: frozenset[str]  # the recovery spares of its last admission cycle
     hub_auth: Any  # JupyterHub's HubOAuth, or None when the controller runs without a hub
-    snapshot_index_at: datetime | None
     gpu_busy_utilization: float
     job_checkpoint_store: str
     job_stop_grace_seconds: float
@@ -54,6 +53,10 @@ class ControllerContext(Protocol):
 
     def refresh_snapshot_index(self) -> None:
         """Read the snapshot store into the index soon."""
+
+    @property
+    def snapshot_index_at(self) -> datetime | None:
+        """When the snapshot index last began reading the store; None: not yet."""
 
     async def identify(self, handler: web.RequestHandler) -> Identity | None: ...
 

@@ -1,4 +1,4 @@
-"""The controller's options for the recovery loop (docs/recovery.md): how often a job
+"""The controller's recovery options (docs/recovery.md): how often a job
 restarts from infrastructure faults and how long it waits between attempts, when a job
 that stopped progressing counts as hung, how long a silent node agent's jobs wait for it,
 and where a job's checkpoints may lie (the place it resumes from). Mixed into
@@ -123,10 +123,6 @@ class RecoveryOptions(Configurable):
         300.0, min=1, help="The window recovery_breaker_share counts cordons in."
     ).tag(config=True)
 
-    hang_check_interval = Float(
-        5.0, min=0.1, help="Seconds between the recovery loop's looks for hung jobs."
-    ).tag(config=True)
-
     recovery_maintenance = Bool(
         True,
         help="Have the node agents do the maintenance a fault leaves due: recycle and "
@@ -156,7 +152,7 @@ class RecoveryOptions(Configurable):
     job_agent_lost_seconds = Float(
         120.0,
         help="A job with a pod on a node whose agent has been silent this long (at least "
-        "node_heartbeat_timeout) stops as agent-lost and resumes elsewhere, charged one "
+        "c.NodeWatch.heartbeat_timeout) stops as agent-lost and resumes elsewhere, charged one "
         "fault. Longer than the heartbeat timeout because an agent that restarts (a crash, "
         "kill -9, an upgrade; JupyterHub restarts its managed agent within about 30 s) takes "
         "over the pods it finds running, which costs them nothing; a node that is really "

@@ -21,9 +21,9 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from traitlets import Unicode, observe
+from traitlets import All, Unicode, observe
 from traitlets.config import Configurable, LoggingConfigurable
 
 if TYPE_CHECKING:
@@ -156,8 +156,44 @@ def renamed_help(new: str) -> str:
     )
 
 
-class RenamedSnapshotOptions(LoggingConfigurable):
+class RenamedOptions(LoggingConfigurable):
+    """Options' earlier names, mixed into each class that had them. A subclass declares
+    each earlier name as a trait whose value is None unless a config sets it, and says in
+    ``renamed`` where the option lives now: {earlier name: ("Class.name", where to read
+    more)}. Setting one logs a warning naming the new one; whoever owns the new option
+    reads the earlier name's value (``RenamedSnapshotOptions.snapshot_settings``, the
+    controller's components in hub/components.py)."""
+
+    renamed: ClassVar[Mapping[str, tuple[str, str]]] = {}
+
+    @observe(All)
+    def _renamed_option_set(self, change: Any) -> None:
+        # A config file's value arrives here as the instance is made, once per instance.
+        moved = self.renamed_to(change.name)
+        if moved is not None and change.new is not None:
+            warn_renamed(self.log, type(self).__name__, change.name, *moved)
+
+    @classmethod
+    def renamed_to(cls, old: str) -> tuple[str, str] | None:
+        """Where the option this class once called ``old`` lives now; None: nowhere."""
+        for klass in cls.__mro__:
+            moved: Mapping[str, tuple[str, str]] = vars(klass).get("renamed", {})
+            if old in moved:
+                return moved[old]
+        return None
+
+
+def warn_renamed(log: Any, section: str, old: str, new: str, more: str) -> None:
+    log.warning("c.%s.%s is deprecated: set c.%s instead (%s)", section, old, new, more)
+
+
+SNAPSHOT_READERS = "read by the controller, the spawners and the node agents; docs/snapshots.md"
+
+
+class RenamedSnapshotOptions(RenamedOptions):
     """The snapshot options' earlier names, mixed into each class that read them."""
+
+    renamed = {old: (f"SnapshotSettings.{new}", SNAPSHOT_READERS) for old, new in RENAMED.items()}
 
     snapshot_store = Unicode(None, allow_none=True, help=renamed_help("store")).tag(config=True)
     snapshot_key_file = Unicode(None, allow_none=True, help=renamed_help("key_file")).tag(
@@ -166,12 +202,6 @@ class RenamedSnapshotOptions(LoggingConfigurable):
     snapshot_s3_endpoint = Unicode(None, allow_none=True, help=renamed_help("s3_endpoint")).tag(
         config=True
     )
-
-    @observe(*RENAMED)
-    def _renamed_option_set(self, change: Any) -> None:
-        # A config file's value arrives here as the instance is made, once per instance.
-        if change.new is not None:
-            _warn(self.log, type(self).__name__, change.name)
 
     def snapshot_settings(self, also_from: Sequence[str] = ()) -> SnapshotSettings:
         """``c.SnapshotSettings``, with what this class's earlier names set over it, then
@@ -192,10 +222,4 @@ class RenamedSnapshotOptions(LoggingConfigurable):
 
 
 def _warn(log: Any, section: str, old: str) -> None:
-    log.warning(
-        "c.%s.%s is deprecated: set c.SnapshotSettings.%s instead (read by the controller, "
-        "the spawners and the node agents; docs/snapshots.md)",
-        section,
-        old,
-        RENAMED[old],
-    )
+    warn_renamed(log, section, old, *RenamedSnapshotOptions.renamed[old])

@@ -1,0 +1,105 @@
+"""The controller's loops as components: each a class of its own module with its own
+options, set as ``c.<Component>.<option>`` in ``jupyterhub_config.py``, given what it uses
+of the controller (a narrow protocol), started by the controller once it holds the
+database lease and fenced by it (a loop acts only while ``is_leader``), cancelled when
+the controller stops.
+
+The options were once the controller's (``c.FleetController.cull_interval``, ...): those
+names are still read, with a warning in the log naming the new one
+(:class:`EarlierLoopNames`); where both are set the new one wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
+
+from traitlets import Dict, Float
+from traitlets.config import Configurable, LoggingConfigurable
+
+from ..snapshotter.settings import RenamedOptions
+
+
+class LoopComponent(LoggingConfigurable):
+    """A loop of the controller. Made with the controller as its traitlets parent, it
+    reads its own section of the controller's config, then the earlier names the
+    controller declares for its options."""
+
+    def __init__(self, parent: Configurable | None = None, **kwargs: Any) -> None:
+        super().__init__(parent=parent, **kwargs)
+        if isinstance(parent, RenamedOptions):
+            self._take_earlier_names(parent)
+
+    def _take_earlier_names(self, parent: RenamedOptions) -> None:
+        section = type(self).__name__
+        mine = self.config.get(section, {})
+        for old in parent.trait_names():
+            moved = parent.renamed_to(old)
+            if moved is None:
+                continue
+            owner, _, new = moved[0].partition(".")
+            value = getattr(parent, old)
+            if owner == section and value is not None and new not in mine:
+                setattr(self, new, value)
+
+
+def earlier_help(new: str) -> str:
+    """The help of an option's earlier name on the controller, now ``c.<new>``."""
+    return (
+        f"Deprecated: set c.{new}. Still read, with a warning; c.{new} wins where both "
+        "are set (docs/architecture.md, 'The controller's loops')."
+    )
+
+
+LOOPS = "the controller's loops; docs/architecture.md"
+
+
+def _earlier(trait: type[Float] | type[Dict], new: str) -> Any:
+    return trait(default_value=None, allow_none=True, help=earlier_help(new)).tag(config=True)
+
+
+class EarlierLoopNames(RenamedOptions):
+    """The loops' options as the controller once declared them, mixed into it."""
+
+    renamed = {
+        "cull_interval": ("Culling.interval", LOOPS),
+        "cull_retry_seconds": ("Culling.retry_seconds", LOOPS),
+        "idle_policies": ("Culling.idle_policies", LOOPS),
+        "snapshot_index_interval": ("SnapshotIndexing.interval", LOOPS),
+        "snapshot_index_min_interval": ("SnapshotIndexing.min_interval", LOOPS),
+        "reconcile_interval": ("Reconciling.interval", LOOPS),
+        "reconcile_grace": ("Reconciling.grace", LOOPS),
+        "hang_check_interval": ("RecoveryLoop.hang_check_interval", LOOPS),
+        "node_heartbeat_timeout": ("NodeWatch.heartbeat_timeout", LOOPS),
+        "membership_sync_interval": ("MembershipSync.interval", LOOPS),
+    }
+
+    cull_interval = _earlier(Float, "Culling.interval")
+    cull_retry_seconds = _earlier(Float, "Culling.retry_seconds")
+    idle_policies = _earlier(Dict, "Culling.idle_policies")
+    snapshot_index_interval = _earlier(Float, "SnapshotIndexing.interval")
+    snapshot_index_min_interval = _earlier(Float, "SnapshotIndexing.min_interval")
+    reconcile_interval = _earlier(Float, "Reconciling.interval")
+    reconcile_grace = _earlier(Float, "Reconciling.grace")
+    hang_check_interval = _earlier(Float, "RecoveryLoop.hang_check_interval")
+    node_heartbeat_timeout = _earlier(Float, "NodeWatch.heartbeat_timeout")
+    membership_sync_interval = _earlier(Float, "MembershipSync.interval")
+
+
+class Loops:
+    """The controller's running loops: started together once it holds the lease,
+    cancelled together when it stops."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self, loops: Iterable[Callable[[], Coroutine[Any, Any, None]]]) -> None:
+        for loop in loops:
+            self.tasks.append(asyncio.create_task(loop()))
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks.clear()
