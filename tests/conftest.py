@@ -7,6 +7,7 @@ gets its own fresh database (PostgreSQL) or file (SQLite), so tests never share 
 from __future__ import annotations
 
 import gc
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,8 +45,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def schedule(self) -> None:
             # Schemathesis's tests (one per API operation) all carry their function's
             # node id, and a scope scheduler keys tests by node id: it would run one.
-            collection = next(iter(self.registered_collections.values()))
-            repeated = {nodeid for nodeid in collection if collection.count(nodeid) > 1}
+            counts = Counter(next(iter(self.registered_collections.values())))
+            repeated = {nodeid for nodeid, count in counts.items() if count > 1}
             if repeated:
                 raise pytest.UsageError(
                     f"{sorted(repeated)[0]} names several tests, and --dist loadfile would "
