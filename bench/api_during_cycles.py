@@ -36,7 +36,7 @@ Measured 2026-12-05 on the 2-core development machine ("vm"), shared with other 
     thread                    2.32              3.47
     process                   1.17              1.67
 
-    thread, switch interval 0.5 ms, 3 rounds × 100, load 2-8: queue 1.06, sessions 1.78
+    thread, switch interval 0.5 ms, 3 rounds × 100, load 2-8: queue 1.06, the sessions list 1.78
 
 With load 11 falling to 1 during the run, process measured 1.95 / 3.13 (thread 2.24 /
 2.82, loop 3.54 / 4.16): with no core to spare, the planning process competes with
