@@ -16,7 +16,6 @@ Runs a real hub (controller and agent) whose agent serves the demo's two declare
 
 from __future__ import annotations
 
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # the tests' hub harn
 from gpufleet.agent.gpus import declared_fake_gpus
 from gpufleet.recovery.fake_nvml import write_control
 from tests.integration.harness import Hub, wait_for
+from tests.ports import free_port
 
 DECLARED = [
     {"name": "gpu-node-a", "zone": "zone-a", "gpu_type": "A100-80GB", "gpus": 4},
@@ -57,12 +57,6 @@ def timed_gets(url: str, rounds: int) -> list[float]:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in clock ticks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

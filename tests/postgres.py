@@ -16,7 +16,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,6 +26,8 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+
+from .ports import free_port
 
 SKIP_ENV = "GPUFLEET_SKIP_POSTGRES"
 INSTALL_HINT = (
@@ -59,12 +60,6 @@ def find_bindir(root: str = "/usr/lib/postgresql") -> Path:
     if not candidates:
         raise PostgresUnavailable(INSTALL_HINT)
     return max(candidates)[1]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

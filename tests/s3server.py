@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from typing import Any
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
+
+from .ports import free_ports
 
 SKIP_ENV = "GPUFLEET_SKIP_S3"
 INSTALL_HINT = (
@@ -61,35 +62,6 @@ def find_weed() -> Path:
     if found is None:
         raise S3Unavailable(INSTALL_HINT)
     return Path(found)
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports on 127.0.0.1, each also free at port + 10000 (the gRPC
-    port SeaweedFS derives from the admin port)."""
-    ports: list[int] = []
-    held: list[socket.socket] = []
-    try:
-        while len(ports) < count:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            held.append(s)
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-            if port + 10000 > 65535 or not _is_free(port + 10000):
-                continue
-            ports.append(port)
-    finally:
-        for s in held:
-            s.close()
-    return ports
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass
@@ -143,7 +115,7 @@ class S3Server:
             config.write_text(json.dumps(_identities()))
             last_error = ""
             for _ in range(attempts):  # a free port may be taken before weed binds it
-                ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
+                ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES), twins=True), strict=True))
                 data = workdir / f"data-{uuid.uuid4().hex[:8]}"
                 data.mkdir()
                 server = cls(weed, workdir, ports, cls._spawn(weed, workdir, data, ports, config))

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +25,8 @@ from typing import Any, TypeVar
 import httpx
 
 from gpufleet.agent.network_guard import table_name
+
+from ..ports import free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -44,24 +44,6 @@ def wait_for(
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value {last!r}")
-
-
-def free_port_block(size: int = 5) -> int:
-    for _ in range(200):
-        base = random.randrange(20000, 40000)
-        sockets = []
-        try:
-            for port in range(base, base + size):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                sockets.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no free block of ports on 127.0.0.1")
 
 
 TEST_CONFIG = """
@@ -146,7 +128,7 @@ class Hub:
             textwrap.dedent(TEST_CONFIG).format(repo_config=str(REPO / "jupyterhub_config.py"))
             + textwrap.dedent(extra_config)
         )
-        return cls(data_dir, free_port_block(), uuid.uuid4().hex, root / "hub.log")
+        return cls(data_dir, free_port_block(5), uuid.uuid4().hex, root / "hub.log")
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:

@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import pytest
 import websocket
 from playwright.sync_api import Browser, expect
 
+from ..ports import free_port
 from . import browser as ui
 from .harness import REPO, wait_for
 
@@ -131,12 +131,6 @@ class FakeController:
     def clear(self) -> None:
         with self.lock:
             self.requests.clear()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

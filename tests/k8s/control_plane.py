@@ -43,6 +43,7 @@ import httpx
 
 from gpufleet.recovery.fake_nvml import FakeNvmlBuildError, build
 
+from ..ports import free_ports
 from .kubelet import Kubelet, KubeletSettings
 from .nodes import FakeNode, NodeSpec
 from .pki import (
@@ -55,7 +56,7 @@ from .pki import (
     write_signing_key,
     write_token_file,
 )
-from .processes import ManagedProcess, TierStartError, free_ports, wait_until
+from .processes import ManagedProcess, TierStartError, wait_until
 from .resources import PodAddresses
 
 BIN_ENV = "GPUFLEET_K8S_BIN"

@@ -8,7 +8,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -21,20 +20,6 @@ STOP_DEADLINE_S = 10.0
 
 class TierStartError(RuntimeError):
     """A server of the tier did not come up; the message carries the end of its log."""
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free on 127.0.0.1 now (held together while choosing)."""
-    held: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            held.append(s)
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in held]
-    finally:
-        for s in held:
-            s.close()
 
 
 def die_with_parent() -> None:
