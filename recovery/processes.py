@@ -8,13 +8,12 @@ environment they inherited, so every process of a workload carries
 remains. The marker is random per start, not the workload id: two deployments on one
 machine (or a test suite beside a demo) number their workloads independently.
 
-Used by the local backend's spawner (sessions), by the node agent's rank runner (job
-ranks), by the controller's reconciler (``marked_processes``: every marked process, to
-find those no open workload owns), so the rule "nothing of it runs any more" is written
-once, and by the node agent's GPU read-back (``marked_process_details``: which GPUs each
-workload's container was given, from its environment). DESIGN.md's import table lets the
-spawner import only the client and the snapshotter; this stdlib-only module is the
-exception (docs/architecture.md).
+Used by the local backend's spawner (sessions, through ``gpufleet.clusters.workload_processes``,
+as DESIGN.md's import table has it), by the node agent's rank runner (job ranks), by the
+controller's reconciler (``marked_processes``: every marked process, to find those no open
+workload owns), so the rule "nothing of it runs any more" is written once, and by the node
+agent's GPU read-back (``marked_process_details``: which GPUs each workload's container was
+given, from its environment).
 """
 
 from __future__ import annotations

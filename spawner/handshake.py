@@ -28,7 +28,7 @@ from tornado import web
 from traitlets import Float, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from ..recovery import processes
+from ..clusters import workload_processes
 from ..snapshotter.runner import SnapshotFailed
 from .client import (
     ControllerClient,
@@ -137,7 +137,7 @@ class GPUQueueSpawner(_SpawnerBase):
     gpu_uuids: tuple[str, ...] = ()
     node_name: str = ""
     cluster_name: str = ""  # the Kubernetes cluster of the placement; "" on one machine
-    marker: str = ""  # inherited by every process of the workload (recovery/processes.py)
+    marker: str = ""  # every process of the workload inherits it (clusters/workload_processes.py)
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
@@ -330,7 +330,7 @@ class GPUQueueSpawner(_SpawnerBase):
         """
         self._progress_log()
         # Sent with the request, so the controller knows the marker before any process has it.
-        self.marker = processes.new_marker()
+        self.marker = workload_processes.new_marker()
         status = await self._open_request()
         self.workload_id = status.id
         self._server_started = False

@@ -62,7 +62,7 @@ from decimal import Decimal
 from types import MappingProxyType
 from typing import Any, Literal
 
-from ..recovery.processes import MARKER_VARIABLE
+from ..clusters.workload_processes import MARKER_VARIABLE
 
 Manifest = dict[str, Any]
 

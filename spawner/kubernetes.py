@@ -35,7 +35,7 @@ from kubespawner.spawner import EventReflector, PodReflector
 from tornado import web
 from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
 
-from ..recovery import processes
+from ..clusters import workload_processes
 from ..snapshotter.runner import SnapshotFailed
 from .client import WorkloadStatus
 from .clusters import ClusterConfigError, ClusterSettings, api_client, parse_clusters
@@ -536,7 +536,7 @@ _SET_BY_THE_POD = frozenset(
         "NVIDIA_VISIBLE_DEVICES",
         "GPUFLEET_POD_IP",
         "GPUFLEET_WORKLOAD_ID",
-        processes.MARKER_VARIABLE,
+        workload_processes.MARKER_VARIABLE,
     }
 )
 

@@ -24,7 +24,7 @@ import httpx
 from tornado import web
 from traitlets import Float, Unicode
 
-from ..recovery import processes
+from ..clusters import workload_processes
 from ..snapshotter.runner import SnapshotFailed, Sources
 from .client import RequestRejected, WorkloadStatus
 from .handshake import (
@@ -115,7 +115,7 @@ class LocalGPUSpawner(GPUQueueSpawner, SnapshottingMixin, SandboxedProcessSpawne
     def get_env(self) -> dict[str, str]:
         env: dict[str, str] = super().get_env()
         if self.workload_id is not None:
-            env[processes.MARKER_VARIABLE] = self.marker
+            env[workload_processes.MARKER_VARIABLE] = self.marker
             env["GPUFLEET_WORKLOAD_ID"] = str(self.workload_id)
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpu_uuids)
@@ -160,7 +160,7 @@ class LocalGPUSpawner(GPUQueueSpawner, SnapshottingMixin, SandboxedProcessSpawne
         return ip, port
 
     async def _nothing_left_running(self) -> bool:
-        if self.marker and not await processes.end_all(self.marker):
+        if self.marker and not await workload_processes.end_all(self.marker):
             self.log.error(
                 "processes of workload %s survived SIGKILL; its GPUs stay allocated until an "
                 "admin releases them",
@@ -197,7 +197,7 @@ class LocalGPUSpawner(GPUQueueSpawner, SnapshottingMixin, SandboxedProcessSpawne
     async def stop(self, now: bool = False) -> None:
         await super().stop(now=now)
         if self.workload_id is not None and self.snapshots_enabled and self.snapshot_holds:
-            if self.marker and not await processes.end_all(self.marker):
+            if self.marker and not await workload_processes.end_all(self.marker):
                 await self._release("stopped", "")  # says why the GPUs stay allocated
                 return
             await self._save_then_release()
