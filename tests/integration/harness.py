@@ -77,6 +77,26 @@ c.LocalGPUSpawner.lease_renew_interval = 1
 c.NodeAgent.heartbeat_interval = 1
 c.NodeAgent.sample_interval = 0.5
 c.JupyterHub.log_level = "INFO"
+# JupyterHub starts a managed service again once its poll of the service's process finds
+# it dead: every Spawner.poll_interval (30 s) of the spawner each service gets
+# (_ServiceSpawner), which the hub makes without its config, so no c.* option reaches it
+# (c.JupyterHub.service_check_interval only logs whether a service answers). The node
+# agent's is 2 s here: test_agent_restarts.py and test_agent.py kill it and wait for the new
+# one. The controller's stays 30 s: test_controller_down.py and test_reconciler.py stop a
+# server while it is away and count on it staying away for as long as that takes. Only the
+# hub itself does this: the controller and the agent read this file too.
+import sys
+_app = sys.modules.get("jupyterhub.app")
+if _app is not None and _app.JupyterHub.initialized():
+    from jupyterhub.services import service as _service
+    from traitlets import default as _default
+
+    class _ServiceSpawner(_service._ServiceSpawner):
+        @_default("poll_interval")
+        def _quick_agent_poll(self):
+            return 2 if self._service_name == "gpufleet-agent" else 30
+
+    _service._ServiceSpawner = _ServiceSpawner
 # Sandbox uids of this hub's own (docs/containment.md): several test hubs, and a demo at the
 # default range, may run on this machine at once, and a range another holds stops the start.
 # The hub's base port is its own while it runs, so the block of 1000 uids numbered by it is

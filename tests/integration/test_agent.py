@@ -169,7 +169,8 @@ def test_agent_restart_keeps_the_controllers_view(fleet: Hub) -> None:
     agent = fleet.service_pid("gpufleet-agent")
     assert agent is not None
     os.kill(agent, signal.SIGKILL)
-    # The hub notices the dead service on its next poll (30 s) and starts it again.
+    # The hub notices the dead service on its next poll (2 s for the agent in the test
+    # hub, harness.py) and starts it again.
     wait_for(
         lambda: (pid := fleet.service_pid("gpufleet-agent")) and pid != agent,
         90,
