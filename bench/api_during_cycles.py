@@ -215,11 +215,11 @@ class Churn:
                 .limit(1)
             ).first()
         if running is not None:
-            self.store.end(self.controller.now(), running, "completed", "")
+            self.store.workloads.end(self.controller.now(), running, "completed", "")
 
     def ask_one(self) -> None:
         job = self.rng.random() < 0.3
-        with self.store._write(self.controller.now()) as session:
+        with self.store.database.write(self.controller.now()) as session:
             session.add(
                 Workload(
                     kind=WorkloadKind.job if job else WorkloadKind.session,
@@ -286,7 +286,7 @@ async def measure(
     for planner in planners:
         cycles = AdmissionCycles(controller, planner)
         if planner == "process":
-            cycles.planner = ProcessPlanner(store, niceness)
+            cycles.planner = ProcessPlanner(store.scheduling, niceness)
         figures[planner] = Figures(Cycling(cycles))
     churn = asyncio.create_task(Churn(store, controller).run())
     try:
@@ -303,7 +303,7 @@ async def measure(
 
 async def one_round(store: FleetStore, figures: Figures, url: str, requests: int) -> None:
     cycling = figures.cycling
-    store.forget_mirror()
+    store.scheduling.forget_mirror()
     started = time.perf_counter()
     await cycling.cycles.run_cycle()
     figures.first_s.append(time.perf_counter() - started)

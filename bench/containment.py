@@ -133,7 +133,7 @@ def first_start(root: Path) -> dict[str, float]:
     store = FleetStore(engine, "bench")
     store.try_acquire_lease(datetime.now(UTC))
     started = time.perf_counter()
-    store.account(datetime.now(UTC), "newcomer")
+    store.accounts.account(datetime.now(UTC), "newcomer")
     account = time.perf_counter() - started
     home = root / "homes" / "newcomer"
     started = time.perf_counter()

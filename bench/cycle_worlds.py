@@ -202,10 +202,10 @@ def churn(
     store: FleetStore, rng: random.Random, now: datetime, arrivals: int, completions: int
 ) -> None:
     """What happens between two cycles, through the store as the API and agents do it."""
-    running = [w for w in store.mirror.running.values() if not w.stopping]
+    running = [w for w in store.scheduling.mirror.running.values() if not w.stopping]
     for victim in rng.sample(running, min(completions, len(running))):
-        store.end(now, victim.id, "completed", "")
-    with store._write(now) as session:
+        store.workloads.end(now, victim.id, "completed", "")
+    with store.database.write(now) as session:
         projects = session.scalars(
             select(Project.id).where(Project.kind == ProjectKind.project)
         ).all()
@@ -225,7 +225,7 @@ def churn(
                     created_at=now,
                 )
             )
-        node = session.get(Node, rng.randrange(len(store.mirror.nodes)) + 1)
+        node = session.get(Node, rng.randrange(len(store.scheduling.mirror.nodes)) + 1)
         assert node is not None
         node.cordoned = not node.cordoned
 
@@ -426,24 +426,28 @@ def churn_gangs(store: FleetStore, rng: random.Random, now: datetime) -> None:
     a pod of 8), and 3 gangs; 20 requests arrive: 6 gangs within guarantee, 4 borrowers'
     standard gangs and 10 opportunistic (preemptible) gangs; a node is cordoned or
     uncordoned."""
-    running = list(store.mirror.running.values())
+    running = list(store.scheduling.mirror.running.values())
     for victim in (w for w in running if w.stopping):
-        store.end(now, victim.id, "preempted", "stopped for a preemptor")
+        store.workloads.end(now, victim.id, "preempted", "stopped for a preemptor")
     sessions = [w for w in running if w.kind == "session" and not w.stopping]
     rng.shuffle(sessions)
     done = 0
     for w in sessions:
         if done >= 96:
             break
-        store.end(now, w.id, "completed", "")
+        store.workloads.end(now, w.id, "completed", "")
         done += _gpus(w)
-    gangs = [w for w in store.mirror.running.values() if w.kind != "session" and not w.stopping]
+    gangs = [
+        w
+        for w in store.scheduling.mirror.running.values()
+        if w.kind != "session" and not w.stopping
+    ]
     for w in rng.sample(gangs, min(3, len(gangs))):
-        store.end(now, w.id, "completed", "")
-    project_ids = store.mirror.project_ids
+        store.workloads.end(now, w.id, "completed", "")
+    project_ids = store.scheduling.mirror.project_ids
     reclaimers = [i for n, i in sorted(project_ids.items()) if _reclaims(n)]
     borrowers = [i for n, i in project_ids.items() if n.startswith("g") and not _reclaims(n)]
-    with store._write(now) as session:
+    with store.database.write(now) as session:
         for a in range(20):
             within, opportunistic = a < 6, a >= 10
             session.add(
@@ -461,7 +465,7 @@ def churn_gangs(store: FleetStore, rng: random.Random, now: datetime) -> None:
                     created_at=now,
                 )
             )
-        node = session.get(Node, rng.randrange(len(store.mirror.nodes)) + 1)
+        node = session.get(Node, rng.randrange(len(store.scheduling.mirror.nodes)) + 1)
         assert node is not None
         node.cordoned = not node.cordoned
 

@@ -71,7 +71,9 @@ class Side:
         self.policy = Policy(min_run_time_s=300)
         self.now = T0
         started = time.perf_counter()
-        self.store.scheduling_cycle(self.now, self.policy)  # the first cycle reads everything
+        self.store.scheduling.scheduling_cycle(
+            self.now, self.policy
+        )  # the first cycle reads everything
         self.cold_s = time.perf_counter() - started
 
     def cycles(self, n: int, profiler: cProfile.Profile | None = None) -> dict[str, list[Any]]:
@@ -86,7 +88,7 @@ class Side:
             if profiler:
                 profiler.enable()
             started, cpu_started = time.perf_counter(), time.process_time()
-            result = self.store.scheduling_cycle(self.now, self.policy)
+            result = self.store.scheduling.scheduling_cycle(self.now, self.policy)
             wall.append(time.perf_counter() - started)
             cpu.append(time.process_time() - cpu_started)
             if profiler:
@@ -106,7 +108,7 @@ def run(nodes: int, waiting: int, cycles: int, profile: bool = False) -> dict[st
         policy = Policy(min_run_time_s=300)
         now = T0
         started = time.perf_counter()
-        store.scheduling_cycle(now, policy)  # the first cycle reads everything
+        store.scheduling.scheduling_cycle(now, policy)  # the first cycle reads everything
         cold = time.perf_counter() - started
         incremental, cpu, rebuilt, plans = [], [], [], []
         profiler = cProfile.Profile() if profile else None
@@ -114,15 +116,15 @@ def run(nodes: int, waiting: int, cycles: int, profile: bool = False) -> dict[st
             now += timedelta(seconds=1)
             churn(store, rng, now, arrivals=20, completions=20)
             if i % 5 == 4:  # the baseline: every fifth cycle reads the world afresh
-                store.forget_mirror()
+                store.scheduling.forget_mirror()
                 started = time.perf_counter()
-                store.scheduling_cycle(now, policy)
+                store.scheduling.scheduling_cycle(now, policy)
                 rebuilt.append(time.perf_counter() - started)
                 continue
             if profiler:
                 profiler.enable()
             started, cpu_started = time.perf_counter(), time.process_time()
-            result = store.scheduling_cycle(now, policy)
+            result = store.scheduling.scheduling_cycle(now, policy)
             incremental.append(time.perf_counter() - started)
             cpu.append(time.process_time() - cpu_started)
             if profiler:

@@ -170,7 +170,7 @@ class IdleCuller:
 
     async def run_once(self) -> list[tuple[int, Decision]]:
         """One round over every running session: what was decided for each."""
-        sessions = await asyncio.to_thread(self.store.culler_sessions)
+        sessions = await asyncio.to_thread(self.store.sessions.culler_sessions)
         # The hub's activity counts only for sessions whose extension never reported.
         unreported = any(s.reported_at is None for s in sessions)
         activity = await self._hub_activity() if unreported else {}
@@ -263,7 +263,7 @@ class IdleCuller:
         self, s: CulledSession, action: str, decision: Decision, now: datetime
     ) -> None:
         recorded = await asyncio.to_thread(
-            self.store.record_idle_decision,
+            self.store.sessions.record_idle_decision,
             now,
             s.workload_id,
             action,
@@ -327,7 +327,7 @@ class IdleCuller:
                 if not policy.stop_without_snapshot:
                     self._failed_at[s.workload_id] = time.monotonic()
                     await asyncio.to_thread(
-                        self.store.record_session_event,
+                        self.store.sessions.record_session_event,
                         self.now(),
                         s.workload_id,
                         EventKind.SESSION_CULL_FAILED,
@@ -339,7 +339,7 @@ class IdleCuller:
         # The hub knows servers by user and name, not by workload: one whose session ended
         # while its live pass ran (the user stopped it) may be starting again, and that
         # new start is not this cull's to stop.
-        if not await asyncio.to_thread(self.store.is_running, s.workload_id):
+        if not await asyncio.to_thread(self.store.sessions.is_running, s.workload_id):
             self.log.info(
                 "session %s of %s ended during its cull; its server is left alone",
                 s.workload_id,
@@ -386,7 +386,7 @@ class IdleCuller:
         stats = result.get("stats", {})
         now = self.now()
         await asyncio.to_thread(
-            self.store.record_snapshot,
+            self.store.snapshots.record_snapshot,
             now,
             SnapshotRecord(
                 project=s.project,
@@ -403,7 +403,7 @@ class IdleCuller:
             ),
         )
         await asyncio.to_thread(
-            self.store.record_session_event,
+            self.store.sessions.record_session_event,
             now,
             s.workload_id,
             EventKind.SESSION_SNAPSHOT,
@@ -425,18 +425,24 @@ class IdleCuller:
 
         async def ask() -> dict[str, Any]:
             made = await asyncio.to_thread(
-                self.store.request_node_operation, self.now(), s.workload_id, "snapshot", request
+                self.store.node_operations.request_node_operation,
+                self.now(),
+                s.workload_id,
+                "snapshot",
+                request,
             )
             if self.notify is not None:
                 self.notify([s.workload_id])  # the agents' long polls
             return asdict(made)
 
         async def status(operation_id: int) -> dict[str, Any]:
-            return asdict(await asyncio.to_thread(self.store.node_operation, operation_id))
+            return asdict(
+                await asyncio.to_thread(self.store.node_operations.node_operation, operation_id)
+            )
 
         async def abandon(operation_id: int) -> dict[str, Any]:
             await asyncio.to_thread(
-                self.store.abandon_node_operation,
+                self.store.node_operations.abandon_node_operation,
                 self.now(),
                 operation_id,
                 "no node agent took it in time",

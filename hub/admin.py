@@ -324,8 +324,10 @@ class AdminPage(PageHandler):
             priorities = list(
                 session.scalars(select(PriorityClass.name).order_by(PriorityClass.rank.desc()))
             )
-        unreachable = [c for c in self.controller.store.cluster_statuses() if not c.reachable]
-        breakers = {c: at for c, at in self.controller.store.breakers().items() if at}
+        unreachable = [
+            c for c in self.controller.store.clusters.cluster_statuses() if not c.reachable
+        ]
+        breakers = {c: at for c, at in self.controller.store.jobs.breakers().items() if at}
         lemons = [(node.name, uuid) for node in nodes for uuid in node.lemon_gpus]
         drains = scheduled_drains(self.controller.timed)
         self.render_page(
@@ -432,7 +434,9 @@ class AdminProjectForm(AdminPage):
         by = self.require_admin()
         try:
             edit = edit_from_form(self.request.body_arguments)
-            changes = self.controller.store.edit_project(self.controller.now(), name, by, edit)
+            changes = self.controller.store.projects.edit_project(
+                self.controller.now(), name, by, edit
+            )
         except (InvalidRequest, NotFound) as e:
             self.render_panel(error=f"{name}: {e}; nothing was changed", status=400)
             return
@@ -548,10 +552,10 @@ class AdminRecoveryForm(AdminPage):
         store, now = self.controller.store, self.controller.now()
         try:
             if what == "breakers":
-                done = store.reset_breaker(now, name, by)
+                done = store.jobs.reset_breaker(now, name, by)
                 said = f"the recovery breaker of {name} is closed" if done else f"{name}: closed"
             else:
-                done = store.clear_lemon(now, name, by)
+                done = store.jobs.clear_lemon(now, name, by)
                 said = f"{name} is off the lemon list" if done else f"{name}: not a lemon"
         except NotFound as e:
             self.render_panel(error=str(e), status=404)

@@ -313,10 +313,12 @@ class FleetController(
         self._configure_accounts()
         try:
             policies = self.recovery_policies()
-            self.store.retry_policy, self.store.recovery_policy, self.store.breaker_policy = (
-                policies
-            )
-            self.store.plan_maintenance = self.recovery_maintenance
+            (
+                self.store.jobs.retry_policy,
+                self.store.jobs.recovery_policy,
+                self.store.jobs.breaker_policy,
+            ) = policies
+            self.store.jobs.plan_maintenance = self.recovery_maintenance
         except ValueError as e:
             self.exit_with(f"job restarts: {e}", code=2)
         self.metrics = ControllerMetrics(self.store)
@@ -377,8 +379,8 @@ class FleetController(
             problem = check_range(first, last, ((e.pw_name, e.pw_uid) for e in pwd.getpwall()))
             if problem:
                 self.exit_with(f"c.FleetController.sandbox_uids: {problem}", code=2)
-        self.store.user_mode = self.user_mode
-        self.store.sandbox_uids = (first, last)
+        self.store.accounts.user_mode = self.user_mode
+        self.store.accounts.sandbox_uids = (first, last)
         key = Path(self.snapshot_access.key_file)
         if key.exists():
             try:
@@ -443,7 +445,7 @@ class FleetController(
         """Cordon or uncordon ``node``. A node of a Kubernetes cluster is cordoned there
         first (``spec.unschedulable``, the one truth; the watch brings it back), so a refusal
         of its API server changes nothing. Raises NotFound for an unknown node."""
-        place = self.store.cluster_of_node(node)
+        place = self.store.clusters.cluster_of_node(node)
         if place is None:
             raise NotFound(f"there is no node {node!r}")
         cluster, backend = place
@@ -454,13 +456,13 @@ class FleetController(
                     "c.FleetController.clusters; add it to cordon its nodes"
                 )
             await self.kube.cordon(node, cluster, cordoned)
-        return self.store.set_cordoned(self.now(), node, cordoned, by)
+        return self.store.nodes.set_cordoned(self.now(), node, cordoned, by)
 
     async def drain(self, node: str, by: str, why: str) -> None:
         """Cordon ``node`` and stop what runs there: jobs restart elsewhere, sessions are
         snapshotted and stopped (docs/recovery.md, "Drain")."""
         await self.cordon(node, True, by)
-        drained = self.store.drain_node(self.now(), node, by, why)
+        drained = self.store.jobs.drain_node(self.now(), node, by, why)
         self.victims.stop(drained.sessions)
         self.notifier.changed(drained.changed)  # the node agents stop the jobs' ranks
         self.kick()
@@ -469,7 +471,7 @@ class FleetController(
         """Drain ``node``, recycle it once it is empty, then diagnose it (docs/recovery.md,
         "Maintenance")."""
         await self.cordon(node, True, by)
-        drained = self.store.recycle_node(self.now(), node, by, why)
+        drained = self.store.maintenance.recycle_node(self.now(), node, by, why)
         self.victims.stop(drained.sessions)
         self.notifier.changed(drained.changed)
         self.kick()
@@ -505,12 +507,12 @@ class FleetController(
         said = await retention_pass(
             store,
             key,
-            self.store.project_names(),
+            self.store.snapshots.project_names(),
             RetentionPolicy(self.snapshot_keep_last, self.snapshot_keep_daily),
             self.snapshot_gc_margin_seconds,
             time.time(),
         )
-        self.store.record_event(self.now(), "snapshot-retention", said)
+        self.store.events.record_event(self.now(), "snapshot-retention", said)
         self.refresh_snapshot_index()
 
     def refresh_snapshot_index(self) -> None:
@@ -585,7 +587,9 @@ class FleetController(
             await kube.start()
             self.loops.start([lambda: kube.run(lambda: self.is_leader)])
         await self.lease.became_leader.wait()
-        self.store.apply_config(self.now(), self.projects, self.profiles, self.priority_classes)
+        self.store.projects.apply_config(
+            self.now(), self.projects, self.profiles, self.priority_classes
+        )
         self.loops.start(
             [
                 self.admission.run,

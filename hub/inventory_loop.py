@@ -64,7 +64,7 @@ class NodeWatch(LoopComponent):
             self._previous = None
             return
         try:
-            lost = c.store.lose_silent_nodes(now, timeout, jobs_after, self._previous)
+            lost = c.store.jobs.lose_silent_nodes(now, timeout, jobs_after, self._previous)
         except (SQLAlchemyError, SchedulerError):
             self.log.exception("could not check node heartbeats")
             return

@@ -77,9 +77,9 @@ class JobPage(PageHandler):
         stream = stream if stream in ("stdout", "stderr") else "stdout"
         job = self._job(job_id)
         store = self.controller.store
-        start = max(0, store.log_size(job_id, rank, stream) - LOG_TAIL)
-        log = store.read_log(job_id, rank, stream, start, LOG_TAIL).data
-        charts = job_charts(store, job_id, self.controller.now())
+        start = max(0, store.jobs.log_size(job_id, rank, stream) - LOG_TAIL)
+        log = store.jobs.read_log(job_id, rank, stream, start, LOG_TAIL).data
+        charts = job_charts(store.nodes, job_id, self.controller.now())
         with store.read() as session:
             names = display_names(session)
             events = timeline(session, job_id)
@@ -111,7 +111,7 @@ class JobPage(PageHandler):
         identity = self.require_use()
         with self.controller.store.read() as session:
             workload = load_job(session, identity, job_id)
-            pods = self.controller.store.job_pods(job_id)
+            pods = self.controller.store.jobs.job_pods(job_id)
             return job_out(workload, pods, session.get(JobProgress, job_id))
 
 

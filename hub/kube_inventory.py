@@ -537,13 +537,13 @@ class KubeInventory:
             changed = False
             try:
                 if write.reach is not None:
-                    changed |= self.store.set_cluster_reachable(
+                    changed |= self.store.clusters.set_cluster_reachable(
                         self.now(), settings.name, write.reach[0], write.reach[1]
                     )
                 if write.nodes is not None:
                     nodes, gone, complete = write.nodes
                     changed |= bool(
-                        self.store.sync_cluster_nodes(
+                        self.store.clusters.sync_cluster_nodes(
                             self.now(),
                             settings.name,
                             nodes,
@@ -597,7 +597,7 @@ class KubeInventory:
             if name in self.acted_on or now - since < self.node_lost_grace:
                 continue
             try:
-                stops = self.store.stop_sessions_on_node(self.now(), name, why)
+                stops = self.store.clusters.stop_sessions_on_node(self.now(), name, why)
             except (SQLAlchemyError, SchedulerError):
                 self.log.exception("could not end the sessions of lost node %s", name)
                 continue

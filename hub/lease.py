@@ -53,8 +53,8 @@ class LeaseHolder:
         try:
             held = c.store.try_acquire_lease(c.now())
             if held and not was_leader:
-                c.store.forget_mirror()  # another controller may have written
-                extended = c.store.extend_leases(c.now(), c.request_lease)
+                c.store.scheduling.forget_mirror()  # another controller may have written
+                extended = c.store.workloads.extend_leases(c.now(), c.request_lease)
                 c.log.info(
                     "holding the database lease as %s; renewed %d waiting request(s)",
                     c.store.holder,

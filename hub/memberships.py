@@ -61,7 +61,7 @@ class MembershipSync(LoopComponent):
                 return
             groups = await self._fetch_hub_groups()
             try:
-                c.store.sync_memberships(c.now(), groups)
+                c.store.projects.sync_memberships(c.now(), groups)
             except LeaseLost:
                 # A controller that does not hold the lease (yet: one killed a moment ago
                 # still does) may not write; the leader syncs, and the request goes on

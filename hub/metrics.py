@@ -66,7 +66,7 @@ class FleetCollector(Collector):
             "1 while a cluster's breaker keeps the recovery loop from cordoning its nodes",
             labels=["cluster"],
         )
-        for cluster, tripped_at in self.store.breakers().items():
+        for cluster, tripped_at in self.store.jobs.breakers().items():
             breakers.add_metric([cluster], 0 if tripped_at is None else 1)
         return breakers
 
@@ -114,7 +114,7 @@ class FleetCollector(Collector):
             "nothing waiting uses them (docs/simulator.md, 'Idle while waiting, by why')",
             labels=["gpu_type", "cause"],
         )
-        for gpu_type, causes in self.store.idle_gpus().items():
+        for gpu_type, causes in self.store.scheduling.idle_gpus().items():
             for cause in IdleCause:
                 idle.add_metric([gpu_type, cause.value], causes.get(cause, 0))
         return idle

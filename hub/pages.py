@@ -231,7 +231,7 @@ class MyWorkloadsPage(PageHandler):
             nodes = node_rows(session) if identity.is_admin else []
             projects = project_usage(self.controller, session, identity)
             names = project_names(session)
-        snapshots = distinct(self.controller.store.snapshots_of(identity.name), names)
+        snapshots = distinct(self.controller.store.snapshots.snapshots_of(identity.name), names)
         self.render_page(
             "gpufleet-sessions.html",
             title="gpufleet",
@@ -243,7 +243,7 @@ class MyWorkloadsPage(PageHandler):
             # Each of the viewer's own sessions' GPUs over the last day (an admin's page
             # lists everyone's workloads, but draws only the admin's own sessions).
             charts=session_charts(
-                self.controller.store,
+                self.controller.store.nodes,
                 [
                     w.id
                     for w in workloads
@@ -326,7 +326,7 @@ class ServerStatus(PageHandler):
                 ).first()
             names = project_names(session)
             ended = last_session(last, cull) if last is not None else None
-        listed = distinct(store.snapshots_of(username, server), names)
+        listed = distinct(store.snapshots.snapshots_of(username, server), names)
         return {
             "user": username,
             "server": server,

@@ -270,7 +270,7 @@ class Reconciler:
         if not gone:
             message += "; some survived SIGKILL (stuck in the kernel): an admin must look"
             self.log.error("reconciler: %s", message, extra={"workload": repair.workload_id})
-        self.store.record_reconciled(
+        self.store.reconcile.record_reconciled(
             self.clock(),
             message,
             rule=repair.rule.value,
@@ -285,7 +285,7 @@ class Reconciler:
         deleted = await self.delete_pods(repair.marker)
         if not deleted:
             return  # gone since it was observed
-        self.store.record_reconciled(
+        self.store.reconcile.record_reconciled(
             self.clock(),
             repair.reason,
             rule=repair.rule.value,
@@ -315,7 +315,7 @@ def end_workload(
     repair: EndWorkload,
 ) -> bool:
     """End the workload at the version the decision saw and record it; whether it ended."""
-    ended = store.end_reconciled(
+    ended = store.reconcile.end_reconciled(
         now, repair.workload_id, repair.version, repair.outcome, repair.rule.value, repair.reason
     )
     if ended is None:

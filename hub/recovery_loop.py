@@ -49,7 +49,7 @@ class RecoveryLoop(LoopComponent):
     def run_once(self) -> None:
         c = self.controller
         try:
-            stopped = c.store.stop_hung_jobs(c.now())
+            stopped = c.store.jobs.stop_hung_jobs(c.now())
         except (SQLAlchemyError, SchedulerError):
             self.log.exception("recovery: looking for hung jobs failed; retrying")
             return
@@ -57,7 +57,7 @@ class RecoveryLoop(LoopComponent):
             self.log.warning("recovery: stopping hung job(s) %s", stopped)
             c.notifier.changed(stopped)  # the node agents stop their ranks
         try:
-            asked = c.store.start_due_maintenance(c.now())
+            asked = c.store.maintenance.start_due_maintenance(c.now())
         except (SQLAlchemyError, SchedulerError):
             self.log.exception("recovery: starting due maintenance failed; retrying")
             return

@@ -109,9 +109,9 @@ class AdmissionCycles:
         self.controller = controller
         self.planner: ProcessPlanner | ThreadPlanner | None = None
         if planner == "process":
-            self.planner = ProcessPlanner(controller.store)
+            self.planner = ProcessPlanner(controller.store.scheduling)
         elif planner == "thread":
-            self.planner = ThreadPlanner(controller.store)
+            self.planner = ThreadPlanner(controller.store.scheduling)
         self._kicked = asyncio.Event()
         self._last_full_collection = time.monotonic()
 
@@ -141,7 +141,7 @@ class AdmissionCycles:
         started = time.perf_counter()
         now = c.now()
         try:
-            expired = c.store.expire_leases(now)
+            expired = c.store.workloads.expire_leases(now)
             result = await self._cycle(now)
         except LeaseLost:
             c.is_leader = False
@@ -187,18 +187,18 @@ class AdmissionCycles:
         store = self.controller.store
         policy = self.controller.scheduling_policy
         if self.planner is None:
-            return store.scheduling_cycle(now, policy)
+            return store.scheduling.scheduling_cycle(now, policy)
         planned = await self.planner.plan(now, policy)
         outcome = Outcome.FAILED
         try:
-            committed = store.commit_cycle(planned, WAITS_PER_TRANSACTION)
+            committed = store.scheduling.commit_cycle(planned, WAITS_PER_TRANSACTION)
             outcome = await self._write_waits(planned) if committed else Outcome.DROPPED
         finally:
             self.planner.settle(outcome)
         if outcome is Outcome.DROPPED:
             return CycleResult((), (), (), Plan(), dropped=True)
         if planned.idle is not None:
-            store.last_idle = planned.idle
+            store.scheduling.last_idle = planned.idle
         return planned.result
 
     async def _write_waits(self, planned: PlannedCycle) -> Outcome:
@@ -209,7 +209,7 @@ class AdmissionCycles:
         try:
             for first in range(WAITS_PER_TRANSACTION, len(rows), WAITS_PER_TRANSACTION):
                 await asyncio.sleep(0)  # the requests that came meanwhile first
-                self.controller.store.write_waits(
+                self.controller.store.scheduling.write_waits(
                     planned.now, rows[first : first + WAITS_PER_TRANSACTION]
                 )
         except (SQLAlchemyError, SchedulerError):

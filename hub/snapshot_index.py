@@ -70,9 +70,9 @@ class SnapshotIndexing(LoopComponent):
                 try:
                     started = c.now()
                     records = await asyncio.to_thread(
-                        snapshots.scan, store, key, c.store.project_names()
+                        snapshots.scan, store, key, c.store.snapshots.project_names()
                     )
-                    changes = c.store.rebuild_snapshot_index(c.now(), store.uri, records)
+                    changes = c.store.snapshots.rebuild_snapshot_index(c.now(), store.uri, records)
                     self.indexed_at = started
                     self.log.info("snapshot index: %s", changes)
                 except (SnapshotError, SQLAlchemyError, SchedulerError):

@@ -117,7 +117,7 @@ class ServerStopper:
             )
             if event is not None:
                 await asyncio.to_thread(
-                    self.store.record_event,
+                    self.store.events.record_event,
                     self.clock(),
                     event,
                     message,

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from ..api.events import EventKind
 from ..scheduler.errors import InvalidRequest
-from .base import StoreBase, _event
+from .base import Repository, _event
 from .models import UserAccount
 
 SANDBOX = "sandbox"
@@ -76,7 +76,7 @@ def check_range(first: int, last: int, host_uids: Iterable[tuple[str, int]]) -> 
     return None
 
 
-class AccountStore(StoreBase):
+class AccountStore(Repository):
     user_mode: str = SANDBOX
     sandbox_uids: tuple[int, int] = (200_000, 299_999)
 
@@ -87,7 +87,7 @@ class AccountStore(StoreBase):
             if row is not None:
                 return self._checked(row)
         with self._write(now) as session:
-            row = self._ensure_account(session, now, username)
+            row = self.ensure_account(session, now, username)
             return self._checked(row)
 
     def accounts(self, usernames: Iterable[str]) -> dict[str, Account]:
@@ -99,7 +99,7 @@ class AccountStore(StoreBase):
             rows = session.scalars(select(UserAccount).where(UserAccount.username.in_(names)))
             return {row.username: _as_account(row) for row in rows}
 
-    def _ensure_account(self, session: Session, now: datetime, username: str) -> UserAccount:
+    def ensure_account(self, session: Session, now: datetime, username: str) -> UserAccount:
         """The user's account row, made in this transaction if there is none yet."""
         row = session.get(UserAccount, username)
         if row is not None:

@@ -53,7 +53,7 @@ from ..recovery.classify import (
 )
 from ..recovery.classify import JobProgress as JobProgressSeen
 from ..scheduler.errors import NotFound
-from .base import StoreBase, _event
+from .base import Repository, _event, end_workload
 from .cycle import Stop
 from .maintenance_plan import plan_gpu_maintenance, plan_node_maintenance
 from .models import (
@@ -95,7 +95,7 @@ GPU_ACTIONS = frozenset(
 )
 
 
-class AttemptStore(StoreBase):
+class AttemptStore(Repository):
     # Set by the controller from its configuration (``hub/app.py``).
     retry_policy = RetryPolicy()
     recovery_policy = RecoveryPolicy()
@@ -376,9 +376,9 @@ class AttemptStore(StoreBase):
         sessions the backend must stop and every workload changed; NotFound for an
         unknown node."""
         with self._write(now) as session:
-            return self._drain(session, now, _node_named(session, node_name), by, why)
+            return self.drain(session, now, _node_named(session, node_name), by, why)
 
-    def _drain(self, session: Session, now: datetime, node: Node, by: str, why: str) -> DrainStops:
+    def drain(self, session: Session, now: datetime, node: Node, by: str, why: str) -> DrainStops:
         said = f"node {node.name} drained by {by}" + (f": {why}" if why else "")
         node.cordoned = True
         _event(session, now, EventKind.NODE_DRAINED, said, node=node.name, cause=by)
@@ -427,14 +427,14 @@ class AttemptStore(StoreBase):
         return DrainStops(tuple(stops), tuple(w.id for w in workloads))
 
     # ---------------------------------------------------------- an ending
-    def _attempt_ended(
+    def attempt_ended(
         self, session: Session, now: datetime, workload: Workload, outcome: str, message: str
     ) -> str | None:
         """Every pod of the attempt has ended: end the job, or queue its next attempt.
         Returns the fault class of a restart, None when the job ended."""
         verdict = self._ending_verdict(workload, outcome)
         if verdict is None:
-            self._end(session, now, workload, outcome, message)
+            end_workload(session, now, workload, outcome, message)
             return None
         record = AttemptRecord(
             attempt=workload.attempt,
@@ -452,7 +452,7 @@ class AttemptStore(StoreBase):
             said = (
                 step.message if step.message.startswith(message) else f"{message}; {step.message}"
             )
-            self._end(session, now, workload, "failed", said)
+            end_workload(session, now, workload, "failed", said)
             return None
         self._requeue(session, now, workload, verdict, step)
         return verdict.fault.value

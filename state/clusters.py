@@ -26,7 +26,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..api.events import EventKind
-from .base import StoreBase, _event
+from .base import Repository, _event
 from .cycle import Stop
 from .models import (
     Allocation,
@@ -79,7 +79,7 @@ class ClusterStatus:
     since: datetime | None
 
 
-class ClusterInventoryStore(StoreBase):
+class ClusterInventoryStore(Repository):
     def sync_cluster_nodes(
         self,
         now: datetime,

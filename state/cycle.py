@@ -56,8 +56,9 @@ from ..scheduler.memo import PlanMemo
 from ..scheduler.plan import plan
 from ..scheduler.quota import QuotaLimits
 from ..scheduler.snapshot import Plan, Policy, Running, SchedulingSnapshot, WaitCause, Waiting
-from .base import StoreBase
+from .base import Repository
 from .collector import collector_paused
+from .database import Database
 from .mirror import EVERYTHING, ChangeTracker, Mirror, Shown, promised_json
 from .models import Allocation, Event, Workload, WorkloadState
 
@@ -134,10 +135,10 @@ class _Planned:
     moment: float
 
 
-class SchedulingStore(StoreBase):
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.tracker = ChangeTracker(self._sessions)
+class SchedulingStore(Repository):
+    def __init__(self, database: Database):
+        super().__init__(database)
+        self.tracker = ChangeTracker(database.sessions)
         self.mirror = Mirror()
         # The planner's indexes and answers from the last cycle (a cache: the plan is the
         # same without it); dropped when the mirror is read afresh.

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from ..api.events import EventKind
 from ..scheduler.errors import NotFound
-from .base import StoreBase, _event
+from .base import Repository, _event
 from .clusters import AGENT_PREFIX, is_slot
 from .models import Cluster, Gpu, GpuHistoryPoint, Node, NodeHealth, Zone
 
@@ -130,7 +130,7 @@ class GpuPoint:
     memory_total_bytes: int | None
 
 
-class InventoryStore(StoreBase):
+class InventoryStore(Repository):
     # ------------------------------------------------------------- inventory
     def register_nodes(self, now: datetime, agent: str, nodes: Iterable[NodeSpec]) -> list[str]:
         """Record what an agent reports; a node it reports is healthy and heard from now."""

@@ -36,9 +36,10 @@ from ..scheduler.errors import InvalidRequest
 from ..scheduler.validation import JobRequest, validate_job_request
 from .accounts import AccountStore
 from .attempts import AttemptStore, log_offset, stopping_for
-from .base import _event, _get_workload, _preemptible
-from .catalogue import CatalogueStore
+from .base import _event, _get_workload, _preemptible, end_workload
+from .catalogue import catalogue_of
 from .clusters import AGENT_PREFIX
+from .database import Database
 from .inventory import mark_silent
 from .leftovers import (
     Leftover,
@@ -177,7 +178,11 @@ class LogSlice:
     next_offset: int
 
 
-class JobStore(AttemptStore, CatalogueStore, AccountStore):
+class JobStore(AttemptStore):
+    def __init__(self, database: Database, accounts: AccountStore):
+        super().__init__(database)
+        self.accounts = accounts
+
     def open_job(self, now: datetime, request: JobRequest, spec: JobSpec) -> Workload:
         """Validate and queue a job; nothing is recorded for a request that cannot run."""
         if len(spec.script.encode()) > MAX_SCRIPT_BYTES:
@@ -190,7 +195,7 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                 f"python must be an absolute path to the interpreter, not {spec.python!r}"
             )
         with self._write(now) as session:
-            valid = validate_job_request(request, self.catalogue(session, request.username))
+            valid = validate_job_request(request, catalogue_of(session, request.username))
             project = session.scalar(select(Project).where(Project.name == valid.project))
             assert project is not None  # validation checked membership of an existing project
             priority = valid.priority_class or project.default_priority
@@ -215,7 +220,7 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
             session.flush()
             # Its ranks run as the user's account: made now, so that a job that cannot be
             # given one is refused here rather than failing on its node.
-            self._ensure_account(session, now, request.username)
+            self.accounts.ensure_account(session, now, request.username)
             environment = _session_environment(session, request.username, spec.session)
             if spec.pinned:
                 environment["environment_pinned"] = spec.pinned
@@ -253,7 +258,9 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
                     f"workload {workload_id} is a session; stop it from the hub's home page"
                 )
             if workload.state == WorkloadState.pending:
-                self._end(session, now, workload, "cancelled", f"cancelled by {by} while waiting")
+                end_workload(
+                    session, now, workload, "cancelled", f"cancelled by {by} while waiting"
+                )
             elif workload.state in ACTIVE and workload.outcome != "cancelled":
                 # A job stopping for a fault or a drain is cancelled too: it then ends
                 # rather than coming back as its next attempt.
@@ -411,7 +418,7 @@ class JobStore(AttemptStore, CatalogueStore, AccountStore):
         ended = [rows.get(i) for i in range(workload.pods)]
         if not all(row is not None and row.state in ENDED_POD_STATES for row in ended):
             return None, False
-        fault = self._attempt_ended(session, now, workload, *_job_ending(workload, ended))
+        fault = self.attempt_ended(session, now, workload, *_job_ending(workload, ended))
         workload.version += 1
         return fault, True
 

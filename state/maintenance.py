@@ -30,7 +30,8 @@ from sqlalchemy.orm import Session
 
 from ..api.events import EventKind
 from .attempts import AttemptStore, DrainStops, _node_named
-from .base import _event
+from .base import Repository, _event
+from .database import Database
 from .maintenance_plan import GPU_STEPS, MAINTENANCE_KINDS, NODE_STEPS, OPERATION_OF
 from .models import (
     Allocation,
@@ -47,13 +48,17 @@ from .models import (
 STALE_OPERATION = timedelta(seconds=120)
 
 
-class MaintenanceStore(AttemptStore):
+class MaintenanceStore(Repository):
+    def __init__(self, database: Database, attempts: AttemptStore):
+        super().__init__(database)
+        self.attempts = attempts
+
     def recycle_node(self, now: datetime, node_name: str, by: str, why: str) -> DrainStops:
         """Drain ``node_name`` (``drain_node``), recycle it once it is empty, then diagnose
         it; it returns to service if the diagnostics pass. NotFound for an unknown node."""
         with self._write(now) as session:
             node = _node_named(session, node_name)
-            stops = self._drain(session, now, node, by, why or "to be recycled")
+            stops = self.attempts.drain(session, now, node, by, why or "to be recycled")
             node.maintenance, node.maintenance_by = "recycle", by
             _event(
                 session,
@@ -107,7 +112,7 @@ class MaintenanceStore(AttemptStore):
             ):
                 row.state, row.updated_at = "failed", now
                 row.error = "its node agent stopped reporting on it"
-                self._operation_ended(session, now, row)
+                settle_operation(session, now, row)
             held = set(
                 session.scalars(select(Allocation.gpu_uuid).where(Allocation.closed_at.is_(None)))
             )
@@ -134,73 +139,72 @@ class MaintenanceStore(AttemptStore):
                 asked.append(_ask(session, now, node, step, [gpu], scope="gpu"))
         return asked
 
-    def _operation_ended(self, session: Session, now: datetime, row: NodeOperation) -> None:
-        """Settle a maintenance operation the agent ended: the next step, a return to
-        service, or an event that says why it stays out."""
-        if row.workload_id is not None or row.kind not in MAINTENANCE_KINDS:
+
+def settle_operation(session: Session, now: datetime, row: NodeOperation) -> None:
+    """Settle a maintenance operation the agent ended: the next step, a return to
+    service, or an event that says why it stays out."""
+    if row.workload_id is not None or row.kind not in MAINTENANCE_KINDS:
+        return
+    request = row.request or {}
+    passed = row.state == "done"
+    what = f"{row.kind} of " + (
+        f"node {row.node}"
+        if request.get("scope") == "node"
+        else f"GPU {', '.join(request.get('uuids', []))} of node {row.node}"
+    )
+    said = str((row.result or {}).get("summary") or "") if passed else row.error
+    # What the pass returns to service: the jobs that avoid it since a fault no longer do.
+    returned_nodes: list[str] = []
+    returned_gpus: list[str] = []
+    if request.get("scope") == "node":
+        node = session.scalar(select(Node).where(Node.name == row.node))
+        if node is None:
             return
-        request = row.request or {}
-        passed = row.state == "done"
-        what = f"{row.kind} of " + (
-            f"node {row.node}"
-            if request.get("scope") == "node"
-            else f"GPU {', '.join(request.get('uuids', []))} of node {row.node}"
-        )
-        said = str((row.result or {}).get("summary") or "") if passed else row.error
-        # What the pass returns to service: the jobs that avoid it since a fault no longer do.
-        returned_nodes: list[str] = []
-        returned_gpus: list[str] = []
-        if request.get("scope") == "node":
-            node = session.scalar(select(Node).where(Node.name == row.node))
-            if node is None:
-                return
-            node.maintenance = "diagnose" if passed and row.kind == "recycle" else None
-            if passed and row.kind == "diagnose":
-                node.cordoned = False
-                node.recovery_cordoned_at = None
-                returned_nodes.append(node.name)
-                for gpu in node.gpus:
-                    if not gpu.lemon:
-                        gpu.cordoned = False
-                        returned_gpus.append(gpu.uuid)
-            outcome = (
-                "its diagnostics follow"
-                if node.maintenance
-                else "it takes work again"
-                if passed
-                else "it stays cordoned until an admin acts"
-            )
-        else:
-            gpus = [g for g in (session.get(Gpu, u) for u in request.get("uuids", [])) if g]
-            for gpu in gpus:
-                gpu.maintenance = None
-                if passed and not gpu.lemon:
+        node.maintenance = "diagnose" if passed and row.kind == "recycle" else None
+        if passed and row.kind == "diagnose":
+            node.cordoned = False
+            node.recovery_cordoned_at = None
+            returned_nodes.append(node.name)
+            for gpu in node.gpus:
+                if not gpu.lemon:
                     gpu.cordoned = False
                     returned_gpus.append(gpu.uuid)
-            outcome = (
-                "it takes work again" if passed else "it stays out of service until an admin acts"
-            )
-        lapsed = lapse_avoidance(session, returned_nodes, returned_gpus)
-        if len(lapsed) == 1:
-            outcome += f"; job {lapsed[0]} no longer avoids it"
-        elif lapsed:
-            outcome += f"; jobs {', '.join(map(str, lapsed))} no longer avoid it"
-        _event(
-            session,
-            now,
-            EventKind.MAINTENANCE_PASSED if passed else EventKind.MAINTENANCE_FAILED,
-            f"{what} {'passed' if passed else 'failed'}"
-            + (f" ({said})" if said else "")
-            + f": {outcome}",
-            reason=row.kind,
-            node=row.node,
-            cause=str(request.get("by") or "recovery"),
-            data={
-                "operation": row.id,
-                **request,
-                **({"no_longer_avoided_by": lapsed} if lapsed else {}),
-            },
+        outcome = (
+            "its diagnostics follow"
+            if node.maintenance
+            else "it takes work again"
+            if passed
+            else "it stays cordoned until an admin acts"
         )
+    else:
+        gpus = [g for g in (session.get(Gpu, u) for u in request.get("uuids", [])) if g]
+        for gpu in gpus:
+            gpu.maintenance = None
+            if passed and not gpu.lemon:
+                gpu.cordoned = False
+                returned_gpus.append(gpu.uuid)
+        outcome = "it takes work again" if passed else "it stays out of service until an admin acts"
+    lapsed = lapse_avoidance(session, returned_nodes, returned_gpus)
+    if len(lapsed) == 1:
+        outcome += f"; job {lapsed[0]} no longer avoids it"
+    elif lapsed:
+        outcome += f"; jobs {', '.join(map(str, lapsed))} no longer avoid it"
+    _event(
+        session,
+        now,
+        EventKind.MAINTENANCE_PASSED if passed else EventKind.MAINTENANCE_FAILED,
+        f"{what} {'passed' if passed else 'failed'}"
+        + (f" ({said})" if said else "")
+        + f": {outcome}",
+        reason=row.kind,
+        node=row.node,
+        cause=str(request.get("by") or "recovery"),
+        data={
+            "operation": row.id,
+            **request,
+            **({"no_longer_avoided_by": lapsed} if lapsed else {}),
+        },
+    )
 
 
 def lapse_avoidance(session: Session, nodes: Sequence[str], gpus: Sequence[str]) -> list[int]:

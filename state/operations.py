@@ -26,10 +26,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import delete, select, update
-from sqlalchemy.orm import Session
 
 from ..scheduler.errors import InvalidRequest, NotFound
-from .base import StoreBase, _get_workload
+from .base import Repository, _get_workload
+from .maintenance import settle_operation
 from .models import Allocation, NodeOperation, WorkloadKind
 
 KINDS = ("snapshot", "restore")
@@ -70,7 +70,7 @@ def _operation(row: NodeOperation) -> Operation:
     )
 
 
-class NodeOperationStore(StoreBase):
+class NodeOperationStore(Repository):
     def request_node_operation(
         self, now: datetime, workload_id: int, kind: str, request: Mapping[str, Any]
     ) -> Operation:
@@ -183,11 +183,8 @@ class NodeOperationStore(StoreBase):
                 row = session.get(NodeOperation, operation_id)
                 if row is not None:
                     session.refresh(row)
-                    self._operation_ended(session, now, row)
+                    settle_operation(session, now, row)
             return True
-
-    def _operation_ended(self, session: Session, now: datetime, row: NodeOperation) -> None:
-        """What an operation's end does beyond its row (maintenance: ``state/maintenance.py``)."""
 
     def abandon_node_operation(self, now: datetime, operation_id: int, error: str) -> bool:
         """Fail an operation its asker gave up on (nobody claimed it, or its agent stopped

@@ -41,6 +41,7 @@ from ..scheduler.snapshot import Plan, Policy
 from . import db
 from .collector import collect_all, collector_paused
 from .cycle import Change, Outcome, PlannedCycle, SchedulingStore
+from .database import Database
 
 T = TypeVar("T")
 # How long a child that does not stop when asked may take before it is killed.
@@ -100,7 +101,7 @@ class ProcessPlanner:
     """Plans in a child process over ``store``'s database (see the module docstring)."""
 
     def __init__(self, store: SchedulingStore, niceness: int = NICENESS):
-        url = store.engine.url
+        url = store.database.engine.url
         if url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"):
             raise ValueError(
                 "the planning process cannot open an in-memory SQLite database; give "
@@ -205,7 +206,7 @@ def serve(connection: Connection) -> None:
     """Answer plan and settle requests until the controller closes the connection."""
     _, url, niceness = connection.recv()
     os.nice(niceness)
-    store = SchedulingStore(db.make_engine(url), "planner")
+    store = SchedulingStore(Database(db.make_engine(url), "planner"))
     while True:
         try:
             message = connection.recv()

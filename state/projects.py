@@ -1,9 +1,11 @@
-"""An admin's changes to the project tree: quotas per GPU type, fair-share weight, default
-priority and per-user cap, each with an audit event.
+"""The projects and their quotas: the tree the config declares (``apply_config``), its
+members as the hub's groups say (``sync_memberships``), and an admin's changes to it:
+quotas per GPU type, fair-share weight, default priority and per-user cap, each with an
+audit event.
 
 A change is validated whole before anything is written (``InvalidRequest`` says what to
 fix), committed in one fenced transaction, and marks what it changed as edited so the
-config file no longer overwrites it (``FleetStore.apply_config``). A quota change is also
+config file no longer overwrites it (``apply_config``). A quota change is also
 checked against the whole tree as it would be after it (``model.guarantees_over_limits``):
 it is refused when it takes some node's children's guarantees above what that node may
 hold, or further above it than they already were. The scheduler reads the
@@ -12,19 +14,34 @@ tree again on its next cycle: a quota change takes effect there.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from ..api.events import EventKind
-from ..scheduler.errors import InvalidRequest, NotFound
-from ..scheduler.model import OverLimit, ProjectTree, Quota, guarantees_over_limits
+from ..scheduler.errors import InputError, InvalidRequest, NotFound
+from ..scheduler.model import (
+    OverLimit,
+    ProjectTree,
+    Quota,
+    guarantees_over_limits,
+    project_tree,
+)
 from ..scheduler.model import Project as TreeProject
-from .base import StoreBase, _event
-from .models import Gpu, PriorityClass, Project, ProjectQuota
+from .base import Repository, _event
+from .models import (
+    Gpu,
+    Membership,
+    PriorityClass,
+    Profile,
+    Project,
+    ProjectKind,
+    ProjectQuota,
+)
 
 UNCHANGED = object()  # a field the edit leaves as it is
 
@@ -44,7 +61,93 @@ class ProjectEdit:
     quotas: Mapping[str, QuotaEdit] = field(default_factory=dict)
 
 
-class ProjectAdminStore(StoreBase):
+class ProjectStore(Repository):
+    def apply_config(
+        self,
+        now: datetime,
+        projects: Sequence[Mapping[str, Any]],
+        profiles: Sequence[Mapping[str, Any]],
+        priority_classes: Sequence[Mapping[str, Any]],
+    ) -> None:
+        """Create or update the projects, profiles and priority classes the config declares.
+
+        Projects are validated first (``model.project_tree``): nothing is written for a
+        declaration that cannot be used. Values an admin changed in the admin panel
+        (``edited_at`` set) are left as the admin set them.
+        """
+        try:
+            tree = project_tree(projects)
+        except InputError as e:
+            raise InvalidRequest(str(e)) from e
+        with self._write(now) as session:
+            for spec in priority_classes:
+                pc = session.get(PriorityClass, spec["name"]) or PriorityClass(name=spec["name"])
+                pc.rank = int(spec["rank"])
+                pc.preemptible_by_default = bool(spec.get("preemptible", False))
+                pc.description = spec.get("description", "")
+                session.add(pc)
+            by_name = {p.name: p for p in session.scalars(select(Project))}
+            for declared in tree:
+                project = by_name.get(declared.name) or Project(name=declared.name)
+                by_name[project.name] = project
+                project.display_name = declared.display_name
+                project.kind = ProjectKind(declared.kind)
+                project.parent = by_name[declared.parent] if declared.parent else None
+                project.hub_group = declared.hub_group
+                project.allowed_priorities = list(declared.allowed_priorities)
+                if project.edited_at is None:  # else the admin panel's values stand
+                    project.default_priority = declared.default_priority
+                    project.fair_share_weight = declared.weight
+                    project.per_user_gpu_cap = declared.per_user_cap
+                session.add(project)
+                session.flush()
+                quotas = {q.gpu_type: q for q in project.quotas}
+                for gpu_type, q in declared.quotas.items():
+                    quota = quotas.pop(gpu_type, None) or ProjectQuota(gpu_type=gpu_type)
+                    if quota.edited_at is None:
+                        quota.guaranteed = q.guaranteed
+                        quota.borrow_limit = q.borrow_limit
+                        quota.lend_limit = q.lend_limit
+                    if quota not in project.quotas:
+                        project.quotas.append(quota)
+                for stale in quotas.values():
+                    if stale.edited_at is None:
+                        project.quotas.remove(stale)
+            for spec in profiles:
+                profile = session.scalar(select(Profile).where(Profile.name == spec["name"]))
+                profile = profile or Profile(name=spec["name"])
+                profile.display_name = spec.get("display_name", profile.name)
+                profile.description = spec.get("description", "")
+                profile.environment = spec.get("environment", "")
+                profile.cpu_per_gpu = float(spec.get("cpu_per_gpu", 4))
+                profile.memory_per_gpu_bytes = int(spec.get("memory_per_gpu_bytes", 32 * 2**30))
+                profile.allowed_gpu_types = list(spec.get("gpu_types", []))
+                profile.allowed_projects = list(spec.get("projects", []))
+                profile.is_default = bool(spec.get("default", False))
+                session.add(profile)
+
+    def sync_memberships(self, now: datetime, groups: Mapping[str, Iterable[str]]) -> int:
+        """Make each project's members those of its hub group; returns how many changed."""
+        changes = 0
+        with self._write(now) as session:
+            for project in session.scalars(select(Project).options(selectinload(Project.members))):
+                wanted = set(groups.get(project.hub_group or project.name, ()))
+                have = {m.username: m for m in project.members}
+                for username in wanted - have.keys():
+                    project.members.append(Membership(username=username))
+                    changes += 1
+                for username in have.keys() - wanted:
+                    project.members.remove(have[username])
+                    changes += 1
+            if changes:
+                _event(
+                    session,
+                    now,
+                    EventKind.MEMBERSHIP_SYNCED,
+                    f"{changes} project membership change(s) synced from hub groups",
+                )
+        return changes
+
     def edit_project(self, now: datetime, name: str, by: str, edit: ProjectEdit) -> list[str]:
         """Apply ``edit`` to project ``name``; returns the changes as the audit log says them
         (empty when the edit changes nothing)."""

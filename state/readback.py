@@ -43,7 +43,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..api.events import EventKind
-from .base import StoreBase, _event
+from .base import Repository, _event
 from .models import Allocation, Event, Gpu, Node, Workload, WorkloadState
 
 # Workloads whose report is recorded: GPUs held and processes starting or running. A
@@ -217,7 +217,7 @@ def split_marker(marker: str) -> tuple[str, int] | None:
     return (base, int(part)) if part.isascii() and part.isdigit() else None
 
 
-class ReadbackStore(StoreBase):
+class ReadbackStore(Repository):
     def record_placements(
         self, now: datetime, agent: str, placements: Iterable[Placement]
     ) -> ReadbackResult:

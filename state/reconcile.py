@@ -1,8 +1,7 @@
 """The reconciler's writes: a workload's process marker, and repairs with their events.
 
-Mixed into FleetStore (``class FleetStore(ReconcileStore, InventoryStore)``); like every
-store method these are fenced writes (``self._write``), so a controller that lost the
-database lease repairs nothing. Each repair is an event of kind ``reconciled`` whose
+Like every repository's writes these are fenced (``self._write``), so a controller that
+lost the database lease repairs nothing. Each repair is an event of kind ``reconciled`` whose
 message is the reason a person reads and whose ``reason`` names the rule
 (``gpufleet.hub.reconcile.Rule``).
 
@@ -15,19 +14,23 @@ and looked at again on the next pass.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
-
-from sqlalchemy.orm import Session
+from typing import Any
 
 from ..api.events import EventKind
 from ..scheduler.errors import InvalidRequest, NotFound
-from .base import StoreBase, _event
+from .attempts import AttemptStore
+from .base import Repository, _event, end_workload
+from .database import Database
 from .models import Workload, WorkloadKind, WorkloadState
 
 RECONCILED = EventKind.RECONCILED
 
 
-class ReconcileStore(StoreBase):
+class ReconcileStore(Repository):
+    def __init__(self, database: Database, attempts: AttemptStore):
+        super().__init__(database)
+        self.attempts = attempts
+
     def record_process_marker(self, now: datetime, workload_id: int, marker: str) -> None:
         """Remember the marker every process of ``workload_id`` will carry.
 
@@ -75,9 +78,9 @@ class ReconcileStore(StoreBase):
                 data={"repair": "end-workload", "outcome": outcome},
             )
             if workload.kind == WorkloadKind.job:
-                self._attempt_ended(session, now, workload, outcome, reason)
+                self.attempts.attempt_ended(session, now, workload, outcome, reason)
             else:
-                self._end(session, now, workload, outcome, reason)
+                end_workload(session, now, workload, outcome, reason)
             return workload
 
     def record_reconciled(
@@ -93,13 +96,3 @@ class ReconcileStore(StoreBase):
         with self._write(now) as session:
             workload = session.get(Workload, workload_id) if workload_id is not None else None
             _event(session, now, RECONCILED, message, reason=rule, workload=workload, data=data)
-
-    if TYPE_CHECKING:  # FleetStore's, which this mixin is combined with
-
-        def _end(
-            self, session: Session, now: datetime, workload: Workload, outcome: str, message: str
-        ) -> None: ...
-
-        def _attempt_ended(
-            self, session: Session, now: datetime, workload: Workload, outcome: str, message: str
-        ) -> str | None: ...

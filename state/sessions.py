@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from ..api.events import EventKind
 from ..scheduler.errors import InvalidRequest, NotFound
-from .base import StoreBase, _event
+from .base import Repository, _event
 from .models import (
     Allocation,
     Event,
@@ -90,7 +90,7 @@ class CulledSession:
     snapshot_sources: dict[str, Any] | None
 
 
-class SessionActivityStore(StoreBase):
+class SessionActivityStore(Repository):
     def record_activity(
         self, now: datetime, workload_id: int, username: str | None, report: ActivityReport
     ) -> SessionState:

@@ -23,7 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..api.events import EventKind
-from .base import StoreBase, _event
+from .base import Repository, _event
 from .models import Project, Snapshot
 
 
@@ -57,7 +57,7 @@ class IndexChanges:
     removed: int
 
 
-class SnapshotStore(StoreBase):
+class SnapshotStore(Repository):
     def record_snapshot(self, now: datetime, record: IndexedSnapshot) -> None:
         with self._write(now) as session:
             project_ids = self._project_ids(session)

@@ -16,7 +16,7 @@ class AccountHandler(APIHandler):
     async def post(self, username: str) -> None:
         self.require(scopes.SPAWN, scopes.ADMIN)
         with store_errors_as_http():
-            account = self.controller.store.account(self.controller.now(), username)
+            account = self.controller.store.accounts.account(self.controller.now(), username)
         self.send(
             schemas.AccountOut(
                 username=account.username,

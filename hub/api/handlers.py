@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session, selectinload
 from ...api import schemas
 from ...api.events import EventOut
 from ...scheduler.validation import SessionRequest
+from ...state.catalogue import catalogue_of, projects_of
 from ...state.inventory import GpuSpec, NodeSpec
 from ...state.models import (
     Allocation,
@@ -72,19 +73,19 @@ class SessionsHandler(APIHandler):
         await self.controller.refresh_memberships(max_age=5.0)
         if self.get_query_argument("dry_run", "") in ("1", "true"):
             with store_errors_as_http():
-                self.controller.store.check_session_request(request)
+                self.controller.store.workloads.check_session_request(request)
             self.send({"valid": True})
             return
         with store_errors_as_http():
             # A server stopped while the controller was down may still hold GPUs here:
             # settled at once when nothing of it runs (docs/reconciler.md).
             await settle_before_start(self.controller, request.username, request.server_name)
-            workload = self.controller.store.open_session_request(
+            workload = self.controller.store.workloads.open_session_request(
                 self.controller.now(), request, self.controller.request_lease
             )
             if body.process_marker:
                 # Before the answer: no process carries the marker until the spawner has it.
-                self.controller.store.record_process_marker(
+                self.controller.store.reconcile.record_process_marker(
                     self.controller.now(), workload.id, body.process_marker
                 )
         self.controller.kick()
@@ -142,16 +143,16 @@ class WorkloadActionHandler(APIHandler):
         wid = self.path_id(workload_id)
         with store_errors_as_http():
             if action == "renew":
-                store.renew(now, wid, self.controller.request_lease)
+                store.workloads.renew(now, wid, self.controller.request_lease)
             elif action == "hold":
                 body_hold = self.body(schemas.HoldIn)
-                store.hold_for_snapshot(now, wid, body_hold.message)
+                store.sessions.hold_for_snapshot(now, wid, body_hold.message)
             elif action == "running":
                 running = self.body(schemas.RunningIn)
                 sources = running.snapshot.model_dump() if running.snapshot else None
-                store.mark_running(now, wid, sources)
+                store.workloads.mark_running(now, wid, sources)
                 notice = running.notice  # what the spawner restored, if anything
-                culled = store.last_cull(wid)
+                culled = store.sessions.last_cull(wid)
                 if culled is not None:
                     # Told even when nothing had to be restored (a session without the
                     # overlay sandbox keeps its home on the host): its kernels are new.
@@ -160,7 +161,7 @@ class WorkloadActionHandler(APIHandler):
                         notice or "Kernels were restarted."
                     )
                 if notice:
-                    store.post_session_notice(now, wid, "info", notice)
+                    store.sessions.post_session_notice(now, wid, "info", notice)
                 self.controller.culler.kick()  # a new session: when is it due?
             else:
                 body = self.body(schemas.ReleaseIn)
@@ -172,7 +173,7 @@ class WorkloadActionHandler(APIHandler):
                         "failed": "the server failed to start",
                     }[body.outcome]
                 )
-                ended = store.end(now, wid, body.outcome, message)
+                ended = store.workloads.end(now, wid, body.outcome, message)
                 self.controller.metrics.ended.labels(ended.kind.value, body.outcome).inc()
                 self.controller.refresh_snapshot_index()  # its final snapshot, if any
         self.controller.notifier.changed([wid])
@@ -189,7 +190,7 @@ class SpawnOptionsHandler(APIHandler):
         await self.controller.refresh_memberships(max_age=5.0)
         store = self.controller.store
         with store.read() as session:
-            catalogue = store.catalogue(session, username)
+            catalogue = catalogue_of(session, username)
             usage = Counter[tuple[int, str]]()
             for project_id, gpu_type, count in session.execute(
                 select(Allocation.project_id, Allocation.gpu_type, func.count())
@@ -210,7 +211,7 @@ class SpawnOptionsHandler(APIHandler):
                         for q in sorted(p.quotas, key=lambda q: q.gpu_type)
                     ],
                 )
-                for p in store.projects_of(session, username)
+                for p in projects_of(session, username)
             ]
             profiles = [
                 schemas.ProfileOut(
@@ -314,7 +315,7 @@ class AgentRegisterHandler(APIHandler):
             for n in body.nodes
         ]
         with store_errors_as_http():
-            names = self.controller.store.register_nodes(
+            names = self.controller.store.nodes.register_nodes(
                 self.controller.now(), identity.name, specs
             )
         self.controller.kick()
@@ -326,7 +327,7 @@ class AgentHeartbeatHandler(APIHandler):
         identity = self.require(scopes.AGENT)
         body = self.body(schemas.HeartbeatIn)
         with store_errors_as_http():
-            unknown = self.controller.store.heartbeat(
+            unknown = self.controller.store.nodes.heartbeat(
                 self.controller.now(), identity.name, body.nodes
             )
         with self.controller.store.read() as session:
@@ -350,7 +351,7 @@ class AgentSamplesHandler(APIHandler):
         identity = self.require(scopes.AGENT)
         body = self.body(schemas.SamplesIn)
         with store_errors_as_http():
-            unknown = self.controller.store.record_samples(
+            unknown = self.controller.store.nodes.record_samples(
                 self.controller.now(),
                 identity.name,
                 [s.model_dump(exclude_none=True) for s in body.samples],
@@ -431,7 +432,7 @@ class LemonClearHandler(APIHandler):
     async def post(self, gpu_uuid: str) -> None:
         identity = self.require(scopes.ADMIN)
         with store_errors_as_http():
-            cleared = self.controller.store.clear_lemon(
+            cleared = self.controller.store.jobs.clear_lemon(
                 self.controller.now(), gpu_uuid, identity.name
             )
         self.controller.kick()
@@ -453,14 +454,14 @@ class BreakerResetHandler(APIHandler):
     async def post(self, cluster: str) -> None:
         identity = self.require(scopes.ADMIN)
         with store_errors_as_http():
-            self.controller.store.reset_breaker(self.controller.now(), cluster, identity.name)
+            self.controller.store.jobs.reset_breaker(self.controller.now(), cluster, identity.name)
         self.send({"items": _breakers(self.controller)})
 
 
 def _breakers(controller: ControllerContext) -> list[dict[str, Any]]:
     return [
         schemas.BreakerOut(cluster=name, open=at is not None, tripped_at=at).model_dump(mode="json")
-        for name, at in sorted(controller.store.breakers().items())
+        for name, at in sorted(controller.store.jobs.breakers().items())
     ]
 
 
@@ -469,7 +470,7 @@ class AgentXidHandler(APIHandler):
         identity = self.require(scopes.AGENT)
         body = self.body(schemas.XidIn)
         with store_errors_as_http():
-            known = self.controller.store.record_xid(
+            known = self.controller.store.nodes.record_xid(
                 self.controller.now(), identity.name, body.uuid, body.xid
             )
         if not known:
@@ -477,7 +478,9 @@ class AgentXidHandler(APIHandler):
         # The recovery loop's first step, at once: the job on the GPU stops and the GPU or
         # its node leaves service as the fault's verdict says (docs/recovery.md).
         with store_errors_as_http():
-            changed = self.controller.store.act_on_xid(self.controller.now(), body.uuid, body.xid)
+            changed = self.controller.store.jobs.act_on_xid(
+                self.controller.now(), body.uuid, body.xid
+            )
         if changed:
             self.controller.notifier.changed(changed)  # the node agents stop its ranks
         self.controller.kick()
@@ -493,7 +496,7 @@ class AgentPlacementsHandler(APIHandler):
         body = self.body(schemas.PlacementsIn)
         placements = [Placement(p.marker, tuple(p.gpu_uuids)) for p in body.placements]
         with store_errors_as_http():
-            result = self.controller.store.record_placements(
+            result = self.controller.store.readback.record_placements(
                 self.controller.now(), identity.name, placements
             )
         if result.reseated:
@@ -516,7 +519,7 @@ class SnapshotsHandler(APIHandler):
         username = self.get_query_argument("username", None)
         if not identity.has(scopes.SPAWN) and username not in (None, identity.name):
             raise Forbidden("you may list only your own snapshots")
-        rows = self.controller.store.snapshots_of(username or identity.name)
+        rows = self.controller.store.snapshots.snapshots_of(username or identity.name)
         self.send(
             schemas.SnapshotList(
                 items=[schemas.SnapshotOut.model_validate(r, from_attributes=True) for r in rows],

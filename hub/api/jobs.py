@@ -191,13 +191,13 @@ class JobsHandler(APIHandler):
         pinned = ""
         if body.session is not None:
             with store_errors_as_http():
-                upper = controller.store.session_environment(identity.name, body.session)
+                upper = controller.store.jobs.session_environment(identity.name, body.session)
             if upper:
                 pinned = await pin_environment(controller.data_dir, upper)
                 spec = replace(spec, pinned=pinned)
         try:
             with store_errors_as_http():
-                workload = controller.store.open_job(controller.now(), request, spec)
+                workload = controller.store.jobs.open_job(controller.now(), request, spec)
         except BaseException:
             if pinned:
                 await asyncio.to_thread(remove_tree, Path(pinned))
@@ -269,7 +269,7 @@ def _copy_environment(data_dir: str, upper: str) -> str:
 
 def cancel_job(controller: ControllerContext, workload_id: int, by: str) -> None:
     """Cancel (the API's and the jobs page's): the store decides, the loops are told."""
-    cancelled = controller.store.cancel_job(controller.now(), workload_id, by)
+    cancelled = controller.store.jobs.cancel_job(controller.now(), workload_id, by)
     if cancelled.state == WorkloadState.ended:
         controller.metrics.ended.labels("job", "cancelled").inc()
     controller.notifier.changed([workload_id])
@@ -298,14 +298,14 @@ class JobLogsHandler(APIHandler):
                     f"pods' launchers); there is no rank {rank}"
                 )
         store = self.controller.store
-        piece = store.read_log(wid, rank, stream, offset, MAX_LOG_READ)
+        piece = store.jobs.read_log(wid, rank, stream, offset, MAX_LOG_READ)
         ended = self._ended(identity, wid)
         if wait and not piece.data and not ended:
             await self.controller.notifier.wait_for_change(wid, wait)
-            piece = store.read_log(wid, rank, stream, offset, MAX_LOG_READ)
+            piece = store.jobs.read_log(wid, rank, stream, offset, MAX_LOG_READ)
             ended = self._ended(identity, wid)
         if ended:  # everything the agent sent arrived before the job ended
-            ended = store.read_log(wid, rank, stream, piece.next_offset, 1).data == ""
+            ended = store.jobs.read_log(wid, rank, stream, piece.next_offset, 1).data == ""
         self.send(
             js.LogOut(
                 rank=rank,
@@ -371,7 +371,7 @@ class AgentPodsHandler(APIHandler):
             for p in body.progress
         ]
         with store_errors_as_http():
-            result = controller.store.agent_sync(
+            result = controller.store.jobs.agent_sync(
                 controller.now(), body.nodes, reports, chunks, progress, body.gone
             )
         for outcome in result.ended:
@@ -392,7 +392,7 @@ class AgentPodsHandler(APIHandler):
             and {(p.workload_id, p.pod_index) for p in desired} == set(body.known)
         ):
             await controller.notifier.wait_for_any_change(body.wait)
-            desired = controller.store.desired_pods(body.nodes)
+            desired = controller.store.jobs.desired_pods(body.nodes)
         self.send(
             js.AgentSyncOut(
                 pods=[_desired_out(p) for p in desired],

@@ -45,7 +45,7 @@ class WorkloadNodeOperationsHandler(APIHandler):
         wid = self.path_id(workload_id)
         request = body.model_dump(exclude={"kind"})
         with store_errors_as_http():
-            made = self.controller.store.request_node_operation(
+            made = self.controller.store.node_operations.request_node_operation(
                 self.controller.now(), wid, body.kind, request
             )
         self.controller.notifier.changed([wid])  # wakes the agents' long polls
@@ -56,7 +56,7 @@ class NodeOperationHandler(APIHandler):
     async def get(self, operation_id: str) -> None:
         self.require(scopes.SPAWN)
         with store_errors_as_http():
-            found = self.controller.store.node_operation(self.path_id(operation_id))
+            found = self.controller.store.node_operations.node_operation(self.path_id(operation_id))
         self.send(operation_out(found))
 
 
@@ -66,8 +66,10 @@ class NodeOperationAbandonHandler(APIHandler):
         oid = self.path_id(operation_id)
         with store_errors_as_http():
             store = self.controller.store
-            store.abandon_node_operation(self.controller.now(), oid, "its asker gave up on it")
-            found = store.node_operation(oid)
+            store.node_operations.abandon_node_operation(
+                self.controller.now(), oid, "its asker gave up on it"
+            )
+            found = store.node_operations.node_operation(oid)
         self.send(operation_out(found))
 
 
@@ -79,7 +81,7 @@ class AgentNodeOperationsHandler(APIHandler):
         store = controller.store
         with store_errors_as_http():
             for report in body.reports:
-                store.report_node_operation(
+                store.node_operations.report_node_operation(
                     controller.now(),
                     report.id,
                     state=report.state,
@@ -89,10 +91,10 @@ class AgentNodeOperationsHandler(APIHandler):
                 )
             if any(r.state != "running" for r in body.reports):
                 controller.kick()  # a maintenance's end may return GPUs
-            claimed = store.claim_node_operations(controller.now(), body.nodes)
+            claimed = store.node_operations.claim_node_operations(controller.now(), body.nodes)
             if not claimed and body.wait:
                 await controller.notifier.wait_for_any_change(body.wait)
-                claimed = store.claim_node_operations(controller.now(), body.nodes)
+                claimed = store.node_operations.claim_node_operations(controller.now(), body.nodes)
         self.send(
             AgentOperationsOut(
                 operations=[

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, selectinload
 from tornado import web
 
 from ...api import schemas
+from ...state.catalogue import projects_of
 from ...state.models import Allocation, Project, Workload, WorkloadState
 from ...state.projects import UNCHANGED, ProjectEdit, QuotaEdit
 from .. import scopes
@@ -61,7 +62,9 @@ class ProjectHandler(APIHandler):
             },
         )
         with store_errors_as_http():
-            self.controller.store.edit_project(self.controller.now(), name, identity.name, edit)
+            self.controller.store.projects.edit_project(
+                self.controller.now(), name, identity.name, edit
+            )
         self.controller.kick()  # takes effect on the next cycle: run one now
         with self.controller.store.read() as session:
             items = project_usage(self.controller, session, identity)
@@ -72,7 +75,6 @@ def project_usage(
     controller: ControllerContext, session: Session, identity: Identity
 ) -> list[schemas.ProjectUsageOut]:
     """The tree's nodes the caller may see, with quotas and what each uses and waits for."""
-    store = controller.store
     projects = {
         p.id: p
         for p in session.scalars(
@@ -104,7 +106,7 @@ def project_usage(
     visible = set(projects)
     if not identity.has(scopes.SPAWN):
         visible = set()
-        for member_of in store.projects_of(session, identity.name):
+        for member_of in projects_of(session, identity.name):
             node = member_of
             while node is not None and node.id not in visible:
                 visible.add(node.id)
@@ -152,7 +154,7 @@ def usage_for(
         )
     )
     if not identity.has(scopes.SPAWN):
-        mine = [p.id for p in controller.store.projects_of(session, identity.name)]
+        mine = [p.id for p in projects_of(session, identity.name)]
         query = query.where(Allocation.project_id.in_(mine))
     spans = (Span(*row) for row in session.execute(query))
     return usage_by_week(spans, since, now)

@@ -60,7 +60,7 @@ class SessionActivityHandler(_SessionHandler):
             user_action=body.user_action,
         )
         with store_errors_as_http():
-            state = self.controller.store.record_activity(
+            state = self.controller.store.sessions.record_activity(
                 self.controller.now(), self.path_id(workload_id), username, report
             )
         self.answer(state)
@@ -68,7 +68,9 @@ class SessionActivityHandler(_SessionHandler):
     async def get(self, workload_id: str) -> None:
         username = self.caller()
         with store_errors_as_http():
-            state = self.controller.store.session_state(self.path_id(workload_id), username)
+            state = self.controller.store.sessions.session_state(
+                self.path_id(workload_id), username
+            )
         self.answer(state)
 
 
@@ -79,13 +81,13 @@ class KeepAliveHandler(_SessionHandler):
         now = self.controller.now()
         wid = self.path_id(workload_id)
         with store_errors_as_http():
-            state = self.controller.store.session_state(wid, username)
+            state = self.controller.store.sessions.session_state(wid, username)
             policy = self.controller.culler.policy_for(state.project, state.profile)
             until = body.until or now + timedelta(hours=body.hours or 0)
-            self.controller.store.set_keep_alive(
+            self.controller.store.sessions.set_keep_alive(
                 now, wid, username, until, timedelta(seconds=policy.keep_alive_max_s)
             )
-            state = self.controller.store.session_state(wid, username)
+            state = self.controller.store.sessions.session_state(wid, username)
         self.controller.culler.kick()
         self.answer(state)
 

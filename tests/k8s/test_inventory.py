@@ -239,7 +239,7 @@ async def test_a_cluster_cut_off_makes_only_its_nodes_unknown_and_comes_back(
         "cluster-b's nodes unknown",
         UNREACHABLE_AFTER_S + 10.0,
     )
-    status = {c.name: c for c in store.cluster_statuses()}
+    status = {c.name: c for c in store.clusters.cluster_statuses()}
     assert not status[CLUSTER_B].reachable and status[CLUSTER_B].message
     assert status[CLUSTER_A].reachable
     try:
@@ -254,4 +254,4 @@ async def test_a_cluster_cut_off_makes_only_its_nodes_unknown_and_comes_back(
         set_unschedulable(k8s_tier, CLUSTER_A, "a-gpu-1", False)
     partition.heal()
     await eventually(recorded(store, "b-gpu-1", b_ready), "cluster-b's nodes back", 20.0)
-    assert {c.name: c for c in store.cluster_statuses()}[CLUSTER_B].reachable
+    assert {c.name: c for c in store.clusters.cluster_statuses()}[CLUSTER_B].reachable

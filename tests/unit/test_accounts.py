@@ -45,15 +45,15 @@ def test_a_range_holding_accounts_of_the_machine_is_refused_naming_them() -> Non
 def test_accounts_are_given_once_in_order_and_kept(engine: Engine) -> None:
     store = FleetStore(engine, "test")
     assert store.try_acquire_lease(NOW)
-    store.sandbox_uids = (300_000, 300_001)
-    alice = store.account(NOW, "alice")
-    bob = store.account(NOW, "bob")
+    store.accounts.sandbox_uids = (300_000, 300_001)
+    alice = store.accounts.account(NOW, "alice")
+    bob = store.accounts.account(NOW, "bob")
     assert (alice.uid, alice.gid, alice.mode, alice.home) == (300_000, 300_000, "sandbox", None)
     assert bob.uid == 300_001
-    assert store.account(NOW, "alice") == alice  # the same, every time
+    assert store.accounts.account(NOW, "alice") == alice  # the same, every time
     with pytest.raises(InvalidRequest, match="every uid of the sandbox range"):
-        store.account(NOW, "carol")
-    assert set(store.accounts(["alice", "bob", "carol"])) == {"alice", "bob"}
+        store.accounts.account(NOW, "carol")
+    assert set(store.accounts.accounts(["alice", "bob", "carol"])) == {"alice", "bob"}
 
 
 def test_system_mode_uses_the_machines_account_and_refuses_a_missing_one(
@@ -61,21 +61,21 @@ def test_system_mode_uses_the_machines_account_and_refuses_a_missing_one(
 ) -> None:
     store = FleetStore(engine, "test")
     assert store.try_acquire_lease(NOW)
-    store.user_mode = "system"
+    store.accounts.user_mode = "system"
     me = pwd.getpwuid(os.getuid())
     if me.pw_uid == 0:
         with pytest.raises(InvalidRequest, match="never run as root"):
-            store.account(NOW, me.pw_name)
+            store.accounts.account(NOW, me.pw_name)
     else:
-        assert store.account(NOW, me.pw_name).uid == me.pw_uid
+        assert store.accounts.account(NOW, me.pw_name).uid == me.pw_uid
     with pytest.raises(InvalidRequest, match="there is no account nobody-here-x"):
-        store.account(NOW, "nobody-here-x")
-    store.user_mode = "sandbox"
-    store.sandbox_uids = (300_000, 300_010)
-    store.account(NOW, "alice")
-    store.user_mode = "system"
+        store.accounts.account(NOW, "nobody-here-x")
+    store.accounts.user_mode = "sandbox"
+    store.accounts.sandbox_uids = (300_000, 300_010)
+    store.accounts.account(NOW, "alice")
+    store.accounts.user_mode = "system"
     with pytest.raises(InvalidRequest, match="in sandbox mode"):
-        store.account(NOW, "alice")  # a mode change is an admin's move, not silent
+        store.accounts.account(NOW, "alice")  # a mode change is an admin's move, not silent
 
 
 def test_no_sandbox_means_no_session_and_says_what_to_install() -> None:

@@ -38,7 +38,8 @@ from gpufleet.hub.scheduling import AdmissionCycles
 from gpufleet.scheduler.idle import IdleCause
 from gpufleet.scheduler.snapshot import Policy, Running
 from gpufleet.state import db
-from gpufleet.state.cycle import Outcome, PlannedCycle, Stop
+from gpufleet.state.cycle import Outcome, PlannedCycle, SchedulingStore, Stop
+from gpufleet.state.database import Database
 from gpufleet.state.fleet import FleetStore
 from gpufleet.state.models import Event, Workload
 from gpufleet.state.planners import ProcessPlanner, ThreadPlanner
@@ -113,11 +114,11 @@ class Controller:
         return
 
 
-class GatedStore(FleetStore):
-    """A store whose planning waits for the test to let it go: a slow plan."""
+class GatedScheduling(SchedulingStore):
+    """Scheduling whose planning waits for the test to let it go: a slow plan."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, database: Database):
+        super().__init__(database)
         self.gate = threading.Event()
         self.gate.set()
 
@@ -126,13 +127,14 @@ class GatedStore(FleetStore):
         return super().plan_cycle(*args, **kwargs)
 
 
-def gated_store(engine: Engine) -> GatedStore:
+def gated_store(engine: Engine) -> FleetStore:
     """``test_store.make_store``'s fleet, in a store whose planning can be held."""
-    store = GatedStore(engine, "controller-a", lease_ttl=timedelta(seconds=15))
+    store = FleetStore(engine, "controller-a", lease_ttl=timedelta(seconds=15))
+    store.scheduling = GatedScheduling(store.database)
     assert store.try_acquire_lease(T0)
-    store.apply_config(T0, PROJECTS, PROFILES, PRIORITY_CLASSES)
-    store.register_nodes(T0, "agent-1", NODES)
-    store.sync_memberships(T0, GROUPS)
+    store.projects.apply_config(T0, PROJECTS, PROFILES, PRIORITY_CLASSES)
+    store.nodes.register_nodes(T0, "agent-1", NODES)
+    store.projects.sync_memberships(T0, GROUPS)
     return store
 
 
@@ -210,27 +212,27 @@ def test_a_plan_gone_stale_while_it_was_made_is_dropped_unwritten(
     the lease — drops it; nothing of it is written and the next cycle decides afresh."""
     alice = ask(store, t(1), "alice", gpus=2)
     carol = ask(store, t(1), "carol", project="nlp", gpus=1)
-    planned = store.plan_cycle(t(2), POLICY)
+    planned = store.scheduling.plan_cycle(t(2), POLICY)
     placed = {a.workload_id: a.pods[0].node for a in planned.result.plan.admissions}
     assert placed == {alice: "a2", carol: "a1"}
     if change == "cordon":
-        assert store.set_cordoned(t(2), "a2", True, by="admin")
+        assert store.nodes.set_cordoned(t(2), "a2", True, by="admin")
     elif change == "withdrawal":
-        store.end(t(2), carol, "withdrawn", "the spawn was cancelled")
+        store.workloads.end(t(2), carol, "withdrawn", "the spawn was cancelled")
     else:
-        store.forget_mirror()
-    assert not store.commit_cycle(planned)
-    store.settle_cycle(Outcome.DROPPED)
+        store.scheduling.forget_mirror()
+    assert not store.scheduling.commit_cycle(planned)
+    store.scheduling.settle_cycle(Outcome.DROPPED)
     assert allocations(store) == []
     with store.read() as session:
         assert session.scalars(select(Event).where(Event.kind == "admitted")).all() == []
 
     # The next plan is what a planner that never saw the dropped one makes.
-    again = store.plan_cycle(t(3), POLICY)
-    fresh = FleetStore(engine, "controller-b").plan_cycle(t(3), POLICY)
+    again = store.scheduling.plan_cycle(t(3), POLICY)
+    fresh = FleetStore(engine, "controller-b").scheduling.plan_cycle(t(3), POLICY)
     assert again.result.plan == fresh.result.plan
-    assert store.commit_cycle(again)
-    store.settle_cycle(Outcome.COMMITTED)
+    assert store.scheduling.commit_cycle(again)
+    store.scheduling.settle_cycle(Outcome.COMMITTED)
     admitted = {w for w, _, closed in allocations(store) if closed is None}
     if change == "cordon":  # on a1 now, both of them
         assert workload(store, alice).reason == "admitted on a1 (zone-a)"
@@ -259,10 +261,10 @@ async def test_the_planning_process_commits_what_a_cycle_here_would(
             ask(here, t(at), user, gpus=gpus, project=GROUP_OF[user])
             controller.clock = t(at + 1)
             assert await cycles.run_cycle() is not None
-            here.scheduling_cycle(t(at + 1), POLICY)
+            here.scheduling.scheduling_cycle(t(at + 1), POLICY)
             assert what_a_person_reads(store) == what_a_person_reads(here)
-            idle.append(store.idle_gpus())
-            assert idle[-1] == here.idle_gpus()
+            idle.append(store.scheduling.idle_gpus())
+            assert idle[-1] == here.scheduling.idle_gpus()
     finally:
         cycles.close()
     assert idle == [{}, {"A100": {IdleCause.CAPS: 4}}, {"A100": {}}]
@@ -292,7 +294,7 @@ async def test_a_victim_the_planning_process_preempts_is_stopped_then_retried(
         assert await cycles.run_cycle() is not None
         assert victims.stopped == [extra]
         assert victims.still_stopping[-2:] == [{extra: "extra"}, {extra: "extra"}]
-        store.end(t(8), extra, "stopped", "the server stopped")
+        store.workloads.end(t(8), extra, "stopped", "the server stopped")
         controller.clock = t(9)
         result = await cycles.run_cycle()
         assert result is not None and [a.workload_id for a in result.admitted] == [alice]

@@ -90,15 +90,15 @@ def fleet_store(path: Path) -> FleetStore:
     now = datetime.now(UTC)
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(hours=1))
     assert store.try_acquire_lease(now)
-    store.apply_config(
+    store.projects.apply_config(
         now,
         [{"name": "vision", "quotas": {"A100": {"guaranteed": 4}}}],
         [{"name": "pytorch", "default": True}],
         [{"name": "standard", "rank": 100}],
     )
     gpus = tuple(GpuSpec(f"GPU-a1-{i}", i) for i in range(4))
-    store.register_nodes(now, "agent-1", [NodeSpec("a1", "local", "zone-a", "A100", gpus)])
-    store.sync_memberships(now, {"vision": ["alice"]})
+    store.nodes.register_nodes(now, "agent-1", [NodeSpec("a1", "local", "zone-a", "A100", gpus)])
+    store.projects.sync_memberships(now, {"vision": ["alice"]})
     return store
 
 

@@ -50,8 +50,8 @@ def store(engine: Engine) -> FleetStore:
     """A controller holding the lease, with projects and no nodes yet."""
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(seconds=15))
     assert store.try_acquire_lease(T0)
-    store.apply_config(T0, PROJECTS, PROFILES, PRIORITY_CLASSES)
-    store.sync_memberships(T0, GROUPS)
+    store.projects.apply_config(T0, PROJECTS, PROFILES, PRIORITY_CLASSES)
+    store.projects.sync_memberships(T0, GROUPS)
     return store
 
 
@@ -77,7 +77,7 @@ def present_gpus(store: FleetStore, node: str) -> list[str]:
 def test_a_listed_node_offers_its_gpus_as_slots_a_session_is_admitted_to(
     store: FleetStore,
 ) -> None:
-    changed = store.sync_cluster_nodes(
+    changed = store.clusters.sync_cluster_nodes(
         t(1), "cluster-a", [state("a-gpu-1", gpus=2)], complete=True, context="a"
     )
     assert changed == ["a-gpu-1"]
@@ -89,14 +89,14 @@ def test_a_listed_node_offers_its_gpus_as_slots_a_session_is_admitted_to(
         "node a-gpu-1 found in cluster cluster-a (zone-a) with 2 × A100"
     ]
     # The same listing again changes nothing and says nothing.
-    assert store.sync_cluster_nodes(t(2), "cluster-a", [state("a-gpu-1", gpus=2)]) == []
+    assert store.clusters.sync_cluster_nodes(t(2), "cluster-a", [state("a-gpu-1", gpus=2)]) == []
     assert len(events(store, "node-registered")) == 1
 
     alice = ask(store, t(3), "alice", gpus=2)
     cycle(store, t(4))
     assert workload(store, alice).state.value == "admitted"
     assert sorted(uuid for _, uuid, _ in allocations(store)) == present_gpus(store, "a-gpu-1")
-    statuses = {c.name: c for c in store.cluster_statuses()}
+    statuses = {c.name: c for c in store.clusters.cluster_statuses()}
     assert statuses["cluster-a"].backend == "kubernetes"
     assert statuses["cluster-a"].reachable
 
@@ -104,10 +104,10 @@ def test_a_listed_node_offers_its_gpus_as_slots_a_session_is_admitted_to(
 def test_a_cordon_in_kubernetes_and_a_not_ready_node_take_no_new_work(
     store: FleetStore,
 ) -> None:
-    store.sync_cluster_nodes(
+    store.clusters.sync_cluster_nodes(
         t(1), "cluster-a", [state("a-gpu-1"), state("a-gpu-2", "zone-b")], complete=True
     )
-    store.sync_cluster_nodes(
+    store.clusters.sync_cluster_nodes(
         t(2),
         "cluster-a",
         [
@@ -137,7 +137,9 @@ def test_a_cordon_in_kubernetes_and_a_not_ready_node_take_no_new_work(
     assert workload(store, alice).state.value == "pending"
     assert "cordoned, unhealthy or silent" in workload(store, alice).reason
 
-    store.sync_cluster_nodes(t(5), "cluster-a", [state("a-gpu-1"), state("a-gpu-2", "zone-b")])
+    store.clusters.sync_cluster_nodes(
+        t(5), "cluster-a", [state("a-gpu-1"), state("a-gpu-2", "zone-b")]
+    )
     assert health(store) == {
         "a-gpu-1": (NodeHealth.ok, False),
         "a-gpu-2": (NodeHealth.ok, False),
@@ -149,24 +151,26 @@ def test_a_cordon_in_kubernetes_and_a_not_ready_node_take_no_new_work(
 def test_a_node_gone_from_a_complete_listing_keeps_its_row_but_offers_nothing(
     store: FleetStore,
 ) -> None:
-    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1"), state("a-gpu-2")], complete=True)
-    assert store.sync_cluster_nodes(t(2), "cluster-a", [state("a-gpu-1")], complete=True) == [
-        "a-gpu-2"
-    ]
+    store.clusters.sync_cluster_nodes(
+        t(1), "cluster-a", [state("a-gpu-1"), state("a-gpu-2")], complete=True
+    )
+    assert store.clusters.sync_cluster_nodes(
+        t(2), "cluster-a", [state("a-gpu-1")], complete=True
+    ) == ["a-gpu-2"]
     assert present_gpus(store, "a-gpu-2") == []
     assert health(store)["a-gpu-2"] == (NodeHealth.unknown, False)
     assert events(store, "node-deleted") == [
         "node a-gpu-2 was deleted from cluster cluster-a; it receives no new work"
     ]
     # Back again (a node re-registered under its name): its slots return.
-    store.sync_cluster_nodes(t(3), "cluster-a", [state("a-gpu-2")])
+    store.clusters.sync_cluster_nodes(t(3), "cluster-a", [state("a-gpu-2")])
     assert len(present_gpus(store, "a-gpu-2")) == 4
     assert health(store)["a-gpu-2"] == (NodeHealth.ok, False)
 
 
 def test_a_gpu_count_drop_is_an_event_and_the_slots_beyond_it_leave(store: FleetStore) -> None:
-    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1", gpus=4)], complete=True)
-    store.sync_cluster_nodes(t(2), "cluster-a", [state("a-gpu-1", gpus=3)])
+    store.clusters.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1", gpus=4)], complete=True)
+    store.clusters.sync_cluster_nodes(t(2), "cluster-a", [state("a-gpu-1", gpus=3)])
     assert len(present_gpus(store, "a-gpu-1")) == 3
     assert events(store, "gpu-count-changed") == [
         "node a-gpu-1 of cluster cluster-a offers 3 GPU(s), was 4"
@@ -174,10 +178,12 @@ def test_a_gpu_count_drop_is_an_event_and_the_slots_beyond_it_leave(store: Fleet
 
 
 def test_an_unreachable_cluster_makes_only_its_own_nodes_unknown(store: FleetStore) -> None:
-    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1")], complete=True)
-    store.sync_cluster_nodes(t(1), "cluster-b", [state("b-gpu-1", "zone-c")], complete=True)
-    assert store.set_cluster_reachable(t(2), "cluster-b", False, "ConnectTimeout")
-    assert not store.set_cluster_reachable(t(3), "cluster-b", False, "ConnectTimeout")
+    store.clusters.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1")], complete=True)
+    store.clusters.sync_cluster_nodes(
+        t(1), "cluster-b", [state("b-gpu-1", "zone-c")], complete=True
+    )
+    assert store.clusters.set_cluster_reachable(t(2), "cluster-b", False, "ConnectTimeout")
+    assert not store.clusters.set_cluster_reachable(t(3), "cluster-b", False, "ConnectTimeout")
     assert health(store) == {
         "a-gpu-1": (NodeHealth.ok, False),
         "b-gpu-1": (NodeHealth.unknown, False),
@@ -187,25 +193,27 @@ def test_an_unreachable_cluster_makes_only_its_own_nodes_unknown(store: FleetSto
         "receive no new work until it does"
     ]
     # What a watch still says of a node while its cluster is unreachable does not revive it.
-    store.sync_cluster_nodes(t(4), "cluster-b", [state("b-gpu-1", "zone-c", cpus=16.0)])
+    store.clusters.sync_cluster_nodes(t(4), "cluster-b", [state("b-gpu-1", "zone-c", cpus=16.0)])
     assert health(store)["b-gpu-1"] == (NodeHealth.unknown, False)
-    status = {c.name: c for c in store.cluster_statuses()}["cluster-b"]
+    status = {c.name: c for c in store.clusters.cluster_statuses()}["cluster-b"]
     assert (status.reachable, status.message, status.since) == (False, "ConnectTimeout", t(2))
 
-    assert store.set_cluster_reachable(t(5), "cluster-b", True)
-    store.sync_cluster_nodes(t(6), "cluster-b", [state("b-gpu-1", "zone-c")], complete=True)
+    assert store.clusters.set_cluster_reachable(t(5), "cluster-b", True)
+    store.clusters.sync_cluster_nodes(
+        t(6), "cluster-b", [state("b-gpu-1", "zone-c")], complete=True
+    )
     assert health(store)["b-gpu-1"] == (NodeHealth.ok, False)
     assert events(store, "cluster-reachable") == ["cluster cluster-b's API server answers again"]
 
 
 def test_kubernetes_nodes_are_not_lost_for_want_of_an_agent_heartbeat(store: FleetStore) -> None:
-    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1")], complete=True)
-    assert store.lose_silent_nodes(t(100), timedelta(seconds=30)).nodes == []
+    store.clusters.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1")], complete=True)
+    assert store.jobs.lose_silent_nodes(t(100), timedelta(seconds=30)).nodes == []
     assert health(store)["a-gpu-1"] == (NodeHealth.ok, False)
 
 
 def test_an_agent_on_the_node_names_its_gpus_and_the_slots_step_aside(store: FleetStore) -> None:
-    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1", gpus=2)], complete=True)
+    store.clusters.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1", gpus=2)], complete=True)
     agent_view = NodeSpec(
         name="a-gpu-1",
         cluster="cluster-a",
@@ -213,18 +221,20 @@ def test_an_agent_on_the_node_names_its_gpus_and_the_slots_step_aside(store: Fle
         gpu_type="A100",
         gpus=(GpuSpec("GPU-real-0", 0), GpuSpec("GPU-real-1", 1)),
     )
-    store.register_nodes(t(2), "agent-a-gpu-1", [agent_view])
+    store.nodes.register_nodes(t(2), "agent-a-gpu-1", [agent_view])
     assert present_gpus(store, "a-gpu-1") == ["GPU-real-0", "GPU-real-1"]
     assert events(store, "gpu-missing") == []  # slots are not GPUs that went missing
     # The cluster's next word on the node keeps the agent's GPUs and still cordons.
-    store.sync_cluster_nodes(t(3), "cluster-a", [state("a-gpu-1", gpus=2, unschedulable=True)])
+    store.clusters.sync_cluster_nodes(
+        t(3), "cluster-a", [state("a-gpu-1", gpus=2, unschedulable=True)]
+    )
     assert present_gpus(store, "a-gpu-1") == ["GPU-real-0", "GPU-real-1"]
     assert health(store)["a-gpu-1"] == (NodeHealth.ok, True)
 
 
 def test_a_node_name_another_cluster_holds_is_left_to_its_owner(store: FleetStore) -> None:
-    store.sync_cluster_nodes(t(1), "cluster-a", [state("gpu-1")], complete=True)
-    assert store.sync_cluster_nodes(t(2), "cluster-b", [state("gpu-1", "zone-c")]) == []
+    store.clusters.sync_cluster_nodes(t(1), "cluster-a", [state("gpu-1")], complete=True)
+    assert store.clusters.sync_cluster_nodes(t(2), "cluster-b", [state("gpu-1", "zone-c")]) == []
     assert present_gpus(store, "gpu-1") == [slot_uuid("cluster-a", "gpu-1", i) for i in range(4)]
     assert events(store, "node-name-conflict") == [
         "cluster cluster-b lists a node gpu-1, but a node of that name belongs to cluster-a; "
@@ -235,12 +245,14 @@ def test_a_node_name_another_cluster_holds_is_left_to_its_owner(store: FleetStor
 def test_the_sessions_of_a_lost_node_stop_and_keep_their_gpus_until_released(
     store: FleetStore,
 ) -> None:
-    store.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1", gpus=2)], complete=True)
+    store.clusters.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1", gpus=2)], complete=True)
     alice = ask(store, t(2), "alice", gpus=2)
     cycle(store, t(3))
     assert workload(store, alice).state.value == "admitted"
 
-    (stop,) = store.stop_sessions_on_node(t(4), "a-gpu-1", "of cluster cluster-a is not Ready")
+    (stop,) = store.clusters.stop_sessions_on_node(
+        t(4), "a-gpu-1", "of cluster cluster-a is not Ready"
+    )
     assert (stop.workload_id, stop.user, stop.server_name) == (alice, "alice", "")
     stopping = workload(store, alice)
     assert stopping.state.value == "stopping"
@@ -252,7 +264,7 @@ def test_the_sessions_of_a_lost_node_stop_and_keep_their_gpus_until_released(
     # Still held: nobody else gets them while the pod may run.
     assert [closed for _, _, closed in allocations(store)] == [None, None]
     # Told once: a second call finds nothing more to stop.
-    assert store.stop_sessions_on_node(t(5), "a-gpu-1", "is not Ready") == []
+    assert store.clusters.stop_sessions_on_node(t(5), "a-gpu-1", "is not Ready") == []
 
 
 def test_the_controller_ends_the_sessions_of_a_node_lost_past_the_grace(store: FleetStore) -> None:

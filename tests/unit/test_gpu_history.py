@@ -102,25 +102,27 @@ def sample(utilization: int, used: int = 2**30, **extra: object) -> dict[str, ob
 
 
 def history_times(store: FleetStore) -> list[datetime]:
-    return [p.at for p in store.gpu_history([UUID], ago(days=30), NOW + timedelta(days=30))[UUID]]
+    return [
+        p.at for p in store.nodes.gpu_history([UUID], ago(days=30), NOW + timedelta(days=30))[UUID]
+    ]
 
 
 def test_samples_become_history_read_back_within_a_window(store: FleetStore) -> None:
-    store.record_samples(ago(seconds=20), "agent-1", [sample(10)])
-    store.record_samples(ago(seconds=10), "agent-1", [sample(90, used=3 * 2**30)])
-    store.record_samples(NOW, "agent-1", [sample(0, lost=True)])  # lost: no reading
-    history = store.gpu_history([UUID, "GPU-a1-1"], ago(seconds=15), NOW)
+    store.nodes.record_samples(ago(seconds=20), "agent-1", [sample(10)])
+    store.nodes.record_samples(ago(seconds=10), "agent-1", [sample(90, used=3 * 2**30)])
+    store.nodes.record_samples(NOW, "agent-1", [sample(0, lost=True)])  # lost: no reading
+    history = store.nodes.gpu_history([UUID, "GPU-a1-1"], ago(seconds=15), NOW)
     assert history == {
         UUID: [GpuPoint(ago(seconds=10), 90, 3 * 2**30, 80 * 2**30)],
         "GPU-a1-1": [],
     }
-    assert store.gpu_history([], ago(days=1), NOW) == {}
+    assert store.nodes.gpu_history([], ago(days=1), NOW) == {}
 
 
 def test_the_store_thins_a_gpus_history_once_a_minute_as_it_ages(store: FleetStore) -> None:
     start = ago(minutes=90)
     for i in range(90 * 3):  # every 20 s for an hour and a half
-        store.record_samples(start + timedelta(seconds=20 * i), "agent-1", [sample(i % 100)])
+        store.nodes.record_samples(start + timedelta(seconds=20 * i), "agent-1", [sample(i % 100)])
     times = history_times(store)
     # The half hour older than an hour: one point a minute; the last hour: every sample
     # (thinned at the first sample of the current minute).
@@ -133,10 +135,10 @@ def test_the_store_thins_a_gpus_history_once_a_minute_as_it_ages(store: FleetSto
 def test_after_a_silence_a_day_old_history_is_thinned_to_ten_minutes(store: FleetStore) -> None:
     start = ago(days=1, minutes=40)
     for i in range(15):  # every 2 minutes for half an hour
-        store.record_samples(start + timedelta(minutes=2 * i), "agent-1", [sample(50)])
-    store.record_samples(NOW, "agent-1", [sample(50)])
+        store.nodes.record_samples(start + timedelta(minutes=2 * i), "agent-1", [sample(50)])
+    store.nodes.record_samples(NOW, "agent-1", [sample(50)])
     assert history_times(store) == [start + timedelta(minutes=m) for m in (0, 10, 20)] + [NOW]
-    store.record_samples(NOW + timedelta(days=7), "agent-1", [sample(50)])
+    store.nodes.record_samples(NOW + timedelta(days=7), "agent-1", [sample(50)])
     assert history_times(store) == [NOW + timedelta(days=7)]
 
 
@@ -148,7 +150,7 @@ def test_a_gpus_history_never_holds_more_than_the_bound(store: FleetStore) -> No
             for i in range(HISTORY_MAX_POINTS + 5)
         )
         session.commit()
-    store.record_samples(NOW, "agent-1", [sample(50)])
+    store.nodes.record_samples(NOW, "agent-1", [sample(50)])
     times = history_times(store)
     assert len(times) == HISTORY_MAX_POINTS and times[-1] == NOW
     assert times[0] == ago(minutes=50, seconds=-0.6)  # the six oldest went
@@ -163,12 +165,12 @@ def test_a_sessions_chart_draws_its_gpus_while_it_held_them(store: FleetStore) -
         {"uuid": u, "index": int(u[-1]), "at": 0.0, "utilization_gpu_pct": 30} for u in held
     ]
     for second in (1, 5, 10, 15):  # the first before the allocations opened
-        store.record_samples(t(second), "agent-1", readings)
-    charts = session_charts(store, [wid, waiting], t(20))
+        store.nodes.record_samples(t(second), "agent-1", readings)
+    charts = session_charts(store.nodes, [wid, waiting], t(20))
     assert list(charts) == [wid]  # a pending session holds no GPU: no chart
     for uuid in held:
         line = charts[wid].split(f'class="series utilization" data-gpu="{uuid}"')[1]
         assert len(line.split('points="')[1].split('"')[0].split()) == 3
     assert f"GPUs of session {wid}" in charts[wid]
     assert all(f"GPU {u[-1]} ({u})</text>" in charts[wid] for u in held)
-    assert job_charts(store, waiting, t(20)) == JobCharts("", "")
+    assert job_charts(store.nodes, waiting, t(20)) == JobCharts("", "")

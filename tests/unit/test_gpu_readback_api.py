@@ -57,9 +57,9 @@ async def api(tmp_path: Path) -> AsyncIterator[Api]:
     store = fleet_store(tmp_path / "gpufleet.sqlite")
     now = datetime.now(UTC)
     request = SessionRequest("alice", "", "vision", "A100", 1, None)
-    workload = store.open_session_request(now, request, timedelta(minutes=5))
-    store.record_process_marker(now, workload.id, MARKER)
-    store.scheduling_cycle(now, Policy())
+    workload = store.workloads.open_session_request(now, request, timedelta(minutes=5))
+    store.reconcile.record_process_marker(now, workload.id, MARKER)
+    store.scheduling.scheduling_cycle(now, Policy())
     controller = ReadbackController(store, ALICE)
     async for url in serve(web.Application(routes(PREFIX, controller))):
         async with httpx.AsyncClient(base_url=f"{url}{PREFIX}api/v1", timeout=30) as client:

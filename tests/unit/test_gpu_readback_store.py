@@ -47,25 +47,25 @@ def store(engine: Engine) -> FleetStore:
     """4 A100 on n1, 2 A100 on n2, 2 H100 on h1; alice, bob and carol in vision."""
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(hours=1))
     assert store.try_acquire_lease(T0)
-    store.apply_config(
+    store.projects.apply_config(
         T0,
         [{"name": "vision", "quotas": {"A100": {"guaranteed": 6}, "H100": {"guaranteed": 2}}}],
         [{"name": "pytorch", "default": True}],
         [{"name": "standard", "rank": 100}],
     )
-    store.register_nodes(T0, "agent-1", [node("n1", "A100", 4), node("n2", "A100", 2)])
-    store.register_nodes(T0, "agent-1", [node("h1", "H100", 2)])
-    store.sync_memberships(T0, {"vision": ["alice", "bob", "carol"]})
+    store.nodes.register_nodes(T0, "agent-1", [node("n1", "A100", 4), node("n2", "A100", 2)])
+    store.nodes.register_nodes(T0, "agent-1", [node("h1", "H100", 2)])
+    store.projects.sync_memberships(T0, {"vision": ["alice", "bob", "carol"]})
     return store
 
 
 def admit(store: FleetStore, now: datetime, user: str, gpus: int = 1) -> tuple[int, str]:
     """A session of ``user`` admitted now, with its process marker; (id, marker)."""
     request = SessionRequest(user, "", "vision", "A100", gpus, None)
-    wid = store.open_session_request(now, request, LEASE).id
+    wid = store.workloads.open_session_request(now, request, LEASE).id
     marker = f"marker{user}"
-    store.record_process_marker(now, wid, marker)
-    store.scheduling_cycle(now, Policy())
+    store.reconcile.record_process_marker(now, wid, marker)
+    store.scheduling.scheduling_cycle(now, Policy())
     assert state(store, wid) == WorkloadState.admitted
     return wid, marker
 
@@ -110,7 +110,7 @@ def events(store: FleetStore, kind: str) -> list[tuple[int | None, str, str, dic
 
 
 def report(store: FleetStore, now: datetime, **placements: list[str]) -> ReadbackResult:
-    return store.record_placements(
+    return store.readback.record_placements(
         now, "agent-1", [Placement(m, tuple(uuids)) for m, uuids in placements.items()]
     )
 
@@ -232,7 +232,7 @@ def test_a_report_that_fits_no_admission_changes_nothing_and_is_said_once(
 
 def test_reports_of_unknown_or_ended_workloads_change_nothing(store: FleetStore) -> None:
     alice, marker = admit(store, t(1), "alice")
-    store.end(t(2), alice, "stopped", "the server stopped")
+    store.workloads.end(t(2), alice, "stopped", "the server stopped")
 
     result = report(store, t(5), **{marker: ["GPU-n2-1"], "markerfromelsewhere": ["GPU-n2-1"]})
     assert result == ReadbackResult((), (), ("markerfromelsewhere",))

@@ -319,9 +319,11 @@ def store(engine: Engine) -> FleetStore:
 
 def test_the_store_keeps_a_jobs_progress_and_its_last_checkpoint(store: FleetStore) -> None:
     job = submit(store)
-    store.agent_sync(t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], [])
+    store.jobs.agent_sync(
+        t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], []
+    )
     at = t(20)
-    store.agent_sync(
+    store.jobs.agent_sync(
         t(21),
         NODES,
         [],
@@ -331,7 +333,7 @@ def test_the_store_keeps_a_jobs_progress_and_its_last_checkpoint(store: FleetSto
             ProgressReport(job, 1, 39, at, [1.1], {}),
         ],
     )
-    store.agent_sync(
+    store.jobs.agent_sync(
         t(30),
         NODES,
         [],
@@ -357,7 +359,7 @@ def test_the_store_keeps_a_jobs_progress_and_its_last_checkpoint(store: FleetSto
     # A checkpoint is progress, not an event: the job's events stay its life's turns.
     assert [e.kind for e in events] == ["requested", "admitted", "started"]
     # An older checkpoint reported late does not replace it.
-    store.agent_sync(
+    store.jobs.agent_sync(
         t(31),
         NODES,
         [],
@@ -371,7 +373,7 @@ def test_the_store_keeps_a_jobs_progress_and_its_last_checkpoint(store: FleetSto
 
 def test_a_report_of_a_job_that_is_not_running_changes_nothing(store: FleetStore) -> None:
     job = submit(store)  # admitted, not running yet
-    store.agent_sync(t(12), NODES, [], [], [ProgressReport(job, 0, 5, t(12))])
+    store.jobs.agent_sync(t(12), NODES, [], [], [ProgressReport(job, 0, 5, t(12))])
     with store.read() as session:
         assert session.get(JobProgress, job) is None
 
@@ -549,10 +551,12 @@ def test_a_checkpoint_adds_no_event_and_counts_once_whichever_pod_reports_it(
     store: FleetStore,
 ) -> None:
     job = submit(store)
-    store.agent_sync(t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], [])
+    store.jobs.agent_sync(
+        t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], []
+    )
 
     def saved(at: float, pod: int, *checkpoints: Saved) -> None:
-        store.agent_sync(
+        store.jobs.agent_sync(
             t(at), NODES, [], [], [ProgressReport(job, pod, checkpoints_saved=checkpoints)]
         )
 
@@ -582,9 +586,11 @@ def test_a_checkpoint_adds_no_event_and_counts_once_whichever_pod_reports_it(
 def test_a_loss_gone_nan_is_kept_and_breaks_no_sync(store: FleetStore) -> None:
     # JSON has no NaN: PostgreSQL refused the whole sync, every pod's report with it.
     job = submit(store)
-    store.agent_sync(t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], [])
+    store.jobs.agent_sync(
+        t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], []
+    )
     nan = ProgressReport(job, 0, 40, t(20), [], {"loss": float("nan"), "tokens": 512.0})
-    store.agent_sync(t(21), NODES, [], [], [nan, ProgressReport(job, 1, 40, t(20))])
+    store.jobs.agent_sync(t(21), NODES, [], [], [nan, ProgressReport(job, 1, 40, t(20))])
     with store.read() as session:
         row = session.get(JobProgress, job)
         assert row is not None
@@ -598,8 +604,10 @@ def test_the_migration_counts_the_checkpoints_saved_before_it_by_attempt(
     engine: Engine, store: FleetStore
 ) -> None:
     job = submit(store)
-    store.agent_sync(t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], [])
-    store.agent_sync(t(13), NODES, [], [], [ProgressReport(job, 0, 1, t(13))])
+    store.jobs.agent_sync(
+        t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], []
+    )
+    store.jobs.agent_sync(t(13), NODES, [], [], [ProgressReport(job, 0, 1, t(13))])
     with Session(engine) as session, session.begin():
         for at, kind, data in (
             (20, "job-checkpoint-saved", {"step": 10}),
@@ -620,18 +628,22 @@ def test_the_store_takes_a_checkpoint_to_resume_from_only_inside_the_jobs_locati
     store: FleetStore,
 ) -> None:
     job = submit(store)  # its location: /ckpt/carol/train
-    store.agent_sync(t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], [])
+    store.jobs.agent_sync(
+        t(12), NODES, [PodReport(job, 0, "running"), PodReport(job, 1, "running")], []
+    )
     elsewhere = [
         Saved("/ckpt/bob/train/step-90", 90, t(20)),
         Saved("/ckpt/carol/train/../../bob/train/step-91", 91, t(21)),
         Saved("s3://ckpt/carol/train/step-92", 92, t(22)),
     ]
-    store.agent_sync(t(23), NODES, [], [], [ProgressReport(job, 0, checkpoints_saved=elsewhere)])
+    store.jobs.agent_sync(
+        t(23), NODES, [], [], [ProgressReport(job, 0, checkpoints_saved=elsewhere)]
+    )
     with store.read() as session:
         row = session.get(JobProgress, job)
         assert row is None or progress_json(row)["last_checkpoint"] is None
     own = Saved("/ckpt/carol/train/step-40", 40, t(30))
-    store.agent_sync(t(31), NODES, [], [], [ProgressReport(job, 0, checkpoints_saved=[own])])
+    store.jobs.agent_sync(t(31), NODES, [], [], [ProgressReport(job, 0, checkpoints_saved=[own])])
     with store.read() as session:
         row = session.get(JobProgress, job)
         assert row is not None and row.last_checkpoint_uri == "/ckpt/carol/train/step-40"

@@ -95,9 +95,9 @@ async def api(tmp_path: Path) -> AsyncIterator[Api]:
     store = fleet_store(tmp_path / "gpufleet.sqlite")
     now = datetime.now(UTC)
     request = SessionRequest("alice", "", "vision", "A100", 1, None)
-    workload = store.open_session_request(now, request, timedelta(minutes=5))
-    store.record_process_marker(now, workload.id, MARKER)
-    store.scheduling_cycle(now, Policy())
+    workload = store.workloads.open_session_request(now, request, timedelta(minutes=5))
+    store.reconcile.record_process_marker(now, workload.id, MARKER)
+    store.scheduling.scheduling_cycle(now, Policy())
     controller = OperationsController(store, SPAWNER)
     async for url in serve(web.Application(routes(PREFIX, controller))):
         base = f"{url}{PREFIX}api/v1"
@@ -286,15 +286,19 @@ async def test_a_running_operation_that_reports_on_time_is_waited_for(api: Api) 
 def test_ended_operations_are_forgotten_after_a_week(api: Api) -> None:
     store, wid = api.store, api.workload_id
     now = datetime.now(UTC)
-    old = store.request_node_operation(now - timedelta(days=8), wid, "snapshot", {})
-    (claimed,) = store.claim_node_operations(now - timedelta(days=8), ["a1"])
-    store.report_node_operation(now - timedelta(days=8), claimed.id, state="done", result={})
-    recent = store.request_node_operation(now - timedelta(days=1), wid, "snapshot", {})
-    store.abandon_node_operation(now - timedelta(days=1), recent.id, "gave up")
-    store.request_node_operation(now, wid, "restore", {})
+    old = store.node_operations.request_node_operation(now - timedelta(days=8), wid, "snapshot", {})
+    (claimed,) = store.node_operations.claim_node_operations(now - timedelta(days=8), ["a1"])
+    store.node_operations.report_node_operation(
+        now - timedelta(days=8), claimed.id, state="done", result={}
+    )
+    recent = store.node_operations.request_node_operation(
+        now - timedelta(days=1), wid, "snapshot", {}
+    )
+    store.node_operations.abandon_node_operation(now - timedelta(days=1), recent.id, "gave up")
+    store.node_operations.request_node_operation(now, wid, "restore", {})
     with pytest.raises(NotFound):
-        store.node_operation(old.id)
-    assert store.node_operation(recent.id).state == "failed"
+        store.node_operations.node_operation(old.id)
+    assert store.node_operations.node_operation(recent.id).state == "failed"
 
 
 @pytest.mark.parametrize(

@@ -114,14 +114,14 @@ def fleet_store(path: Path, projects: list[dict[str, Any]] | None = None) -> Fle
     db.upgrade(engine)
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(hours=1))
     assert store.try_acquire_lease(NOW)
-    store.apply_config(
+    store.projects.apply_config(
         NOW,
         projects if projects is not None else team(300, 60, vision=160, nlp=128, speech=72),
         [{"name": "pytorch", "default": True}],
         [{"name": "standard", "rank": 100}],
     )
     gpus = tuple(GpuSpec(f"GPU-a1-{i}", i) for i in range(8))
-    store.register_nodes(NOW, "agent-1", [NodeSpec("a1", "local", "zone-a", "H100", gpus)])
+    store.nodes.register_nodes(NOW, "agent-1", [NodeSpec("a1", "local", "zone-a", "H100", gpus)])
     return store
 
 
@@ -145,7 +145,7 @@ def test_the_store_refuses_a_config_over_its_limits_and_writes_nothing(tmp_path:
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(hours=1))
     assert store.try_acquire_lease(NOW)
     with pytest.raises(InvalidRequest) as refused:
-        store.apply_config(NOW, team(), [], [{"name": "standard", "rank": 100}])
+        store.projects.apply_config(NOW, team(), [], [{"name": "standard", "rank": 100}])
     assert str(refused.value) == RESEARCH
     assert quotas(store) == {}
 
@@ -164,7 +164,9 @@ def test_an_edit_that_would_exceed_the_limit_is_refused_and_changes_nothing(
     store = fleet_store(tmp_path / "fleet.sqlite")
     before, logged = quotas(store), events(store)
     with pytest.raises(InvalidRequest, match=r"^team research: its projects' guarantees"):
-        store.edit_project(NOW, project, "admin", ProjectEdit(weight=3.0, quotas={"H100": quota}))
+        store.projects.edit_project(
+            NOW, project, "admin", ProjectEdit(weight=3.0, quotas={"H100": quota})
+        )
     assert quotas(store) == before
     assert events(store) == logged
     with store.read() as session:
@@ -174,11 +176,13 @@ def test_an_edit_that_would_exceed_the_limit_is_refused_and_changes_nothing(
 
 def test_an_edit_within_the_limit_is_taken(tmp_path: Path) -> None:
     store = fleet_store(tmp_path / "fleet.sqlite")
-    changes = store.edit_project(
+    changes = store.projects.edit_project(
         NOW, "research", "admin", ProjectEdit(quotas={"H100": QuotaEdit(300, 80, None)})
     )
     assert changes == ["research: H100 borrow limit 60 → 80"]
-    store.edit_project(NOW, "speech", "admin", ProjectEdit(quotas={"H100": QuotaEdit(92, 0, 0)}))
+    store.projects.edit_project(
+        NOW, "speech", "admin", ProjectEdit(quotas={"H100": QuotaEdit(92, 0, 0)})
+    )
     assert quotas(store)["speech"] == (92, 0, 0)
 
 
@@ -186,19 +190,23 @@ def test_a_tree_already_over_its_limit_may_be_mended_in_steps(tmp_path: Path) ->
     # An admin's edit (kept over the config file) and a later config together go over.
     path = tmp_path / "fleet.sqlite"
     store = fleet_store(path)
-    store.edit_project(NOW, "speech", "admin", ProjectEdit(quotas={"H100": QuotaEdit(72, 0, None)}))
-    store.edit_project(NOW, "nlp", "admin", ProjectEdit(quotas={"H100": QuotaEdit(128, 0, None)}))
-    store.apply_config(
+    store.projects.edit_project(
+        NOW, "speech", "admin", ProjectEdit(quotas={"H100": QuotaEdit(72, 0, None)})
+    )
+    store.projects.edit_project(
+        NOW, "nlp", "admin", ProjectEdit(quotas={"H100": QuotaEdit(128, 0, None)})
+    )
+    store.projects.apply_config(
         NOW, team(300, 20, vision=160, nlp=100, speech=20), [], [{"name": "standard", "rank": 100}]
     )
     assert quotas(store)["research"] == (300, 20, None)  # 160 + 128 + 72 = 360 > 320
     # Unrelated edits and steps that lower the excess are taken; a step up is not.
-    store.edit_project(NOW, "vision", "admin", ProjectEdit(weight=2.0))
-    store.edit_project(
+    store.projects.edit_project(NOW, "vision", "admin", ProjectEdit(weight=2.0))
+    store.projects.edit_project(
         NOW, "vision", "admin", ProjectEdit(quotas={"H100": QuotaEdit(150, 0, None)})
     )
     with pytest.raises(InvalidRequest, match=r"sum to 351 \(vision 150, nlp 128, speech 73\)"):
-        store.edit_project(
+        store.projects.edit_project(
             NOW, "speech", "admin", ProjectEdit(quotas={"H100": QuotaEdit(73, 0, None)})
         )
     assert quotas(store)["speech"] == (72, 0, None)

@@ -42,23 +42,23 @@ def t(seconds: float) -> datetime:
 def store(engine: Engine) -> FleetStore:
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(seconds=15))
     assert store.try_acquire_lease(T0)
-    store.apply_config(
+    store.projects.apply_config(
         T0,
         [{"name": "vision", "quotas": {"A100": {"guaranteed": 2}}}],
         [{"name": "lab", "default": True}],
         [{"name": "standard", "rank": 100}],
     )
     node = NodeSpec("a1", "local", "zone-a", "A100", (GpuSpec("GPU-0", 0), GpuSpec("GPU-1", 1)))
-    store.register_nodes(T0, "agent-1", [node])
-    store.sync_memberships(T0, {"vision": ["alice", "bob"]})
+    store.nodes.register_nodes(T0, "agent-1", [node])
+    store.projects.sync_memberships(T0, {"vision": ["alice", "bob"]})
     return store
 
 
 def ask(store: FleetStore, now: datetime, username: str, marker: str | None = None) -> int:
     request = SessionRequest(username, "", "vision", "A100", 1, None)
-    workload_id = store.open_session_request(now, request, LEASE).id
+    workload_id = store.workloads.open_session_request(now, request, LEASE).id
     if marker is not None:
-        store.record_process_marker(now, workload_id, marker)
+        store.reconcile.record_process_marker(now, workload_id, marker)
     return workload_id
 
 
@@ -86,11 +86,11 @@ def run_on_gpu(store: FleetStore, workload_id: int, gpu: str, now: datetime) -> 
 
 def test_a_workload_keeps_the_first_marker_its_backend_sent(store: FleetStore) -> None:
     alice = ask(store, t(1), "alice", marker="m-alice-0001")
-    store.record_process_marker(t(2), alice, "m-alice-0001")  # the same again: fine
+    store.reconcile.record_process_marker(t(2), alice, "m-alice-0001")  # the same again: fine
     with pytest.raises(InvalidRequest, match="already has a process marker"):
-        store.record_process_marker(t(3), alice, "m-other-0002")
+        store.reconcile.record_process_marker(t(3), alice, "m-other-0002")
     with pytest.raises(NotFound):
-        store.record_process_marker(t(3), 999, "m-alice-0001")
+        store.reconcile.record_process_marker(t(3), 999, "m-alice-0001")
     with store.read() as session:
         assert session.get_one(Workload, alice).process_marker == "m-alice-0001"
 
@@ -102,10 +102,16 @@ def test_ending_a_lost_workload_closes_its_gpus_and_says_why(store: FleetStore) 
         version = session.get_one(Workload, alice).version
 
     reason = "the hub no longer runs server (default) of alice and ..."
-    assert store.end_reconciled(t(9), alice, version - 1, "lost", "session-lost", reason) is None
-    ended = store.end_reconciled(t(10), alice, version, "lost", "session-lost", reason)
+    assert (
+        store.reconcile.end_reconciled(t(9), alice, version - 1, "lost", "session-lost", reason)
+        is None
+    )
+    ended = store.reconcile.end_reconciled(t(10), alice, version, "lost", "session-lost", reason)
     assert ended is not None and ended.state == WorkloadState.ended
-    assert store.end_reconciled(t(11), alice, ended.version, "lost", "session-lost", reason) is None
+    assert (
+        store.reconcile.end_reconciled(t(11), alice, ended.version, "lost", "session-lost", reason)
+        is None
+    )
 
     with store.read() as session:
         workload = session.get_one(Workload, alice)
@@ -130,10 +136,10 @@ def test_ending_a_lost_workload_closes_its_gpus_and_says_why(store: FleetStore) 
 
 def test_repairs_outside_the_database_are_events_too(store: FleetStore) -> None:
     bob = ask(store, t(1), "bob")
-    store.record_reconciled(
+    store.reconcile.record_reconciled(
         t(5), "stopping the server", rule="server-without-gpus", workload_id=bob, data={"x": 1}
     )
-    store.record_reconciled(t(6), "found process 12 ...", rule="orphan-processes")
+    store.reconcile.record_reconciled(t(6), "found process 12 ...", rule="orphan-processes")
     with store.read() as session:
         rows = session.execute(
             select(Event.workload_id, Event.username, Event.reason, Event.message, Event.data)
@@ -151,9 +157,9 @@ def test_a_controller_without_the_lease_repairs_nothing(store: FleetStore, engin
     other = FleetStore(engine, "controller-b", lease_ttl=timedelta(seconds=15))
     assert other.try_acquire_lease(t(60))  # the first one's lease expired
     with pytest.raises(LeaseLost):
-        store.end_reconciled(t(61), alice, 1, "lost", "session-lost", "...")
+        store.reconcile.end_reconciled(t(61), alice, 1, "lost", "session-lost", "...")
     with pytest.raises(LeaseLost):
-        store.record_reconciled(t(61), "...", rule="orphan-processes")
+        store.reconcile.record_reconciled(t(61), "...", rule="orphan-processes")
     with store.read() as session:
         assert session.get_one(Workload, alice).state == WorkloadState.pending
 
@@ -165,12 +171,12 @@ def test_the_reconciler_reads_open_workloads_and_ended_ones_whose_marker_is_aliv
     run_on_gpu(store, alice, "GPU-0", t(2))
     bob = ask(store, t(3), "bob", marker="m-bob-00000001")
     run_on_gpu(store, bob, "GPU-1", t(4))
-    store.end(t(5), bob, "stopped", "the server stopped")
+    store.workloads.end(t(5), bob, "stopped", "the server stopped")
     old = ask(store, t(6), "bob")  # pending, no marker yet
     with store.read() as session, session.begin():
         # A stop decided at t(8) (the preemption or culler path records an event).
         session.get_one(Workload, alice).state = WorkloadState.stopping
-    store.record_reconciled(t(8), "stop decided", rule="stop-overdue", workload_id=alice)
+    store.reconcile.record_reconciled(t(8), "stop decided", rule="stop-overdue", workload_id=alice)
 
     with store.read() as session:
         versions = {w.id: w.version for w in session.scalars(select(Workload))}
@@ -192,7 +198,7 @@ def test_the_reconciler_reads_open_workloads_and_ended_ones_whose_marker_is_aliv
     # The second look before stopping a server: is any workload open for it?
     assert open_session_exists(store, "bob", "")  # the new start, pending
     assert not open_session_exists(store, "bob", "other")
-    store.end(t(9), old, "withdrawn", "cancelled")
+    store.workloads.end(t(9), old, "withdrawn", "cancelled")
     assert not open_session_exists(store, "bob", "")
 
 

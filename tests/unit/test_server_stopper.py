@@ -102,7 +102,9 @@ async def fx(tmp_path: Path) -> AsyncIterator[Fixture]:
     hub = FakeHub()
     store = fleet_store(tmp_path / "gpufleet.sqlite")
     request = SessionRequest("alice", "", "vision", "A100", 1, None)
-    workload = store.open_session_request(datetime.now(UTC), request, timedelta(minutes=5))
+    workload = store.workloads.open_session_request(
+        datetime.now(UTC), request, timedelta(minutes=5)
+    )
     app = web.Application([(r"/hub/api/users/.*", _StopHandler, {"hub": hub})])
     async for url in serve(app):
         yield Fixture(hub, store, f"{url}/hub/api", workload.id)

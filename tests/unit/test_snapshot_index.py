@@ -23,7 +23,7 @@ PROJECTS = [{"name": "vision"}, {"name": "nlp"}]
 def _store(engine: Engine) -> FleetStore:
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(seconds=15))
     assert store.try_acquire_lease(T0)
-    store.apply_config(T0, PROJECTS, [], [{"name": "standard", "rank": 100}])
+    store.projects.apply_config(T0, PROJECTS, [], [{"name": "standard", "rank": 100}])
     return store
 
 
@@ -41,25 +41,27 @@ def test_the_index_follows_the_store(engine: Engine, tmp_path: Path) -> None:
         repository = Repository.open(snapshots, project, key)
         made.append(create_snapshot(repository, [SourceSpec("home", home)], user=user))
 
-    records = scan(snapshots, key, fleet.project_names())
+    records = scan(snapshots, key, fleet.snapshots.project_names())
     assert sorted((r.project, r.username) for r in records) == [
         ("nlp", "ann"),
         ("vision", "ann"),
         ("vision", "bob"),
     ]
-    changes = fleet.rebuild_snapshot_index(T0, snapshots.uri, records)
+    changes = fleet.snapshots.rebuild_snapshot_index(T0, snapshots.uri, records)
     assert (changes.added, changes.updated, changes.removed) == (3, 0, 0)
-    assert [s.file_count for s in fleet.snapshots_of("ann")] == [1, 1]
+    assert [s.file_count for s in fleet.snapshots.snapshots_of("ann")] == [1, 1]
 
     # A manifest deleted from the store (retention, an admin) leaves the index too.
     vision = Repository.open(snapshots, "vision", key)
     vision.delete_manifest(vision.snapshots("bob")[0])
-    changes = fleet.rebuild_snapshot_index(
+    changes = fleet.snapshots.rebuild_snapshot_index(
         T0, snapshots.uri, scan(snapshots, key, ["vision", "nlp"])
     )
     assert (changes.added, changes.updated, changes.removed) == (0, 0, 1)
-    assert fleet.snapshots_of("bob") == []
-    again = fleet.rebuild_snapshot_index(T0, snapshots.uri, scan(snapshots, key, ["vision", "nlp"]))
+    assert fleet.snapshots.snapshots_of("bob") == []
+    again = fleet.snapshots.rebuild_snapshot_index(
+        T0, snapshots.uri, scan(snapshots, key, ["vision", "nlp"])
+    )
     assert (again.added, again.updated, again.removed) == (0, 0, 0)
     with fleet.read() as session:
         rows = session.scalars(select(Snapshot)).all()
@@ -74,9 +76,9 @@ def test_a_recorded_snapshot_is_one_row(engine: Engine) -> None:
     record = SnapshotRecord(
         "vision", "ann", "gpu", "file:///s", "projects/vision/snapshots/x", T0, 10, 2
     )
-    fleet.record_snapshot(T0, record)
-    fleet.record_snapshot(T0, record)
-    rows = fleet.snapshots_of("ann", "gpu")
+    fleet.snapshots.record_snapshot(T0, record)
+    fleet.snapshots.record_snapshot(T0, record)
+    rows = fleet.snapshots.snapshots_of("ann", "gpu")
     assert [(r.manifest_key, r.size_bytes) for r in rows] == [("projects/vision/snapshots/x", 10)]
 
 

@@ -335,19 +335,19 @@ def test_a_database_of_the_previous_release_upgrades_in_place_with_its_rows(
 
     store = FleetStore(empty_engine, "controller-b", lease_ttl=timedelta(seconds=15))
     assert store.try_acquire_lease(NOW)
-    store.apply_config(NOW, PROJECTS, [{"name": "pytorch", "default": True}], [])
-    assert store.register_nodes(NOW, "agent-1", [NODE]) == ["a1"]
+    store.projects.apply_config(NOW, PROJECTS, [{"name": "pytorch", "default": True}], [])
+    assert store.nodes.register_nodes(NOW, "agent-1", [NODE]) == ["a1"]
 
     # Alice's running session keeps both its GPUs and counts against vision's quota, whose
     # guarantee is still the admin's 3, not the config's 2: bob's one GPU is admitted on a
     # GPU she does not hold; alice's second server waits.
-    bob = store.open_session_request(
+    bob = store.workloads.open_session_request(
         NOW, SessionRequest("bob", "", "vision", "A100", 1, None), timedelta(seconds=30)
     ).id
-    alice_again = store.open_session_request(
+    alice_again = store.workloads.open_session_request(
         NOW, SessionRequest("alice", "second", "vision", "A100", 1, None), timedelta(seconds=30)
     ).id
-    result = store.scheduling_cycle(NOW + timedelta(seconds=1), Policy())
+    result = store.scheduling.scheduling_cycle(NOW + timedelta(seconds=1), Policy())
     assert [admitted.workload_id for admitted in result.admitted] == [bob]
     with store.read() as read:
         open_gpus = dict(
@@ -366,16 +366,16 @@ def test_a_database_of_the_previous_release_upgrades_in_place_with_its_rows(
     assert "project vision uses 3/3 guaranteed A100 and may borrow 0 more" in waiting.reason
 
     # The culler still honours alice's keep-alive; her account keeps its uid.
-    state = store.session_state(session, "alice")
+    state = store.sessions.session_state(session, "alice")
     assert (state.keep_alive_until, state.project, state.profile) == (
         T0 + timedelta(hours=2),
         "vision",
         "pytorch",
     )
-    assert store.account(NOW, "alice").uid == 200_007
+    assert store.accounts.account(NOW, "alice").uid == 200_007
 
     # Her snapshot is still listed, with its size, for a restore.
-    (snapshot,) = store.snapshots_of("alice")
+    (snapshot,) = store.snapshots.snapshots_of("alice")
     assert (snapshot.manifest_key, snapshot.size_bytes, snapshot.file_count) == (
         "manifests/alice/default/20260105T080000Z",
         5 * 2**30,
@@ -405,4 +405,4 @@ def test_a_database_of_the_previous_release_upgrades_in_place_with_its_rows(
     assert progress["checkpoints_saved_by_attempt"] == {1: 3, 2: 2}
     assert (progress["last_step"], progress["metrics"]) == (5000, {"loss": 0.25})
     assert kinds == ["job-fault", "job-restarting", "ended"]
-    assert store.read_log(job, 0, "stdout", 0, 1024).data == "epoch 9 done\n"
+    assert store.jobs.read_log(job, 0, "stdout", 0, 1024).data == "epoch 9 done\n"

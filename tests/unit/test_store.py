@@ -22,6 +22,7 @@ from gpufleet.scheduler.errors import InvalidRequest, LeaseLost, SchemaMismatch
 from gpufleet.scheduler.snapshot import Policy
 from gpufleet.scheduler.validation import Catalogue, ProfileRule, SessionRequest
 from gpufleet.state import db
+from gpufleet.state.catalogue import catalogue_of, projects_of
 from gpufleet.state.cycle import AdmittedWait, CycleResult
 from gpufleet.state.fleet import FleetStore
 from gpufleet.state.inventory import GpuSpec, NodeSpec
@@ -203,14 +204,14 @@ def make_store(engine: Engine) -> FleetStore:
     """A controller holding the lease over a small fleet: 6 A100 on two nodes, 2 H100."""
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(seconds=15))
     assert store.try_acquire_lease(T0)
-    store.apply_config(T0, PROJECTS, PROFILES, PRIORITY_CLASSES)
-    assert store.register_nodes(T0, "agent-1", NODES) == ["a1", "a2", "h1"]
-    assert store.sync_memberships(T0, GROUPS) == 3
+    store.projects.apply_config(T0, PROJECTS, PROFILES, PRIORITY_CLASSES)
+    assert store.nodes.register_nodes(T0, "agent-1", NODES) == ["a1", "a2", "h1"]
+    assert store.projects.sync_memberships(T0, GROUPS) == 3
     return store
 
 
 def cycle(store: FleetStore, now: datetime) -> CycleResult:
-    return store.scheduling_cycle(now, Policy())
+    return store.scheduling.scheduling_cycle(now, Policy())
 
 
 def ask(
@@ -225,7 +226,7 @@ def ask(
     profile: str | None = None,
 ) -> int:
     request = SessionRequest(username, server, project, gpu_type, gpus, profile)
-    return store.open_session_request(now, request, REQUEST_LEASE).id
+    return store.workloads.open_session_request(now, request, REQUEST_LEASE).id
 
 
 def workload(store: FleetStore, workload_id: int) -> Workload:
@@ -309,7 +310,7 @@ def test_ending_closes_allocations_without_deleting_them_and_frees_the_gpu(
     cycle(store, t(3))
     assert workload(store, bob).state == WorkloadState.pending
 
-    ended = store.end(t(10), alice, "stopped", "the user stopped the server")
+    ended = store.workloads.end(t(10), alice, "stopped", "the user stopped the server")
     assert (ended.state, ended.outcome, ended.ended_at) == (WorkloadState.ended, "stopped", t(10))
     assert allocations(store) == [
         (alice, "GPU-a2-0", t(10)),
@@ -324,7 +325,7 @@ def test_ending_closes_allocations_without_deleting_them_and_frees_the_gpu(
         (bob, "GPU-a2-0", None),
     ]
     # Ending twice changes nothing: the end time stays the first one.
-    assert store.end(t(20), alice, "failed", "again").ended_at == t(10)
+    assert store.workloads.end(t(20), alice, "failed", "again").ended_at == t(10)
 
 
 def test_an_unrenewed_request_expires_and_a_renewed_or_running_one_does_not(
@@ -333,10 +334,10 @@ def test_an_unrenewed_request_expires_and_a_renewed_or_running_one_does_not(
     alice = ask(store, t(0), "alice")
     bob = ask(store, t(0), "bob")
     carol = ask(store, t(0), "carol", project="nlp")
-    store.renew(t(20), bob, REQUEST_LEASE)  # bob's spawner still waits: lease until t(50)
+    store.workloads.renew(t(20), bob, REQUEST_LEASE)  # bob's spawner still waits: lease until t(50)
 
-    assert store.expire_leases(t(29)) == []
-    assert sorted(store.expire_leases(t(31))) == [alice, carol]
+    assert store.workloads.expire_leases(t(29)) == []
+    assert sorted(store.workloads.expire_leases(t(31))) == [alice, carol]
     for gone in (alice, carol):
         expired = workload(store, gone)
         assert (expired.state, expired.outcome) == (WorkloadState.ended, "expired")
@@ -344,15 +345,15 @@ def test_an_unrenewed_request_expires_and_a_renewed_or_running_one_does_not(
     assert workload(store, bob).state == WorkloadState.pending
 
     cycle(store, t(32))
-    store.mark_running(t(33), bob)
-    assert store.expire_leases(t(1000)) == []  # a running session holds no request lease
+    store.workloads.mark_running(t(33), bob)
+    assert store.workloads.expire_leases(t(1000)) == []  # a running session holds no request lease
     assert workload(store, bob).state == WorkloadState.running
 
 
 def test_an_admitted_request_whose_lease_lapses_gives_its_gpus_back(store: FleetStore) -> None:
     alice = ask(store, t(0), "alice")
     cycle(store, t(1))
-    assert store.expire_leases(t(31)) == [alice]
+    assert store.workloads.expire_leases(t(31)) == [alice]
     assert allocations(store) == [(alice, "GPU-a2-0", t(31))]
 
 
@@ -377,7 +378,7 @@ def test_a_new_start_of_the_same_server_supersedes_the_older_request(store: Flee
 def test_a_running_server_cannot_be_requested_again(store: FleetStore, engine: Engine) -> None:
     first = ask(store, t(1), "alice")
     cycle(store, t(2))
-    store.mark_running(t(3), first)
+    store.workloads.mark_running(t(3), first)
     before = row_counts(engine)
 
     with pytest.raises(InvalidRequest) as caught:
@@ -395,10 +396,10 @@ def test_a_second_controller_waits_for_the_lease_and_then_fences_the_first(
 ) -> None:
     second = FleetStore(engine, "controller-b", lease_ttl=timedelta(seconds=15))
     assert not second.try_acquire_lease(t(5))  # held until t(15)
-    store.heartbeat(t(10), "agent-1", ["a1"])  # every write renews: held until t(25)
+    store.nodes.heartbeat(t(10), "agent-1", ["a1"])  # every write renews: held until t(25)
     assert not second.try_acquire_lease(t(20))
     with pytest.raises(LeaseLost):  # a controller that never held the lease cannot write
-        second.heartbeat(t(20), "agent-1", ["a1"])
+        second.nodes.heartbeat(t(20), "agent-1", ["a1"])
 
     assert second.try_acquire_lease(t(26))  # the first stopped renewing: taken over
     alice = ask(second, t(27), "alice")  # the new holder writes
@@ -407,15 +408,15 @@ def test_a_second_controller_waits_for_the_lease_and_then_fences_the_first(
     writes: list[Callable[[datetime], object]] = [
         lambda now: ask(store, now, "bob"),
         lambda now: cycle(store, now),
-        lambda now: store.end(now, alice, "stopped", ""),
-        lambda now: store.renew(now, alice, REQUEST_LEASE),
-        lambda now: store.expire_leases(now + timedelta(hours=1)),
-        lambda now: store.heartbeat(now, "agent-1", ["a1"]),
-        lambda now: store.lose_silent_nodes(now, timedelta(seconds=0)),
-        lambda now: store.register_nodes(now, "agent-1", [node_spec("a3", "A100", [0])]),
-        lambda now: store.sync_memberships(now, {}),
-        lambda now: store.apply_config(now, [], [], [{"name": "low", "rank": 1}]),
-        lambda now: store.record_event(now, "snapshot-retention", "from the old controller"),
+        lambda now: store.workloads.end(now, alice, "stopped", ""),
+        lambda now: store.workloads.renew(now, alice, REQUEST_LEASE),
+        lambda now: store.workloads.expire_leases(now + timedelta(hours=1)),
+        lambda now: store.nodes.heartbeat(now, "agent-1", ["a1"]),
+        lambda now: store.jobs.lose_silent_nodes(now, timedelta(seconds=0)),
+        lambda now: store.nodes.register_nodes(now, "agent-1", [node_spec("a3", "A100", [0])]),
+        lambda now: store.projects.sync_memberships(now, {}),
+        lambda now: store.projects.apply_config(now, [], [], [{"name": "low", "rank": 1}]),
+        lambda now: store.events.record_event(now, "snapshot-retention", "from the old controller"),
     ]
     for write in writes:
         with pytest.raises(LeaseLost, match="controller-a no longer holds the database lease"):
@@ -433,7 +434,7 @@ def test_a_restarted_controller_with_the_same_name_fences_its_old_self(
 ) -> None:
     restarted = FleetStore(engine, "controller-a")
     assert restarted.try_acquire_lease(t(1))  # its own lease, although still live
-    assert restarted.epoch == 2
+    assert restarted.database.epoch == 2
     with pytest.raises(LeaseLost):
         ask(store, t(2), "alice")
     assert workload(restarted, ask(restarted, t(3), "alice")).state == WorkloadState.pending
@@ -445,7 +446,7 @@ def test_a_fenced_off_write_gives_its_connection_back_at_once(
     second = FleetStore(engine, "controller-b")
     assert second.try_acquire_lease(t(100))
     with pytest.raises(LeaseLost) as caught:  # the caller still holds the error, as a log may
-        store.heartbeat(t(101), "agent-1", ["a1"])
+        store.nodes.heartbeat(t(101), "agent-1", ["a1"])
     still_open = engine.pool.checkedout()  # type: ignore[attr-defined]
     del caught  # the leaked transaction is cleaned up only with the error: do not leak it on
     gc.collect()
@@ -455,8 +456,8 @@ def test_a_fenced_off_write_gives_its_connection_back_at_once(
 def test_silent_nodes_become_unknown_and_receive_no_work_until_they_report(
     store: FleetStore,
 ) -> None:
-    assert store.heartbeat(t(20), "agent-1", ["a1", "ghost"]) == ["ghost"]
-    assert store.lose_silent_nodes(t(31), timedelta(seconds=30)).nodes == ["a2", "h1"]
+    assert store.nodes.heartbeat(t(20), "agent-1", ["a1", "ghost"]) == ["ghost"]
+    assert store.jobs.lose_silent_nodes(t(31), timedelta(seconds=30)).nodes == ["a2", "h1"]
     with store.read() as session:
         health = dict(session.execute(select(Node.name, Node.health)).all())
     assert health == {"a1": NodeHealth.ok, "a2": NodeHealth.unknown, "h1": NodeHealth.unknown}
@@ -470,7 +471,7 @@ def test_silent_nodes_become_unknown_and_receive_no_work_until_they_report(
         "right now; within project nlp's guarantee (0/2 used)"
     )
 
-    store.heartbeat(t(40), "agent-1", ["h1"])
+    store.nodes.heartbeat(t(40), "agent-1", ["h1"])
     assert cycle(store, t(41)).admitted == (AdmittedWait(carol, "nlp", "H100", 8.0),)
     assert events(store, "node-back") == ["node h1 is reporting again"]
 
@@ -478,12 +479,12 @@ def test_silent_nodes_become_unknown_and_receive_no_work_until_they_report(
 def test_a_gpu_that_is_no_longer_reported_is_marked_absent_and_not_offered(
     store: FleetStore,
 ) -> None:
-    store.register_nodes(t(5), "agent-1", [node_spec("a1", "A100", (0, 1, 2))])
+    store.nodes.register_nodes(t(5), "agent-1", [node_spec("a1", "A100", (0, 1, 2))])
     with store.read() as session:
         present = dict(
             session.execute(select(Gpu.uuid, Gpu.present).where(Gpu.uuid.like("GPU-a1-%"))).all()
         )
-        catalogue = store.catalogue(session, "carol")
+        catalogue = catalogue_of(session, "carol")
     assert present == {"GPU-a1-0": True, "GPU-a1-1": True, "GPU-a1-2": True, "GPU-a1-3": False}
     assert events(store, "gpu-missing") == ["GPU GPU-a1-3 (index 3) is no longer reported on a1"]
     assert catalogue.largest_node == {"A100": 3, "H100": 2}
@@ -498,7 +499,7 @@ def test_a_gpu_that_is_no_longer_reported_is_marked_absent_and_not_offered(
 
 def test_catalogue_offers_the_users_projects_types_and_profiles(store: FleetStore) -> None:
     with store.read() as session:
-        assert store.catalogue(session, "alice") == Catalogue(
+        assert catalogue_of(session, "alice") == Catalogue(
             largest_node={"A100": 4, "H100": 2},
             user_projects=frozenset({"vision"}),
             profiles={
@@ -509,7 +510,7 @@ def test_catalogue_offers_the_users_projects_types_and_profiles(store: FleetStor
             largest_zone={"A100": 6, "H100": 2},
             priority_classes=frozenset({"standard"}),
         )
-        assert store.catalogue(session, "mallory").user_projects == frozenset()
+        assert catalogue_of(session, "mallory").user_projects == frozenset()
 
 
 @pytest.mark.parametrize(
@@ -533,23 +534,25 @@ def test_bad_requests_are_rejected_without_writing_anything(
     before = row_counts(engine)
 
     with pytest.raises(InvalidRequest, match=message):
-        store.check_session_request(request)
+        store.workloads.check_session_request(request)
     with pytest.raises(InvalidRequest, match=message):
-        store.open_session_request(t(1), request, REQUEST_LEASE)
+        store.workloads.open_session_request(t(1), request, REQUEST_LEASE)
     assert row_counts(engine) == before
 
 
 def test_a_valid_dry_run_records_nothing(store: FleetStore, engine: Engine) -> None:
     before = row_counts(engine)
-    store.check_session_request(SessionRequest("alice", "", "vision", "A100", "2"))
+    store.workloads.check_session_request(SessionRequest("alice", "", "vision", "A100", "2"))
     assert row_counts(engine) == before
 
 
 def test_memberships_follow_the_hub_groups(store: FleetStore) -> None:
-    assert store.sync_memberships(t(1), GROUPS) == 0
-    assert store.sync_memberships(t(2), {"vision": ["alice"], "nlp": ["carol", "bob"]}) == 2
+    assert store.projects.sync_memberships(t(1), GROUPS) == 0
+    assert (
+        store.projects.sync_memberships(t(2), {"vision": ["alice"], "nlp": ["carol", "bob"]}) == 2
+    )
     with store.read() as session:
-        assert [p.name for p in store.projects_of(session, "bob")] == ["nlp"]
+        assert [p.name for p in projects_of(session, "bob")] == ["nlp"]
     with pytest.raises(InvalidRequest, match="bob is not a member of project 'vision'"):
         ask(store, t(3), "bob")
     assert workload(store, ask(store, t(4), "bob", project="nlp")).state == WorkloadState.pending
@@ -564,7 +567,7 @@ def test_apply_config_updates_quotas_in_place(store: FleetStore) -> None:
         },
         PROJECTS[1],
     ]
-    store.apply_config(t(1), changed, PROFILES, PRIORITY_CLASSES)
+    store.projects.apply_config(t(1), changed, PROFILES, PRIORITY_CLASSES)
     alice = ask(store, t(2), "alice")
     bob = ask(store, t(3), "bob", gpu_type="H100", gpus=2)
     cycle(store, t(4))
@@ -584,7 +587,9 @@ def test_apply_config_rejects_an_undeclared_parent_and_writes_nothing(
 ) -> None:
     before = row_counts(engine)
     with pytest.raises(InvalidRequest, match="names parent 'lab', which is not declared"):
-        store.apply_config(t(1), [{"name": "new", "parent": "lab"}], PROFILES, PRIORITY_CLASSES)
+        store.projects.apply_config(
+            t(1), [{"name": "new", "parent": "lab"}], PROFILES, PRIORITY_CLASSES
+        )
     assert row_counts(engine) == before
 
 
@@ -592,7 +597,7 @@ def test_mig_slices_are_gpu_types_of_their_own(engine: Engine) -> None:
     """A node with MIG slices offers them as their own type beside its whole GPUs."""
     store = FleetStore(engine, "controller-a")
     assert store.try_acquire_lease(T0)
-    store.apply_config(
+    store.projects.apply_config(
         T0,
         [
             {
@@ -604,7 +609,7 @@ def test_mig_slices_are_gpu_types_of_their_own(engine: Engine) -> None:
         [{"name": "standard", "rank": 200}],
     )
     slices = tuple(GpuSpec(f"MIG-{i}", i, gpu_type="A100-80GB:1g.10gb") for i in range(7))
-    store.register_nodes(
+    store.nodes.register_nodes(
         T0,
         "agent",
         [
@@ -617,17 +622,17 @@ def test_mig_slices_are_gpu_types_of_their_own(engine: Engine) -> None:
             )
         ],
     )
-    store.sync_memberships(T0, {"vision": ["alice"]})
+    store.projects.sync_memberships(T0, {"vision": ["alice"]})
     with store.read() as session:
-        assert store.catalogue(session, "alice").largest_node == {
+        assert catalogue_of(session, "alice").largest_node == {
             "A100-80GB": 1,
             "A100-80GB:1g.10gb": 7,
         }
     lease = timedelta(seconds=30)
-    small = store.open_session_request(
+    small = store.workloads.open_session_request(
         T0, SessionRequest("alice", "s", "vision", "A100-80GB:1g.10gb", 3), lease
     )
-    whole = store.open_session_request(
+    whole = store.workloads.open_session_request(
         T0, SessionRequest("alice", "w", "vision", "A100-80GB", 1), lease
     )
     cycle(store, T0)
@@ -644,7 +649,7 @@ def test_a_lost_gpu_is_neither_free_nor_offered_and_its_loss_is_an_event(
 ) -> None:
     from gpufleet.hub.api.handlers import node_rows
 
-    store.record_samples(t(1), "agent-1", [{"uuid": "GPU-h1-0", "index": 0, "lost": True}])
+    store.nodes.record_samples(t(1), "agent-1", [{"uuid": "GPU-h1-0", "index": 0, "lost": True}])
     assert events(store, "gpu-lost") == [
         "GPU GPU-h1-0 (index 0) on h1 is lost (NVML: fallen off the bus); it receives no new work"
     ]
@@ -660,7 +665,7 @@ def test_a_lost_gpu_is_neither_free_nor_offered_and_its_loss_is_an_event(
 def running_session(store: FleetStore, username: str = "alice") -> int:
     workload_id = ask(store, t(1), username)
     cycle(store, t(2))
-    store.mark_running(t(3), workload_id, {"paths": ["/home/alice"]})
+    store.workloads.mark_running(t(3), workload_id, {"paths": ["/home/alice"]})
     return workload_id
 
 
@@ -668,17 +673,19 @@ def test_a_busy_kernel_unmarks_an_idle_session_in_the_same_request(store: FleetS
     from gpufleet.state.sessions import ActivityReport
 
     wid = running_session(store)
-    assert store.record_idle_decision(t(10), wid, "mark-idle", "idle for 60 min", last_active=t(3))
+    assert store.sessions.record_idle_decision(
+        t(10), wid, "mark-idle", "idle for 60 min", last_active=t(3)
+    )
     assert workload(store, wid).idle_since == t(3)
     quiet = ActivityReport(
         kernels=1, kernels_busy=False, kernel_activity=t(2), terminal_activity=None
     )
-    store.record_activity(t(11), wid, "alice", quiet)
+    store.sessions.record_activity(t(11), wid, "alice", quiet)
     assert workload(store, wid).idle_since == t(3)  # nothing new: still reclaimable
     busy = ActivityReport(
         kernels=1, kernels_busy=True, kernel_activity=t(12), terminal_activity=None
     )
-    state = store.record_activity(t(12), wid, "alice", busy)
+    state = store.sessions.record_activity(t(12), wid, "alice", busy)
     assert workload(store, wid).idle_since is None
     assert state.notices == []  # the idle notice went with the mark
     assert events(store, "session-active-again") == ["in use again: a kernel is running code"]
@@ -693,7 +700,7 @@ def test_a_report_for_someone_elses_session_finds_nothing(store: FleetStore) -> 
         kernels=0, kernels_busy=False, kernel_activity=None, terminal_activity=None
     )
     with pytest.raises(NotFound, match=f"no running session {wid} of bob"):
-        store.record_activity(t(5), wid, "bob", report)
+        store.sessions.record_activity(t(5), wid, "bob", report)
 
 
 def test_keep_alive_beyond_the_projects_limit_says_the_latest_allowed_time(
@@ -701,12 +708,12 @@ def test_keep_alive_beyond_the_projects_limit_says_the_latest_allowed_time(
 ) -> None:
     wid = running_session(store)
     with pytest.raises(InvalidRequest) as refused:
-        store.set_keep_alive(t(5), wid, "alice", t(5 + 9 * 3600), timedelta(hours=8))
+        store.sessions.set_keep_alive(t(5), wid, "alice", t(5 + 9 * 3600), timedelta(hours=8))
     assert "its project allows at most 8 h ahead, so until 2026-01-05 17:00 UTC" in str(
         refused.value
     )
-    assert store.set_keep_alive(t(5), wid, "alice", t(3605), timedelta(hours=8)) == t(3605)
-    (row,) = store.culler_sessions()
+    assert store.sessions.set_keep_alive(t(5), wid, "alice", t(3605), timedelta(hours=8)) == t(3605)
+    (row,) = store.sessions.culler_sessions()
     assert (row.keep_alive_until, row.snapshot_sources) == (t(3605), {"paths": ["/home/alice"]})
 
 
@@ -714,7 +721,7 @@ def test_the_culler_sees_when_a_gpu_of_the_session_last_worked(store: FleetStore
     wid = running_session(store)
     (uuid,) = [u for w, u, closed in allocations(store) if w == wid and closed is None]
     sample = {"uuid": uuid, "index": 0, "at": 0.0}
-    store.record_samples(t(20), "agent-1", [{**sample, "utilization_gpu_pct": 40}], 5.0)
-    store.record_samples(t(30), "agent-1", [{**sample, "utilization_gpu_pct": 2}], 5.0)
-    (row,) = store.culler_sessions()
+    store.nodes.record_samples(t(20), "agent-1", [{**sample, "utilization_gpu_pct": 40}], 5.0)
+    store.nodes.record_samples(t(30), "agent-1", [{**sample, "utilization_gpu_pct": 2}], 5.0)
+    (row,) = store.sessions.culler_sessions()
     assert (row.workload_id, row.gpu_activity) == (wid, t(20))

@@ -44,11 +44,11 @@ def faulted_on_a2_then_running_on_a1(store: FleetStore) -> int:
     job = submit(store, 10, gpus=2)
     assert placed_on(store, job) == {"a2"}
     running(store, 12, job, pods=1)
-    store.record_xid(t(13), "agent-1", "GPU-a2-1", 48)
-    store.act_on_xid(t(13), "GPU-a2-1", 48)
+    store.nodes.record_xid(t(13), "agent-1", "GPU-a2-1", 48)
+    store.jobs.act_on_xid(t(13), "GPU-a2-1", 48)
     report(store, 14, PodReport(job, 0, "stopped", signal=15))
     assert avoided(store, job) == ([], ["GPU-a2-1"])
-    store.scheduling_cycle(t(15), NOW_POLICY)  # a2 has one usable GPU: a1 it is
+    store.scheduling.scheduling_cycle(t(15), NOW_POLICY)  # a2 has one usable GPU: a1 it is
     assert placed_on(store, job) == {"a1"}
     running(store, 16, job, pods=1, attempt=2)
     return job
@@ -59,7 +59,7 @@ def test_a_restart_lands_at_once_on_a_gpu_whose_reset_passed_since_its_fault(
 ) -> None:
     job = faulted_on_a2_then_running_on_a1(store)
     # Nothing holds GPU-a2-1 any more: its reset runs and passes.
-    assert len(store.start_due_maintenance(t(17))) == 1
+    assert len(store.maintenance.start_due_maintenance(t(17))) == 1
     agent_runs(store, 18, "a2")
     assert events(store, "maintenance-passed") == [
         f"reset of GPU GPU-a2-1 of node a2 passed: it takes work again; job {job} no longer "
@@ -67,10 +67,10 @@ def test_a_restart_lands_at_once_on_a_gpu_whose_reset_passed_since_its_fault(
     ]
     assert avoided(store, job) == ([], [])
     # A drain of a1 sends the job back: a2's two GPUs, the reset one among them, take it.
-    store.drain_node(t(19), "a1", "admin", "firmware")
+    store.jobs.drain_node(t(19), "a1", "admin", "firmware")
     report(store, 20, PodReport(job, 0, "stopped", signal=15, attempt=2))
     assert workload(store, job).state == WorkloadState.pending
-    store.scheduling_cycle(t(21), NOW_POLICY)
+    store.scheduling.scheduling_cycle(t(21), NOW_POLICY)
     assert workload(store, job).state == WorkloadState.admitted
     assert held(store, job) == ["GPU-a2-0", "GPU-a2-1"]
 
@@ -80,16 +80,16 @@ def test_a_node_that_passed_its_recycle_and_diagnostics_is_no_longer_avoided(
 ) -> None:
     job = submit(store, 10, gpus=2)
     running(store, 12, job, pods=1)
-    store.record_xid(t(13), "agent-1", "GPU-a2-0", 79)
-    store.act_on_xid(t(13), "GPU-a2-0", 79)
+    store.nodes.record_xid(t(13), "agent-1", "GPU-a2-0", 79)
+    store.jobs.act_on_xid(t(13), "GPU-a2-0", 79)
     report(store, 14, PodReport(job, 0, "stopped", signal=15))
     assert avoided(store, job) == (["a2"], [])
-    store.scheduling_cycle(t(25), NOW_POLICY)  # after the back-off: on a1
+    store.scheduling.scheduling_cycle(t(25), NOW_POLICY)  # after the back-off: on a1
     assert placed_on(store, job) == {"a1"}
-    store.start_due_maintenance(t(26))
+    store.maintenance.start_due_maintenance(t(26))
     agent_runs(store, 27, "a2")  # the recycle passes: the node is still out
     assert avoided(store, job) == (["a2"], [])
-    store.start_due_maintenance(t(28))
+    store.maintenance.start_due_maintenance(t(28))
     agent_runs(store, 29, "a2")  # and its diagnostics
     assert avoided(store, job) == ([], [])
 
@@ -99,10 +99,10 @@ def test_an_admins_uncordon_is_no_maintenance_and_the_reason_names_the_avoided_g
 ) -> None:
     job = faulted_on_a2_then_running_on_a1(store)
     # The uncordon cancels the reset: nothing showed GPU-a2-1 healthy, so it stays avoided.
-    store.set_cordoned(t(17), "a2", False, by="admin")
-    store.drain_node(t(19), "a1", "admin", "firmware")
+    store.nodes.set_cordoned(t(17), "a2", False, by="admin")
+    store.jobs.drain_node(t(19), "a1", "admin", "firmware")
     report(store, 20, PodReport(job, 0, "stopped", signal=15, attempt=2))
-    store.scheduling_cycle(t(21), NOW_POLICY)
+    store.scheduling.scheduling_cycle(t(21), NOW_POLICY)
     waiting = workload(store, job)
     assert waiting.state == WorkloadState.pending
     assert waiting.reason == (

@@ -30,7 +30,7 @@ NOW_POLICY = Policy(min_run_time_s=0)
 
 
 def cycle(store: FleetStore, now: datetime) -> CycleResult:
-    return store.scheduling_cycle(now, NOW_POLICY)
+    return store.scheduling.scheduling_cycle(now, NOW_POLICY)
 
 
 def test_a_borrower_is_reclaimed_for_a_guarantee_and_ends_as_preempted(store: FleetStore) -> None:
@@ -41,14 +41,14 @@ def test_a_borrower_is_reclaimed_for_a_guarantee_and_ends_as_preempted(store: Fl
     assert workload(store, extra).reason == (
         "admitted on a2 (zone-a); 2 borrowed beyond project nlp's guarantee"
     )
-    store.mark_running(t(4), extra)
+    store.workloads.mark_running(t(4), extra)
     assert workload(store, extra).reason == (
         "running on a2 (zone-a); 2 borrowed beyond project nlp's guarantee"
     )
 
     # vision asks within its guarantee (2): only the borrower can make room.
     alice = ask(store, t(5), "alice", gpus=2)
-    result = store.scheduling_cycle(t(6), NOW_POLICY)
+    result = store.scheduling.scheduling_cycle(t(6), NOW_POLICY)
     assert [(s.workload_id, s.kind, s.user, s.server_name) for s in result.stops] == [
         (extra, "session", "carol", "extra")
     ]
@@ -69,7 +69,7 @@ def test_a_borrower_is_reclaimed_for_a_guarantee_and_ends_as_preempted(store: Fl
     ]
 
     # While it stops, nothing more is preempted and its GPUs stay allocated.
-    again = store.scheduling_cycle(t(7), NOW_POLICY)
+    again = store.scheduling.scheduling_cycle(t(7), NOW_POLICY)
     assert again.stops == () and again.admitted == ()
     assert workload(store, alice).reason == (
         "Other work is stopping to make room: needs 2 × A100, waiting for 2 GPU(s) being "
@@ -77,27 +77,29 @@ def test_a_borrower_is_reclaimed_for_a_guarantee_and_ends_as_preempted(store: Fl
     )
 
     # The backend observed it gone: it ends as preempted, whatever it called the stop.
-    ended = store.end(t(8), extra, "stopped", "the server stopped")
+    ended = store.workloads.end(t(8), extra, "stopped", "the server stopped")
     assert (ended.outcome, ended.state) == ("preempted", WorkloadState.ended)
     assert ended.reason.startswith("preempted: ") and ended.reason.endswith("the server stopped")
-    assert [a.workload_id for a in store.scheduling_cycle(t(9), NOW_POLICY).admitted] == [alice]
+    assert [
+        a.workload_id for a in store.scheduling.scheduling_cycle(t(9), NOW_POLICY).admitted
+    ] == [alice]
     assert {w for w, _, closed in allocations(store) if closed is None} == {carol, alice}
 
 
 def test_the_minimum_run_time_delays_a_reclaim(store: FleetStore) -> None:
     ask(store, t(1), "carol", project="nlp", gpus=4)
     ask(store, t(2), "carol", server="extra", project="nlp", gpus=2)
-    store.scheduling_cycle(t(3), Policy(min_run_time_s=60))
+    store.scheduling.scheduling_cycle(t(3), Policy(min_run_time_s=60))
     alice = ask(store, t(5), "alice", gpus=2)
-    assert store.scheduling_cycle(t(6), Policy(min_run_time_s=60)).stops == ()
+    assert store.scheduling.scheduling_cycle(t(6), Policy(min_run_time_s=60)).stops == ()
     assert workload(store, alice).state == WorkloadState.pending
-    assert len(store.scheduling_cycle(t(64), Policy(min_run_time_s=60)).stops) == 1
+    assert len(store.scheduling.scheduling_cycle(t(64), Policy(min_run_time_s=60)).stops) == 1
 
 
 def test_the_mirror_follows_committed_changes_only(store: FleetStore) -> None:
     cycle(store, t(1))  # the first cycle reads everything
-    assert store.set_cordoned(t(2), "a2", True, by="admin")
-    assert not store.set_cordoned(t(2), "a2", True, by="admin")  # already: no change
+    assert store.nodes.set_cordoned(t(2), "a2", True, by="admin")
+    assert not store.nodes.set_cordoned(t(2), "a2", True, by="admin")  # already: no change
     alice = ask(store, t(3), "alice")
     cycle(store, t(4))
     assert allocations(store) == [(alice, "GPU-a1-0", None)]  # a2 would be the best fit
@@ -107,7 +109,7 @@ def test_the_mirror_follows_committed_changes_only(store: FleetStore) -> None:
         ).all() == ["node a2 cordoned by admin; it receives no new work"]
 
     # A rolled-back transaction changed nothing, and the mirror must not think it did.
-    with pytest.raises(RuntimeError), store._write(t(5)) as session:
+    with pytest.raises(RuntimeError), store.database.write(t(5)) as session:
         node = session.scalar(select(Node).where(Node.name == "a2"))
         assert node is not None
         node.cordoned = False
@@ -130,7 +132,7 @@ def test_a_cycle_whose_rows_changed_underneath_rolls_back_whole(store: FleetStor
         connection.execute(
             text("UPDATE workloads SET state = 'ended' WHERE id = :id"), {"id": late}
         )
-    store.end(t(5), alice, "stopped", "")  # a GPU frees up: the plan gives it to `late`
+    store.workloads.end(t(5), alice, "stopped", "")  # a GPU frees up: the plan gives it to `late`
     before = allocations(store)
     with pytest.raises(CycleConflict):
         cycle(store, t(6))
@@ -160,21 +162,21 @@ def test_the_zone_held_for_a_request_is_handed_back_to_the_next_cycle(store: Fle
     late = ask(store, t(3), "carol", server="two", project="nlp", gpus=2)
     cycle(store, t(4))
     assert workload(store, late).reason.endswith("zone-a is kept for you as GPUs free up")
-    assert store.mirror.pending[late].held_zone == ("local", "zone-a")
+    assert store.scheduling.mirror.pending[late].held_zone == ("local", "zone-a")
     assert held_in_rows(store) == {late: ("local", "zone-a")}
     with store.read() as session:
-        store.mirror.refresh(session, {EVERYTHING}, t(5).timestamp())
-    assert store.mirror.pending[late].held_zone == ("local", "zone-a")
+        store.scheduling.mirror.refresh(session, {EVERYTHING}, t(5).timestamp())
+    assert store.scheduling.mirror.pending[late].held_zone == ("local", "zone-a")
     # A new controller process: nothing in memory, the rows read afresh.
-    store.mirror = Mirror()
-    store.forget_mirror()
-    store.refresh_mirror(t(5))
-    assert store.mirror.pending[late].held_zone == ("local", "zone-a")
-    assert store.mirror.holding == {late: ("local", "zone-a")}
+    store.scheduling.mirror = Mirror()
+    store.scheduling.forget_mirror()
+    store.scheduling.refresh_mirror(t(5))
+    assert store.scheduling.mirror.pending[late].held_zone == ("local", "zone-a")
+    assert store.scheduling.mirror.holding == {late: ("local", "zone-a")}
 
-    store.end(t(6), alice, "stopped", "")
+    store.workloads.end(t(6), alice, "stopped", "")
     assert [a.workload_id for a in cycle(store, t(7)).admitted] == [late]
-    assert store.mirror.holding == {}
+    assert store.scheduling.mirror.holding == {}
     assert held_in_rows(store) == {}  # cleared with the admission
 
 
@@ -189,10 +191,10 @@ def test_a_hold_given_up_is_cleared_from_its_row(store: FleetStore) -> None:
     assert held_in_rows(store) == {late: ("local", "zone-a")}
     # Every A100 node cordoned: no zone can take new work, so none is held.
     for node in ("a1", "a2"):
-        assert store.set_cordoned(t(5), node, True, by="admin")
+        assert store.nodes.set_cordoned(t(5), node, True, by="admin")
     cycle(store, t(6))
     assert "cordoned" in workload(store, late).reason
-    assert store.mirror.holding == {}
+    assert store.scheduling.mirror.holding == {}
     assert held_in_rows(store) == {}
 
 
@@ -235,36 +237,38 @@ def test_the_mirror_followed_through_random_changes_equals_one_read_afresh(
             )
         elif action == "end" and live:
             ended = rng.choice(sorted(live))
-            store.end(now, ended, "stopped", "")
+            store.workloads.end(now, ended, "stopped", "")
             live.discard(ended)
         elif action == "start":
             admitted = [
                 w for w in sorted(live) if workload(store, w).state == WorkloadState.admitted
             ]
             if admitted:
-                store.mark_running(now, rng.choice(admitted))
+                store.workloads.mark_running(now, rng.choice(admitted))
         elif action == "cordon":
             node = rng.choice(["a1", "a2", "h1"])
-            store.set_cordoned(now, node, rng.random() < 0.5, by="admin")
+            store.nodes.set_cordoned(now, node, rng.random() < 0.5, by="admin")
         else:
             cycle(store, now)
             fresh = Mirror()
             with store.read() as session:
                 fresh.refresh(session, {EVERYTHING}, now.timestamp())
-            assert _world(store.mirror.snapshot(NOW_POLICY)) == _world(fresh.snapshot(NOW_POLICY))
+            assert _world(store.scheduling.mirror.snapshot(NOW_POLICY)) == _world(
+                fresh.snapshot(NOW_POLICY)
+            )
 
 
 def test_the_idle_gpus_after_a_cycle_say_why_nothing_waiting_uses_them(store: FleetStore) -> None:
     """vision may hold 2 A100 and holds them; bob's third waits on its cap while 4 A100
     are free: the metric puts those 4 down to the caps, not to the scheduler."""
-    assert store.idle_gpus() == {}  # no cycle yet
+    assert store.scheduling.idle_gpus() == {}  # no cycle yet
     ask(store, t(1), "alice", gpus=2)
     cycle(store, t(2))
-    assert store.idle_gpus() == {}  # nothing waits
+    assert store.scheduling.idle_gpus() == {}  # nothing waits
     bob = ask(store, t(3), "bob")
     cycle(store, t(4))
     assert "vision" in workload(store, bob).reason
-    assert store.idle_gpus() == {"A100": {IdleCause.CAPS: 4}}
+    assert store.scheduling.idle_gpus() == {"A100": {IdleCause.CAPS: 4}}
     scraped = {
         sample.labels["cause"]: sample.value
         for family in text_string_to_metric_families(
@@ -277,4 +281,4 @@ def test_the_idle_gpus_after_a_cycle_say_why_nothing_waiting_uses_them(store: Fl
     # carol's request fits the free GPUs and her project may have them: admitted.
     ask(store, t(5), "carol", project="nlp", gpus=4)
     cycle(store, t(6))
-    assert store.idle_gpus() == {"A100": {}}
+    assert store.scheduling.idle_gpus() == {"A100": {}}

@@ -27,13 +27,13 @@ def store(engine: Engine) -> FleetStore:
 
 def submit(store: FleetStore, gpus: int = 4, per_pod: int | None = 2) -> int:
     request = JobRequest("carol", "nlp", "A100", gpus, per_pod, None, "train")
-    job = store.open_job(t(10), request, SPEC).id
+    job = store.jobs.open_job(t(10), request, SPEC).id
     cycle(store, t(11))
     return job
 
 
 def report(store: FleetStore, at: float, *reports: PodReport) -> list[int]:
-    return store.agent_sync(t(at), NODES, reports, []).changed
+    return store.jobs.agent_sync(t(at), NODES, reports, []).changed
 
 
 def open_allocations(store: FleetStore, job: int) -> int:
@@ -53,7 +53,7 @@ def test_a_job_is_placed_as_pods_that_the_agent_learns_and_succeeds_when_all_exi
     job = submit(store)
     assert workload(store, job).state == WorkloadState.admitted
     assert workload(store, job).spec["checkpoint_uri"] == "/ckpt/carol/train"
-    desired = store.desired_pods(NODES)
+    desired = store.jobs.desired_pods(NODES)
     assert [(p.pod_index, p.run, p.started, len(p.gpu_uuids)) for p in desired] == [
         (0, True, False, 2),
         (1, True, False, 2),
@@ -61,7 +61,7 @@ def test_a_job_is_placed_as_pods_that_the_agent_learns_and_succeeds_when_all_exi
     assert len({u for p in desired for u in p.gpu_uuids}) == 4  # no GPU twice
     assert report(store, 12, PodReport(job, 0, "running"), PodReport(job, 1, "running")) == [job]
     assert workload(store, job).state == WorkloadState.running
-    assert all(p.started for p in store.desired_pods(NODES))
+    assert all(p.started for p in store.jobs.desired_pods(NODES))
 
     report(store, 13, PodReport(job, 0, "exited", exit_code=0))
     assert workload(store, job).state == WorkloadState.running  # pod 1 still runs
@@ -71,7 +71,7 @@ def test_a_job_is_placed_as_pods_that_the_agent_learns_and_succeeds_when_all_exi
     assert (done.state, done.outcome) == (WorkloadState.ended, "succeeded")
     assert done.reason == "all 4 rank(s) exited with code 0"
     assert open_allocations(store, job) == 0
-    assert store.desired_pods(NODES) == []
+    assert store.jobs.desired_pods(NODES) == []
 
 
 def test_a_failed_pod_stops_the_others_and_the_gpus_wait_until_they_are_gone(
@@ -84,7 +84,7 @@ def test_a_failed_pod_stops_the_others_and_the_gpus_wait_until_they_are_gone(
     failing = workload(store, job)
     assert (failing.state, failing.outcome) == (WorkloadState.stopping, "failed")
     assert "pod 1" in failing.reason and f"exited with code 1: {error}" in failing.reason
-    assert [(p.pod_index, p.run) for p in store.desired_pods(NODES)] == [(0, False)]
+    assert [(p.pod_index, p.run) for p in store.jobs.desired_pods(NODES)] == [(0, False)]
     assert open_allocations(store, job) == 4  # pod 0 may still run
 
     report(store, 14, PodReport(job, 0, "stopped", signal=15))
@@ -95,17 +95,17 @@ def test_a_failed_pod_stops_the_others_and_the_gpus_wait_until_they_are_gone(
 
 
 def test_cancel_ends_a_waiting_job_at_once_and_stops_a_placed_one(store: FleetStore) -> None:
-    waiting = store.open_job(t(10), JobRequest("carol", "nlp", "A100", 4, 4, None, ""), SPEC)
+    waiting = store.jobs.open_job(t(10), JobRequest("carol", "nlp", "A100", 4, 4, None, ""), SPEC)
     assert workload(store, waiting.id).name == f"job-{waiting.id}"
-    store.cancel_job(t(10.5), waiting.id, "carol")
+    store.jobs.cancel_job(t(10.5), waiting.id, "carol")
     assert workload(store, waiting.id).outcome == "cancelled"
 
     job = submit(store)
     report(store, 12, PodReport(job, 0, "running"))
-    store.cancel_job(t(13), job, "carol")
+    store.jobs.cancel_job(t(13), job, "carol")
     stopping = workload(store, job)
     assert stopping.state == WorkloadState.stopping and stopping.reason.startswith("cancelled")
-    assert {p.run for p in store.desired_pods(NODES)} == {False}
+    assert {p.run for p in store.jobs.desired_pods(NODES)} == {False}
     # Pod 1 never started: the agent makes sure nothing of it runs, and says so.
     report(store, 14, PodReport(job, 0, "stopped"), PodReport(job, 1, "stopped"))
     ended = workload(store, job)
@@ -119,9 +119,9 @@ def test_reports_cannot_revive_an_ended_pod_nor_touch_another_agents_pods(
     report(store, 12, PodReport(job, 0, "running"), PodReport(job, 1, "running"))
     report(store, 13, PodReport(job, 0, "exited", exit_code=0))
     report(store, 14, PodReport(job, 0, "running"))  # late, or repeated: ignored
-    assert [p.state for p in store.job_pods(job)] == ["exited", "running"]
+    assert [p.state for p in store.jobs.job_pods(job)] == ["exited", "running"]
     # An agent of other nodes reports pod 1 gone: not its pod, not its say.
-    store.agent_sync(t(15), ["h1"], [PodReport(job, 1, "exited", exit_code=0)], [])
+    store.jobs.agent_sync(t(15), ["h1"], [PodReport(job, 1, "exited", exit_code=0)], [])
     assert workload(store, job).state == WorkloadState.running
 
 
@@ -129,14 +129,14 @@ def test_log_chunks_are_stored_once_and_read_from_any_offset(store: FleetStore) 
     job = submit(store)
     first = LogChunk(job, 0, "stdout", 0, "step 1\n")
     second = LogChunk(job, 0, "stdout", 7, "step 2 ✓\n")
-    store.agent_sync(t(12), NODES, [], [first, second])
-    store.agent_sync(t(13), NODES, [], [second])  # sent again: the answer was lost
-    whole = store.read_log(job, 0, "stdout", 0, 1 << 20)
+    store.jobs.agent_sync(t(12), NODES, [], [first, second])
+    store.jobs.agent_sync(t(13), NODES, [], [second])  # sent again: the answer was lost
+    whole = store.jobs.read_log(job, 0, "stdout", 0, 1 << 20)
     assert whole.data == "step 1\nstep 2 ✓\n"
-    assert whole.next_offset == len(whole.data.encode()) == store.log_size(job, 0, "stdout")
-    assert store.read_log(job, 0, "stdout", 3, 1 << 20).data == "p 1\nstep 2 ✓\n"
-    assert store.read_log(job, 0, "stdout", whole.next_offset, 1 << 20).data == ""
+    assert whole.next_offset == len(whole.data.encode()) == store.jobs.log_size(job, 0, "stdout")
+    assert store.jobs.read_log(job, 0, "stdout", 3, 1 << 20).data == "p 1\nstep 2 ✓\n"
+    assert store.jobs.read_log(job, 0, "stdout", whole.next_offset, 1 << 20).data == ""
     # A chunk past a gap waits for the gap to be filled.
-    store.agent_sync(t(14), NODES, [], [LogChunk(job, 0, "stdout", 100, "later")])
-    assert store.read_log(job, 0, "stdout", whole.next_offset, 1 << 20).data == ""
-    assert store.read_log(job, 1, "stdout", 0, 1 << 20).data == ""  # other ranks apart
+    store.jobs.agent_sync(t(14), NODES, [], [LogChunk(job, 0, "stdout", 100, "later")])
+    assert store.jobs.read_log(job, 0, "stdout", whole.next_offset, 1 << 20).data == ""
+    assert store.jobs.read_log(job, 1, "stdout", 0, 1 << 20).data == ""  # other ranks apart
