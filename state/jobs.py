@@ -35,12 +35,13 @@ from ..recovery.classify import AgentSilent, Verdict, classify
 from ..scheduler.errors import InvalidRequest
 from ..scheduler.validation import JobRequest, validate_job_request
 from .accounts import AccountStore
-from .attempts import AttemptStore, log_offset, stopping_for
+from .attempts import AttemptStore, stopping_for
 from .base import _event, _get_workload, _preemptible, end_workload
 from .catalogue import catalogue_of
 from .clusters import AGENT_PREFIX
 from .database import Database
 from .inventory import mark_silent
+from .job_logs import LogChunk, store_chunks
 from .leftovers import (
     Leftover,
     hold_for_leftovers,
@@ -66,7 +67,6 @@ ACTIVE = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
 POD_STATES = ("running", "exited", "stopped", "failed")
 # ``lost``: its node's agent went silent (never reported by an agent).
 ENDED_POD_STATES = frozenset({"exited", "stopped", "failed", "lost"})
-LOG_STREAMS = ("stdout", "stderr")
 MAX_SCRIPT_BYTES = 1 << 20
 
 
@@ -118,16 +118,6 @@ class PodReport:
     reason: str = ""  # for an ended pod: what went wrong, in words (the last error line)
     attempt: int = 1  # the job's attempt it is a pod of: an earlier one's report is stale
     adopted: bool = False  # a new agent took the running pod over from the one before
-
-
-@dataclass(frozen=True)
-class LogChunk:
-    workload_id: int
-    rank: int  # a global rank; negative: pod ``-1 - rank``'s launcher
-    stream: str  # "stdout" or "stderr"
-    offset: int  # bytes of the stream before this chunk (in its attempt's files)
-    data: str
-    attempt: int = 1
 
 
 @dataclass(frozen=True)
@@ -289,7 +279,7 @@ class JobStore(AttemptStore):
         ended: list[str] = []
         restarted: list[str] = []
         with self._write(now) as session:
-            _store_chunks(session, now, chunks)
+            store_chunks(session, now, chunks)
             resumed: list[float] = []
             changed |= record_progress(session, now, progress, resumed)
             by_workload: dict[int, list[PodReport]] = defaultdict(list)
@@ -589,55 +579,6 @@ def _pods(session: Session, workload_id: int) -> Sequence[JobPod]:
     return session.scalars(
         select(JobPod).where(JobPod.workload_id == workload_id).order_by(JobPod.pod_index)
     ).all()
-
-
-def _store_chunks(session: Session, now: datetime, chunks: Iterable[LogChunk]) -> None:
-    """Append chunks, each once: a chunk at a (rank, stream, offset) already stored is the
-    same chunk sent again. An attempt's chunks continue the job's streams where that
-    attempt's output begins (``attempts.log_offset``); an earlier attempt's are dropped."""
-    arrived = [c for c in chunks if c.stream in LOG_STREAMS and c.offset >= 0 and c.data]
-    if not arrived:
-        return
-    jobs = {
-        w.id: w
-        for w in session.scalars(
-            select(Workload).where(
-                Workload.id.in_({c.workload_id for c in arrived}),
-                Workload.kind == WorkloadKind.job,
-            )
-        )
-    }
-    fresh: dict[tuple[int, int, str, int], LogChunk] = {}
-    for chunk in arrived:
-        workload = jobs.get(chunk.workload_id)
-        if workload is None:
-            continue
-        offset = log_offset(workload, chunk.attempt, chunk.rank, chunk.stream, chunk.offset)
-        if offset is not None:
-            fresh[chunk.workload_id, chunk.rank, chunk.stream, offset] = chunk
-    if not fresh:
-        return
-    known = {
-        (workload_id, rank, stream, offset)
-        for workload_id, rank, stream, offset in session.execute(
-            select(JobLog.workload_id, JobLog.rank, JobLog.stream, JobLog.offset).where(
-                JobLog.workload_id.in_({key[0] for key in fresh}),
-                JobLog.offset.in_({key[3] for key in fresh}),
-            )
-        )
-    }
-    for key, chunk in fresh.items():
-        if key not in known:
-            session.add(
-                JobLog(
-                    workload_id=chunk.workload_id,
-                    rank=chunk.rank,
-                    stream=chunk.stream,
-                    offset=key[3],
-                    data=chunk.data,
-                    at=now,
-                )
-            )
 
 
 def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:

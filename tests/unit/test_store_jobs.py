@@ -125,6 +125,31 @@ def test_reports_cannot_revive_an_ended_pod_nor_touch_another_agents_pods(
     assert workload(store, job).state == WorkloadState.running
 
 
+def test_output_resent_longer_after_an_agent_restart_is_stored_whole(
+    store: FleetStore,
+) -> None:
+    """The old agent's chunks were stored but their answer lost when it died; the agent
+    that takes the pod over resends from the last acknowledged offset, in one longer chunk
+    cut elsewhere. Before, a chunk at an offset already stored was dropped whole, and the
+    bytes it held past the stored chunk were lost from the log."""
+    job = submit(store)
+    store.jobs.agent_sync(t(12), NODES, [], [LogChunk(job, 0, "stdout", 0, "step 0\n")])
+    lost_answer = [
+        LogChunk(job, 0, "stdout", 7, "step 1\n"),
+        LogChunk(job, 0, "stdout", 14, "step 2 ✓\n"),
+    ]
+    store.jobs.agent_sync(t(13), NODES, [], lost_answer)
+    resent = LogChunk(job, 0, "stdout", 7, "step 1\nstep 2 ✓\nstep 3\nstep 4\n")
+    store.jobs.agent_sync(t(14), NODES, [], [resent])
+    store.jobs.agent_sync(t(15), NODES, [], [LogChunk(job, 0, "stdout", 39, "step 5\n")])
+    whole = store.jobs.read_log(job, 0, "stdout", 0, 1 << 20)
+    assert whole.data == "step 0\nstep 1\nstep 2 ✓\nstep 3\nstep 4\nstep 5\n"
+    assert whole.next_offset == len(whole.data.encode()) == store.jobs.log_size(job, 0, "stdout")
+    # The same resend again, or a shorter one, adds nothing.
+    store.jobs.agent_sync(t(16), NODES, [], [resent, LogChunk(job, 0, "stdout", 7, "step")])
+    assert store.jobs.read_log(job, 0, "stdout", 0, 1 << 20).data == whole.data
+
+
 def test_log_chunks_are_stored_once_and_read_from_any_offset(store: FleetStore) -> None:
     job = submit(store)
     first = LogChunk(job, 0, "stdout", 0, "step 1\n")
