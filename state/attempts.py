@@ -432,6 +432,9 @@ class AttemptStore(Repository):
     ) -> str | None:
         """Every pod of the attempt has ended: end the job, or queue its next attempt.
         Returns the fault class of a restart, None when the job ended."""
+        cancelled = cancelled_ending(workload)
+        if cancelled is not None:  # however the end of its ranks was observed
+            outcome, message = cancelled
         verdict = self._ending_verdict(workload, outcome)
         if verdict is None:
             end_workload(session, now, workload, outcome, message)
@@ -533,6 +536,14 @@ class AttemptStore(Repository):
 
 
 # ------------------------------------------------------------------ helpers
+def cancelled_ending(workload: Workload) -> tuple[str, str] | None:
+    """A cancelled job's outcome and message once every rank stopped; None if not
+    cancelled. A cancel stands whoever sees the ranks gone: the agent or the reconciler."""
+    if workload.outcome != "cancelled":
+        return None
+    return "cancelled", workload.reason.replace("stopping every rank", "every rank stopped")
+
+
 def stopping_for(workload: Workload, verdict: Verdict, now: datetime, reason: str) -> None:
     """The attempt stops (every pod's ``run`` turns false) for ``verdict``, which is kept
     until its pods are gone: the SIGTERM the stop itself causes is never taken for the

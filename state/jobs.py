@@ -35,7 +35,7 @@ from ..recovery.classify import AgentSilent, Verdict, classify
 from ..scheduler.errors import InvalidRequest
 from ..scheduler.validation import JobRequest, validate_job_request
 from .accounts import AccountStore
-from .attempts import AttemptStore, stopping_for
+from .attempts import AttemptStore, cancelled_ending, stopping_for
 from .base import _event, _get_workload, _preemptible, end_workload
 from .catalogue import catalogue_of
 from .clusters import AGENT_PREFIX
@@ -684,8 +684,9 @@ def _pod_ending(row: JobPod) -> str:
 
 def _job_ending(workload: Workload, pods: list[JobPod | None]) -> tuple[str, str]:
     """The outcome and message of a job all of whose pods ended."""
-    if workload.outcome == "cancelled":
-        return "cancelled", workload.reason.replace("stopping every rank", "every rank stopped")
+    cancelled = cancelled_ending(workload)
+    if cancelled is not None:
+        return cancelled
     if workload.outcome == "failed":
         return "failed", workload.reason
     if workload.state == WorkloadState.stopping:

@@ -112,6 +112,22 @@ def test_cancel_ends_a_waiting_job_at_once_and_stops_a_placed_one(store: FleetSt
     assert (ended.outcome, ended.reason) == ("cancelled", "cancelled by carol; every rank stopped")
 
 
+def test_a_cancelled_job_the_reconciler_finds_gone_ends_cancelled(store: FleetStore) -> None:
+    """The reconciler may see a cancelled job's ranks gone before its agent reports them
+    (a slow agent, a busy node): the job ended "stopped" then, as if nobody had cancelled
+    it."""
+    job = submit(store)
+    report(store, 12, PodReport(job, 0, "running"), PodReport(job, 1, "running"))
+    store.jobs.cancel_job(t(13), job, "carol")
+    version = workload(store, job).version
+    said = "its stop was asked and nothing of it runs any more; its GPUs are released"
+    store.reconcile.end_reconciled(t(40), job, version, "stopped", "stop-finished", said)
+    ended = workload(store, job)
+    assert (ended.state, ended.outcome) == (WorkloadState.ended, "cancelled")
+    assert ended.reason == "cancelled by carol; every rank stopped"
+    assert open_allocations(store, job) == 0
+
+
 def test_reports_cannot_revive_an_ended_pod_nor_touch_another_agents_pods(
     store: FleetStore,
 ) -> None:
