@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Collection, Mapping
@@ -161,14 +162,32 @@ def running(pid: int, started: int, proc: Path = Path("/proc")) -> bool:
     return stat is not None and stat[0] not in ("Z", "X") and int(stat[19]) == started
 
 
-def _marked_starts(marker: str, proc: Path) -> dict[int, int]:
-    """``{pid: start}`` of the live processes carrying ``marker`` or one of its parts'."""
+# Every marked process a scan of this process saw, by (proc, pid): (start, marker). An
+# exiting process stops showing its marker before it is over, so an ender that first looks
+# once a marker's processes are being ended (a second ender: the rank runner stopping a
+# pod it took over while the leftover sweep ends the job's marker) finds them here.
+_ever_marked: dict[tuple[Path, int], tuple[int, str]] = {}
+_ever_marked_lock = threading.Lock()
+
+
+def _marked_starts(marker: str, proc: Path, remembered: bool = False) -> dict[int, int]:
+    """``{pid: start}`` of the live processes carrying ``marker`` or one of its parts'; with
+    ``remembered``, also those an earlier scan of this process saw carrying it that still
+    run (an exiting process no longer shows its marker)."""
     part = marker + "."
-    return {
-        found.pid: found.started
-        for found in marked_process_details((), proc)
-        if found.marker == marker or found.marker.startswith(part)
-    }
+    found = marked_process_details((), proc)
+    with _ever_marked_lock:
+        for key, (started, _) in list(_ever_marked.items()):
+            if key[0] == proc and not running(key[1], started, proc):
+                del _ever_marked[key]
+        for process in found:
+            _ever_marked[proc, process.pid] = (process.started, process.marker)
+        if remembered:
+            seen = _ever_marked.items()
+            carrying = [(pid, s, m) for (where, pid), (s, m) in seen if where == proc]
+        else:
+            carrying = [(f.pid, f.started, f.marker) for f in found]
+    return {pid: started for pid, started, m in carrying if m == marker or m.startswith(part)}
 
 
 class Watch:
@@ -181,7 +200,7 @@ class Watch:
 
     def alive(self) -> list[int]:
         """The pids of what still runs (refreshing what carries the marker)."""
-        self.seen.update(_marked_starts(self.marker, self.proc))
+        self.seen.update(_marked_starts(self.marker, self.proc, remembered=True))
         self.seen = {
             pid: started for pid, started in self.seen.items() if running(pid, started, self.proc)
         }

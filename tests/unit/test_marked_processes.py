@@ -73,6 +73,25 @@ def test_a_process_that_drops_its_marker_while_exiting_still_runs_until_it_is_a_
     assert watch.alive() == []
 
 
+def test_whoever_ends_a_marker_later_sees_the_processes_an_earlier_scan_saw(
+    tmp_path: Path,
+) -> None:
+    """Two enders in one agent: the runner stopping a pod it took over (the pod's part
+    marker) and the leftover sweep (the job's marker). The second began once the first's
+    SIGTERM had the ranks exiting; with only what it could see itself it found nothing
+    marked, and the GPUs were reported free while a rank was still exiting."""
+    marker = processes.new_marker()
+    pod = processes.part_marker(marker, 0)
+    fake_process(tmp_path, 100, f"{processes.MARKER_VARIABLE}={pod}.0\0".encode(), "S", 5000)
+    assert processes.Watch(pod, tmp_path).alive() == [100]
+    fake_process(tmp_path, 100, b"", "D", 5000)  # exiting: its environment reads empty
+    sweep = processes.Watch(marker, tmp_path)
+    assert sweep.alive() == [100]
+    fake_process(tmp_path, 100, b"", "Z", 5000)
+    assert sweep.alive() == []
+    assert processes.Watch(marker, tmp_path).alive() == []
+
+
 def test_a_pid_handed_out_again_is_not_the_process_that_had_it(tmp_path: Path) -> None:
     fake_process(tmp_path, 7, b"", "R", 100)
     assert processes.running(7, 100, tmp_path)
