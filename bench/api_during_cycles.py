@@ -77,7 +77,7 @@ from gpufleet.hub.api.identity import Identity
 from gpufleet.hub.metrics import ControllerMetrics
 from gpufleet.hub.notifier import Notifier
 from gpufleet.hub.scheduling import PLANNERS, AdmissionCycles
-from gpufleet.scheduler.snapshot import Policy, Running
+from gpufleet.scheduler.snapshot import Running
 from gpufleet.state.cycle import Stop
 from gpufleet.state.fleet import FleetStore
 from gpufleet.state.models import (
@@ -119,8 +119,7 @@ class Controller:
     version: str = "bench"
     is_leader: bool = True
     spare_nodes: frozenset[str] = frozenset()
-    admission_interval: float = 1.0
-    full_collection_interval: float = 600.0
+    recovery_spares: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -130,10 +129,6 @@ class Controller:
 
     def now(self) -> datetime:
         return T0 + timedelta(seconds=time.monotonic() - self.started)
-
-    @property
-    def scheduling_policy(self) -> Policy:
-        return Policy(min_run_time_s=300)
 
     def kick(self) -> None:
         return  # the cycles run back to back when on
@@ -284,9 +279,9 @@ async def measure(
     controller = Controller(store, "loop")
     figures = {}
     for planner in planners:
-        cycles = AdmissionCycles(controller, planner)
+        cycles = AdmissionCycles(controller, planner=planner, interval=1.0)
         if planner == "process":
-            cycles.planner = ProcessPlanner(store.scheduling, niceness)
+            cycles.worker = ProcessPlanner(store.scheduling, niceness)
         figures[planner] = Figures(Cycling(cycles))
     churn = asyncio.create_task(Churn(store, controller).run())
     try:

@@ -37,7 +37,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # the tests' hub harn
 from tests.integration.harness import Hub, wait_for
 
 CONFIG = """
-c.FleetController.idle_policies = {
+c.Culling.idle_policies = {
     "default": {"mode": "on-demand"},
     "projects": {"vision": {"mode": "always", "idle_timeout_s": 15, "warn_before_s": 0}},
 }

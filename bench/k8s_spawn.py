@@ -99,7 +99,7 @@ c.FleetController.cluster_probe_interval = 1
 c.JupyterHub.services = [s for s in c.JupyterHub.services if s["name"] != "gpufleet-agent"]
 c.JupyterHub.load_roles = [r for r in c.JupyterHub.load_roles if r["name"] != "gpufleet-agent"]
 # Its reconciler would stop this hub's servers, which no gpufleet workload accounts for.
-c.FleetController.reconcile_interval = 86400
+c.Reconciling.interval = 86400
 c.KubeSpawner.namespace = {namespace!r}
 c.KubeSpawner.image = "gpufleet/session:test"
 c.KubeSpawner.cmd = ["jupyterhub-singleuser"]

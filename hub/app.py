@@ -26,14 +26,13 @@ from urllib.parse import urlparse
 
 from tornado import web
 from tornado.httpserver import HTTPServer
-from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
+from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, default
 
 from .. import __version__
 from ..agent.lifecycle import until_stopped
 from ..culler.errors import PolicyError
 from ..scheduler.errors import InputError, NotFound, SchemaMismatch
 from ..scheduler.model import project_tree
-from ..scheduler.snapshot import Policy
 from ..snapshotter.settings import RenamedSnapshotOptions
 from ..spawner.clusters import ClusterConfigError, check_loadable, parse_clusters
 from ..state import db
@@ -60,7 +59,7 @@ from .pages import page_routes
 from .reconciling import Reconciling
 from .recovery_loop import RecoveryLoop
 from .recovery_options import RecoveryOptions
-from .scheduling import PLANNERS, AdmissionCycles
+from .scheduling import AdmissionCycles
 from .secrets import SecretFileError, check_secret_file
 from .serving import CountingApplication, answer_in_flight
 from .snapshot_index import SnapshotIndexing
@@ -90,6 +89,7 @@ class FleetController(
     subcommands = {"upgrade-db": (UpgradeDB, UpgradeDB.description)}
     classes = [
         UpgradeDB,
+        AdmissionCycles,
         Culling,
         SnapshotIndexing,
         Reconciling,
@@ -141,44 +141,6 @@ class FleetController(
         30.0,
         help="A spawn request the spawner stops renewing for this long is withdrawn (its "
         "place freed), so a hub restart or an abandoned spawn leaves no ghost in the queue.",
-    ).tag(config=True)
-
-    min_run_time_seconds = Float(
-        300.0,
-        help="A workload that started less than this long ago is not preempted to make room "
-        "(idle sessions aside): a researcher gets at least this much of what was admitted.",
-    ).tag(config=True)
-
-    max_preemption_searches = Integer(
-        64,
-        help="Waiting workloads that may look for victims in one scheduling cycle; the rest "
-        "look in later cycles. Bounds a cycle's time when thousands could ask at once.",
-    ).tag(config=True)
-
-    preemption_retry_seconds = Float(
-        30.0,
-        help="A preempted session the hub has not stopped yet is asked again this often.",
-    ).tag(config=True)
-
-    admission_interval = Float(
-        1.0, help="Seconds between admission cycles when nothing else triggers one."
-    ).tag(config=True)
-
-    planner = Enum(
-        PLANNERS,
-        "process",
-        help="Where admission cycles are planned (hub/scheduling.py): 'process', a child "
-        "process (the API answers as fast while a cycle is planned); 'thread', a worker "
-        "thread (needs no second process, but shares Python's GIL with the API); 'loop', "
-        "the event loop itself (the API waits for every cycle).",
-    ).tag(config=True)
-
-    full_collection_interval = Float(
-        600.0,
-        help="Seconds between full garbage collections of the controller's memory, run "
-        "after an admission cycle. Cycles run with the collector paused and freeze what "
-        "survives them (state/collector.py); this returns what became cyclic "
-        "garbage after being frozen. At 16,000 GPUs one takes 80-90 ms.",
     ).tag(config=True)
 
     clusters = List(
@@ -308,7 +270,6 @@ class FleetController(
         self.servers = ServerStopper(
             self.hub_api_url, self.hub_api_token, self.store, self.log, self.now
         )
-        self.victims = VictimStopper(self.servers, self.log, self.preemption_retry_seconds)
         self.snapshot_access = self.snapshot_settings().access(self.data_dir)
         self._configure_accounts()
         try:
@@ -357,9 +318,12 @@ class FleetController(
         except ValueError as e:
             self.exit_with(str(e), code=2)
         try:
-            self.admission = AdmissionCycles(self, self.planner)
-        except ValueError as e:
-            self.exit_with(f"c.FleetController.planner: {e}", code=2)
+            self.admission = AdmissionCycles(self, parent=self)
+        except (TraitError, ValueError) as e:
+            self.exit_with(f"c.AdmissionCycles: {e}", code=2)
+        self.victims = VictimStopper(
+            self.servers, self.log, self.admission.preemption_retry_seconds
+        )
         try:
             self.culling = Culling(self, parent=self)
         except PolicyError as e:
@@ -488,14 +452,6 @@ class FleetController(
         return await self.kube.live_pod_markers()
 
     # ----------------------------------------------------------- policies, snapshots
-    @property
-    def scheduling_policy(self) -> Policy:
-        return Policy(
-            min_run_time_s=self.min_run_time_seconds,
-            max_preemption_searches=self.max_preemption_searches,
-            spares=tuple(sorted(self.recovery_spares.items())),
-        )
-
     def _snapshots(self) -> tuple[Any, bytes]:
         """The snapshot store and its master key; SnapshotError when unavailable."""
         return self.snapshot_access.open()

@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
-from traitlets import Dict, Float
+from traitlets import Dict, Float, Integer, Unicode
 from traitlets.config import Configurable, LoggingConfigurable
 
 from ..snapshotter.settings import RenamedOptions
@@ -55,7 +55,7 @@ def earlier_help(new: str) -> str:
 LOOPS = "the controller's loops; docs/architecture.md"
 
 
-def _earlier(trait: type[Float] | type[Dict], new: str) -> Any:
+def _earlier(trait: type[Float] | type[Integer] | type[Unicode] | type[Dict], new: str) -> Any:
     return trait(default_value=None, allow_none=True, help=earlier_help(new)).tag(config=True)
 
 
@@ -73,6 +73,12 @@ class EarlierLoopNames(RenamedOptions):
         "hang_check_interval": ("RecoveryLoop.hang_check_interval", LOOPS),
         "node_heartbeat_timeout": ("NodeWatch.heartbeat_timeout", LOOPS),
         "membership_sync_interval": ("MembershipSync.interval", LOOPS),
+        "admission_interval": ("AdmissionCycles.interval", LOOPS),
+        "planner": ("AdmissionCycles.planner", LOOPS),
+        "min_run_time_seconds": ("AdmissionCycles.min_run_time_seconds", LOOPS),
+        "max_preemption_searches": ("AdmissionCycles.max_preemption_searches", LOOPS),
+        "preemption_retry_seconds": ("AdmissionCycles.preemption_retry_seconds", LOOPS),
+        "full_collection_interval": ("AdmissionCycles.full_collection_interval", LOOPS),
     }
 
     cull_interval = _earlier(Float, "Culling.interval")
@@ -85,6 +91,12 @@ class EarlierLoopNames(RenamedOptions):
     hang_check_interval = _earlier(Float, "RecoveryLoop.hang_check_interval")
     node_heartbeat_timeout = _earlier(Float, "NodeWatch.heartbeat_timeout")
     membership_sync_interval = _earlier(Float, "MembershipSync.interval")
+    admission_interval = _earlier(Float, "AdmissionCycles.interval")
+    planner = _earlier(Unicode, "AdmissionCycles.planner")
+    min_run_time_seconds = _earlier(Float, "AdmissionCycles.min_run_time_seconds")
+    max_preemption_searches = _earlier(Integer, "AdmissionCycles.max_preemption_searches")
+    preemption_retry_seconds = _earlier(Float, "AdmissionCycles.preemption_retry_seconds")
+    full_collection_interval = _earlier(Float, "AdmissionCycles.full_collection_interval")
 
 
 class Loops:

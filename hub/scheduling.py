@@ -1,13 +1,13 @@
 """The controller's admission cycles: one at a time, planned away from the event loop.
 
-Every ``admission_interval`` seconds, or at once when kicked (a request arrived, GPUs
+Every ``c.AdmissionCycles.interval`` seconds, or at once when kicked (a request arrived, GPUs
 were released), the controller that holds the lease runs a scheduling cycle
 (``state/cycle.py``). At 16,000 GPUs and 10,000 waiting a cycle takes up to
 100-470 ms (p99, ``bench/scheduler_cycle.py``), nearly all of it refreshing the mirror
 and planning; run on the event loop, every API request, agent heartbeat and spawner
 long poll would wait for it.
 
-So a cycle is planned elsewhere (``FleetController.planner``) and only committed here:
+So a cycle is planned elsewhere (``c.AdmissionCycles.planner``) and only committed here:
 
 - ``process`` (the default): in a child process of its own, with its own mirror and
   memo (``state/planners.py``), at niceness 5 so that where the two compete
@@ -56,9 +56,11 @@ import time
 from collections.abc import Iterable
 from datetime import datetime
 from logging import Logger
-from typing import Protocol
+from typing import Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
+from traitlets import Enum, Float, Integer
+from traitlets.config import Configurable
 
 from ..scheduler.errors import LeaseLost, SchedulerError
 from ..scheduler.snapshot import Plan, Policy, Running
@@ -66,6 +68,7 @@ from ..state.collector import collect_all
 from ..state.cycle import CycleResult, Outcome, PlannedCycle, Stop
 from ..state.fleet import FleetStore
 from ..state.planners import ProcessPlanner, ThreadPlanner
+from .components import LoopComponent
 from .metrics import ControllerMetrics
 from .notifier import Notifier
 
@@ -92,28 +95,77 @@ class SchedulingController(Protocol):
     notifier: Notifier
     is_leader: bool
     spare_nodes: frozenset[str]
-    admission_interval: float
-    full_collection_interval: float
 
     def now(self) -> datetime: ...
 
     @property
     def victims(self) -> Victims: ...
 
-    @property
-    def scheduling_policy(self) -> Policy: ...
+    # Nodes kept free per zone for restarting jobs (``c.FleetController.recovery_spares``).
+    recovery_spares: dict[str, int]
 
 
-class AdmissionCycles:
-    def __init__(self, controller: SchedulingController, planner: str):
+class AdmissionCycles(LoopComponent):
+    interval = Float(
+        1.0, help="Seconds between admission cycles when nothing else triggers one."
+    ).tag(config=True)
+
+    planner = Enum(
+        PLANNERS,
+        "process",
+        help="Where admission cycles are planned (hub/scheduling.py): 'process', a child "
+        "process (the API answers as fast while a cycle is planned); 'thread', a worker "
+        "thread (needs no second process, but shares Python's GIL with the API); 'loop', "
+        "the event loop itself (the API waits for every cycle).",
+    ).tag(config=True)
+
+    min_run_time_seconds = Float(
+        300.0,
+        help="A workload that started less than this long ago is not preempted to make room "
+        "(idle sessions aside): a researcher gets at least this much of what was admitted.",
+    ).tag(config=True)
+
+    max_preemption_searches = Integer(
+        64,
+        help="Waiting workloads that may look for victims in one scheduling cycle; the rest "
+        "look in later cycles. Bounds a cycle's time when thousands could ask at once.",
+    ).tag(config=True)
+
+    preemption_retry_seconds = Float(
+        30.0,
+        help="A preempted session the hub has not stopped yet is asked again this often.",
+    ).tag(config=True)
+
+    full_collection_interval = Float(
+        600.0,
+        help="Seconds between full garbage collections of the controller's memory, run "
+        "after an admission cycle. Cycles run with the collector paused and freeze what "
+        "survives them (state/collector.py); this returns what became cyclic "
+        "garbage after being frozen. At 16,000 GPUs one takes 80-90 ms.",
+    ).tag(config=True)
+
+    def __init__(
+        self, controller: SchedulingController, parent: Configurable | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(parent=parent, **kwargs)
         self.controller = controller
-        self.planner: ProcessPlanner | ThreadPlanner | None = None
-        if planner == "process":
-            self.planner = ProcessPlanner(controller.store.scheduling)
-        elif planner == "thread":
-            self.planner = ThreadPlanner(controller.store.scheduling)
+        # Where cycles are planned away from the event loop; None: on it.
+        self.worker: ProcessPlanner | ThreadPlanner | None = None
+        if self.planner == "process":
+            self.worker = ProcessPlanner(controller.store.scheduling)
+        elif self.planner == "thread":
+            self.worker = ThreadPlanner(controller.store.scheduling)
         self._kicked = asyncio.Event()
         self._last_full_collection = time.monotonic()
+
+    @property
+    def policy(self) -> Policy:
+        spares = self.controller.recovery_spares
+        return Policy(
+            min_run_time_s=self.min_run_time_seconds,
+            max_preemption_searches=self.max_preemption_searches,
+            spares=tuple(sorted(spares.items())),
+        )
 
     def kick(self) -> None:
         """Run a cycle soon."""
@@ -123,7 +175,7 @@ class AdmissionCycles:
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._kicked.wait(), self.controller.admission_interval)
+                    await asyncio.wait_for(self._kicked.wait(), self.interval)
                 self._kicked.clear()
                 if self.controller.is_leader:
                     await self.run_cycle()
@@ -131,8 +183,8 @@ class AdmissionCycles:
             self.close()
 
     def close(self) -> None:
-        if self.planner is not None:
-            self.planner.close()
+        if self.worker is not None:
+            self.worker.close()
 
     async def run_cycle(self) -> CycleResult | None:
         """One admission cycle and what follows from it: metrics, the victims' stops,
@@ -151,10 +203,10 @@ class AdmissionCycles:
             c.log.exception("admission cycle failed; retrying next cycle")
             return None
         c.metrics.cycle_duration.observe(time.perf_counter() - started)
-        if time.monotonic() - self._last_full_collection >= c.full_collection_interval:
+        if time.monotonic() - self._last_full_collection >= self.full_collection_interval:
             freed = collect_all()
-            if self.planner is not None:
-                self.planner.collect()
+            if self.worker is not None:
+                self.worker.collect()
             self._last_full_collection = time.monotonic()
             c.log.debug("full garbage collection freed %d objects", freed)
         for admitted in result.admitted:
@@ -185,16 +237,16 @@ class AdmissionCycles:
 
     async def _cycle(self, now: datetime) -> CycleResult:
         store = self.controller.store
-        policy = self.controller.scheduling_policy
-        if self.planner is None:
+        policy = self.policy
+        if self.worker is None:
             return store.scheduling.scheduling_cycle(now, policy)
-        planned = await self.planner.plan(now, policy)
+        planned = await self.worker.plan(now, policy)
         outcome = Outcome.FAILED
         try:
             committed = store.scheduling.commit_cycle(planned, WAITS_PER_TRANSACTION)
             outcome = await self._write_waits(planned) if committed else Outcome.DROPPED
         finally:
-            self.planner.settle(outcome)
+            self.worker.settle(outcome)
         if outcome is Outcome.DROPPED:
             return CycleResult((), (), (), Plan(), dropped=True)
         if planned.idle is not None:

@@ -13,7 +13,7 @@ scale) and the survivors are frozen — moved where no collection walks them aga
 are still freed by reference counting when replaced. What cannot be freed that way is
 garbage that forms a cycle after being frozen (a request handler that was alive at the
 freeze, say); ``collect_all`` returns that, and the controller calls it every
-``FleetController.full_collection_interval`` seconds, after a cycle (``hub/scheduling.py``;
+``AdmissionCycles.full_collection_interval`` seconds, after a cycle (``hub/scheduling.py``;
 the planning process does the same when the controller does).
 """
 

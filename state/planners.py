@@ -1,5 +1,5 @@
 """Where a scheduling cycle is planned when it is not on the event loop: a thread, or a
-process of its own (the controller's choice, ``FleetController.planner``; the figures
+process of its own (the controller's choice, ``AdmissionCycles.planner``; the figures
 that made it are in ``hub/scheduling.py``).
 
 Both plan through ``SchedulingStore.plan_cycle`` and ``settle_cycle`` and hand back a
@@ -105,7 +105,7 @@ class ProcessPlanner:
         if url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"):
             raise ValueError(
                 "the planning process cannot open an in-memory SQLite database; give "
-                "c.FleetController.db_url a file, or set c.FleetController.planner = 'thread'"
+                "c.FleetController.db_url a file, or set c.AdmissionCycles.planner = 'thread'"
             )
         self.store = store
         self._url = url.render_as_string(hide_password=False)

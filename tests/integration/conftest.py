@@ -38,12 +38,12 @@ def fleet(hub: Hub) -> Iterator[Hub]:
 # S3 server (SeaweedFS), as a deployment's would: credentials in the usual AWS_* variables,
 # for the hub (its spawners' final passes and restores) and the controller (live passes).
 CULLER_CONFIG = """
-c.FleetController.idle_policies = {
+c.Culling.idle_policies = {
     "default": {"mode": "always", "idle_timeout_s": 20, "warn_before_s": 10},
     "projects": {"nlp": {"mode": "on-demand"}},
 }
-c.FleetController.cull_interval = 1
-c.FleetController.cull_retry_seconds = 3
+c.Culling.interval = 1
+c.Culling.retry_seconds = 3
 c.LocalGPUSpawner.final_snapshot_attempts = 1
 c.LocalGPUSpawner.final_snapshot_retry_seconds = 1
 """

@@ -59,17 +59,17 @@ c.JupyterHub.load_roles.append({{
                "custom:gpufleet:admin"],
     "services": ["test-admin"],
 }})
-c.FleetController.admission_interval = 0.2
-c.FleetController.min_run_time_seconds = 0
-c.FleetController.preemption_retry_seconds = 2
+c.AdmissionCycles.interval = 0.2
+c.AdmissionCycles.min_run_time_seconds = 0
+c.AdmissionCycles.preemption_retry_seconds = 2
 c.FleetController.request_lease_seconds = 6
 c.FleetController.log_style = "text"
-c.FleetController.reconcile_interval = 1
-c.FleetController.reconcile_grace = 3
+c.Reconciling.interval = 1
+c.Reconciling.grace = 3
 c.FleetController.job_restart_backoff_seconds = 1
 c.FleetController.job_restart_backoff_max_seconds = 4
 c.FleetController.job_hang_floor_seconds = 10
-c.FleetController.hang_check_interval = 1
+c.RecoveryLoop.hang_check_interval = 1
 # Faults only cordon on the shared hubs: a fake GPU's reset rewrites the control file the
 # tests write. test_recovery.py's own hub does the maintenance.
 c.FleetController.recovery_maintenance = False

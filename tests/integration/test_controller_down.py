@@ -23,8 +23,8 @@ pytestmark = pytest.mark.integration
 
 RECONCILE_INTERVAL = 3600
 SLOW_RECONCILER = f"""
-c.FleetController.reconcile_interval = {RECONCILE_INTERVAL}
-c.FleetController.reconcile_grace = 60
+c.Reconciling.interval = {RECONCILE_INTERVAL}
+c.Reconciling.grace = 60
 # A restarted controller takes over the dead one's database lease within 3 s.
 c.FleetController.db_lease_seconds = 3
 """

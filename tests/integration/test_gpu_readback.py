@@ -34,7 +34,7 @@ pytestmark = pytest.mark.integration
 
 CONFIG = """
 c.NodeAgent.placement_interval = 0.5
-c.FleetController.reconcile_grace = 300
+c.Reconciling.grace = 300
 """
 
 

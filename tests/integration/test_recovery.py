@@ -315,7 +315,7 @@ def _node(fleet: Hub, name: str) -> dict[str, Any]:
 # hangs, alive, so that something is left of it; the hang check stays out of the way.
 RECOVERY_HUB_CONFIG = """
 c.FleetController.recovery_maintenance = True
-c.FleetController.node_heartbeat_timeout = 6
+c.NodeWatch.heartbeat_timeout = 6
 c.FleetController.job_agent_lost_seconds = 6
 c.FleetController.job_hang_floor_seconds = 300
 """

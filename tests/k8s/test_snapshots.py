@@ -90,11 +90,11 @@ c.KubeGPUSpawner.session_volumes = [{volume!r}]
 c.KubeGPUSpawner.snapshot_volumes = ["home"]
 c.KubeGPUSpawner.environment = {{"HOME": "/home/jovyan"}}
 c.KubeGPUSpawner.final_snapshot_retry_seconds = 1
-c.FleetController.idle_policies = {{
+c.Culling.idle_policies = {{
     "default": {{"mode": "always", "idle_timeout_s": 20, "warn_before_s": 6}},
 }}
-c.FleetController.cull_interval = 1
-c.FleetController.cull_retry_seconds = 3
+c.Culling.interval = 1
+c.Culling.retry_seconds = 3
 # The agent serves no GPUs of this machine (the clusters' own are the fleet's); it runs
 # the snapshot passes and restores of the tier's nodes.
 c.NodeAgent.declared_nodes = []

@@ -38,8 +38,7 @@ from gpufleet.hub.scheduling import AdmissionCycles
 from gpufleet.scheduler.idle import IdleCause
 from gpufleet.scheduler.snapshot import Policy, Running
 from gpufleet.state import db
-from gpufleet.state.cycle import Outcome, PlannedCycle, SchedulingStore, Stop
-from gpufleet.state.database import Database
+from gpufleet.state.cycle import Outcome, PlannedCycle, Stop
 from gpufleet.state.fleet import FleetStore
 from gpufleet.state.models import Event, Workload
 from gpufleet.state.planners import ProcessPlanner, ThreadPlanner
@@ -92,9 +91,7 @@ class Controller:
     version: str = "test"
     is_leader: bool = True
     spare_nodes: frozenset[str] = frozenset()
-    admission_interval: float = 60.0
-    full_collection_interval: float = 600.0
-    scheduling_policy: Policy = POLICY
+    recovery_spares: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = ControllerMetrics(self.store)
@@ -114,23 +111,29 @@ class Controller:
         return
 
 
-class GatedScheduling(SchedulingStore):
-    """Scheduling whose planning waits for the test to let it go: a slow plan."""
-
-    def __init__(self, database: Database):
-        super().__init__(database)
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def plan_cycle(self, *args: Any, **kwargs: Any) -> PlannedCycle:
-        self.gate.wait(30)
-        return super().plan_cycle(*args, **kwargs)
+def cycles_of(controller: Controller, planner: str) -> AdmissionCycles:
+    """The cycles as the controller makes them, with ``POLICY``'s times and cycles only
+    when the test asks for them (a long interval)."""
+    return AdmissionCycles(
+        controller, planner=planner, interval=60.0, min_run_time_seconds=POLICY.min_run_time_s
+    )
 
 
 def gated_store(engine: Engine) -> FleetStore:
     """``test_store.make_store``'s fleet, in a store whose planning can be held."""
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(seconds=15))
-    store.scheduling = GatedScheduling(store.database)
+    gate = threading.Event()
+    gate.set()
+    plan = store.scheduling.plan_cycle
+
+    def gated_plan(*args: Any, **kwargs: Any) -> PlannedCycle:
+        gate.wait(30)
+        return plan(*args, **kwargs)
+
+    # On the instance, not a second scheduling repository over the same database: the
+    # controller makes one, and a second one's change tracker missed commits here.
+    store.scheduling.plan_cycle = gated_plan  # type: ignore[method-assign]
+    store.scheduling.gate = gate  # type: ignore[attr-defined]
     assert store.try_acquire_lease(T0)
     store.projects.apply_config(T0, PROJECTS, PROFILES, PRIORITY_CLASSES)
     store.nodes.register_nodes(T0, "agent-1", NODES)
@@ -142,7 +145,7 @@ def gated_store(engine: Engine) -> FleetStore:
 def planning_held(cycles: AdmissionCycles) -> Iterator[None]:
     """The cycles' planner makes no progress inside the block: the planning process is
     stopped (SIGSTOP), or the gated store's plan waits."""
-    planner = cycles.planner
+    planner = cycles.worker
     if isinstance(planner, ProcessPlanner):
         assert planner.pid is not None, "the planning process has not started yet"
         os.kill(planner.pid, signal.SIGSTOP)
@@ -179,7 +182,7 @@ async def api(controller: Controller) -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture(params=["process", "thread"])
 def cycles(request: pytest.FixtureRequest, engine: Engine) -> Iterator[AdmissionCycles]:
     store = gated_store(engine)
-    admission = AdmissionCycles(Controller(store), request.param)
+    admission = cycles_of(Controller(store), request.param)
     try:
         yield admission
     finally:
@@ -253,7 +256,7 @@ async def test_the_planning_process_commits_what_a_cycle_here_would(
     db.upgrade(engine_here)
     here = make_store(engine_here)
     controller = Controller(store)
-    cycles = AdmissionCycles(controller, "process")
+    cycles = cycles_of(controller, "process")
     idle = []
     try:
         for at, user, gpus in [(1, "alice", 2), (3, "bob", 1), (5, "carol", 4)]:
@@ -280,7 +283,7 @@ async def test_a_victim_the_planning_process_preempts_is_stopped_then_retried(
     controller = Controller(store)
     victims = controller.victims
     assert isinstance(victims, Victims)
-    cycles = AdmissionCycles(controller, "process")
+    cycles = cycles_of(controller, "process")
     try:
         ask(store, t(1), "carol", project="nlp", gpus=4)
         extra = ask(store, t(2), "carol", server="extra", project="nlp", gpus=2)
@@ -320,10 +323,10 @@ async def test_a_planning_process_that_died_is_started_again(store: FleetStore, 
     while it plans, that cycle fails (logged) and the next starts another. Either way
     the new one reads everything and admits what asked meanwhile."""
     controller = Controller(store)
-    cycles = AdmissionCycles(controller, "process")
+    cycles = cycles_of(controller, "process")
     try:
         assert await cycles.run_cycle() is not None
-        planner = cycles.planner
+        planner = cycles.worker
         assert isinstance(planner, ProcessPlanner) and planner.pid is not None
         first = planner.pid
         alice = ask(store, t(1), "alice")
@@ -357,9 +360,9 @@ async def test_stopping_the_controller_while_a_cycle_is_planned_writes_nothing(
 ) -> None:
     """The cycles' task cancelled mid-plan (the controller stopping): it ends at once,
     the planning process with it, and nothing of the cycle is written."""
-    cycles = AdmissionCycles(Controller(store), "process")
+    cycles = cycles_of(Controller(store), "process")
     assert await cycles.run_cycle() is not None
-    planner = cycles.planner
+    planner = cycles.worker
     assert isinstance(planner, ProcessPlanner) and planner.pid is not None
     child = planner.pid
     ask(store, t(1), "alice")
@@ -382,4 +385,4 @@ async def test_stopping_the_controller_while_a_cycle_is_planned_writes_nothing(
 def test_an_in_memory_database_cannot_be_planned_in_a_process() -> None:
     store = FleetStore(db.make_engine("sqlite://"), "controller-a")
     with pytest.raises(ValueError, match="planner = 'thread'"):
-        AdmissionCycles(Controller(store), "process")
+        cycles_of(Controller(store), "process")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import make_url
 from traitlets.config import Config
 
 from gpufleet.hub.app import FleetController
@@ -22,18 +23,29 @@ from gpufleet.hub.memberships import MembershipSync
 from gpufleet.hub.notifier import Notifier
 from gpufleet.hub.reconciling import Reconciling
 from gpufleet.hub.recovery_loop import RecoveryLoop
+from gpufleet.hub.scheduling import AdmissionCycles
 from gpufleet.hub.snapshot_index import SnapshotIndexing
 
 COMPONENTS: dict[str, type[LoopComponent]] = {
     cls.__name__: cls
-    for cls in (Culling, SnapshotIndexing, Reconciling, RecoveryLoop, NodeWatch, MembershipSync)
+    for cls in (
+        Culling,
+        SnapshotIndexing,
+        Reconciling,
+        RecoveryLoop,
+        NodeWatch,
+        MembershipSync,
+        AdmissionCycles,
+    )
 }
 
 
 def stub_controller() -> Any:
     """What the components read of the controller as they are made."""
+    # The planning process starts with the first cycle: a database's name is all it reads.
+    database = SimpleNamespace(engine=SimpleNamespace(url=make_url("sqlite:////nowhere.sqlite")))
     return SimpleNamespace(
-        store=None,
+        store=SimpleNamespace(scheduling=SimpleNamespace(database=database)),
         servers=None,
         snapshot_access=None,
         metrics=SimpleNamespace(registry=CollectorRegistry()),
@@ -52,7 +64,11 @@ def made(name: str, controller: FleetController) -> Any:
 def earlier_value(old: str) -> Any:
     if old == "idle_policies":
         return {"projects": {"vision": {"mode": "always", "idle_timeout_s": 1200}}}
-    return 7.5
+    return {"planner": "thread", "max_preemption_searches": 7}.get(old, 7.5)
+
+
+def new_value(old: str) -> Any:
+    return {"idle_policies": {}, "planner": "loop", "max_preemption_searches": 2}.get(old, 2.0)
 
 
 @pytest.mark.parametrize("old", sorted(EarlierLoopNames.renamed))
@@ -76,9 +92,9 @@ def test_the_new_name_wins_over_the_earlier_one(old: str) -> None:
     component, _, option = new.partition(".")
     c = Config()
     c.FleetController[old] = earlier_value(old)
-    c[component][option] = {} if old == "idle_policies" else 2.0
+    c[component][option] = new_value(old)
     loop = made(component, FleetController(config=c))
-    assert getattr(loop, option) == ({} if old == "idle_policies" else 2.0)
+    assert getattr(loop, option) == new_value(old)
 
 
 def test_a_loop_left_unset_keeps_its_default_and_nothing_is_warned(
