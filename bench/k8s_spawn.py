@@ -95,7 +95,7 @@ c.JupyterHub.tornado_settings.update({"slow_spawn_timeout": 0})
 STOCK_CONFIG = """
 c.JupyterHub.spawner_class = "kubespawner.KubeSpawner"
 c.FleetController.clusters = {controller!r}
-c.FleetController.cluster_probe_interval = 1
+c.KubeInventory.probe_interval = 1
 c.JupyterHub.services = [s for s in c.JupyterHub.services if s["name"] != "gpufleet-agent"]
 c.JupyterHub.load_roles = [r for r in c.JupyterHub.load_roles if r["name"] != "gpufleet-agent"]
 # Its reconciler would stop this hub's servers, which no gpufleet workload accounts for.

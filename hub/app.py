@@ -90,6 +90,7 @@ class FleetController(
     classes = [
         UpgradeDB,
         AdmissionCycles,
+        KubeInventory,
         Culling,
         SnapshotIndexing,
         Reconciling,
@@ -152,23 +153,6 @@ class FleetController(
         ("http://{ip}:{port}", or a template for an ingress per cluster)}. Their GPU nodes
         come from each cluster's Node objects (watched); the hub's KubeGPUSpawner reads the
         same list.""",
-    ).tag(config=True)
-
-    cluster_unreachable_after = Float(
-        20.0,
-        help="A cluster whose API server has not answered for this many seconds makes its "
-        "nodes unknown (no new work) until it answers again; the other clusters go on.",
-    ).tag(config=True)
-
-    node_lost_grace_seconds = Float(
-        60.0,
-        help="A Kubernetes node that is not Ready, or deleted, for this many seconds ends "
-        "the sessions on it, each with an event naming the node. Their GPUs stay held "
-        "until the pod is gone (a pod on a node that does not answer may still run).",
-    ).tag(config=True)
-
-    cluster_probe_interval = Float(
-        5.0, help="Seconds between checks that each cluster's API server answers."
     ).tag(config=True)
 
     db_lease_seconds = Float(
@@ -532,13 +516,10 @@ class FleetController(
             kube = self.kube = KubeInventory(
                 self.cluster_settings,
                 self.store,
-                log=self.log,
                 now=self.now,
                 kick=self.kick,
-                unreachable_after=self.cluster_unreachable_after,
-                probe_interval=self.cluster_probe_interval,
-                node_lost_grace=self.node_lost_grace_seconds,
                 stop_sessions=self._stop_sessions_of_lost_nodes,
+                parent=self,
             )
             await kube.start()
             self.loops.start([lambda: kube.run(lambda: self.is_leader)])

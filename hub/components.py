@@ -79,6 +79,9 @@ class EarlierLoopNames(RenamedOptions):
         "max_preemption_searches": ("AdmissionCycles.max_preemption_searches", LOOPS),
         "preemption_retry_seconds": ("AdmissionCycles.preemption_retry_seconds", LOOPS),
         "full_collection_interval": ("AdmissionCycles.full_collection_interval", LOOPS),
+        "cluster_unreachable_after": ("KubeInventory.unreachable_after", LOOPS),
+        "cluster_probe_interval": ("KubeInventory.probe_interval", LOOPS),
+        "node_lost_grace_seconds": ("KubeInventory.node_lost_grace_seconds", LOOPS),
     }
 
     cull_interval = _earlier(Float, "Culling.interval")
@@ -97,6 +100,9 @@ class EarlierLoopNames(RenamedOptions):
     max_preemption_searches = _earlier(Integer, "AdmissionCycles.max_preemption_searches")
     preemption_retry_seconds = _earlier(Float, "AdmissionCycles.preemption_retry_seconds")
     full_collection_interval = _earlier(Float, "AdmissionCycles.full_collection_interval")
+    cluster_unreachable_after = _earlier(Float, "KubeInventory.unreachable_after")
+    cluster_probe_interval = _earlier(Float, "KubeInventory.probe_interval")
+    node_lost_grace_seconds = _earlier(Float, "KubeInventory.node_lost_grace_seconds")
 
 
 class Loops:

@@ -32,6 +32,8 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
+from traitlets import Float
+from traitlets.config import Configurable
 
 from ..agent.gpus import gpu_type_of
 from ..scheduler.errors import SchedulerError
@@ -39,6 +41,7 @@ from ..spawner.clusters import ClusterSettings, api_client
 from ..state.clusters import ClusterNodeState
 from ..state.cycle import Stop
 from ..state.fleet import FleetStore
+from .components import LoopComponent
 from .node_stream import Endpoint, NodeStream, WatchExpired
 
 _SUFFIXES = {
@@ -432,30 +435,44 @@ class _GpufleetPod:
     terminating: bool
 
 
-class KubeInventory:
+class KubeInventory(LoopComponent):
     """The watches of every configured cluster, written into the store by the leader."""
+
+    unreachable_after = Float(
+        20.0,
+        help="A cluster whose API server has not answered for this many seconds makes its "
+        "nodes unknown (no new work) until it answers again; the other clusters go on.",
+    ).tag(config=True)
+
+    probe_interval = Float(
+        5.0, help="Seconds between checks that each cluster's API server answers."
+    ).tag(config=True)
+
+    node_lost_grace_seconds = Float(
+        60.0,
+        help="A Kubernetes node that is not Ready, or deleted, for this many seconds ends "
+        "the sessions on it, each with an event naming the node. Their GPUs stay held "
+        "until the pod is gone (a pod on a node that does not answer may still run).",
+    ).tag(config=True)
 
     def __init__(
         self,
         clusters: Sequence[ClusterSettings],
         store: FleetStore,
         *,
-        log: logging.Logger,
         now: Callable[[], datetime],
         kick: Callable[[], None],
-        unreachable_after: float = 20.0,
-        probe_interval: float = 5.0,
-        node_lost_grace: float = 60.0,
         stop_sessions: Callable[[list[Stop]], None] = lambda stops: None,
+        parent: Configurable | None = None,
+        **kwargs: Any,
     ):
-        self.node_lost_grace = node_lost_grace
+        super().__init__(parent=parent, **kwargs)
         self.stop_sessions = stop_sessions
         # Nodes not Ready or deleted, since when (monotonic), and why; and those whose
         # sessions were already told to end. A node that is Ready again leaves both.
         self.lost_since: dict[str, tuple[float, str]] = {}
         self.acted_on: set[str] = set()
         self.store = store
-        self.log = log
         self.now = now
         self.kick = kick
         self._wanted = asyncio.Event()
@@ -463,9 +480,9 @@ class KubeInventory:
             c.name: ClusterWatch(
                 c,
                 changed=self._wanted.set,
-                log=log,
-                unreachable_after=unreachable_after,
-                probe_interval=probe_interval,
+                log=self.log,
+                unreachable_after=self.unreachable_after,
+                probe_interval=self.probe_interval,
             )
             for c in clusters
         }
@@ -591,10 +608,10 @@ class KubeInventory:
                 self.lost_since.setdefault(name, (now, why))
 
     def end_sessions_on_lost_nodes(self, now: float) -> None:
-        """End the sessions of nodes lost for ``node_lost_grace`` seconds (a kubelet that
+        """End the sessions of nodes lost for ``node_lost_grace_seconds`` (a kubelet that
         restarts comes back sooner), once per loss."""
         for name, (since, why) in sorted(self.lost_since.items()):
-            if name in self.acted_on or now - since < self.node_lost_grace:
+            if name in self.acted_on or now - since < self.node_lost_grace_seconds:
                 continue
             try:
                 stops = self.store.clusters.stop_sessions_on_node(self.now(), name, why)

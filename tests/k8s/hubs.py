@@ -19,9 +19,9 @@ c.KubeGPUSpawner.clusters = {spawner!r}
 c.KubeGPUSpawner.image = "gpufleet/session:test"  # the test kubelets run the base env
 c.KubeGPUSpawner.termination_grace_seconds = 5
 c.KubeGPUSpawner.lease_renew_interval = 1
-c.FleetController.cluster_probe_interval = 1
-c.FleetController.node_lost_grace_seconds = 2
-c.FleetController.cluster_unreachable_after = 3
+c.KubeInventory.probe_interval = 1
+c.KubeInventory.node_lost_grace_seconds = 2
+c.KubeInventory.unreachable_after = 3
 """
 
 # The GPUs are the clusters' own: no node agent declares GPUs of this machine.

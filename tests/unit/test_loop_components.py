@@ -19,6 +19,7 @@ from gpufleet.hub.app import FleetController
 from gpufleet.hub.components import EarlierLoopNames, LoopComponent
 from gpufleet.hub.culling import Culling
 from gpufleet.hub.inventory_loop import NodeWatch
+from gpufleet.hub.kube_inventory import KubeInventory
 from gpufleet.hub.memberships import MembershipSync
 from gpufleet.hub.notifier import Notifier
 from gpufleet.hub.reconciling import Reconciling
@@ -36,6 +37,7 @@ COMPONENTS: dict[str, type[LoopComponent]] = {
         NodeWatch,
         MembershipSync,
         AdmissionCycles,
+        KubeInventory,
     )
 }
 
@@ -58,6 +60,9 @@ def stub_controller() -> Any:
 
 
 def made(name: str, controller: FleetController) -> Any:
+    if name == "KubeInventory":  # made as the controller starts, of the configured clusters
+        stub = stub_controller()
+        return KubeInventory([], stub.store, now=stub.now, kick=lambda: None, parent=controller)
     return COMPONENTS[name](stub_controller(), parent=controller)
 
 
