@@ -18,7 +18,8 @@ The invariants:
 - a fault that ends a job says so in its reason, and every restart is a
   ``job-restarting`` event with the attempt, the fault's class and the evidence.
 
-Mixed into ``FleetStore`` through ``JobStore``; every write is fenced by the lease.
+The rules of ``JobStore`` (``store.jobs``), which the maintenance and reconciler repositories
+are given to end attempts; every write is fenced by the lease.
 """
 
 from __future__ import annotations

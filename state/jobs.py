@@ -14,7 +14,7 @@ reports what it runs and is told what it should run. The invariants:
   and every pod's ``run`` turns false;
 - a pod reported ended stays ended: a late or repeated report cannot revive it.
 
-Mixed into ``FleetStore``; every write is fenced by the controller lease.
+The repository is ``store.jobs``; every write is fenced by the controller lease.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The session extension reports each running session's kernels and terminals
 query (``culler_sessions``) and records what it decided (``record_idle_decision``).
 Marking a session idle sets ``Workload.idle_since``, the one thing the scheduler reads:
 the culler never calls the scheduler, and the scheduler never calls the culler.
-Mixed into ``FleetStore``; every write is fenced by the controller lease.
+The repository is ``store.sessions``; every write is fenced by the controller lease.
 """
 
 from __future__ import annotations

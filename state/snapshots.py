@@ -5,7 +5,7 @@ the culler find a user's snapshots without reading the store. ``record_snapshot`
 the row of a snapshot the controller just saw committed; ``rebuild_snapshot_index``
 makes the rows of one store match a scan of it (``gpufleet.snapshotter.listing.scan``),
 adding what is missing, updating what differs and removing rows whose manifest is gone.
-Mixed into ``FleetStore``; every write is fenced by the controller lease.
+The repository is ``store.snapshots``; every write is fenced by the controller lease.
 
 The records are the snapshotter's (``snapshotter.listing.IndexedSnapshot``); this module
 reads them through :class:`IndexedSnapshot`, what a row is made of, and imports nothing of
