@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -33,8 +33,9 @@ from ..api.events import EventKind
 from ..snapshotter import runner as snapshots
 from ..snapshotter.listing import SnapshotRecord, index_key
 from ..snapshotter.settings import StoreAccess
-from ..state.fleet import FleetStore
-from ..state.sessions import CulledSession
+from ..state.operations import NodeOperationStore
+from ..state.sessions import CulledSession, SessionActivityStore
+from ..state.snapshots import SnapshotStore
 from .policy import Action, Cause, Decision, IdlePolicy, Session, Signals, decide, resolve
 from .ports import ServerStops
 
@@ -90,10 +91,18 @@ class _LivePass:
     task: asyncio.Task[None]
 
 
+class CullerState(Protocol):
+    """The repositories the culler uses (``state.fleet.FleetStore`` holds them all)."""
+
+    sessions: SessionActivityStore
+    snapshots: SnapshotStore
+    node_operations: NodeOperationStore
+
+
 class IdleCuller:
     def __init__(
         self,
-        store: FleetStore,
+        store: CullerState,
         policies: Mapping[str, Any],
         *,
         stopper: ServerStops,

@@ -10,9 +10,8 @@ from typing import Any, Protocol
 
 from traitlets import Dict, Float
 
-from ..culler.loop import IdleCuller
+from ..culler.loop import CullerState, IdleCuller
 from ..snapshotter.settings import StoreAccess
-from ..state.fleet import FleetStore
 from .components import LoopComponent
 from .metrics import ControllerMetrics
 from .notifier import Notifier
@@ -22,7 +21,6 @@ from .stopper import ServerStopper
 class CullingController(Protocol):
     """What the culler uses of the controller (``app.FleetController``)."""
 
-    store: FleetStore
     log: Logger
     metrics: ControllerMetrics
     notifier: Notifier
@@ -34,6 +32,10 @@ class CullingController(Protocol):
     projects: list[dict[str, Any]]
 
     def now(self) -> datetime: ...
+
+    @property
+    def store(self) -> CullerState:
+        """The repositories the culler uses."""
 
 
 class Culling(LoopComponent):

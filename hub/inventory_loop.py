@@ -14,16 +14,21 @@ from sqlalchemy.exc import SQLAlchemyError
 from traitlets import Float
 
 from ..scheduler.errors import SchedulerError
-from ..state.fleet import FleetStore
+from ..state.jobs import JobStore
 from .components import LoopComponent
 from .metrics import ControllerMetrics
 from .notifier import Notifier
 
 
+class SilenceState(Protocol):
+    """The repositories this loop uses (the jobs of silent nodes; ``FleetStore`` holds them all)."""
+
+    jobs: JobStore
+
+
 class WatchingController(Protocol):
     """What the watch uses of the controller (``app.FleetController``)."""
 
-    store: FleetStore
     metrics: ControllerMetrics
     notifier: Notifier
     is_leader: bool
@@ -33,6 +38,9 @@ class WatchingController(Protocol):
     def now(self) -> datetime: ...
 
     def kick(self) -> None: ...
+
+    @property
+    def store(self) -> SilenceState: ...
 
 
 class NodeWatch(LoopComponent):

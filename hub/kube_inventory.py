@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
 from traitlets import Float
@@ -38,9 +38,8 @@ from traitlets.config import Configurable
 from ..agent.gpus import gpu_type_of
 from ..scheduler.errors import SchedulerError
 from ..spawner.clusters import ClusterSettings, api_client
-from ..state.clusters import ClusterNodeState
+from ..state.clusters import ClusterInventoryStore, ClusterNodeState
 from ..state.cycle import Stop
-from ..state.fleet import FleetStore
 from .components import LoopComponent
 from .node_stream import Endpoint, NodeStream, WatchExpired
 
@@ -435,6 +434,12 @@ class _GpufleetPod:
     terminating: bool
 
 
+class ClusterState(Protocol):
+    """The repository the inventory writes the clusters' nodes to (``FleetStore``'s)."""
+
+    clusters: ClusterInventoryStore
+
+
 class KubeInventory(LoopComponent):
     """The watches of every configured cluster, written into the store by the leader."""
 
@@ -458,7 +463,7 @@ class KubeInventory(LoopComponent):
     def __init__(
         self,
         clusters: Sequence[ClusterSettings],
-        store: FleetStore,
+        store: ClusterState,
         *,
         now: Callable[[], datetime],
         kick: Callable[[], None],

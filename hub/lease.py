@@ -14,14 +14,26 @@ from typing import Protocol
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..scheduler.errors import LeaseLost
-from ..state.fleet import FleetStore
+from ..state.cycle import SchedulingStore
+from ..state.workloads import WorkloadStore
 from .timed import TimedWork
+
+
+class LeaseState(Protocol):
+    """What the lease holder uses of the database (``state.fleet.FleetStore``)."""
+
+    scheduling: SchedulingStore
+    workloads: WorkloadStore
+
+    @property
+    def holder(self) -> str: ...
+
+    def try_acquire_lease(self, now: datetime) -> bool: ...
 
 
 class LeasingController(Protocol):
     """What the lease holder sets and uses of the controller (``app.FleetController``)."""
 
-    store: FleetStore
     log: Logger
     timed: TimedWork
     is_leader: bool
@@ -34,6 +46,9 @@ class LeasingController(Protocol):
 
     @property
     def request_lease(self) -> timedelta: ...
+
+    @property
+    def store(self) -> LeaseState: ...
 
 
 class LeaseHolder:

@@ -15,20 +15,28 @@ from sqlalchemy.exc import SQLAlchemyError
 from traitlets import Float
 
 from ..scheduler.errors import LeaseLost, SchedulerError
-from ..state.fleet import FleetStore
+from ..state.projects import ProjectStore
 from .components import LoopComponent
+
+
+class MembershipState(Protocol):
+    """The repositories this loop uses (the project memberships; ``FleetStore`` holds them all)."""
+
+    projects: ProjectStore
 
 
 class MembershipController(Protocol):
     """What the sync uses of the controller (``app.FleetController``)."""
 
-    store: FleetStore
     log: Logger
     hub_api_url: str
     hub_api_token: str
     is_leader: bool
 
     def now(self) -> datetime: ...
+
+    @property
+    def store(self) -> MembershipState: ...
 
 
 class MembershipSync(LoopComponent):

@@ -56,8 +56,8 @@ from sqlalchemy.orm import Session
 from ..api.events import EventKind
 from ..recovery import processes
 from ..scheduler.errors import InvalidRequest, LeaseLost, SchedulerError
-from ..state.fleet import FleetStore
 from ..state.models import Event, Workload, WorkloadKind, WorkloadState
+from ..state.reconcile import ReconcileStore
 from .metrics import ControllerMetrics
 from .notifier import Notifier
 from .reconcile import (
@@ -79,13 +79,24 @@ from .stopper import ServerStopper
 PAGINATION = "application/jupyterhub-pagination+json"
 
 
+class ReconcilerState(Protocol):
+    """What the reconciler uses of the database (``state.fleet.FleetStore``): its
+    repairs' repository, and sessions to read the workloads it compares."""
+
+    reconcile: ReconcileStore
+
+    def read(self) -> Session: ...
+
+
 class StartContext(Protocol):
     """What ``settle_before_start`` uses of the controller (``ControllerContext`` has it)."""
 
-    store: FleetStore
     metrics: ControllerMetrics
     notifier: Notifier
     log: logging.Logger
+
+    @property
+    def store(self) -> ReconcilerState: ...
 
     def now(self) -> datetime: ...
 
@@ -98,7 +109,7 @@ class StartContext(Protocol):
 class Reconciler:
     def __init__(
         self,
-        store: FleetStore,
+        store: ReconcilerState,
         metrics: ControllerMetrics,
         servers: ServerStopper,
         hub_api_url: str,
@@ -308,7 +319,7 @@ def _count(metrics: ControllerMetrics, log: logging.Logger, repair: Repair) -> N
 
 
 def end_workload(
-    store: FleetStore,
+    store: ReconcilerState,
     metrics: ControllerMetrics,
     log: logging.Logger,
     now: datetime,
@@ -361,7 +372,9 @@ async def settle_before_start(controller: StartContext, username: str, server_na
         raise InvalidRequest(decision.refused)
 
 
-def recorded_workloads(store: FleetStore, live_markers: Iterable[str]) -> list[RecordedWorkload]:
+def recorded_workloads(
+    store: ReconcilerState, live_markers: Iterable[str]
+) -> list[RecordedWorkload]:
     """Every open workload, and the ended ones whose marker is in ``live_markers``."""
     markers = sorted(set(live_markers))
     with store.read() as session:
@@ -410,7 +423,9 @@ def _recorded(w: Workload, last_event: datetime | None) -> RecordedWorkload:
     )
 
 
-def last_workloads(store: FleetStore, servers: Iterable[tuple[str, str]]) -> list[RecordedWorkload]:
+def last_workloads(
+    store: ReconcilerState, servers: Iterable[tuple[str, str]]
+) -> list[RecordedWorkload]:
     """The latest workload of each ``(username, server_name)``, if it has one."""
     found = []
     with store.read() as session:
@@ -430,7 +445,9 @@ def last_workloads(store: FleetStore, servers: Iterable[tuple[str, str]]) -> lis
     return found
 
 
-def server_workloads(store: FleetStore, username: str, server_name: str) -> list[RecordedWorkload]:
+def server_workloads(
+    store: ReconcilerState, username: str, server_name: str
+) -> list[RecordedWorkload]:
     """The open workloads of one server (``username``'s ``server_name``)."""
     with store.read() as session:
         rows = session.scalars(
@@ -448,7 +465,7 @@ def server_workloads(store: FleetStore, username: str, server_name: str) -> list
     return [_recorded(w, last_event.get(w.id)) for w in rows]
 
 
-def open_session_exists(store: FleetStore, username: str, server_name: str) -> bool:
+def open_session_exists(store: ReconcilerState, username: str, server_name: str) -> bool:
     with store.read() as session:
         found = session.scalar(
             select(Workload.id)

@@ -15,19 +15,17 @@ from sqlalchemy.exc import SQLAlchemyError
 from traitlets import Float
 
 from ..scheduler.errors import SchedulerError
-from ..state.fleet import FleetStore
 from .components import LoopComponent
 from .kube_inventory import KubeInventory
 from .metrics import ControllerMetrics
 from .notifier import Notifier
-from .reconciler import Reconciler
+from .reconciler import Reconciler, ReconcilerState
 from .stopper import ServerStopper
 
 
 class ReconcilingController(Protocol):
     """What the reconciler uses of the controller (``app.FleetController``)."""
 
-    store: FleetStore
     log: Logger
     metrics: ControllerMetrics
     notifier: Notifier
@@ -42,6 +40,9 @@ class ReconcilingController(Protocol):
     def kick(self) -> None: ...
 
     async def live_pod_markers(self) -> frozenset[str] | None: ...
+
+    @property
+    def store(self) -> ReconcilerState: ...
 
 
 class Reconciling(LoopComponent):

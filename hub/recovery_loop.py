@@ -15,20 +15,30 @@ from sqlalchemy.exc import SQLAlchemyError
 from traitlets import Float
 
 from ..scheduler.errors import SchedulerError
-from ..state.fleet import FleetStore
+from ..state.jobs import JobStore
+from ..state.maintenance import MaintenanceStore
 from .components import LoopComponent
 from .notifier import Notifier
+
+
+class RecoveryState(Protocol):
+    """The repositories this loop uses (hung jobs, due maintenance; ``FleetStore``'s)."""
+
+    jobs: JobStore
+    maintenance: MaintenanceStore
 
 
 class RecoveringController(Protocol):
     """What the recovery loop uses of the controller (``app.FleetController``)."""
 
-    store: FleetStore
     notifier: Notifier
     is_leader: bool
     log: Logger
 
     def now(self) -> datetime: ...
+
+    @property
+    def store(self) -> RecoveryState: ...
 
 
 class RecoveryLoop(LoopComponent):

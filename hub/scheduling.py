@@ -65,9 +65,9 @@ from traitlets.config import Configurable
 from ..scheduler.errors import LeaseLost, SchedulerError
 from ..scheduler.snapshot import Plan, Policy, Running
 from ..state.collector import collect_all
-from ..state.cycle import CycleResult, Outcome, PlannedCycle, Stop
-from ..state.fleet import FleetStore
+from ..state.cycle import CycleResult, Outcome, PlannedCycle, SchedulingStore, Stop
 from ..state.planners import ProcessPlanner, ThreadPlanner
+from ..state.workloads import WorkloadStore
 from .components import LoopComponent
 from .metrics import ControllerMetrics
 from .notifier import Notifier
@@ -86,10 +86,17 @@ class Victims(Protocol):
     def retry(self, running: Iterable[Running], server_names: dict[int, str]) -> None: ...
 
 
+class AdmissionState(Protocol):
+    """The repositories the admission cycles use (``state.fleet.FleetStore`` holds them):
+    the cycle's, and the waiting requests' leases it expires first."""
+
+    scheduling: SchedulingStore
+    workloads: WorkloadStore
+
+
 class SchedulingController(Protocol):
     """What the admission cycles use of the controller (``app.FleetController``)."""
 
-    store: FleetStore
     log: Logger
     metrics: ControllerMetrics
     notifier: Notifier
@@ -100,6 +107,9 @@ class SchedulingController(Protocol):
 
     @property
     def victims(self) -> Victims: ...
+
+    @property
+    def store(self) -> AdmissionState: ...
 
     # Nodes kept free per zone for restarting jobs (``c.FleetController.recovery_spares``).
     recovery_spares: dict[str, int]

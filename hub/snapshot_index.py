@@ -17,19 +17,27 @@ from traitlets import Float
 from ..scheduler.errors import SchedulerError
 from ..snapshotter.errors import SnapshotError
 from ..snapshotter.settings import StoreAccess
-from ..state.fleet import FleetStore
+from ..state.snapshots import SnapshotStore
 from .components import LoopComponent
+
+
+class IndexState(Protocol):
+    """The repositories this loop uses (the snapshot index; ``FleetStore`` holds them all)."""
+
+    snapshots: SnapshotStore
 
 
 class IndexingController(Protocol):
     """What the index uses of the controller (``app.FleetController``)."""
 
-    store: FleetStore
     log: Logger
     snapshot_access: StoreAccess
     is_leader: bool
 
     def now(self) -> datetime: ...
+
+    @property
+    def store(self) -> IndexState: ...
 
 
 class SnapshotIndexing(LoopComponent):

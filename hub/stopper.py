@@ -29,16 +29,22 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from ..api.events import EventKind
 from ..culler.ports import StopOutcome
-from ..state.fleet import FleetStore
+from ..state.events import EventStore
 from .hubapi import stop_server
 
 __all__ = ["ServerStopper", "StopOutcome"]
+
+
+class StopperState(Protocol):
+    """The repository the stopper writes its events to (``state.fleet.FleetStore``'s)."""
+
+    events: EventStore
 
 
 class ServerStopper:
@@ -49,7 +55,7 @@ class ServerStopper:
         self,
         hub_api_url: str,
         hub_api_token: str,
-        store: FleetStore,
+        store: StopperState,
         log: logging.Logger,
         clock: Callable[[], datetime],
         *,
