@@ -64,7 +64,7 @@ from .secrets import SecretFileError, check_secret_file
 from .serving import CountingApplication, answer_in_flight
 from .snapshot_index import SnapshotIndexing
 from .stopper import ServerStopper
-from .timed import TimedOptions, TimedWork
+from .timed import TimedWork
 from .uid_claims import DEFAULT_REGISTRY, Claim, ClaimError, HeldClaim, claim, deployment_identity
 from .victims import VictimStopper
 
@@ -80,9 +80,7 @@ DEFAULT_PRIORITY_CLASSES = [
 ]
 
 
-class FleetController(
-    RecoveryOptions, TimedOptions, DatabaseMixin, RenamedSnapshotOptions, EarlierLoopNames
-):
+class FleetController(RecoveryOptions, DatabaseMixin, RenamedSnapshotOptions, EarlierLoopNames):
     name = "gpufleet-controller"
     version = __version__
     description = "The gpufleet fleet controller (a JupyterHub service)."
@@ -91,6 +89,7 @@ class FleetController(
         UpgradeDB,
         AdmissionCycles,
         KubeInventory,
+        TimedWork,
         Culling,
         SnapshotIndexing,
         Reconciling,
@@ -298,7 +297,7 @@ class FleetController(
         configuration that cannot work stops the start (exit 2)."""
         self.lease = LeaseHolder(self)
         try:
-            self.timed = TimedWork(self, self.engine, self.retention_trigger())
+            self.timed = TimedWork(self, self.engine, parent=self)
         except ValueError as e:
             self.exit_with(str(e), code=2)
         try:
@@ -448,8 +447,8 @@ class FleetController(
             store,
             key,
             self.store.snapshots.project_names(),
-            RetentionPolicy(self.snapshot_keep_last, self.snapshot_keep_daily),
-            self.snapshot_gc_margin_seconds,
+            RetentionPolicy(self.timed.snapshot_keep_last, self.timed.snapshot_keep_daily),
+            self.timed.snapshot_gc_margin_seconds,
             time.time(),
         )
         self.store.events.record_event(self.now(), "snapshot-retention", said)

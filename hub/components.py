@@ -82,6 +82,15 @@ class EarlierLoopNames(RenamedOptions):
         "cluster_unreachable_after": ("KubeInventory.unreachable_after", LOOPS),
         "cluster_probe_interval": ("KubeInventory.probe_interval", LOOPS),
         "node_lost_grace_seconds": ("KubeInventory.node_lost_grace_seconds", LOOPS),
+        **{
+            name: (f"TimedWork.{name}", LOOPS)
+            for name in (
+                "snapshot_retention_schedule",
+                "snapshot_keep_last",
+                "snapshot_keep_daily",
+                "snapshot_gc_margin_seconds",
+            )
+        },
     }
 
     cull_interval = _earlier(Float, "Culling.interval")
@@ -103,6 +112,10 @@ class EarlierLoopNames(RenamedOptions):
     cluster_unreachable_after = _earlier(Float, "KubeInventory.unreachable_after")
     cluster_probe_interval = _earlier(Float, "KubeInventory.probe_interval")
     node_lost_grace_seconds = _earlier(Float, "KubeInventory.node_lost_grace_seconds")
+    snapshot_retention_schedule = _earlier(Unicode, "TimedWork.snapshot_retention_schedule")
+    snapshot_keep_last = _earlier(Integer, "TimedWork.snapshot_keep_last")
+    snapshot_keep_daily = _earlier(Integer, "TimedWork.snapshot_keep_daily")
+    snapshot_gc_margin_seconds = _earlier(Float, "TimedWork.snapshot_gc_margin_seconds")
 
 
 class Loops:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
@@ -23,6 +23,8 @@ from apscheduler.triggers.cron import CronTrigger
 from sqlalchemy import Engine
 from traitlets import Float, Integer, Unicode
 from traitlets.config import Configurable
+
+from .components import LoopComponent
 
 
 class TimedController(Protocol):
@@ -69,9 +71,27 @@ async def snapshot_retention() -> None:
 RETENTION_JOB = "snapshot-retention"
 
 
-class TimedOptions(Configurable):
-    """Mixed into ``FleetController``: set as ``c.FleetController.<name>``."""
+def retention_trigger(schedule: str) -> CronTrigger | None:
+    """The retention schedule, or None when off; ValueError says what is wrong with it."""
+    if not schedule.strip():
+        return None
+    try:
+        return CronTrigger.from_crontab(schedule, timezone=UTC)
+    except ValueError as e:
+        raise ValueError(
+            f"c.TimedWork.snapshot_retention_schedule {schedule!r} is not a crontab line "
+            f"(minute hour day month weekday, e.g. '0 3 * * *'): {e}"
+        ) from None
 
+
+@dataclass(frozen=True)
+class TimedJob:
+    id: str
+    what: str
+    at: datetime | None  # its next run
+
+
+class TimedWork(LoopComponent):
     snapshot_retention_schedule = Unicode(
         "",
         help="When to apply snapshot retention and collect unused snapshot data, as a "
@@ -96,31 +116,16 @@ class TimedOptions(Configurable):
         "snapshot being written may still need it).",
     ).tag(config=True)
 
-    def retention_trigger(self) -> CronTrigger | None:
-        """The schedule, or None when off; ValueError says what is wrong with it."""
-        if not self.snapshot_retention_schedule.strip():
-            return None
-        try:
-            return CronTrigger.from_crontab(self.snapshot_retention_schedule, timezone=UTC)
-        except ValueError as e:
-            raise ValueError(
-                f"snapshot_retention_schedule {self.snapshot_retention_schedule!r} is not a "
-                f"crontab line (minute hour day month weekday, e.g. '0 3 * * *'): {e}"
-            ) from None
-
-
-@dataclass(frozen=True)
-class TimedJob:
-    id: str
-    what: str
-    at: datetime | None  # its next run
-
-
-class TimedWork:
     def __init__(
-        self, controller: TimedController, engine: Engine, retention: CronTrigger | None = None
+        self,
+        controller: TimedController,
+        engine: Engine,
+        parent: Configurable | None = None,
+        **kwargs: Any,
     ):
-        self.retention = retention
+        """ValueError when the retention schedule is not a crontab line."""
+        super().__init__(parent=parent, **kwargs)
+        self.retention = retention_trigger(self.snapshot_retention_schedule)
         self.scheduler = AsyncIOScheduler(
             jobstores={"default": SQLAlchemyJobStore(engine=engine)},
             timezone=UTC,

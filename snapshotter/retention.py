@@ -9,7 +9,7 @@ is what the owner's next start restores.
 
 ``retain_and_collect`` applies a policy to every project of a store and collects what
 nothing keeps any more; ``retention_pass`` is that, off the event loop, as the
-controller's scheduled run (``c.FleetController.snapshot_retention_schedule``) does it.
+controller's scheduled run (``c.TimedWork.snapshot_retention_schedule``) does it.
 """
 
 from __future__ import annotations

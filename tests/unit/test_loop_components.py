@@ -26,6 +26,8 @@ from gpufleet.hub.reconciling import Reconciling
 from gpufleet.hub.recovery_loop import RecoveryLoop
 from gpufleet.hub.scheduling import AdmissionCycles
 from gpufleet.hub.snapshot_index import SnapshotIndexing
+from gpufleet.hub.timed import TimedWork
+from gpufleet.state import db
 
 COMPONENTS: dict[str, type[LoopComponent]] = {
     cls.__name__: cls
@@ -38,6 +40,7 @@ COMPONENTS: dict[str, type[LoopComponent]] = {
         MembershipSync,
         AdmissionCycles,
         KubeInventory,
+        TimedWork,
     )
 }
 
@@ -63,17 +66,23 @@ def made(name: str, controller: FleetController) -> Any:
     if name == "KubeInventory":  # made as the controller starts, of the configured clusters
         stub = stub_controller()
         return KubeInventory([], stub.store, now=stub.now, kick=lambda: None, parent=controller)
+    if name == "TimedWork":  # its jobs are kept in the database
+        return TimedWork(stub_controller(), db.make_engine("sqlite://"), parent=controller)
     return COMPONENTS[name](stub_controller(), parent=controller)
 
 
 def earlier_value(old: str) -> Any:
     if old == "idle_policies":
         return {"projects": {"vision": {"mode": "always", "idle_timeout_s": 1200}}}
-    return {"planner": "thread", "max_preemption_searches": 7}.get(old, 7.5)
+    integers = {"max_preemption_searches": 7, "snapshot_keep_last": 7, "snapshot_keep_daily": 7}
+    texts = {"planner": "thread", "snapshot_retention_schedule": "0 3 * * *"}
+    return {**integers, **texts}.get(old, 7.5)
 
 
 def new_value(old: str) -> Any:
-    return {"idle_policies": {}, "planner": "loop", "max_preemption_searches": 2}.get(old, 2.0)
+    integers = {"max_preemption_searches": 2, "snapshot_keep_last": 2, "snapshot_keep_daily": 2}
+    texts = {"idle_policies": {}, "planner": "loop", "snapshot_retention_schedule": "0 4 * * *"}
+    return {**integers, **texts}.get(old, 2.0)
 
 
 @pytest.mark.parametrize("old", sorted(EarlierLoopNames.renamed))

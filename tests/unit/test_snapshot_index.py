@@ -105,12 +105,12 @@ def test_scheduled_retention_forgets_what_the_policy_does_not_keep(tmp_path: Pat
 def test_the_retention_schedule_is_a_crontab_line_or_nothing() -> None:
     import pytest
 
-    from gpufleet.hub.timed import TimedOptions
+    from gpufleet.hub.timed import retention_trigger
 
-    assert TimedOptions(snapshot_retention_schedule="").retention_trigger() is None
-    trigger = TimedOptions(snapshot_retention_schedule="0 3 * * *").retention_trigger()
+    assert retention_trigger("") is None
+    trigger = retention_trigger("0 3 * * *")
     assert trigger is not None
     fire = trigger.get_next_fire_time(None, T0)
     assert fire == datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
     with pytest.raises(ValueError, match="is not a crontab line"):
-        TimedOptions(snapshot_retention_schedule="every night").retention_trigger()
+        retention_trigger("every night")
