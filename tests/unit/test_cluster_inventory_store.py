@@ -282,7 +282,7 @@ def test_the_controller_ends_the_sessions_of_a_node_lost_past_the_grace(store: F
         log=logging.getLogger("test"),
         now=lambda: clock[0],
         kick=lambda: None,
-        node_lost_grace=30.0,
+        node_lost_grace_seconds=30.0,
         stop_sessions=told.append,
     )
     view = kube.watches["cluster-a"].view
@@ -330,7 +330,7 @@ def test_a_deleted_node_ends_its_sessions_too_but_an_unreachable_cluster_does_no
         log=logging.getLogger("test"),
         now=lambda: t(10),
         kick=lambda: None,
-        node_lost_grace=30.0,
+        node_lost_grace_seconds=30.0,
         stop_sessions=told.append,
     )
     watch = kube.watches["cluster-a"]
