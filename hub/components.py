@@ -27,6 +27,11 @@ class LoopComponent(LoggingConfigurable):
     controller declares for its options."""
 
     def __init__(self, parent: Configurable | None = None, **kwargs: Any) -> None:
+        # traitlets would pass an unknown keyword on with a warning, and the option it
+        # was meant for would keep its default.
+        unknown = sorted(set(kwargs) - set(self.class_trait_names()))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no option {', '.join(unknown)}")
         super().__init__(parent=parent, **kwargs)
         if isinstance(parent, RenamedOptions):
             self._take_earlier_names(parent)

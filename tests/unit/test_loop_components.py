@@ -136,3 +136,9 @@ def test_every_loop_option_is_listed_in_the_controllers_help_with_its_text() -> 
         assert cls in FleetController.classes
         for name, trait in cls.class_traits(config=True).items():
             assert trait.help, f"c.{cls.__name__}.{name} has no help"
+
+
+def test_a_component_refuses_an_option_it_does_not_have() -> None:
+    stub = stub_controller()
+    with pytest.raises(TypeError, match=r"KubeInventory has no option node_lost_grace$"):
+        KubeInventory([], stub.store, now=stub.now, kick=lambda: None, node_lost_grace=30.0)
