@@ -120,6 +120,10 @@ def stored_keys(s3_server: S3Server) -> list[str]:
 def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_queue(
     hub: Hub, s3_server: S3Server
 ) -> None:
+    """About 60 s: alice's 20 s of idleness, her live and final snapshots to the S3
+    server, bob's session on her GPUs, then alice back with her files, packages and conda
+    environment restored. One story: split, each part would start its own sessions and
+    wait out the same idle time again."""
     began = datetime.now(UTC)
     # carol's GPUs work (fake NVML says 90%): her session stays, whatever else it does.
     carol = hub.start_session("carol", project="nlp", gpu_type="A100-80GB", gpus=4)
