@@ -98,7 +98,7 @@ def _kept_running(
 def test_restarts_of_the_agent_and_of_the_whole_platform_cost_running_jobs_nothing(
     hub: Hub,
 ) -> None:
-    """About 90 s: three restarts one after the other (the agent killed, the agent stopped,
+    """About 50 s: three restarts one after the other (the agent killed, the agent stopped,
     the whole platform), each waiting for a new agent to take four pods over, while the
     same two jobs step on. Split, each part would start its own hub and jobs and wait for
     them to step, and the last could not show that takeovers add up (4, 8, 12 adopted)."""
