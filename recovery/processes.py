@@ -176,9 +176,11 @@ def _marked_starts(marker: str, proc: Path, remembered: bool = False) -> dict[in
     run (an exiting process no longer shows its marker)."""
     part = marker + "."
     found = marked_process_details((), proc)
+    showing = {process.pid for process in found}
     with _ever_marked_lock:
         for key, (started, _) in list(_ever_marked.items()):
-            if key[0] == proc and not running(key[1], started, proc):
+            # What shows its marker runs; only the rest is looked up again.
+            if key[0] == proc and key[1] not in showing and not running(key[1], started, proc):
                 del _ever_marked[key]
         for process in found:
             _ever_marked[proc, process.pid] = (process.started, process.marker)
