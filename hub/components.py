@@ -61,42 +61,13 @@ LOOPS = "the controller's loops; docs/architecture.md"
 
 
 def _earlier(trait: type[Float] | type[Integer] | type[Unicode] | type[Dict], new: str) -> Any:
-    return trait(default_value=None, allow_none=True, help=earlier_help(new)).tag(config=True)
+    return trait(default_value=None, allow_none=True, help=earlier_help(new)).tag(
+        config=True, renamed_to=new
+    )
 
 
 class EarlierLoopNames(RenamedOptions):
     """The loops' options as the controller once declared them, mixed into it."""
-
-    renamed = {
-        "cull_interval": ("Culling.interval", LOOPS),
-        "cull_retry_seconds": ("Culling.retry_seconds", LOOPS),
-        "idle_policies": ("Culling.idle_policies", LOOPS),
-        "snapshot_index_interval": ("SnapshotIndexing.interval", LOOPS),
-        "snapshot_index_min_interval": ("SnapshotIndexing.min_interval", LOOPS),
-        "reconcile_interval": ("Reconciling.interval", LOOPS),
-        "reconcile_grace": ("Reconciling.grace", LOOPS),
-        "hang_check_interval": ("RecoveryLoop.hang_check_interval", LOOPS),
-        "node_heartbeat_timeout": ("NodeWatch.heartbeat_timeout", LOOPS),
-        "membership_sync_interval": ("MembershipSync.interval", LOOPS),
-        "admission_interval": ("AdmissionCycles.interval", LOOPS),
-        "planner": ("AdmissionCycles.planner", LOOPS),
-        "min_run_time_seconds": ("AdmissionCycles.min_run_time_seconds", LOOPS),
-        "max_preemption_searches": ("AdmissionCycles.max_preemption_searches", LOOPS),
-        "preemption_retry_seconds": ("AdmissionCycles.preemption_retry_seconds", LOOPS),
-        "full_collection_interval": ("AdmissionCycles.full_collection_interval", LOOPS),
-        "cluster_unreachable_after": ("KubeInventory.unreachable_after", LOOPS),
-        "cluster_probe_interval": ("KubeInventory.probe_interval", LOOPS),
-        "node_lost_grace_seconds": ("KubeInventory.node_lost_grace_seconds", LOOPS),
-        **{
-            name: (f"TimedWork.{name}", LOOPS)
-            for name in (
-                "snapshot_retention_schedule",
-                "snapshot_keep_last",
-                "snapshot_keep_daily",
-                "snapshot_gc_margin_seconds",
-            )
-        },
-    }
 
     cull_interval = _earlier(Float, "Culling.interval")
     cull_retry_seconds = _earlier(Float, "Culling.retry_seconds")
@@ -121,6 +92,13 @@ class EarlierLoopNames(RenamedOptions):
     snapshot_keep_last = _earlier(Integer, "TimedWork.snapshot_keep_last")
     snapshot_keep_daily = _earlier(Integer, "TimedWork.snapshot_keep_daily")
     snapshot_gc_margin_seconds = _earlier(Float, "TimedWork.snapshot_gc_margin_seconds")
+
+
+# Where each earlier name lives now, read off the declarations above (one list, not two).
+EarlierLoopNames.renamed = {
+    name: (trait.metadata["renamed_to"], LOOPS)
+    for name, trait in EarlierLoopNames.class_traits(renamed_to=lambda new: new is not None).items()
+}
 
 
 class Loops:
