@@ -24,7 +24,7 @@ from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
 from ..api import __version__
-from ..recovery.nvml import GpuSample, NvmlError
+from ..recovery.nvml import GpuSample, NvmlError, gpu_type_of
 from ..recovery.processes import marked_process_details
 from ..snapshotter.node_operations import run_operation
 from ..snapshotter.sandbox import (
@@ -40,7 +40,6 @@ from .gpus import (
     NodePlace,
     declared_inventory,
     declared_places,
-    gpu_type_of,
     machine_memory_bytes,
     nodes_body,
     start_fake_nvml,

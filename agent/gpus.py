@@ -147,19 +147,6 @@ def machine_memory_bytes() -> int:
         return 0
 
 
-def gpu_type_of(model: str, memory_bytes: int, names: Mapping[str, str]) -> str:
-    """The fleet's GPU type for an NVML model name: from ``names``, else derived.
-
-    "NVIDIA A100-SXM4-80GB" → "A100-80GB"; "NVIDIA H100 80GB HBM3" → "H100-80GB".
-    """
-    if model in names:
-        return names[model]
-    base = model.removeprefix("NVIDIA ").split()[0].split("-")[0]
-    size = re.search(r"(\d+)\s*GB", model)
-    gigabytes = int(size.group(1)) if size else round(memory_bytes / 10**9)
-    return f"{base}-{gigabytes}GB"
-
-
 def whole_gpus(inventory: Sequence[GpuInfo]) -> dict[str, GpuInfo]:
     """UUID → whole GPU, for samples and metrics (which are per GPU, not per MIG slice)."""
     whole: dict[str, GpuInfo] = {}

@@ -43,8 +43,8 @@ import httpx
 from k8s_churn import say
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the tests' Kubernetes tier
+from gpufleet.clusters.kube_config import ClusterSettings
 from gpufleet.hub.kube_inventory import KubeInventory
-from gpufleet.spawner.clusters import ClusterSettings
 from gpufleet.state import db
 from gpufleet.state.clusters import ClusterNodeState
 from gpufleet.state.fleet import FleetStore

@@ -75,7 +75,7 @@ import httpx
 from k8s_spawn_observe import PodSeen, PodWatch, ProgressStream
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # the tests' tier and hub harness
-from gpufleet.spawner.kube_manifests import priority_class
+from gpufleet.clusters.manifests import priority_class
 from tests.integration.harness import Hub
 from tests.k8s.control_plane import NAMESPACE, ControlPlane, K8sUnavailable, find_binaries
 from tests.k8s.processes import TierStartError

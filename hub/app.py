@@ -30,11 +30,11 @@ from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicod
 
 from .. import __version__
 from ..agent.lifecycle import until_stopped
+from ..clusters.kube_config import ClusterConfigError, check_loadable, parse_clusters
 from ..culler.errors import PolicyError
 from ..scheduler.errors import InputError, NotFound, SchemaMismatch
 from ..scheduler.model import project_tree
 from ..snapshotter.settings import RenamedSnapshotOptions
-from ..spawner.clusters import ClusterConfigError, check_loadable, parse_clusters
 from ..state import db
 from ..state.accounts import check_range
 from ..state.clusters import KUBERNETES

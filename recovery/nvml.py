@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -322,3 +323,16 @@ def _address(handle: Any) -> int:
     import ctypes
 
     return int(ctypes.cast(handle, ctypes.c_void_p).value or 0)
+
+
+def gpu_type_of(model: str, memory_bytes: int, names: Mapping[str, str]) -> str:
+    """The fleet's GPU type for an NVML model name: from ``names``, else derived.
+
+    "NVIDIA A100-SXM4-80GB" → "A100-80GB"; "NVIDIA H100 80GB HBM3" → "H100-80GB".
+    """
+    if model in names:
+        return names[model]
+    base = model.removeprefix("NVIDIA ").split()[0].split("-")[0]
+    size = re.search(r"(\d+)\s*GB", model)
+    gigabytes = int(size.group(1)) if size else round(memory_bytes / 10**9)
+    return f"{base}-{gigabytes}GB"

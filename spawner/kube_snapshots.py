@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 from tornado import web
 from traitlets import Bool, Float, List, Unicode
 
+from ..clusters.manifests import Volume
 from ..snapshotter import runner as snapshots
 from .client import ControllerClient
-from .kube_manifests import Volume
 from .resume import SnapshotOptions, restore_progress, restoring_message
 
 

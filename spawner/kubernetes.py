@@ -36,11 +36,8 @@ from tornado import web
 from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
 
 from ..clusters import workload_processes
-from ..snapshotter.runner import SnapshotFailed
-from .client import WorkloadStatus
-from .clusters import ClusterConfigError, ClusterSettings, api_client, parse_clusters
-from .handshake import GPUQueueSpawner
-from .kube_manifests import (
+from ..clusters.kube_config import ClusterConfigError, ClusterSettings, api_client, parse_clusters
+from ..clusters.manifests import (
     KUBE_DNS,
     Endpoint,
     Peer,
@@ -49,6 +46,9 @@ from .kube_manifests import (
     session_network_policy,
     session_pod,
 )
+from ..snapshotter.runner import SnapshotFailed
+from .client import WorkloadStatus
+from .handshake import GPUQueueSpawner
 from .kube_snapshots import KubeSnapshotMixin
 
 __all__ = ["KubeGPUSpawner"]

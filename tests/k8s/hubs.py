@@ -6,7 +6,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from gpufleet.spawner.kube_manifests import priority_class
+from gpufleet.clusters.manifests import priority_class
 
 from ..integration.harness import Hub
 from .control_plane import NAMESPACE, ControlPlane

@@ -28,7 +28,7 @@ LIST_NODES = textwrap.dedent(
     """
     import asyncio, sys
     from kubernetes_asyncio import client
-    from gpufleet.spawner.clusters import ClusterConfigError, api_client, parse_clusters
+    from gpufleet.clusters.kube_config import ClusterConfigError, api_client, parse_clusters
 
     async def main() -> None:
         (settings,) = parse_clusters([{"name": "here", "in_cluster": True}])

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from gpufleet.clusters.kube_config import ClusterSettings
 from gpufleet.hub.kube_inventory import KubeInventory
-from gpufleet.spawner.clusters import ClusterSettings
 from gpufleet.state import db
 from gpufleet.state.clusters import slot_uuid
 from gpufleet.state.fleet import FleetStore

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from traitlets.config import Config
 
-from gpufleet.spawner.kube_manifests import dropped_fields, priority_class, session_pod
+from gpufleet.clusters.manifests import dropped_fields, priority_class, session_pod
 from gpufleet.spawner.kubernetes import KubeGPUSpawner
 
 from .control_plane import NAMESPACE, Cluster

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, BrowserContext, expect
 
-from gpufleet.spawner.kube_manifests import WORKLOAD_LABEL
+from gpufleet.clusters.manifests import WORKLOAD_LABEL
 
 from ..integration import browser as ui
 from ..integration.harness import Hub, run_in_kernel, wait_for

@@ -270,8 +270,8 @@ def test_the_sessions_of_a_lost_node_stop_and_keep_their_gpus_until_released(
 def test_the_controller_ends_the_sessions_of_a_node_lost_past_the_grace(store: FleetStore) -> None:
     import logging
 
+    from gpufleet.clusters.kube_config import ClusterSettings
     from gpufleet.hub.kube_inventory import KubeInventory
-    from gpufleet.spawner.clusters import ClusterSettings
     from gpufleet.state.cycle import Stop
 
     told: list[list[Stop]] = []
@@ -319,8 +319,8 @@ def test_a_deleted_node_ends_its_sessions_too_but_an_unreachable_cluster_does_no
 ) -> None:
     import logging
 
+    from gpufleet.clusters.kube_config import ClusterSettings
     from gpufleet.hub.kube_inventory import KubeInventory
-    from gpufleet.spawner.clusters import ClusterSettings
     from gpufleet.state.cycle import Stop
 
     told: list[list[Stop]] = []

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from gpufleet.hub.kube_inventory import (
+from gpufleet.clusters.kube_config import ClusterConfigError, ClusterSettings, parse_clusters
+from gpufleet.clusters.node_watch import (
     ClusterView,
     Reachability,
     gpu_type_of_product,
     observe_node,
     parse_quantity,
 )
-from gpufleet.spawner.clusters import ClusterConfigError, ClusterSettings, parse_clusters
 from gpufleet.state.clusters import ClusterNodeState
 
 
@@ -277,7 +277,7 @@ def test_a_view_reports_only_what_changed() -> None:
 
 
 async def test_watch_lines_of_any_length_survive_any_chunking() -> None:
-    from gpufleet.hub.kube_inventory import _lines
+    from gpufleet.clusters.node_watch import _lines
 
     events = [b'{"type": "MODIFIED", "pad": "' + b"x" * 200_000 + b'"}', b'{"type": "DELETED"}']
     body = b"\n".join(events) + b"\n"

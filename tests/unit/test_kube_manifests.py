@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpufleet.spawner.kube_manifests import (
+from gpufleet.clusters.manifests import (
     KUBE_DNS,
     USER_LABEL,
     WORKLOAD_LABEL,

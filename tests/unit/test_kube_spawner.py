@@ -11,7 +11,7 @@ import pytest
 from tornado import web
 from traitlets.config import Config
 
-from gpufleet.spawner.kube_manifests import WORKLOAD_LABEL
+from gpufleet.clusters.manifests import WORKLOAD_LABEL
 from gpufleet.spawner.kubernetes import KubeGPUSpawner
 
 from .netpol import Remote, policy_allows

@@ -17,9 +17,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from gpufleet.hub.kube_inventory import observe_node
-from gpufleet.hub.node_stream import Endpoint, NodeStream, WatchExpired, WatchFailed
-from gpufleet.spawner.clusters import ClusterSettings
+from gpufleet.clusters.kube_config import ClusterSettings
+from gpufleet.clusters.node_stream import Endpoint, NodeStream, WatchExpired, WatchFailed
+from gpufleet.clusters.node_watch import observe_node
 from gpufleet.state.clusters import ClusterNodeState
 
 SETTINGS = ClusterSettings(name="c", kubeconfig="/dev/null")
