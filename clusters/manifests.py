@@ -160,7 +160,7 @@ def parse_quantity(quantity: str | int | float) -> Decimal:
     return number * _QUANTITY_SCALE.get(suffix, Decimal(1))
 
 
-def _check_dns_label(what: str, value: str) -> None:
+def check_dns_label(what: str, value: str) -> None:
     if not _DNS_LABEL.match(value):
         raise ValueError(
             f"{what} {value!r} is not a DNS label: use at most 63 lowercase letters, digits "
@@ -168,7 +168,7 @@ def _check_dns_label(what: str, value: str) -> None:
         )
 
 
-def _check_dns_subdomain(what: str, value: str) -> None:
+def check_dns_subdomain(what: str, value: str) -> None:
     if len(value) > 253 or not _DNS_SUBDOMAIN.match(value):
         raise ValueError(
             f"{what} {value!r} is not a DNS subdomain: use lowercase letters, digits, '-' and "
@@ -176,7 +176,7 @@ def _check_dns_subdomain(what: str, value: str) -> None:
         )
 
 
-def _check_labels(what: str, labels: Mapping[str, str]) -> None:
+def check_labels(what: str, labels: Mapping[str, str]) -> None:
     for key, value in labels.items():
         if not is_qualified_name(key):
             raise ValueError(f"{what}: {key!r} is not a valid label key")
@@ -187,12 +187,12 @@ def _check_labels(what: str, labels: Mapping[str, str]) -> None:
             )
 
 
-def _check_port(what: str, port: int) -> None:
+def check_port(what: str, port: int) -> None:
     if not 1 <= port <= 65535:
         raise ValueError(f"{what} {port} is not a TCP/UDP port (1-65535)")
 
 
-def _frozen_mapping(obj: object, name: str) -> None:
+def frozen_mapping(obj: object, name: str) -> None:
     """Replace a dataclass's mapping field by a read-only copy, so 'frozen' means frozen."""
     object.__setattr__(obj, name, MappingProxyType(dict(getattr(obj, name))))
 
@@ -221,11 +221,11 @@ class Volume:
     size_limit: str = ""  # emptyDir only: a quantity such as "16Gi"
 
     def __post_init__(self) -> None:
-        _check_dns_label("volume name", self.name)
+        check_dns_label("volume name", self.name)
         if not self.mount_path.startswith("/"):
             raise ValueError(f"volume {self.name}: mount_path {self.mount_path!r} is not absolute")
         if self.kind == "pvc":
-            _check_dns_subdomain(f"volume {self.name}: claim name", self.source)
+            check_dns_subdomain(f"volume {self.name}: claim name", self.source)
         elif self.kind == "hostPath":
             if not self.source.startswith("/"):
                 raise ValueError(
@@ -345,13 +345,13 @@ class SessionPod:
 
     def __post_init__(self) -> None:
         for name in ("node_selector", "env", "extra_labels", "extra_annotations"):
-            _frozen_mapping(self, name)
+            frozen_mapping(self, name)
         for name in ("command", "args", "image_pull_secrets", "tolerations", "volumes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        _check_dns_subdomain("pod name", self.name)
-        _check_dns_label("namespace", self.namespace)
-        _check_dns_subdomain("node name", self.node)
-        _check_dns_subdomain("priority class name", self.priority_class_name)
+        check_dns_subdomain("pod name", self.name)
+        check_dns_label("namespace", self.namespace)
+        check_dns_subdomain("node name", self.node)
+        check_dns_subdomain("priority class name", self.priority_class_name)
         if not self.cluster:
             raise ValueError("cluster is empty: give the name of the cluster the pod goes to")
         if self.workload_id < 0:
@@ -363,7 +363,7 @@ class SessionPod:
             )
         if not self.image:
             raise ValueError("image is empty: give the session's container image")
-        _check_port("port", self.port)
+        check_port("port", self.port)
         if self.base_url is not None and not self.base_url.startswith("/"):
             raise ValueError(f"base_url {self.base_url!r} must start with '/' (e.g. /user/ann/)")
         if self.uid == 0:
@@ -399,8 +399,8 @@ class SessionPod:
                 raise ValueError(f"env: {key!r} is not a valid variable name")
             if key in RESERVED_VARIABLES:
                 raise ValueError(f"env: {key} is set by gpufleet; leave it out of env")
-        _check_labels("node_selector", self.node_selector)
-        _check_labels("extra_labels", self.extra_labels)
+        check_labels("node_selector", self.node_selector)
+        check_labels("extra_labels", self.extra_labels)
         for key in self.extra_annotations:
             if not is_qualified_name(key):
                 raise ValueError(f"extra_annotations: {key!r} is not a valid annotation key")
@@ -568,7 +568,7 @@ def session_pod(pod: SessionPod) -> Manifest:
 def priority_class(name: str, value: int, description: str) -> Manifest:
     """The PriorityClass of gpufleet's pods: never preempts (gpufleet's scheduler does),
     never the cluster's default."""
-    _check_dns_subdomain("priority class name", name)
+    check_dns_subdomain("priority class name", name)
     if not -(2**31) <= value <= MAX_USER_PRIORITY:
         raise ValueError(
             f"priority value {value} is out of range: classes other than the system's take "
@@ -611,8 +611,8 @@ class Peer:
             raise ValueError("a Peer is either pods (pod_labels/namespace_labels) or a cidr")
         for name in ("pod_labels", "namespace_labels"):
             if getattr(self, name) is not None:
-                _frozen_mapping(self, name)
-                _check_labels(f"Peer.{name}", getattr(self, name))
+                frozen_mapping(self, name)
+                check_labels(f"Peer.{name}", getattr(self, name))
         object.__setattr__(self, "except_cidrs", tuple(self.except_cidrs))
         if self.cidr:
             block = ipaddress.ip_network(self.cidr)  # raises ValueError naming the bad value
@@ -650,7 +650,7 @@ class Endpoint:
         if not self.ports:
             raise ValueError("an Endpoint needs at least one port")
         for port in self.ports:
-            _check_port("Endpoint port", port)
+            check_port("Endpoint port", port)
 
     def rule(self) -> Manifest:
         return {

@@ -51,6 +51,7 @@ from .errors import ClusterUnavailable
 from .inventory_loop import NodeWatch
 from .job_pages import job_page_routes
 from .kube_inventory import KubeInventory
+from .kube_jobs import KubeJobs
 from .lease import LeaseHolder
 from .memberships import MembershipSync
 from .metrics import ControllerMetrics
@@ -89,6 +90,7 @@ class FleetController(RecoveryOptions, DatabaseMixin, RenamedSnapshotOptions, Ea
         UpgradeDB,
         AdmissionCycles,
         KubeInventory,
+        KubeJobs,
         TimedWork,
         Culling,
         SnapshotIndexing,
@@ -244,6 +246,7 @@ class FleetController(RecoveryOptions, DatabaseMixin, RenamedSnapshotOptions, Ea
         except ClusterConfigError as e:
             self.exit_with(f"c.FleetController.clusters: {e}", code=2)
         self.kube: KubeInventory | None = None
+        self.kube_jobs: KubeJobs | None = None
         self.notifier = Notifier()
         self._open_database()
         self.hub_api_url = os.environ.get("JUPYTERHUB_API_URL", "")
@@ -522,6 +525,19 @@ class FleetController(RecoveryOptions, DatabaseMixin, RenamedSnapshotOptions, Ea
             )
             await kube.start()
             self.loops.start([lambda: kube.run(lambda: self.is_leader)])
+            jobs = self.kube_jobs = KubeJobs(
+                self.cluster_settings,
+                self.store,
+                now=self.now,
+                kick=self.kick,
+                notifier=self.notifier,
+                hub_url=self.hub_api_url,
+                controller_url=self.service_url,
+                lost_nodes=lambda: {name: why for name, (_, why) in kube.lost_since.items()},
+                parent=self,
+            )
+            await jobs.start()
+            self.loops.start([lambda: jobs.run(lambda: self.is_leader)])
         await self.lease.became_leader.wait()
         self.store.projects.apply_config(
             self.now(), self.projects, self.profiles, self.priority_classes

@@ -26,6 +26,7 @@ from ..clusters.node_watch import ClusterView, ClusterWatch
 from ..scheduler.errors import SchedulerError
 from ..state.clusters import ClusterInventoryStore, ClusterNodeState
 from ..state.cycle import Stop
+from ..state.jobs import JobStore
 from .components import LoopComponent
 
 
@@ -51,9 +52,11 @@ class _GpufleetPod:
 
 
 class ClusterState(Protocol):
-    """The repository the inventory writes the clusters' nodes to (``FleetStore``'s)."""
+    """The repositories the inventory writes the clusters' nodes to and ends the jobs of
+    lost nodes through (``FleetStore``'s)."""
 
     clusters: ClusterInventoryStore
+    jobs: JobStore
 
 
 class KubeInventory(LoopComponent):
@@ -230,16 +233,25 @@ class KubeInventory(LoopComponent):
 
     def end_sessions_on_lost_nodes(self, now: float) -> None:
         """End the sessions of nodes lost for ``node_lost_grace_seconds`` (a kubelet that
-        restarts comes back sooner), once per loss."""
+        restarts comes back sooner), once per loss; their jobs resume elsewhere."""
         for name, (since, why) in sorted(self.lost_since.items()):
             if name in self.acted_on or now - since < self.node_lost_grace_seconds:
                 continue
             try:
                 stops = self.store.clusters.stop_sessions_on_node(self.now(), name, why)
+                jobs = self.store.jobs.lose_cluster_node(self.now(), name, why)
             except (SQLAlchemyError, SchedulerError):
-                self.log.exception("could not end the sessions of lost node %s", name)
+                self.log.exception("could not end the sessions and jobs of lost node %s", name)
                 continue
             self.acted_on.add(name)
+            if jobs.changed:
+                self.log.warning(
+                    "node %s %s: its jobs resume elsewhere",
+                    name,
+                    why,
+                    extra={"workloads": jobs.changed},
+                )
+                self.kick()
             if stops:
                 self.log.warning(
                     "node %s %s: ending its sessions",
@@ -296,7 +308,9 @@ class KubeInventory(LoopComponent):
 
         if not watch.reachability.reachable or watch.api is None:
             return None
-        selector = ",".join(f"{k}={v}" for k, v in sorted(COMMON_LABELS.items()))
+        # Sessions' and jobs' pods alike: every pod gpufleet made names who made it.
+        managed_by = "app.kubernetes.io/managed-by"
+        selector = f"{managed_by}={COMMON_LABELS[managed_by]}"
         core: Any = client.CoreV1Api(watch.api)
         try:
             response: Any = await core.list_pod_for_all_namespaces(

@@ -119,7 +119,16 @@ USER_EXIT_CODES = {
     127: "a command that was not found",
 }
 # Pod reasons and termination causes that are someone else's decision, not a fault.
-DISRUPTIONS = frozenset({"Preempted", "DisruptionTarget", "Drained", "Evicted", "AgentRestarted"})
+# ``Deleted``: a Kubernetes pod deleted by someone other than gpufleet (a drain, kubectl).
+DISRUPTIONS = frozenset(
+    {"Preempted", "DisruptionTarget", "Drained", "Evicted", "AgentRestarted", "Deleted"}
+)
+# A pod's cluster could not start it, for no fault of the job's: the gang did not start
+# whole within its deadline, or the API server refused one of its objects.
+NOT_STARTED_BY_CLUSTER = {
+    "StartTimeout": "its pods did not all start in time",
+    "CreateRefused": "its cluster refused to create its pods",
+}
 # How the local node agent's reasons for a pod that did not run begin, and what they mean
 # for the pod's outcome (``outcome_reason``): the job asked for what cannot be done (its
 # own error), the node could not run it (the infrastructure's), or a restarted agent found
@@ -603,6 +612,16 @@ def _stopped_or_not_started(signal: PodOutcome) -> Verdict | None:
             FaultClass.USER,
             "the pod could not start as the job asks: not retried; the job's reason says "
             "what to change",
+            evidence=[signal],
+        )
+    if signal.reason == "NodeLost":
+        return _node(", ".join(signal.nodes), "the pod's node was lost under it", signal)
+    if signal.reason in NOT_STARTED_BY_CLUSTER:
+        return _verdict(
+            FaultClass.UNKNOWN,
+            f"{NOT_STARTED_BY_CLUSTER[signal.reason]} (not the job's doing): the job goes "
+            "back to the queue and spends one attempt of its retry budget",
+            job=JobAction.RESTART_ELSEWHERE,
             evidence=[signal],
         )
     if signal.reason == "NodeCannotStart":

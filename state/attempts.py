@@ -111,8 +111,8 @@ class AttemptStore(Repository):
         its job's GPUs and nodes."""
         gpus, nodes = _placement(workload)
         error = _RANK_ERROR.match(row.reason or "")
-        reason = outcome_reason(row.reason or "")
-        if reason == "NodeCannotStart":
+        reason = row.cause or outcome_reason(row.reason or "")
+        if reason in ("NodeCannotStart", "NodeLost"):
             nodes = (row.node,)  # this pod's node, not every node of the job
         outcome = PodOutcome(
             exit_code=row.exit_code,

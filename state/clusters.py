@@ -225,6 +225,20 @@ class ClusterInventoryStore(Repository):
             ).first()
             return (found[0], found[1]) if found else None
 
+    def node_names(self, cluster: str) -> list[str]:
+        """The names of every node the cluster has or had (a deleted node keeps its row
+        while allocations refer to it), by name."""
+        with self.read() as session:
+            return list(
+                session.scalars(
+                    select(Node.name)
+                    .join(Zone, Node.zone_id == Zone.id)
+                    .join(Cluster, Zone.cluster_id == Cluster.id)
+                    .where(Cluster.name == cluster)
+                    .order_by(Node.name)
+                )
+            )
+
     def _cluster_row(self, session: Session, name: str, context: str | None) -> Cluster:
         row = session.scalar(select(Cluster).where(Cluster.name == name))
         if row is None:

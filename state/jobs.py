@@ -31,14 +31,14 @@ from sqlalchemy.orm import Session, selectinload
 
 from ..api.events import EventKind
 from ..recovery.checkpoints import filled
-from ..recovery.classify import AgentSilent, Verdict, classify
+from ..recovery.classify import AgentSilent, NodeLost, Verdict, classify
 from ..scheduler.errors import InvalidRequest
 from ..scheduler.validation import JobRequest, validate_job_request
 from .accounts import AccountStore
 from .attempts import AttemptStore, cancelled_ending, stopping_for
 from .base import _event, _get_workload, _preemptible, end_workload
 from .catalogue import catalogue_of
-from .clusters import AGENT_PREFIX
+from .clusters import AGENT_PREFIX, KUBERNETES
 from .database import Database
 from .inventory import mark_silent
 from .job_logs import LogChunk, store_chunks
@@ -51,6 +51,7 @@ from .leftovers import (
 )
 from .models import (
     Allocation,
+    Cluster,
     JobLog,
     JobPod,
     Node,
@@ -60,6 +61,7 @@ from .models import (
     Workload,
     WorkloadKind,
     WorkloadState,
+    Zone,
 )
 from .progress import ProgressReport, record_progress
 
@@ -118,6 +120,9 @@ class PodReport:
     reason: str = ""  # for an ended pod: what went wrong, in words (the last error line)
     attempt: int = 1  # the job's attempt it is a pod of: an earlier one's report is stale
     adopted: bool = False  # a new agent took the running pod over from the one before
+    # Why it ended in the backend's own word (``OOMKilled``, ``Evicted``, ``NodeLost``,
+    # ``Deleted``, ``StartTimeout``...): what the classifier reads before ``reason``'s words.
+    cause: str = ""
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,7 @@ class DesiredPod:
     account: dict[str, Any] | None = None  # uid, gid, mode: whom its ranks run as
     attempt: int = 1
     resume_from: str = ""  # the checkpoint the attempt resumes from (GPUFLEET_RESUME_FROM)
+    project: str = ""  # the project charged
 
 
 @dataclass(frozen=True)
@@ -269,16 +275,23 @@ class JobStore(AttemptStore):
         chunks: Iterable[LogChunk],
         progress: Iterable[ProgressReport] = (),
         gone: Iterable[str] = (),
+        kubernetes: bool = False,
     ) -> SyncResult:
         """Record an agent's pod reports, log chunks and its ranks' progress (before the
         pods' ends: the last checkpoint of an attempt that ends now counts), and the
         leftover markers it found nothing of (``gone``); answer the pods of its nodes and
-        the leftovers it must end there."""
-        nodes = set(node_names)
+        the leftovers it must end there.
+
+        Who launches a node's pods depends on its cluster: the node agent on the local
+        backend, the cluster manager on Kubernetes (``kubernetes``), which syncs here as
+        the agent of its cluster's nodes. Pod reports and pods asked for concern only the
+        nodes the caller launches on, so an agent running on a Kubernetes node (for its
+        GPUs, snapshots and progress) never starts that node's pods as processes."""
         changed: set[int] = set()
         ended: list[str] = []
         restarted: list[str] = []
         with self._write(now) as session:
+            nodes = _launched_by(session, node_names, kubernetes)
             store_chunks(session, now, chunks)
             resumed: list[float] = []
             changed |= record_progress(session, now, progress, resumed)
@@ -360,6 +373,7 @@ class JobStore(AttemptStore):
             return False
         row.state = report.state
         row.exit_code, row.signal, row.reason = report.exit_code, report.signal, report.reason
+        row.cause = report.cause[:32]
         if report.state == "running":
             row.started_at = now
             return _job_running(session, now, workload)
@@ -447,9 +461,30 @@ class JobStore(AttemptStore):
                 )
                 if not self._cordon_node(session, now, node, verdict):
                     continue
+                why = "its node agent went silent"
                 for workload in sorted({a.workload for a in held}, key=lambda w: w.id):
                     if workload.kind == WorkloadKind.job and workload.state in ACTIVE:
-                        self._pods_lost(session, now, workload, node, verdict, lost)
+                        self._pods_lost(session, now, workload, node, verdict, why, lost)
+        return lost
+
+    def lose_cluster_node(self, now: datetime, node_name: str, why: str) -> NodesLost:
+        """A Kubernetes node lost to its cluster (not Ready, or deleted, past the
+        inventory's grace) under running jobs: each such job stops as a node fault and
+        resumes elsewhere, its pods there counted as ended (``lost``) while their GPUs stay
+        held until the cluster no longer has them (``state/leftovers.py``): a pod on a node
+        whose kubelet does not answer may still run."""
+        lost = NodesLost()
+        with self._write(now) as session:
+            node = session.scalar(select(Node).where(Node.name == node_name))
+            if node is None:
+                return lost
+            verdict = classify(NodeLost(node.name, why, now.timestamp()), (), self.recovery_policy)
+            held = open_allocations_on(session, node)
+            for workload in sorted({a.workload for a in held}, key=lambda w: w.id):
+                if workload.kind == WorkloadKind.job and workload.state in ACTIVE:
+                    self._pods_lost(session, now, workload, node, verdict, f"its node {why}", lost)
+            if lost.changed:
+                lost.nodes.append(node.name)
         return lost
 
     def _pods_lost(
@@ -459,6 +494,7 @@ class JobStore(AttemptStore):
         workload: Workload,
         node: Node,
         verdict: Verdict,
+        why: str,
         lost: NodesLost,
     ) -> None:
         rows = {p.pod_index: p for p in _pods(session, workload.id)}
@@ -480,9 +516,7 @@ class JobStore(AttemptStore):
                 continue
             uuids = hold_for_leftovers(session, now, workload, index, node)
             row.state, row.ended_at = "lost", now
-            row.reason = (
-                "its node agent went silent; its GPUs stay held until what is left of it is gone"
-            )
+            row.reason = f"{why}; its GPUs stay held until what is left of it is gone"
             _event(
                 session,
                 now,
@@ -494,15 +528,15 @@ class JobStore(AttemptStore):
                 data={"pod": index, "held": uuids},
             )
         if workload.state != WorkloadState.stopping:
-            self._fault_stops(session, now, workload, verdict, node.name, silent=node.name)
+            self._fault_stops(session, now, workload, verdict, node.name, lost=node.name)
         lost.changed.append(workload.id)
         fault, _ = self._end_attempt_if_done(session, now, workload, rows)
         if fault is not None:
             lost.restarted.append(fault)
 
-    def desired_pods(self, node_names: Sequence[str]) -> list[DesiredPod]:
+    def desired_pods(self, node_names: Sequence[str], kubernetes: bool = False) -> list[DesiredPod]:
         with self.read() as session:
-            return _desired_pods(session, set(node_names))
+            return _desired_pods(session, _launched_by(session, node_names, kubernetes))
 
     def job_pods(self, workload_id: int) -> list[JobPod]:
         with self.read() as session:
@@ -581,6 +615,21 @@ def _pods(session: Session, workload_id: int) -> Sequence[JobPod]:
     ).all()
 
 
+def _launched_by(session: Session, node_names: Iterable[str], kubernetes: bool) -> set[str]:
+    """Those of ``node_names`` whose pods the caller launches: the nodes of Kubernetes
+    clusters for a cluster manager, the others for a node agent."""
+    names = set(node_names)
+    if not names:
+        return names
+    backends = session.execute(
+        select(Node.name, Cluster.backend)
+        .join(Zone, Node.zone_id == Zone.id)
+        .join(Cluster, Zone.cluster_id == Cluster.id)
+        .where(Node.name.in_(names))
+    ).all()
+    return {name for name, backend in backends if (backend == KUBERNETES) == kubernetes}
+
+
 def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
     rows = session.execute(
         select(Allocation, Workload)
@@ -592,7 +641,11 @@ def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
             Workload.kind == WorkloadKind.job,
             Workload.state.in_(ACTIVE),
         )
-        .options(selectinload(Allocation.gpu), selectinload(Allocation.node))
+        .options(
+            selectinload(Allocation.gpu),
+            selectinload(Allocation.node),
+            selectinload(Allocation.workload).selectinload(Workload.project),
+        )
     ).all()
     gpus: dict[tuple[int, int], list[tuple[int, str]]] = defaultdict(list)
     where: dict[tuple[int, int], str] = {}
@@ -634,6 +687,7 @@ def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
                 account=_account_json(accounts.get(workload.username)),
                 attempt=workload.attempt,
                 resume_from=str((workload.recovery or {}).get("resume_from") or ""),
+                project=workload.project.name,
             )
         )
     return desired

@@ -434,6 +434,9 @@ class JobPod(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer, default=None)
     signal: Mapped[int | None] = mapped_column(Integer, default=None)
     reason: Mapped[str] = mapped_column(Text, default="")
+    # Why it ended in its backend's own word (Kubernetes' ``OOMKilled``, ``Evicted``,
+    # ``NodeLost``...; empty where the words of ``reason`` say it), for the classifier.
+    cause: Mapped[str] = mapped_column(String(32), default="", server_default="")
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     ended_at: Mapped[datetime | None] = mapped_column(default=None)
 

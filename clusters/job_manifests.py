@@ -1,0 +1,449 @@
+"""The Kubernetes objects of one attempt of a training job: pure builders, plain data in,
+dicts out.
+
+An attempt of a job placed on a cluster is a **gang** (:class:`JobGang`): one pod per pod
+of the job, each on the node the scheduler chose, plus three objects the pods share, all
+named ``gf-job-<id>-a<attempt>`` (:func:`gang_name`) and deleted with them:
+
+- a ConfigMap with the job's script and the pods' launcher (``clusters/pod_launcher.py``),
+  mounted read-only at :data:`LAUNCH_DIR`;
+- a headless Service whose ``subdomain`` the pods name, so pod *i* is
+  ``p<i>.<gang>.<namespace>.svc.cluster.local`` wherever it runs. It publishes pods that
+  are not Ready yet: the master's name must resolve while its torchrun starts, and the
+  launcher waits for its port, not for the pod to be Ready;
+- a NetworkPolicy letting the gang's pods reach each other on any port and, out of the
+  gang, only the hub, the controller, DNS and the egress the admin lists (the S3 endpoint
+  of checkpoints); nothing else reaches them, so no other user's pod joins the rendezvous.
+
+Each attempt has objects of its own, never reusing an earlier attempt's names: a pod of the
+attempt before may still be terminating on a node that stopped answering, and a name it
+still holds must not keep the next attempt from starting, nor answer its rendezvous.
+
+The pods are the session pods' kin (``clusters/manifests.py`` has the reasons): a required
+node affinity on the chosen node, the cluster's GPU node selector and taint toleration, the
+GPU limit, a priority class with ``preemptionPolicy: Never``, the researcher's own non-root
+uid, no service-account token, no service links, no privilege escalation, no capability,
+the runtime's seccomp profile, and ``restartPolicy: Never``: a pod that ends ends its
+attempt, and gpufleet decides what comes next. The grace period is the job's
+(``grace_s``): SIGTERM is the checkpoint signal.
+
+Labels: the sessions' (workload, user, project, cluster, marker: the pod's own part
+marker, which the reconciler maps back to the job's) and ``gpufleet.io/attempt`` and
+``gpufleet.io/pod-index``; ``app.kubernetes.io/component: job``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from types import MappingProxyType
+
+from ..recovery.processes import part_marker
+from .manifests import (
+    CLUSTER_LABEL,
+    DEFAULT_GPU_RESOURCE,
+    DNS_PORT,
+    GPU_TOLERATION,
+    KUBE_DNS,
+    LABEL_PREFIX,
+    MARKER_LABEL,
+    MARKER_VARIABLE,
+    POD_IP_VARIABLE,
+    PROJECT_LABEL,
+    USER_LABEL,
+    WORKLOAD_LABEL,
+    WORKLOAD_VARIABLE,
+    Endpoint,
+    Manifest,
+    Peer,
+    Toleration,
+    Volume,
+    check_dns_label,
+    check_dns_subdomain,
+    check_labels,
+    check_port,
+    frozen_mapping,
+    label_value,
+    parse_quantity,
+)
+
+ATTEMPT_LABEL = LABEL_PREFIX + "attempt"
+POD_INDEX_LABEL = LABEL_PREFIX + "pod-index"
+JOB_LABELS: Mapping[str, str] = MappingProxyType(
+    {"app.kubernetes.io/managed-by": "gpufleet", "app.kubernetes.io/component": "job"}
+)
+CONTAINER_NAME = "torchrun"
+LAUNCH_DIR = "/var/run/gpufleet/job"  # the ConfigMap: the script and the launcher
+LAUNCHER_KEY = "gpufleet-launch.py"
+RENDEZVOUS_PORT_NAME = "rendezvous"
+DEFAULT_JOB_PRIORITY_CLASS = "gpufleet-job"
+# Variables the platform sets in every pod, which the job's own ``env`` cannot override.
+PLATFORM_VARIABLES = frozenset(
+    {
+        POD_IP_VARIABLE,
+        WORKLOAD_VARIABLE,
+        MARKER_VARIABLE,
+        "GPUFLEET_JOB_ID",
+        "GPUFLEET_JOB_NAME",
+        "GPUFLEET_POD_INDEX",
+        "GPUFLEET_PODS",
+        "GPUFLEET_GPUS_PER_POD",
+        "GPUFLEET_MASTER_ADDR",
+        "GPUFLEET_MASTER_PORT",
+        "GPUFLEET_RENDEZVOUS_TIMEOUT",
+        "GPUFLEET_SCRIPT",
+        "GPUFLEET_CHECKPOINT_URI",
+        "GPUFLEET_ATTEMPT",
+        "GPUFLEET_RESUME_FROM",
+        "PYTHONUNBUFFERED",
+    }
+)
+
+
+def launcher_text() -> str:
+    """The launcher every job pod runs first (its text goes into the gang's ConfigMap)."""
+    return (Path(__file__).parent / "pod_launcher.py").read_text(encoding="utf-8")
+
+
+def gang_name(workload_id: int, attempt: int) -> str:
+    """The name of an attempt's Service, ConfigMap and NetworkPolicy; its pods' names add
+    ``-<index>``."""
+    return f"gf-job-{workload_id}-a{attempt}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobGang:
+    """What one attempt of a job is made of on its cluster. Validated when made: a bad
+    value raises ValueError with what to fix, before anything reaches an API server."""
+
+    # whose and which
+    workload_id: int
+    attempt: int
+    job_name: str
+    user: str
+    project: str
+    marker: str  # the job's process marker; pod i carries its part ``<marker>.<i>``
+    # where: one node per pod, the scheduler's choice
+    cluster: str
+    namespace: str
+    nodes: tuple[str, ...]
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    # what runs
+    image: str
+    python: str
+    script_name: str
+    script: str
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    checkpoint_uri: str = ""
+    resume_from: str = ""
+    rendezvous_port: int = 29500
+    rendezvous_timeout_s: int = 600
+    # as whom
+    uid: int
+    gid: int
+    # what it may use
+    gpus_per_pod: int
+    gpu_resource: str = DEFAULT_GPU_RESOURCE
+    memory_limit: str | None = None  # per pod; out of memory is then the kernel's verdict
+    cpu_limit: str | None = None
+    tolerations: tuple[Toleration, ...] = (GPU_TOLERATION,)
+    priority_class_name: str = DEFAULT_JOB_PRIORITY_CLASS
+    grace_seconds: int = 30
+    volumes: tuple[Volume, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("node_selector", "env"):
+            frozen_mapping(self, name)
+        for name in ("nodes", "args", "tolerations", "volumes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.workload_id < 0 or self.attempt < 1:
+            raise ValueError(f"workload {self.workload_id}, attempt {self.attempt}: out of range")
+        check_dns_label("namespace", self.namespace)
+        check_dns_subdomain("priority class name", self.priority_class_name)
+        if not self.nodes:
+            raise ValueError("nodes is empty: a gang has at least one pod")
+        for node in self.nodes:
+            check_dns_subdomain("node name", node)
+        for what in ("cluster", "marker", "image", "user"):
+            if not getattr(self, what):
+                raise ValueError(f"{what} is empty")
+        if not PurePosixPath(self.python).is_absolute():
+            raise ValueError(f"python {self.python!r} is not an absolute path in the image")
+        if not self.script_name or "/" in self.script_name or self.script_name.startswith("."):
+            raise ValueError(f"script name {self.script_name!r} is not a plain file name")
+        if self.script_name == LAUNCHER_KEY:
+            raise ValueError(f"script name {LAUNCHER_KEY} is gpufleet's launcher's")
+        check_port("rendezvous_port", self.rendezvous_port)
+        if self.uid == 0:
+            raise ValueError(
+                "uid 0 is root, and a job's ranks never run as root: give the researcher's "
+                "own non-zero uid"
+            )
+        if self.gpus_per_pod < 1:
+            raise ValueError(f"gpus_per_pod is {self.gpus_per_pod}: each pod holds a GPU")
+        for quantity in (self.memory_limit, self.cpu_limit):
+            if quantity is not None:
+                parse_quantity(quantity)
+        if self.grace_seconds < 0:
+            raise ValueError("grace_seconds is negative")
+        taken = sorted(set(self.env) & PLATFORM_VARIABLES)
+        if taken:
+            raise ValueError(f"env: {', '.join(taken)} are set by gpufleet; leave them out")
+        check_labels("node_selector", self.node_selector)
+
+    @property
+    def name(self) -> str:
+        return gang_name(self.workload_id, self.attempt)
+
+    @property
+    def pods(self) -> int:
+        return len(self.nodes)
+
+    def pod_name(self, index: int) -> str:
+        return f"{self.name}-{index}"
+
+    def master_address(self) -> str:
+        """Pod 0's stable name, as the cluster's DNS answers it."""
+        return f"p0.{self.name}.{self.namespace}.svc.cluster.local"
+
+
+# ------------------------------------------------------------------ labels
+def gang_labels(gang: JobGang) -> dict[str, str]:
+    """The labels of every object of the attempt; the Service and the policy select the
+    first two gpufleet keys."""
+    return {
+        **JOB_LABELS,
+        WORKLOAD_LABEL: str(gang.workload_id),
+        ATTEMPT_LABEL: str(gang.attempt),
+        USER_LABEL: label_value(gang.user),
+        PROJECT_LABEL: label_value(gang.project),
+        CLUSTER_LABEL: label_value(gang.cluster),
+    }
+
+
+def _selector(gang: JobGang) -> dict[str, str]:
+    return {WORKLOAD_LABEL: str(gang.workload_id), ATTEMPT_LABEL: str(gang.attempt)}
+
+
+def _metadata(gang: JobGang, name: str, **extra: str) -> Manifest:
+    return {
+        "name": name,
+        "namespace": gang.namespace,
+        "labels": {**gang_labels(gang), **extra},
+        "annotations": {USER_LABEL: gang.user, PROJECT_LABEL: gang.project},
+    }
+
+
+# ------------------------------------------------------------------ the shared objects
+def gang_config_map(gang: JobGang) -> Manifest:
+    """The script and the launcher, as files of the pods' :data:`LAUNCH_DIR`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(gang, gang.name),
+        "data": {LAUNCHER_KEY: launcher_text(), gang.script_name: gang.script},
+    }
+
+
+def gang_service(gang: JobGang) -> Manifest:
+    """The headless Service that gives each pod its stable name."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(gang, gang.name),
+        "spec": {
+            "clusterIP": "None",
+            "selector": _selector(gang),
+            "publishNotReadyAddresses": True,
+            "ports": [
+                {
+                    "name": RENDEZVOUS_PORT_NAME,
+                    "port": gang.rendezvous_port,
+                    "targetPort": gang.rendezvous_port,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def gang_network_policy(
+    gang: JobGang,
+    *,
+    hub: Endpoint,
+    controller: Endpoint,
+    dns: Peer | None = KUBE_DNS,
+    extra_egress: Sequence[Endpoint] = (),
+) -> Manifest:
+    """The attempt's NetworkPolicy: its pods reach each other on every port (torchrun's
+    store, the collectives' own ports); out of the gang only the hub, the controller, DNS
+    and ``extra_egress``; no one else reaches in."""
+    own = Peer(pod_labels=_selector(gang))
+    dns_rules: list[Manifest] = []
+    if dns is not None:
+        dns_rules = [
+            {
+                "to": [dns.manifest()],
+                "ports": [
+                    {"protocol": "UDP", "port": DNS_PORT},
+                    {"protocol": "TCP", "port": DNS_PORT},
+                ],
+            }
+        ]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(gang, gang.name),
+        "spec": {
+            "podSelector": {"matchLabels": _selector(gang)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [own.manifest()]}],
+            "egress": [
+                {"to": [own.manifest()]},
+                hub.rule(),
+                controller.rule(),
+                *dns_rules,
+                *(e.rule() for e in extra_egress),
+            ],
+        },
+    }
+
+
+# ------------------------------------------------------------------ the pods
+def _env(gang: JobGang, index: int) -> list[Manifest]:
+    platform = {
+        WORKLOAD_VARIABLE: str(gang.workload_id),
+        MARKER_VARIABLE: part_marker(gang.marker, index),
+        "GPUFLEET_JOB_ID": str(gang.workload_id),
+        "GPUFLEET_JOB_NAME": gang.job_name,
+        "GPUFLEET_POD_INDEX": str(index),
+        "GPUFLEET_PODS": str(gang.pods),
+        "GPUFLEET_GPUS_PER_POD": str(gang.gpus_per_pod),
+        "GPUFLEET_MASTER_ADDR": gang.master_address(),
+        "GPUFLEET_MASTER_PORT": str(gang.rendezvous_port),
+        "GPUFLEET_RENDEZVOUS_TIMEOUT": str(gang.rendezvous_timeout_s),
+        "GPUFLEET_SCRIPT": f"{LAUNCH_DIR}/{gang.script_name}",
+        "GPUFLEET_CHECKPOINT_URI": gang.checkpoint_uri,
+        "GPUFLEET_ATTEMPT": str(gang.attempt),
+        "GPUFLEET_RESUME_FROM": gang.resume_from,
+        "PYTHONUNBUFFERED": "1",
+    }
+    env: list[Manifest] = [
+        {
+            "name": POD_IP_VARIABLE,
+            "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}},
+        }
+    ]
+    # Doubling '$' keeps a value literal through Kubernetes' $(VAR) expansion.
+    env += [{"name": k, "value": v.replace("$", "$$")} for k, v in platform.items()]
+    env += [{"name": k, "value": v.replace("$", "$$")} for k, v in gang.env.items()]
+    return env
+
+
+def _resources(gang: JobGang) -> Manifest:
+    limits = {gang.gpu_resource: str(gang.gpus_per_pod)}
+    if gang.memory_limit is not None:
+        limits["memory"] = gang.memory_limit
+    if gang.cpu_limit is not None:
+        limits["cpu"] = gang.cpu_limit
+    # Requests equal limits: the pod is Guaranteed where both are set, and the server's
+    # read-back adds nothing.
+    return {"limits": dict(sorted(limits.items())), "requests": dict(sorted(limits.items()))}
+
+
+def _container(gang: JobGang, index: int) -> Manifest:
+    container: Manifest = {
+        "name": CONTAINER_NAME,
+        "image": gang.image,
+        "command": [gang.python, f"{LAUNCH_DIR}/{LAUNCHER_KEY}"],
+    }
+    if gang.args:
+        container["args"] = [a.replace("$", "$$") for a in gang.args]
+    container |= {
+        "env": _env(gang, index),
+        "resources": _resources(gang),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": False,
+        },
+        "volumeMounts": [
+            {"name": "gpufleet-job", "mountPath": LAUNCH_DIR, "readOnly": True},
+            *(v.mount() for v in gang.volumes),
+        ],
+    }
+    if index == 0:
+        container["ports"] = [
+            {
+                "name": RENDEZVOUS_PORT_NAME,
+                "containerPort": gang.rendezvous_port,
+                "protocol": "TCP",
+            }
+        ]
+    return container
+
+
+def gang_pod(gang: JobGang, index: int) -> Manifest:
+    """Pod ``index`` of the attempt, on ``gang.nodes[index]``."""
+    if not 0 <= index < gang.pods:
+        raise ValueError(f"pod index {index} is not one of the gang's {gang.pods} pods")
+    marker = part_marker(gang.marker, index)
+    metadata = _metadata(gang, gang.pod_name(index), **{POD_INDEX_LABEL: str(index)})
+    metadata["labels"][MARKER_LABEL] = label_value(marker)
+    metadata["annotations"][MARKER_LABEL] = marker
+    spec: Manifest = {
+        "hostname": f"p{index}",
+        "subdomain": gang.name,
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {
+                                    "key": "metadata.name",
+                                    "operator": "In",
+                                    "values": [gang.nodes[index]],
+                                }
+                            ]
+                        }
+                    ]
+                }
+            }
+        },
+    }
+    if gang.node_selector:
+        spec["nodeSelector"] = dict(gang.node_selector)
+    if gang.tolerations:
+        spec["tolerations"] = [t.manifest() for t in gang.tolerations]
+    spec |= {
+        "priorityClassName": gang.priority_class_name,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": gang.grace_seconds,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": gang.uid,
+            "runAsGroup": gang.gid,
+            "fsGroup": gang.gid,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_container(gang, index)],
+        "volumes": [
+            {
+                "name": "gpufleet-job",
+                "configMap": {"name": gang.name, "defaultMode": 0o444},
+            },
+            *(v.manifest() for v in gang.volumes),
+        ],
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": spec,
+    }

@@ -1,0 +1,214 @@
+"""Training jobs on the fleet's Kubernetes clusters, as one of the controller's loops: a
+cluster manager per cluster (``clusters/kube_jobs.py``) passes over its job pods every
+``interval`` seconds, and at once when the scheduler placed, stopped or restarted a job.
+Only the controller holding the database lease acts: the others keep their clients open
+and wait (docs/kubernetes.md, "Training jobs").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+from sqlalchemy.exc import SQLAlchemyError
+from traitlets import Bool, Dict, Float, Integer, List, Tuple, Unicode
+from traitlets.config import Configurable
+
+from ..clusters.job_manifests import DEFAULT_JOB_PRIORITY_CLASS
+from ..clusters.kube_config import ClusterSettings
+from ..clusters.kube_jobs import ClusterJobs, JobPodSettings
+from ..clusters.manifests import KUBE_DNS, Endpoint, Peer, Volume
+from ..scheduler.errors import SchedulerError
+from ..state.clusters import ClusterInventoryStore
+from ..state.jobs import JobStore
+from .components import LoopComponent
+from .notifier import Notifier
+
+
+class KubeJobState(Protocol):
+    """The repositories the managers read their clusters' nodes from and sync their pods
+    with (``FleetStore``'s)."""
+
+    jobs: JobStore
+    clusters: ClusterInventoryStore
+
+
+def peer_from_config(spec: Mapping[str, Any]) -> Peer:
+    """A NetworkPolicy peer from its configuration: {cidr, except_cidrs} or {pod_labels,
+    namespace_labels}."""
+    return Peer(
+        pod_labels=spec.get("pod_labels"),
+        namespace_labels=spec.get("namespace_labels"),
+        cidr=str(spec.get("cidr", "")),
+        except_cidrs=tuple(spec.get("except_cidrs", ())),
+    )
+
+
+def address_endpoint(url: str, spec: Mapping[str, Any] | None = None) -> Endpoint:
+    """``spec``'s endpoint ({cidr} or {pod_labels, namespace_labels}, and {ports}), or by
+    default the host and port of ``url`` as a one-address peer."""
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    if spec:
+        return Endpoint(peer_from_config(spec), tuple(int(p) for p in spec.get("ports", (port,))))
+    host = parsed.hostname or "127.0.0.1"
+    bits = 128 if ":" in host else 32
+    return Endpoint(Peer(cidr=f"{host}/{bits}"), (port,))
+
+
+class KubeJobs(LoopComponent):
+    """The cluster managers of every configured cluster's training jobs."""
+
+    image = Unicode(
+        "",
+        help="The container image of job pods: the sessions' image, so a job runs with what "
+        "its session had (its python, gpufleet's SDK, torch). Empty: jobs placed on a "
+        "Kubernetes cluster fail to start, saying so.",
+    ).tag(config=True)
+
+    interval = Float(
+        2.0,
+        help="Seconds between passes over each cluster's job pods (a placement, stop or "
+        "restart starts one at once).",
+    ).tag(config=True)
+
+    start_deadline_seconds = Float(
+        180.0,
+        help="A job's pods not all running this long after they were created (an image "
+        "that cannot be pulled, a node that refuses them) are deleted whole, and the job "
+        "goes back to the queue with the reason: no gang ever runs, or holds GPUs, in part.",
+    ).tag(config=True)
+
+    priority_class = Unicode(
+        DEFAULT_JOB_PRIORITY_CLASS,
+        help="The PriorityClass of job pods. Create it with preemptionPolicy: Never "
+        "(docs/kubernetes.md): gpufleet decides preemption, kube-scheduler never does.",
+    ).tag(config=True)
+
+    memory_limit = Unicode(
+        "",
+        help="Each job pod's memory limit (a quantity such as 64Gi; empty: none). A pod "
+        "past it is killed by the kernel, and gpufleet reports the job out of memory.",
+    ).tag(config=True)
+
+    cpu_limit = Unicode("", help="Each job pod's CPU limit (empty: none).").tag(config=True)
+
+    volumes = List(
+        Dict(),
+        help="Volumes of every job pod, as c.KubeGPUSpawner.session_volumes: {name, "
+        "mount_path, kind: pvc|hostPath|emptyDir, source, sub_path, read_only, medium, "
+        "size_limit}; {username} in source and sub_path is the job's user.",
+    ).tag(config=True)
+
+    rendezvous_ports = Tuple(
+        Integer(29500),
+        Integer(29500),
+        help="The first and last port torchrun's master listens on. One port serves any "
+        "number of jobs where every pod has its own network (Kubernetes); a range lets "
+        "jobs share one network.",
+    ).tag(config=True)
+
+    rendezvous_timeout_seconds = Integer(
+        600,
+        help="How long pods other than the master wait for its port before the pod fails "
+        "with a message naming what it waited for.",
+    ).tag(config=True)
+
+    network_hub = Dict(
+        help="The hub's API as job pods reach it: {cidr} or {pod_labels, namespace_labels}, "
+        "and {ports}. Default: the host and port of the hub's API URL.",
+    ).tag(config=True)
+
+    network_controller = Dict(
+        help="gpufleet's controller as job pods reach it, as network_hub. Default: the "
+        "host and port of the controller's own URL.",
+    ).tag(config=True)
+
+    network_egress = List(
+        Dict(),
+        help="Other places job pods may reach, each {cidr} or {pod_labels, "
+        "namespace_labels} with {ports}: the S3 endpoint of checkpoints, the node agents' "
+        "progress port, a package mirror.",
+    ).tag(config=True)
+
+    network_dns = Bool(
+        True, help="Let job pods reach kube-dns in kube-system (UDP and TCP 53)."
+    ).tag(config=True)
+
+    def __init__(
+        self,
+        clusters: Sequence[ClusterSettings],
+        store: KubeJobState,
+        *,
+        now: Callable[[], datetime],
+        kick: Callable[[], None],
+        notifier: Notifier,
+        hub_url: str,
+        controller_url: str,
+        lost_nodes: Callable[[], Mapping[str, str]] = dict,
+        parent: Configurable | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(parent=parent, **kwargs)
+        self.store = store
+        self.kick = kick
+        self.notifier = notifier
+        settings = self.pod_settings(hub_url, controller_url)
+        self.managers = {
+            c.name: ClusterJobs(c, store, settings, now=now, lost_nodes=lost_nodes, log=self.log)
+            for c in clusters
+        }
+
+    def pod_settings(self, hub_url: str, controller_url: str) -> JobPodSettings:
+        volumes = tuple(Volume(**dict(v)) for v in self.volumes)
+        return JobPodSettings(
+            image=self.image,
+            hub=address_endpoint(hub_url, self.network_hub),
+            controller=address_endpoint(controller_url, self.network_controller),
+            dns=KUBE_DNS if self.network_dns else None,
+            extra_egress=tuple(
+                Endpoint(peer_from_config(e), tuple(int(p) for p in e.get("ports", ())))
+                for e in self.network_egress
+            ),
+            priority_class_name=self.priority_class,
+            memory_limit=self.memory_limit or None,
+            cpu_limit=self.cpu_limit or None,
+            volumes=volumes,
+            rendezvous_ports=(int(self.rendezvous_ports[0]), int(self.rendezvous_ports[1])),
+            rendezvous_timeout_s=self.rendezvous_timeout_seconds,
+            start_deadline_s=self.start_deadline_seconds,
+        )
+
+    async def start(self) -> None:
+        for manager in self.managers.values():
+            await manager.start()
+
+    async def close(self) -> None:
+        for manager in self.managers.values():
+            await manager.close()
+
+    async def run(self, is_leader: Callable[[], bool]) -> None:
+        """A pass over every cluster whenever a workload changed (a placement, a stop, a
+        restart: what wakes the node agents' long polls) and every ``interval``."""
+        while True:
+            await self.notifier.wait_for_any_change(self.interval)
+            if not is_leader():
+                continue
+            passes = await asyncio.gather(
+                *(self._pass(name, manager) for name, manager in self.managers.items())
+            )
+            changed = [workload for ids in passes for workload in ids]
+            if changed:
+                self.notifier.changed(changed)
+                self.kick()
+
+    async def _pass(self, cluster: str, manager: ClusterJobs) -> list[int]:
+        try:
+            nodes = await asyncio.to_thread(self.store.clusters.node_names, cluster)
+            return await manager.run_pass(nodes)
+        except (SQLAlchemyError, SchedulerError):
+            self.log.exception("cluster %s: the pass over its job pods failed", cluster)
+            return []

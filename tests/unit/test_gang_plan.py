@@ -1,0 +1,204 @@
+"""What the cluster manager decides for a cluster's job pods (``clusters/gang_plan.py``):
+literal pod readings and passes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpufleet.clusters.gang_plan import GangMemory, ObservedPod, plan_pass, read_pod
+from gpufleet.state.jobs import DesiredPod, PodReport
+
+
+def want(index: int, run: bool = True, started: bool = False, node: str = "a-gpu-1") -> DesiredPod:
+    return DesiredPod(
+        workload_id=7,
+        pod_index=index,
+        pods=2,
+        gpus_per_pod=2,
+        node=node,
+        gpu_uuids=(),
+        marker="m",
+        run=run,
+        started=started,
+        username="ann",
+        name="resnet",
+        spec={},
+        attempt=1,
+    )
+
+
+def pod(index: int, phase: str = "Running", **fields: Any) -> ObservedPod:
+    base: dict[str, Any] = dict(
+        name=f"gf-job-7-a1-{index}",
+        workload_id=7,
+        attempt=1,
+        index=index,
+        marker=f"m.{index}",
+        node="a-gpu-1",
+        phase=phase,
+        terminating=False,
+        running=phase == "Running",
+    )
+    base.update(fields)
+    return ObservedPod(**base)
+
+
+def manifest(status: dict[str, Any], deleting: bool = False) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "name": "gf-job-7-a1-0",
+        "labels": {
+            "gpufleet.io/workload": "7",
+            "gpufleet.io/attempt": "1",
+            "gpufleet.io/pod-index": "0",
+        },
+        "annotations": {"gpufleet.io/marker": "m.0"},
+    }
+    if deleting:
+        metadata["deletionTimestamp"] = "2026-12-05T10:00:00Z"
+    return {"metadata": metadata, "spec": {"nodeName": "a-gpu-1"}, "status": status}
+
+
+def terminated(**state: Any) -> dict[str, Any]:
+    return {
+        "phase": "Failed",
+        "containerStatuses": [{"name": "torchrun", "state": {"terminated": state}}],
+    }
+
+
+# ------------------------------------------------------------------ reading a pod
+def test_out_of_memory_is_the_containers_termination_reason_not_exit_137() -> None:
+    oom = read_pod(manifest(terminated(exitCode=137, reason="OOMKilled")))
+    killed = read_pod(manifest(terminated(exitCode=137, reason="Error")))
+    assert oom is not None and killed is not None
+    assert (oom.cause, oom.exit_code) == ("OOMKilled", 137)
+    assert (killed.cause, killed.exit_code) == ("", 137)
+
+
+def test_an_evicted_pod_says_so_in_the_kubelets_words() -> None:
+    evicted = read_pod(
+        manifest({"phase": "Failed", "reason": "Evicted", "message": "The node was low on memory."})
+    )
+    assert evicted is not None
+    assert (evicted.ended, evicted.cause, evicted.message) == (
+        True,
+        "Evicted",
+        "The node was low on memory.",
+    )
+
+
+def test_a_pending_pod_says_what_it_waits_for() -> None:
+    pulling = read_pod(
+        manifest(
+            {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {
+                        "name": "torchrun",
+                        "state": {
+                            "waiting": {"reason": "ErrImagePull", "message": "not found: x:1"}
+                        },
+                    }
+                ],
+            }
+        )
+    )
+    assert pulling is not None and pulling.waiting == "ErrImagePull: not found: x:1"
+    unscheduled = manifest(
+        {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                }
+            ],
+        }
+    )
+    unscheduled["spec"] = {}
+    read = read_pod(unscheduled)
+    assert read is not None
+    assert read.waiting == "Unschedulable: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+
+
+def test_a_pod_that_is_not_a_job_pod_is_not_read() -> None:
+    assert read_pod({"metadata": {"name": "jupyter-ann", "labels": {}}}) is None
+
+
+# ------------------------------------------------------------------ passes
+def test_a_new_placement_is_created_whole_once() -> None:
+    memory = GangMemory()
+    first = plan_pass([want(0), want(1)], [], [], [], memory, 0.0, 60)
+    assert first.create == [(7, 1)] and first.reports == []
+    memory.created_at[(7, 1)] = 0.0
+    again = plan_pass([want(0), want(1)], [], [], [], memory, 1.0, 60)
+    assert again.create == []
+
+
+def test_running_pods_are_reported_once_started() -> None:
+    memory = GangMemory(created_at={(7, 1): 0.0})
+    out = plan_pass([want(0), want(1)], [pod(0), pod(1, "Pending")], [], [], memory, 1.0, 60)
+    assert out.reports == [PodReport(7, 0, "running", attempt=1)]
+
+
+def test_a_gang_not_running_whole_by_its_deadline_is_deleted_then_reported_with_why() -> None:
+    memory = GangMemory(created_at={(7, 1): 0.0})
+    waiting = pod(1, "Pending", waiting="ErrImagePull: not found")
+    out = plan_pass([want(0, started=True), want(1)], [pod(0), waiting], [], [], memory, 61.0, 60)
+    assert sorted(out.delete) == ["gf-job-7-a1-0", "gf-job-7-a1-1"]
+    assert out.reports == []  # nothing is reported ended while a pod of it exists
+    gone = plan_pass([want(0, started=True), want(1)], [], [], [], memory, 62.0, 60)
+    assert [(r.pod_index, r.state, r.cause) for r in gone.reports] == [
+        (0, "failed", "StartTimeout"),
+        (1, "failed", "StartTimeout"),
+    ]
+    assert "pod 1 on a-gpu-1: ErrImagePull: not found" in gone.reports[0].reason
+
+
+def test_a_pod_deleted_by_someone_else_is_reported_only_once_gone() -> None:
+    memory = GangMemory(created_at={(7, 1): 0.0})
+    wanted = [want(0, started=True), want(1, started=True)]
+    going = plan_pass(wanted, [pod(0, terminating=True), pod(1)], [], [], memory, 5.0, 60)
+    assert going.reports == [] and going.delete == []
+    gone = plan_pass(wanted, [pod(1)], [], [], memory, 6.0, 60)
+    assert [(r.pod_index, r.state, r.cause) for r in gone.reports] == [(0, "failed", "Deleted")]
+
+
+def test_a_pod_gone_with_its_lost_node_is_a_node_fault() -> None:
+    memory = GangMemory(created_at={(7, 1): 0.0})
+    wanted = [want(0, started=True), want(1, started=True, node="a-gpu-2")]
+    out = plan_pass(wanted, [pod(0)], [], [], memory, 6.0, 60, {"a-gpu-2": "was deleted"})
+    assert [(r.pod_index, r.cause) for r in out.reports] == [(1, "NodeLost")]
+
+
+def test_a_stopping_job_deletes_its_pods_and_reports_them_stopped_once_gone() -> None:
+    memory = GangMemory(created_at={(7, 1): 0.0})
+    wanted = [want(0, run=False, started=True), want(1, run=False, started=True)]
+    first = plan_pass(wanted, [pod(0), pod(1)], [], [], memory, 5.0, 60)
+    assert sorted(first.delete) == ["gf-job-7-a1-0", "gf-job-7-a1-1"] and first.reports == []
+    terminating = [pod(0, terminating=True), pod(1, terminating=True)]
+    assert plan_pass(wanted, terminating, [], [], memory, 6.0, 60).delete == []
+    done = plan_pass(wanted, [pod(1, terminating=True)], [], [], memory, 7.0, 60)
+    assert done.reports == [PodReport(7, 0, "stopped", attempt=1)]
+
+
+def test_failures_come_before_other_reports() -> None:
+    memory = GangMemory(created_at={(7, 1): 0.0})
+    wanted = [want(0, started=True), want(1, started=True)]
+    ended = [pod(0, "Succeeded", exit_code=0), pod(1, "Failed", exit_code=1, message="boom")]
+    out = plan_pass(wanted, ended, [], [], memory, 5.0, 60)
+    assert [(r.pod_index, r.exit_code) for r in out.reports] == [(1, 1), (0, 0)]
+
+
+def test_leftovers_are_deleted_and_said_gone_when_no_pod_carries_them() -> None:
+    memory = GangMemory()
+    lost = pod(0, marker="old.0", workload_id=5, name="gf-job-5-a1-0")
+    out = plan_pass([], [lost], ["old.0", "older.1"], [], memory, 0.0, 60)
+    assert out.delete == ["gf-job-5-a1-0"] and out.gone == ["older.1"]
+
+
+def test_objects_of_attempts_nothing_asks_for_are_deleted() -> None:
+    memory = GangMemory()
+    out = plan_pass([want(0), want(1)], [], [], ["gf-job-7-a1", "gf-job-3-a4"], memory, 0.0, 60)
+    assert out.orphan_gangs == ["gf-job-3-a4"]
