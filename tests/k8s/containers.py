@@ -19,7 +19,10 @@ The sandbox code is imported at the first start, not with the tier: it brings Ju
 
 Every process of a run carries ``MARKER_VARIABLE=<its id>``: the run is over once its
 outer process has exited and no live process carries the marker (the pid namespace ends
-with its init, the marker catches what might linger). Processes are started from one
+with its init, the marker catches what might linger). A run with a memory limit is in a
+memory cgroup of its own from its first process on (:mod:`.memory`): then the run is over
+once the outer process has exited and the cgroup is empty, which no process can leave, and
+the cgroup says whether the kernel's OOM killer ended it. Processes are started from one
 long-lived thread with PR_SET_PDEATHSIG, so a test process that dies without stopping its
 kubelets takes their containers with it (the signal follows the thread that forked).
 """
@@ -39,6 +42,7 @@ from pathlib import Path
 from gpufleet.agent.containment import OUTER_PATH
 from gpufleet.snapshotter.sandbox import SandboxDirs, SandboxSupport
 
+from .memory import MemoryCgroup, place_self
 from .processes import die_with_parent
 from .volumes import Mount
 
@@ -85,8 +89,8 @@ class SandboxSettings:
 @dataclass(frozen=True)
 class Launch:
     """What one run of a container is: its command line and exact environment, whom it
-    runs as, its mounts, where it starts, and host paths it sees read-only at their own
-    place (the fake NVML library's directory)."""
+    runs as, its mounts, where it starts, host paths it sees read-only at their own place
+    (the fake NVML library's directory) and its memory limit in bytes (None: none)."""
 
     argv: Sequence[str]
     env: Mapping[str, str]
@@ -94,15 +98,19 @@ class Launch:
     mounts: Sequence[Mount] = ()
     working_dir: str = ""
     read_only: Sequence[Path] = ()
+    memory_limit: int | None = None
 
 
 class ContainerProcess:
-    """A started run: its outer process (the shell that waits for the sandbox) and the
-    marker its processes carry."""
+    """A started run: its outer process (the shell that waits for the sandbox), the marker
+    its processes carry and its memory cgroup (None without a memory limit)."""
 
-    def __init__(self, process: subprocess.Popen[bytes], marker: str) -> None:
+    def __init__(
+        self, process: subprocess.Popen[bytes], marker: str, cgroup: MemoryCgroup | None = None
+    ) -> None:
         self.process = process
         self.marker = marker
+        self.cgroup = cgroup
 
     @property
     def container_id(self) -> str:
@@ -115,6 +123,10 @@ class ContainerProcess:
         if code is None:
             return None
         return code if code >= 0 else 128 - code
+
+    def oom_killed(self, code: int) -> bool:
+        """Whether the kernel's OOM killer killed a process of this ended run."""
+        return self.cgroup is not None and self.cgroup.oom_killed(code)
 
     def terminate(self) -> None:
         """SIGTERM to the container's command (and whatever the sandbox's init adopted),
@@ -131,14 +143,22 @@ class ContainerProcess:
 
     def kill(self) -> None:
         """SIGKILL to the outer group (bwrap's death ends the pid namespace) and to every
-        process that carries the marker."""
+        process that carries the marker or is in the run's cgroup."""
         self._signal_group(signal.SIGKILL)
-        for pid in marked_pids(self.marker):
+        inside = self.cgroup.pids() if self.cgroup is not None else []
+        for pid in {*marked_pids(self.marker), *inside}:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
 
     def gone(self) -> bool:
-        return self.process.poll() is not None and not marked_pids(self.marker)
+        """Nothing of the run is left: the outer process has exited and been reaped, and no
+        process is in its cgroup (with one: cheaper than looking for the marker, and no
+        process can leave it) or carries its marker (without)."""
+        if self.process.poll() is None:
+            return False
+        if self.cgroup is not None:
+            return self.cgroup.empty()
+        return not marked_pids(self.marker)
 
     def _signal_group(self, sig: signal.Signals) -> None:
         # Only while the outer process is unreaped: its pid (the group's id) cannot have
@@ -167,19 +187,28 @@ def marked_pids(marker: str, proc: Path = Path("/proc")) -> list[int]:
 
 
 def start(
-    settings: SandboxSettings, directory: Path, launch: Launch, log: Path
+    settings: SandboxSettings,
+    directory: Path,
+    launch: Launch,
+    log: Path,
+    cgroup: MemoryCgroup | None = None,
 ) -> ContainerProcess:
     """Starts one run of a container whose sandbox lives in ``directory`` (its upper
     directory is kept across restarts, like a container's layer; ``home`` beside it), its
-    output appended to ``log``. Raises :class:`CannotStart`."""
+    output appended to ``log``, every process of it in ``cgroup`` (the caller made it with
+    the run's limit). Raises :class:`CannotStart`."""
     try:
-        return _start(settings, directory, launch, log)
-    except OSError as e:
+        return _start(settings, directory, launch, log, cgroup)
+    except (OSError, subprocess.SubprocessError) as e:  # the latter: placing it failed
         raise CannotStart(f"{type(e).__name__}: {e}") from e
 
 
 def _start(
-    settings: SandboxSettings, directory: Path, launch: Launch, log: Path
+    settings: SandboxSettings,
+    directory: Path,
+    launch: Launch,
+    log: Path,
+    cgroup: MemoryCgroup | None,
 ) -> ContainerProcess:
     from gpufleet.spawner.sandboxing import Containment, SandboxUnavailable, sandboxed_command
 
@@ -219,6 +248,14 @@ def _start(
         raise CannotStart(str(e)) from e
     outer_env = {"PATH": OUTER_PATH, "LANG": "C.UTF-8", "HOME": str(home), MARKER_VARIABLE: marker}
     log.parent.mkdir(parents=True, exist_ok=True)
+
+    def child() -> None:
+        die_with_parent()
+        # Before exec, so that the sandbox and all it starts are in the cgroup from the
+        # first instruction on; an error fails the start (Popen raises SubprocessError).
+        if cgroup is not None:
+            place_self(cgroup.path)
+
     with log.open("ab") as output:
 
         def popen() -> subprocess.Popen[bytes]:
@@ -230,8 +267,8 @@ def _start(
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=child,
             )
 
         process = _launcher.submit(popen).result()
-    return ContainerProcess(process, marker)
+    return ContainerProcess(process, marker, cgroup)

@@ -25,6 +25,13 @@ Fake GPU nodes and their lease renewers are in ``nodes.py``. Each node has a tes
 (``kubelet.py``, ``Cluster.kubelet(name)``) that runs the pods bound to it on this machine,
 in gpufleet's session sandbox, each pod at a loopback address of its own (``kubelets=False``
 starts the tier without them).
+
+One more identity, ``dns`` (``DNS_USER``, granted ``DNS_RULES``: read EndpointSlices and
+Services, nothing else), plays the cluster's DNS server: the kubelets answer pods' peer
+names through their ``/etc/hosts`` (``names.py``) from the EndpointSlices of headless
+Services, which a kubelet's own identity may not read (the Node authorizer lets a node get
+Endpoints and read Services, nothing of EndpointSlices; and Endpoints validation refuses
+the tier's loopback pod IPs, so only the slices hold them).
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ INSTALL_HINT = (
     "package, about 15 CPU-minutes, and installs Debian's etcd-server)"
 )
 NAMESPACE = "gpufleet"  # where the spawner identity may create pods
+DNS_USER = "gpufleet-test-cluster-dns"  # what the kubelets read peers' addresses as
 START_DEADLINE_S = 90.0
 # The node-lifecycle controller's timing: a node whose lease is not renewed for
 # NODE_MONITOR_GRACE_S is NotReady (Unknown) at the next 1 s monitor pass. The renewers
@@ -178,7 +186,7 @@ class Cluster:
         node.start_renewer()
         self.nodes[spec.name] = node
         if self.kubelet_settings is not None:
-            kubelet = Kubelet(node, self.kubelet_settings, devices)
+            kubelet = Kubelet(node, self.kubelet_settings, devices, self.identities["dns"])
             self.kubelets[spec.name] = kubelet
             kubelet.start()
         if wait:
@@ -254,6 +262,16 @@ SPAWNER_RULES: list[dict[str, Any]] = [
         "resources": ["networkpolicies"],
         "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
     },
+]
+# The tier's DNS identity (the kubelets' peer directories): what a DNS server reads to
+# answer for headless Services' pods.
+DNS_RULES: list[dict[str, Any]] = [
+    {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    },
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]},
 ]
 
 
@@ -413,6 +431,7 @@ def _prepare_cluster(
         Identity("spawner", "gpufleet-spawner"),
         Identity("scheduler", "system:kube-scheduler"),
         Identity("controller-manager", "system:kube-controller-manager"),
+        Identity("dns", DNS_USER),
         *(kubelet_identity(n) for n in [*nodes, *spares]),
     ]
     write_token_file(cdir / "tokens.csv", identities)
@@ -586,6 +605,7 @@ def _bootstrap_objects(api: httpx.Client) -> None:
     _grant(api, "gpufleet-controller", CONTROLLER_RULES)
     _grant(api, "gpufleet-controller", CONTROLLER_NAMESPACE_RULES, NAMESPACE)
     _grant(api, "gpufleet-spawner", SPAWNER_RULES, NAMESPACE)
+    _grant(api, DNS_USER, DNS_RULES)
 
 
 def _grant(

@@ -10,9 +10,15 @@ and lists again when the watch's history is gone (410) or after a pause.
 Each pod is a :class:`~.pods.PodWorker` on a thread of its own: admission (the node's GPU
 UUIDs, as NVIDIA's device plugin hands them out, in ``NVIDIA_VISIBLE_DEVICES``), a loopback
 address of its own as the pod IP, volumes, init containers, containers in gpufleet's session
-sandbox as the pod's ``runAsUser`` (:mod:`.containers`), readiness, restarts, termination
-with the grace period, and the pod's status and Events. Threads, not asyncio, as the
-node's lease renewer: synchronous tests running meanwhile cannot starve it.
+sandbox as the pod's ``runAsUser`` (:mod:`.containers`), each in a memory cgroup of its own
+with its memory limit (:mod:`.memory`: OOMKilled), readiness, restarts, termination with the
+grace period, and the pod's status and Events. Threads, not asyncio, as the node's lease
+renewer: synchronous tests running meanwhile cannot starve it.
+
+Each pod's ``/etc/hosts`` is the kubelet's, with its peers' names under a headless Service
+as the cluster's DNS would answer them (:mod:`.names`); the kubelet's
+:class:`~.names.PeerDirectory` watches EndpointSlices for them as the tier's DNS identity
+(``dns``), which a node's own identity may not.
 
 ``pause()`` stops everything a kubelet does for the API: pod handling and the node's Lease
 and status (``FakeNode``'s renewer), so the real node-lifecycle controller finds the node
@@ -42,8 +48,11 @@ import httpx
 from gpufleet.recovery.fake_nvml import LIBRARY_NAME, FakeGpu, write_control
 from gpufleet.snapshotter.sandbox import DEFAULT_SESSION_PREFIX, default_session_env, remove_tree
 
+from . import memory
 from .containers import SandboxSettings
+from .names import PeerDirectory
 from .nodes import GPU_RESOURCE, FakeNode
+from .pki import Identity, trust
 from .pods import PodWorker
 from .resources import DeviceTable, NodeContext, PodAddresses
 
@@ -75,6 +84,9 @@ class Kubelet:
     UUIDs as ``nvidia.com/gpu``). A resource the node does not advertise yet (a MIG profile,
     ``nvidia.com/mig-1g.10gb``) is added to its capacity at ``start()``, as a device plugin
     registers it, so the scheduler can place pods that ask for it.
+
+    ``dns``: the identity its peer directory reads EndpointSlices and Services as (None:
+    pods' hosts files hold no peers).
     """
 
     def __init__(
@@ -82,9 +94,11 @@ class Kubelet:
         node: FakeNode,
         settings: KubeletSettings,
         devices: Mapping[str, Sequence[str]] | None = None,
+        dns: Identity | None = None,
     ) -> None:
         self.node = node
         self.settings = settings
+        self.dns = dns
         self.directory = settings.directory / node.cluster / node.name
         served = dict(devices) if devices is not None else {GPU_RESOURCE: node.gpu_uuids}
         self.devices = DeviceTable(served)
@@ -110,6 +124,10 @@ class Kubelet:
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._api = self.node.client()
+        problem = memory.available()
+        cgroups = None if problem else memory.MemoryCgroups()
+        if cgroups is not None:
+            cgroups.sweep()  # what a crashed test process left
         self._ctx = NodeContext(
             node=self.name,
             api=self._api,
@@ -119,8 +137,15 @@ class Kubelet:
             devices=self.devices,
             addresses=self.settings.addresses,
             fake_nvml_dir=self._fake_nvml(),
+            memory=cgroups,
+            memory_problem=problem or "",
             forget=self._forget,
         )
+        if self.dns is not None:
+            self._ctx.peers = PeerDirectory(
+                f"{self.node.cluster}-{self.name}", self._dns_client, self._ctx.problems
+            )
+            self._ctx.peers.start()
         self._advertise()
         self._watch_thread = threading.Thread(
             target=self._watch, name=f"kubelet-{self.node.cluster}-{self.name}", daemon=True
@@ -161,6 +186,10 @@ class Kubelet:
             worker.stop()
         for worker in workers:
             worker.thread.join(timeout=5.0)
+        if self._ctx.peers is not None:
+            self._ctx.peers.stop()
+        if self._ctx.memory is not None:
+            self._ctx.memory.close()  # what is still in use, the next start's sweep removes
         if self._watch_thread is not None:
             # It ends by itself within WATCH_TIMEOUT_S (or when the API server stops) and
             # handles nothing meanwhile: the gate is closed.
@@ -196,7 +225,21 @@ class Kubelet:
             raise RuntimeError(f"{self!r} was not started")
         return self._ctx
 
+    @property
+    def memory_cgroups(self) -> memory.MemoryCgroups | None:
+        """Its containers' memory cgroups (None where the machine has no memory controller)."""
+        return self._context.memory
+
     # -------------------------------------------------------------- the node
+    def _dns_client(self) -> httpx.Client:
+        assert self.dns is not None
+        return httpx.Client(
+            base_url=self.node.server,
+            verify=trust(self.node.ca_path),
+            headers={"Authorization": f"Bearer {self.dns.token}"},
+            timeout=5.0,
+        )
+
     def _fake_nvml(self) -> Path | None:
         """The node's fake NVML directory: the library and a control file that declares the
         node's GPUs (their UUIDs are the ones handed to pods), readable by every uid."""

@@ -11,8 +11,11 @@ The pod's story, as a real kubelet tells it:
 1. admission: the node's devices (``nvidia.com/gpu`` and any other resource name the
    kubelet serves) are chosen for each container (``podspec.allocate_devices``), or the
    pod fails with UnexpectedAdmissionError; it gets its own loopback address (its IP);
-2. volumes are made ready (a volume kind the kubelet cannot mount fails the pod);
-3. init containers run one after another, each to success; then the app containers start;
+2. its ``/etc/hosts`` is written (and from then on follows its peers: :mod:`.names`), and
+   volumes are made ready (a volume kind the kubelet cannot mount fails the pod);
+3. init containers run one after another, each to success; then the app containers start,
+   each run with a memory limit in a memory cgroup of its own (:mod:`.memory`), whose OOM
+   kill makes its end ``OOMKilled``, removed once nothing of the run is left;
 4. ``restartPolicy`` restarts containers that exit (Always, OnFailure), with a short
    back-off; Ready follows the containers and their readiness probes;
 5. termination: once the pod has a ``deletionTimestamp`` its containers get SIGTERM, then
@@ -45,6 +48,8 @@ from gpufleet.snapshotter.sandbox import remove_tree
 
 from . import containers
 from .containers import CannotStart, ContainerProcess, Launch
+from .memory import MemoryCgroup, memory_limit
+from .names import HostsFile, pod_hostname, pod_hosts, with_hosts
 from .nodes import rfc3339
 from .podspec import (
     AdmissionError,
@@ -165,6 +170,8 @@ class PodWorker:
         self.admitted = False
         self.released = False
         self.volumes: dict[str, Volume] | None = None
+        self.hosts: HostsFile | None = None  # None on the host's network
+        self.named = False  # its hosts file is written and follows its peers
         self.failure: tuple[str, str] | None = None  # (reason, message) of a failed pod
         self.rejected = False  # failed admission
         self.finished_before = (pod.get("status") or {}).get("phase") in TERMINAL
@@ -245,6 +252,7 @@ class PodWorker:
             return
         self._step_containers(now)
         self._post_status()
+        self._prune_runs()
         if self._phase() in TERMINAL and self._nothing_runs():
             self._release()
 
@@ -279,6 +287,11 @@ class PodWorker:
             config_map=self._config_map,
         )
         try:
+            if not self.named:
+                self.hosts = pod_hosts(self.pod, self.ip, self.directory / "etc-hosts")
+                if self.hosts is not None and self.ctx.peers is not None:
+                    self.ctx.peers.follow(self.uid, self.pod, self.ip, self.hosts)
+                self.named = True
             self.volumes = prepare_volumes(self.pod, self.directory / "volumes", lookups)
         except VolumeUnsupported as e:
             self.failure = ("UnsupportedVolume", str(e))
@@ -348,10 +361,15 @@ class PodWorker:
 
     def _ended(self, c: Container, code: int) -> None:
         assert c.process is not None
+        # The kernel's verdict first, as a runtime reports it whatever the exit code.
+        if c.process.oom_killed(code):
+            reason = "OOMKilled"
+        else:
+            reason = "Completed" if code == 0 else "Error"
         c.state = {
             "terminated": {
                 "exitCode": code,
-                "reason": "Completed" if code == 0 else "Error",
+                "reason": reason,
                 "startedAt": c.started_at,
                 "finishedAt": rfc3339(),
                 "containerID": c.process.container_id,
@@ -369,14 +387,19 @@ class PodWorker:
             self._start_failed(c, "CreateContainerConfigError", str(e), now + CONFIG_RETRY_S)
             return
         self._event("Normal", "Created", f"Created container {c.name}", c)
+        cgroup = None
         try:
+            cgroup = self._cgroup(c, launch)
             process = containers.start(
                 self.ctx.sandbox,
                 self.directory / "containers" / c.name,
                 launch,
                 self.log_dir / f"{c.name}.log",
+                cgroup,
             )
-        except CannotStart as e:
+        except (CannotStart, OSError) as e:
+            if cgroup is not None and self.ctx.memory is not None:
+                self.ctx.memory.release(cgroup)
             retry = now + max(_backoff(c.restarts + 1), CONFIG_RETRY_S)
             self._start_failed(c, "CreateContainerError", str(e), retry)
             return
@@ -386,6 +409,18 @@ class PodWorker:
         probe = c.spec.get("readinessProbe")
         c.probe = None if not probe else Probe(probe, due=now + probe.get("initialDelaySeconds", 0))
         self._event("Normal", "Started", f"Started container {c.name}", c)
+
+    def _cgroup(self, c: Container, launch: Launch) -> MemoryCgroup | None:
+        """The run's memory cgroup, with its limit (None without a limit, or where the
+        machine has no memory controller: a Warning event says the limit is not kept)."""
+        if launch.memory_limit is None:
+            return None
+        if self.ctx.memory is None:
+            if c.restarts == 0 and not c.failed_message:
+                message = f"memory limit not enforced: {self.ctx.memory_problem}"
+                self._event("Warning", "MemoryLimitIgnored", message, c)
+            return None
+        return self.ctx.memory.create(self.uid, c.name, c.restarts, launch.memory_limit)
 
     def _start_failed(self, c: Container, reason: str, message: str, retry_at: float) -> None:
         c.state = {"waiting": {"reason": reason, "message": message}}
@@ -427,19 +462,25 @@ class PodWorker:
             platform["LD_LIBRARY_PATH"] = ":".join(p for p in library_path if p)
             platform["GPUFLEET_FAKE_NVML_CONTROL"] = str(nvml / "control")
             read_only.append(nvml)
-        env = {"PATH": self.ctx.sandbox.default_path, "HOSTNAME": self.name, **own, **platform}
+        env = {"PATH": self.ctx.sandbox.default_path, "HOSTNAME": pod_hostname(self.pod)}
+        env.update({**own, **platform})
         assert self.volumes is not None
         try:
             mounts = container_mounts(c.spec, self.volumes)
         except OSError as e:
             raise PodSpecError(f"preparing the mounts of {c.name}: {e}") from e
+        try:
+            limit = memory_limit(c.spec)
+        except ValueError as e:
+            raise PodSpecError(f"resources.limits.memory of {c.name}: {e}") from e
         return Launch(
             argv=argv,
             env=env,
             user=run_as(self.pod, c.spec).user,
-            mounts=mounts,
+            mounts=with_hosts(mounts, None if self.hosts is None else self.hosts.path),
             working_dir=str(c.spec.get("workingDir") or ""),
             read_only=read_only,
+            memory_limit=limit,
         )
 
     # -------------------------------------------------------------- readiness
@@ -548,14 +589,31 @@ class PodWorker:
     def _nothing_runs(self) -> bool:
         if any(c.process is not None for c in self.containers.values()):
             return False
-        self.leftovers = [p for p in self.leftovers if not p.gone()]
+        self._prune_runs(every=True)
         return not self.leftovers
 
+    def _prune_runs(self, every: bool = False) -> None:
+        """Forgets the ended runs of which nothing is left, removing their cgroups. Only
+        those with a cgroup unless ``every``: finding the others' processes scans /proc."""
+        kept = []
+        for process in self.leftovers:
+            if (every or process.cgroup is not None) and process.gone():
+                if process.cgroup is None:
+                    continue
+                assert self.ctx.memory is not None  # which made the cgroup
+                if self.ctx.memory.release(process.cgroup):
+                    continue
+            kept.append(process)
+        self.leftovers = kept
+
     def _release(self) -> None:
-        """Frees the pod's devices and address (once nothing of it runs)."""
+        """Frees the pod's devices and address, and its hosts file stops following its
+        peers (once nothing of it runs)."""
         if self.released:
             return
         self.released = True
+        if self.ctx.peers is not None:
+            self.ctx.peers.forget(self.uid)  # before its hosts file goes with its directory
         self.ctx.devices.release(self.uid)
         if self.ip:
             self.ctx.addresses.release(self.ip)

@@ -1,5 +1,6 @@
 """What a test kubelet's pod workers share: the pause gate, the tier's pod addresses, the
-node's device table and the rest of the node's context (``NodeContext``).
+node's device table, its memory cgroups and peer directory, and the rest of the node's
+context (``NodeContext``).
 
 Each is safe to use from every worker thread at once (a lock each, the gate a condition).
 """
@@ -15,6 +16,8 @@ from pathlib import Path
 import httpx
 
 from .containers import SandboxSettings
+from .memory import MemoryCgroups
+from .names import PeerDirectory
 from .podspec import Manifest, allocate_devices
 
 
@@ -118,6 +121,11 @@ class NodeContext:
     devices: DeviceTable
     addresses: PodAddresses
     fake_nvml_dir: Path | None
+    # None where the machine has no cgroup v1 memory controller (``memory_problem`` says
+    # why): containers then run without their memory limits.
+    memory: MemoryCgroups | None = None
+    memory_problem: str = ""
+    peers: PeerDirectory | None = None  # None: hosts files hold no peers
     gate: Gate = field(default_factory=Gate)
     stopping: threading.Event = field(default_factory=threading.Event)
     problems: list[str] = field(default_factory=list)  # kubelet bugs, for the tests to see
