@@ -373,6 +373,9 @@ def _container(gang: JobGang, index: int) -> Manifest:
             {"name": "gpufleet-job", "mountPath": LAUNCH_DIR, "readOnly": True},
             *(v.mount() for v in gang.volumes),
         ],
+        # A container that fails says why in its last lines of output: the kubelet puts
+        # them in its termination message, which becomes the job's reason.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if index == 0:
         container["ports"] = [

@@ -104,8 +104,9 @@ class KubeJobs(LoopComponent):
     ).tag(config=True)
 
     rendezvous_ports = Tuple(
-        Integer(29500),
-        Integer(29500),
+        Integer(),
+        Integer(),
+        default_value=(29500, 29500),
         help="The first and last port torchrun's master listens on. One port serves any "
         "number of jobs where every pod has its own network (Kubernetes); a range lets "
         "jobs share one network.",

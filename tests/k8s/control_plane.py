@@ -245,9 +245,19 @@ CONTROLLER_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "list"]},
 ]
-# In gpufleet's namespace only: the reconciler deletes pods of sessions that ended.
+# In gpufleet's namespace only: the reconciler deletes pods of sessions that ended; the
+# cluster manager makes and deletes training jobs' pods and the objects they share.
 CONTROLLER_NAMESPACE_RULES: list[dict[str, Any]] = [
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["delete"]},
+    {
+        "apiGroups": [""],
+        "resources": ["pods", "services", "configmaps"],
+        "verbs": ["get", "list", "create", "delete", "deletecollection"],
+    },
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": ["get", "list", "create", "delete"],
+    },
 ]
 SPAWNER_RULES: list[dict[str, Any]] = [
     {

@@ -56,8 +56,9 @@ async def test_rbac_grants_each_identity_only_its_own_rights(cluster_a: Cluster)
         controller = client.CoreV1Api(api)
         assert len((await controller.list_node()).items) == len(TIER_NODES[CLUSTER_A])
         assert (await controller.list_pod_for_all_namespaces()).items is not None
+        # Training jobs' pods in gpufleet's namespace, and nowhere else.
         with pytest.raises(ApiException) as denied:
-            await controller.create_namespaced_pod(NAMESPACE, _pod("not-allowed"))
+            await controller.create_namespaced_pod("default", _pod("not-allowed"))
         assert denied.value.status == 403
         with pytest.raises(ApiException) as denied:
             await controller.list_secret_for_all_namespaces()

@@ -178,6 +178,7 @@ def test_pod_1_of_a_gang_is_pinned_to_its_node_and_names_the_master() -> None:
                             "readOnly": True,
                         }
                     ],
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
                 }
             ],
             "volumes": [
