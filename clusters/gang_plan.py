@@ -185,13 +185,14 @@ class Pass:
 def _report(pod: ObservedPod) -> PodReport:
     """The report of a pod whose phase is terminal."""
     if pod.exit_code is not None:
+        said = ": ".join(part for part in (pod.cause, pod.message) if part)
         return PodReport(
             pod.workload_id,
             pod.index,
             "exited",
             exit_code=pod.exit_code,
             signal=pod.signal,
-            reason=pod.message,
+            reason=said,
             attempt=pod.attempt,
             cause=pod.cause,
         )

@@ -94,6 +94,10 @@ class Probe:
     ready: bool = False
 
 
+TERMINATION_MESSAGE_BYTES = 2048
+TERMINATION_MESSAGE_LINES = 80
+
+
 @dataclass
 class Container:
     """One container of the pod: its manifest, its current run and the status it reports."""
@@ -375,8 +379,26 @@ class PodWorker:
                 "containerID": c.process.container_id,
             }
         }
+        message = self._termination_message(c, code)
+        if message:
+            c.state["terminated"]["message"] = message
         self.leftovers.append(c.process)
         c.process = None
+
+    def _termination_message(self, c: Container, code: int) -> str:
+        """``FallbackToLogsOnError``: a container that failed says why in its last output,
+        at most 80 lines and 2048 bytes of it, as the kubelet takes them (the tier has no
+        termination-log file to prefer)."""
+        if code == 0 or c.spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+            return ""
+        log = self.log_dir / f"{c.name}.log"
+        try:
+            with log.open("rb") as output:
+                output.seek(max(0, log.stat().st_size - TERMINATION_MESSAGE_BYTES))
+                tail = output.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(tail.splitlines()[-TERMINATION_MESSAGE_LINES:])
 
     def _start(self, c: Container, now: float) -> None:
         if not c.failed_message:

@@ -32,6 +32,13 @@ c.KubeJobs.image = "gpufleet/session:test"  # the test kubelets run the base env
 c.KubeJobs.interval = 0.5
 c.KubeJobs.rendezvous_ports = ({first}, {last})
 c.KubeJobs.rendezvous_timeout_seconds = 120
+c.KubeJobs.memory_limit = "3Gi"
+c.KubeJobs.start_deadline_seconds = 60
+# vision may use the whole tier (three nodes of 4 GPUs), so placement, not quota, decides.
+for project in c.FleetController.projects:
+    if project["name"] == "vision":
+        project["quotas"] = {{"A100-80GB": {{"guaranteed": 12, "borrow_limit": 0}}}}
+        project["per_user_gpu_cap"] = 12
 """
 
 ALL_REDUCE = textwrap.dedent(
@@ -87,14 +94,15 @@ def job_pods(plane: ControlPlane, cluster: str, job_id: int) -> list[dict[str, A
 
 
 def pod_output(plane: ControlPlane, pod: str) -> str:
-    """What the pod's container wrote, from whichever test kubelet ran it."""
+    """What the pod's container wrote, from whichever test kubelet ran it ("" while none
+    has)."""
     for cluster in plane.clusters.values():
         for kubelet in cluster.kubelets.values():
             try:
                 return kubelet.logs(NAMESPACE, pod, "torchrun")
             except FileNotFoundError:
                 continue
-    raise AssertionError(f"no kubelet ran pod {pod}")
+    return ""
 
 
 def submit(client: Client, script: str, **options: object) -> int:
@@ -131,3 +139,142 @@ def test_a_two_pod_job_all_reduces_across_its_pods_in_one_cluster_and_zone(
         what="the job's pods deleted after it ended",
     )
     assert not job.allocations
+
+
+OUT_OF_MEMORY = textwrap.dedent(
+    """
+    import os
+    if os.environ["RANK"] == "1":
+        hog = bytearray(6 << 30)  # past the pod's 3Gi: the kernel kills the rank
+        for i in range(0, len(hog), 4096):
+            hog[i] = 1
+    import time
+    time.sleep(60)
+    """
+)
+
+
+def test_a_pod_out_of_memory_is_the_users_error_and_not_retried(alice: Client) -> None:
+    job_id = submit(alice, OUT_OF_MEMORY, name="hog", gpus=2, gpus_per_pod=2)
+    job = alice.wait(job_id, timeout=120)
+    assert (job.outcome, job.attempt) == ("failed", 1), job.reason
+    assert "OOMKilled" in job.reason and "not retried" in job.reason, job.reason
+    assert not job.allocations
+
+
+SIGTERM_CHECKPOINT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+
+    def checkpoint(signum, frame):
+        print(f"rank {os.environ['RANK']} got SIGTERM: checkpoint written", flush=True)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, checkpoint)
+    print(f"rank {os.environ['RANK']} training", flush=True)
+    while True:
+        time.sleep(0.1)
+    """
+)
+
+
+def test_cancel_signals_every_rank_and_gives_the_gpus_back_only_once_the_pods_are_gone(
+    k8s_tier: ControlPlane, alice: Client
+) -> None:
+    job_id = submit(alice, SIGTERM_CHECKPOINT, name="cancelled")
+    pods = [f"gf-job-{job_id}-a1-{i}" for i in range(2)]
+    wait_for(
+        lambda: all(f"rank {r} training" in pod_output(k8s_tier, pods[r // 2]) for r in range(4)),
+        timeout=120,
+        what="every rank training",
+    )
+    alice.cancel(job_id)
+    job = alice.wait(job_id, timeout=90)
+    assert job.outcome == "cancelled", job.reason
+    assert not job.allocations
+    # The GPUs came back only once the API server had no pod of the job any more.
+    assert not any(job_pods(k8s_tier, c, job_id) for c in (CLUSTER_A, CLUSTER_B))
+    for rank in range(4):
+        assert f"rank {rank} got SIGTERM: checkpoint written" in pod_output(
+            k8s_tier, pods[rank // 2]
+        )
+
+
+SLEEPER = "import time\ntime.sleep(600)\n"
+
+
+def test_a_gang_that_fits_nowhere_waits_with_a_reason_and_one_cluster_full_sends_it_to_the_other(
+    k8s_tier: ControlPlane, alice: Client
+) -> None:
+    # Each zone holds one node of 4 GPUs: three 4-GPU jobs fill the fleet, the fourth waits.
+    running = [submit(alice, SLEEPER, name=f"filler-{i}") for i in range(3)]
+    for job_id in running:
+        wait_for(
+            lambda job_id=job_id: alice.job(job_id).state == "running",
+            timeout=120,
+            what=f"job {job_id} running",
+        )
+    clusters = {
+        c for job_id in running for c in (CLUSTER_A, CLUSTER_B) if job_pods(k8s_tier, c, job_id)
+    }
+    assert clusters == {CLUSTER_A, CLUSTER_B}  # cluster A holds two, B the third
+    waiting = submit(alice, SLEEPER, name="waiting")
+    pending = wait_for(
+        lambda: (
+            (job := alice.job(waiting)).state == "pending" and "cycle" not in job.reason and job
+        ),
+        timeout=30,
+        what="the fourth job pending with the scheduler's reason",
+    )
+    assert "free" in pending.reason and "quota" not in pending.reason, pending.reason
+    assert not any(job_pods(k8s_tier, c, waiting) for c in (CLUSTER_A, CLUSTER_B))
+    alice.cancel(running[0])
+    wait_for(
+        lambda: alice.job(waiting).state == "running", timeout=120, what="the waiting job running"
+    )
+    for job_id in [*running[1:], waiting]:
+        alice.cancel(job_id)
+    for job_id in [*running, waiting]:
+        assert alice.wait(job_id, timeout=90).outcome == "cancelled"
+
+
+def test_a_pod_the_api_server_refuses_leaves_nothing_and_the_job_queued_with_the_reason(
+    k8s_tier: ControlPlane, alice: Client
+) -> None:
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "one-pod", "namespace": NAMESPACE},
+        "spec": {"hard": {"pods": "1"}},
+    }
+    with k8s_tier[CLUSTER_A].rest() as api_a, k8s_tier[CLUSTER_B].rest() as api_b:
+        for api in (api_a, api_b):
+            made = api.post(f"/api/v1/namespaces/{NAMESPACE}/resourcequotas", json=quota)
+            assert made.status_code == 201, made.text
+        try:
+            job_id = submit(alice, SLEEPER, name="refused")
+            refused = wait_for(
+                lambda: next(
+                    (
+                        e
+                        for e in alice.events(workload_id=job_id)
+                        if e.kind == "job-failed" and "exceeded quota" in e.message
+                    ),
+                    None,
+                ),
+                timeout=60,
+                what="the refusal as the job's failure",
+            )
+            assert "nothing of them was left" in refused.message
+            job = wait_for(
+                lambda: (j := alice.job(job_id)).state == "pending" and j,
+                timeout=30,
+                what="the job back in the queue",
+            )
+            assert job.attempt == 2 and not job.allocations
+            assert not any(job_pods(k8s_tier, c, job_id) for c in (CLUSTER_A, CLUSTER_B))
+            alice.cancel(job_id)
+            assert alice.wait(job_id, timeout=60).outcome == "cancelled"
+        finally:
+            for api in (api_a, api_b):
+                api.delete(f"/api/v1/namespaces/{NAMESPACE}/resourcequotas/one-pod")

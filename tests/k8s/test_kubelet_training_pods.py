@@ -382,3 +382,19 @@ async def test_a_config_map_volume_brings_the_chosen_keys_with_their_mode(
             )
     finally:
         await spawner_a.delete_namespaced_config_map(name, NAMESPACE)
+
+
+async def test_a_failed_container_says_why_in_its_termination_message_when_asked(
+    kubelets: ControlPlane, spawner_a: client.CoreV1Api
+) -> None:
+    said = ["sh", "-c", "echo starting; echo 'rendezvous: the master never answered' >&2; exit 3"]
+    asked = manifest(
+        "fallback", said, container={"terminationMessagePolicy": "FallbackToLogsOnError"}
+    )
+    silent = manifest("silent", said)
+    async with pods(spawner_a, asked, silent) as (asked_name, silent_name):
+        ended = status_of(await phase(spawner_a, asked_name, "Failed")).state.terminated
+        assert ended.exit_code == 3
+        assert ended.message.splitlines()[-1] == "rendezvous: the master never answered"
+        plain = status_of(await phase(spawner_a, silent_name, "Failed")).state.terminated
+        assert not plain.message  # only a container that asks gets its output as the message
