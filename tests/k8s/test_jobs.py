@@ -21,6 +21,7 @@ from ..integration.harness import Hub, wait_for
 from ..ports import free_port_block
 from .control_plane import NAMESPACE, ControlPlane
 from .hubs import WITHOUT_AGENT, make_kube_hub
+from .nodes import NodeSpec
 from .tier import CLUSTER_A, CLUSTER_B
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
@@ -278,3 +279,104 @@ def test_a_pod_the_api_server_refuses_leaves_nothing_and_the_job_queued_with_the
         finally:
             for api in (api_a, api_b):
                 api.delete(f"/api/v1/namespaces/{NAMESPACE}/resourcequotas/one-pod")
+
+
+def node_row(hub: Hub, name: str) -> dict[str, Any]:
+    nodes = hub.controller("GET", "/nodes").json()["items"]
+    return next(n for n in nodes if n["name"] == name)
+
+
+def running_attempt(client: Client, job_id: int, attempt: int) -> Any:
+    return wait_for(
+        lambda: (j := client.job(job_id)).attempt == attempt and j.state == "running" and j,
+        timeout=120,
+        what=f"job {job_id}'s attempt {attempt} running",
+    )
+
+
+def test_a_node_that_stops_answering_under_a_job_restarts_it_elsewhere_and_holds_its_gpus(
+    k8s_tier: ControlPlane, jobs_hub: Hub, alice: Client
+) -> None:
+    job_id = submit(alice, SLEEPER, name="survivor")
+    first = running_attempt(alice, job_id, 1)
+    lost = first.allocations[0].node
+    cluster = next(c for c in (CLUSTER_A, CLUSTER_B) if lost in k8s_tier[c].nodes)
+    kubelet = k8s_tier[cluster].kubelet(lost)
+    kubelet.pause()  # the kubelet hangs; the pods' containers keep running there
+    try:
+        second = running_attempt(alice, job_id, 2)
+        assert {a.node for a in second.allocations}.isdisjoint({lost})
+        kinds = [(e.kind, e.node) for e in alice.events(workload_id=job_id)]
+        assert ("job-fault", lost) in kinds, kinds
+        # The old pods may still run on the silent node: its GPUs go to nobody meanwhile.
+        held = node_row(jobs_hub, lost)
+        assert sorted(held["leftover_gpus"]) == sorted(a.uuid for a in first.allocations)
+        assert held["free_gpus"] == 0
+    finally:
+        kubelet.resume()
+    # Back, the kubelet ends the old pods; only then do the GPUs take work again.
+    wait_for(
+        lambda: not node_row(jobs_hub, lost)["leftover_gpus"],
+        timeout=90,
+        what=f"{lost}'s GPUs released once the old pods are gone",
+    )
+    assert not [
+        p
+        for p in job_pods(k8s_tier, cluster, job_id)
+        if p["metadata"]["labels"]["gpufleet.io/attempt"] == "1"
+    ]
+    alice.cancel(job_id)
+    assert alice.wait(job_id, timeout=90).outcome == "cancelled"
+
+
+def test_a_node_deleted_under_a_job_restarts_it_elsewhere(
+    k8s_tier: ControlPlane, jobs_hub: Hub, alice: Client
+) -> None:
+    b = k8s_tier[CLUSTER_B]
+    name = b.spare_node_name()
+    a_nodes = sorted(k8s_tier[CLUSTER_A].nodes)
+    for node in a_nodes:  # the job lands on the new node, then moves to b-gpu-1
+        jobs_hub.controller("POST", f"/nodes/{node}/cordon").raise_for_status()
+    b.add_node(NodeSpec(name, "zone-c", gpus=4))
+    try:
+        wait_for(
+            lambda: any(
+                n["name"] == name and n["health"] == "ok"
+                for n in jobs_hub.controller("GET", "/nodes").json()["items"]
+            ),
+            timeout=30,
+            what="the new node in gpufleet's inventory",
+        )
+        jobs_hub.controller("POST", "/nodes/b-gpu-1/cordon").raise_for_status()
+        job_id = submit(alice, SLEEPER, name="moved")
+        first = running_attempt(alice, job_id, 1)
+        assert {a.node for a in first.allocations} == {name}
+        jobs_hub.controller("POST", "/nodes/b-gpu-1/uncordon").raise_for_status()
+        with b.rest() as api:
+            api.delete(f"/api/v1/nodes/{name}").raise_for_status()
+        second = running_attempt(alice, job_id, 2)
+        assert {a.node for a in second.allocations} == {"b-gpu-1"}
+        faults = [e for e in alice.events(workload_id=job_id) if e.kind == "job-fault"]
+        assert faults and "deleted" in faults[0].message, faults
+        alice.cancel(job_id)
+        assert alice.wait(job_id, timeout=90).outcome == "cancelled"
+    finally:
+        for node in [*a_nodes, "b-gpu-1"]:
+            jobs_hub.controller("POST", f"/nodes/{node}/uncordon").raise_for_status()
+        b.remove_node(name)
+
+
+def test_a_pod_deleted_by_someone_else_restarts_the_job_without_charging_it(
+    k8s_tier: ControlPlane, alice: Client
+) -> None:
+    job_id = submit(alice, SLEEPER, name="deleted")
+    first = running_attempt(alice, job_id, 1)
+    cluster = next(c for c in (CLUSTER_A, CLUSTER_B) if job_pods(k8s_tier, c, job_id))
+    with k8s_tier[cluster].rest() as api:
+        api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/gf-job-{job_id}-a1-1").raise_for_status()
+    second = running_attempt(alice, job_id, 2)
+    assert second.faults == first.faults == 0  # a disruption spends no retry budget
+    failed = [e for e in alice.events(workload_id=job_id) if e.kind == "job-failed"]
+    assert failed and "deleted by someone other than gpufleet" in failed[0].message, failed
+    alice.cancel(job_id)
+    assert alice.wait(job_id, timeout=90).outcome == "cancelled"
