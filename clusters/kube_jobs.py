@@ -117,16 +117,15 @@ class ClusterJobs:
             self.api = None
 
     # ------------------------------------------------------------------ one pass
-    async def run_pass(self, node_names: Sequence[str]) -> list[int]:
-        """One pass over the cluster's job pods; the jobs whose visible state changed
-        (GPUs released by the pass count as a change of the job they were held for). A
-        cluster that does not answer is skipped whole: nothing is reported of pods that
-        cannot be seen."""
+    async def run_pass(self, node_names: Sequence[str]) -> tuple[list[int], bool]:
+        """One pass over the cluster's job pods: the jobs whose visible state changed, and
+        whether GPUs held for leftovers went back. A cluster that does not answer is
+        skipped whole: nothing is reported of pods that cannot be seen."""
         if self.api is None:
-            return []
+            return [], False
         listed = await self._list()
         if listed is None:
-            return []
+            return [], False
         pods, ports = listed
         desired = await asyncio.to_thread(self.store.jobs.desired_pods, node_names, True)
         plan = plan_pass(
@@ -153,7 +152,7 @@ class ClusterJobs:
             True,
         )
         self.leftovers = [left.marker for left in result.leftovers]
-        return list(result.changed)
+        return list(result.changed), bool(result.released)
 
     async def _list(self) -> tuple[list[dict[str, Any]], dict[str, int]] | None:
         """The cluster's job pods (as JSON) and its gangs' Services (name → rendezvous

@@ -201,15 +201,16 @@ class KubeJobs(LoopComponent):
             passes = await asyncio.gather(
                 *(self._pass(name, manager) for name, manager in self.managers.items())
             )
-            changed = [workload for ids in passes for workload in ids]
+            changed = [workload for ids, _ in passes for workload in ids]
             if changed:
                 self.notifier.changed(changed)
-                self.kick()
+            if changed or any(released for _, released in passes):
+                self.kick()  # GPUs went back, or a job goes back to the queue
 
-    async def _pass(self, cluster: str, manager: ClusterJobs) -> list[int]:
+    async def _pass(self, cluster: str, manager: ClusterJobs) -> tuple[list[int], bool]:
         try:
             nodes = await asyncio.to_thread(self.store.clusters.node_names, cluster)
             return await manager.run_pass(nodes)
         except (SQLAlchemyError, SchedulerError):
             self.log.exception("cluster %s: the pass over its job pods failed", cluster)
-            return []
+            return [], False

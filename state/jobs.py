@@ -482,7 +482,8 @@ class JobStore(AttemptStore):
             held = open_allocations_on(session, node)
             for workload in sorted({a.workload for a in held}, key=lambda w: w.id):
                 if workload.kind == WorkloadKind.job and workload.state in ACTIVE:
-                    self._pods_lost(session, now, workload, node, verdict, f"its node {why}", lost)
+                    said = f"its node {node.name} {why}"
+                    self._pods_lost(session, now, workload, node, verdict, said, lost)
             if lost.changed:
                 lost.nodes.append(node.name)
         return lost

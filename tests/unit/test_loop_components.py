@@ -20,6 +20,7 @@ from gpufleet.hub.components import EarlierLoopNames, LoopComponent
 from gpufleet.hub.culling import Culling
 from gpufleet.hub.inventory_loop import NodeWatch
 from gpufleet.hub.kube_inventory import KubeInventory
+from gpufleet.hub.kube_jobs import KubeJobs
 from gpufleet.hub.memberships import MembershipSync
 from gpufleet.hub.notifier import Notifier
 from gpufleet.hub.reconciling import Reconciling
@@ -40,6 +41,7 @@ COMPONENTS: dict[str, type[LoopComponent]] = {
         MembershipSync,
         AdmissionCycles,
         KubeInventory,
+        KubeJobs,
         TimedWork,
     )
 }
@@ -66,6 +68,18 @@ def made(name: str, controller: FleetController) -> Any:
     if name == "KubeInventory":  # made as the controller starts, of the configured clusters
         stub = stub_controller()
         return KubeInventory([], stub.store, now=stub.now, kick=lambda: None, parent=controller)
+    if name == "KubeJobs":  # made as the controller starts, of the configured clusters
+        stub = stub_controller()
+        return KubeJobs(
+            [],
+            stub.store,
+            now=stub.now,
+            kick=lambda: None,
+            notifier=stub.notifier,
+            hub_url="http://127.0.0.1:8081/hub/api",
+            controller_url="http://127.0.0.1:8090/",
+            parent=controller,
+        )
     if name == "TimedWork":  # its jobs are kept in the database
         return TimedWork(stub_controller(), db.make_engine("sqlite://"), parent=controller)
     return COMPONENTS[name](stub_controller(), parent=controller)
