@@ -47,12 +47,14 @@ from .gpus import (
 )
 from .job_launch import RankSandbox
 from .jobs import PodKeeper
+from .kube_pods import KubePods
 from .layers import find_container_layer
 from .lifecycle import until_stopped
 from .maintenance import KINDS as MAINTENANCE_KINDS
 from .maintenance import MaintenanceSettings, run_maintenance
 from .metrics import Assignment
 from .network_guard import GuardUnavailable, NetworkGuard, table_name
+from .peers import Caller
 from .placements import (
     VISIBLE_DEVICES,
     Conflict,
@@ -61,7 +63,7 @@ from .placements import (
     read_placements,
     served_uuids,
 )
-from .progress import bind_progress, progress_app
+from .progress import RankReport, bind_progress, progress_app
 
 # While operations run, their progress goes to the controller this often; with none,
 # the agent long-polls this long for the next.
@@ -249,9 +251,18 @@ class NodeAgent(Application, RenamedSnapshotOptions):
 
     operation_nodes = List(
         Unicode(),
-        help="The nodes whose snapshot passes and restores this agent runs. Default: the "
-        "nodes it reports, else node_name (a DaemonSet's pod: set node_name from the "
-        "downward API's spec.nodeName).",
+        help="The nodes whose snapshot passes and restores this agent runs, and whose "
+        "Kubernetes job pods it relays output and progress for. Default: the nodes it "
+        "reports, else node_name (a DaemonSet's pod: set node_name from the downward API's "
+        "spec.nodeName).",
+    ).tag(config=True)
+
+    pod_log_dirs = List(
+        Unicode(),
+        default_value=["/var/log/pods"],
+        help="Where the kubelet keeps containers' output (CRI log files under "
+        "<namespace>_<pod>_<uid>/<container>/): the agent reads its Kubernetes job pods' "
+        "output there (mount the host's /var/log/pods into a DaemonSet's agent).",
     ).tag(config=True)
 
     protected_ports = List(
@@ -644,15 +655,23 @@ class NodeAgent(Application, RenamedSnapshotOptions):
             keeper.guard = await asyncio.to_thread(self.loopback_guard, keeper.rendezvous())
         except GuardUnavailable as e:
             keeper.sandbox = replace(sandbox, unavailable=str(e))
+        watched = KubePods([Path(d) for d in self.pod_log_dirs], self.log)
+
+        def pod_of(marker: str, caller: Caller | None) -> tuple[int, int]:
+            key = watched.pod_of_caller(marker, caller)
+            return key if key is not None else keeper.pod_of_caller(marker, caller)
+
+        def own(key: tuple[int, int], report: RankReport) -> tuple[RankReport, list[str]]:
+            kept = watched.own_checkpoints(key, report)
+            return kept if kept is not None else keeper.own_checkpoints(key, report)
+
         server = None
         if sockets:
-            server = HTTPServer(
-                progress_app(keeper.pod_of_caller, keeper.own_checkpoints, keeper.note_progress)
-            )
+            server = HTTPServer(progress_app(pod_of, own, keeper.note_progress))
             server.add_sockets(sockets)
             self.log.info("ranks report progress to %s", progress_url)
         try:
-            await self._sync_pods(client, keeper)
+            await self._sync_pods(client, keeper, watched)
         finally:
             if server is not None:
                 server.stop()
@@ -660,18 +679,21 @@ class NodeAgent(Application, RenamedSnapshotOptions):
             if keeper.guard is not None and not keeper.running():
                 await asyncio.to_thread(keeper.guard.remove)
 
-    async def _sync_pods(self, client: httpx.AsyncClient, keeper: PodKeeper) -> None:
-        nodes = [n["name"] for n in self.inventory]
+    async def _sync_pods(
+        self, client: httpx.AsyncClient, keeper: PodKeeper, watched: KubePods
+    ) -> None:
+        nodes = list(dict.fromkeys([n["name"] for n in self.inventory] + self.operation_nodes))
         while True:
             pods, chunks = keeper.report()
-            known = keeper.known()
+            relayed = await asyncio.to_thread(watched.chunks)
+            known = keeper.known() + watched.known()
             progress = keeper.take_progress()
             gone = keeper.take_gone()
             wait = 0.0 if keeper.busy() or gone else (1.0 if known else self.job_poll_seconds)
             body = {
                 "nodes": nodes,
                 "pods": pods,
-                "logs": chunks,
+                "logs": chunks + relayed,
                 "known": known,
                 "progress": progress,
                 "gone": gone,
@@ -690,7 +712,9 @@ class NodeAgent(Application, RenamedSnapshotOptions):
                 await asyncio.sleep(1.0)
                 continue
             keeper.synced(len(chunks), pods)
+            watched.acknowledged(len(relayed))
             answer = response.json()
+            await asyncio.to_thread(watched.watch, answer.get("watch", ()))
             await keeper.apply(answer["pods"])
             keeper.end_leftovers(answer.get("leftovers", ()))
             if keeper.ending_leftovers() and not keeper.busy():

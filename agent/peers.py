@@ -8,8 +8,9 @@ that owns it; ``/proc/<pid>/fd`` names the processes holding that socket. A repo
 for a pod only when it comes from a socket a process of that pod holds, owned by the
 account its ranks run as (:func:`check_caller`).
 
-The ranks share the host's network namespace (the loopback guard matches their uids), so
-the agent sees their sockets as they are.
+The local backend's ranks share the host's network namespace (the loopback guard matches
+their uids), so the agent sees their sockets as they are; a Kubernetes pod's are found in
+its processes' own network namespace.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..recovery import processes
 
@@ -51,15 +53,42 @@ def _address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, 
     return ip, int(port, 16)
 
 
-def caller_of(client: Address, server: Address, proc: Path = Path("/proc")) -> Caller | None:
+def caller_of(
+    client: Address, server: Address, proc: Path = Path("/proc"), marker: str = ""
+) -> Caller | None:
     """The socket of this machine that connected from ``client`` to ``server`` (as the
-    agent's side sees them: its peer and its own address); None when no socket of this
-    machine's network namespace did."""
-    want_client = (ipaddress.ip_address(client[0]), int(client[1]))
-    want_server = (ipaddress.ip_address(server[0]), int(server[1]))
+    agent's side sees them: its peer and its own address); None when none did.
+
+    The machine's own network namespace is searched first, then (with ``marker``) those of
+    the processes carrying it: a Kubernetes pod has a network of its own, whose sockets only
+    its processes' ``/proc/<pid>/net`` shows. Whoever holds the socket found is still to be
+    checked (:func:`check_caller`): a marker names where to look, it proves nothing."""
+    want = (
+        (ipaddress.ip_address(client[0]), int(client[1])),
+        (ipaddress.ip_address(server[0]), int(server[1])),
+    )
+    found = _in_tables(proc / "net", want)
+    if found is not None or not marker:
+        return found
+    seen: set[int] = set()
+    for pid in processes.marked_pids(marker, proc):
+        try:
+            namespace = os.stat(proc / str(pid) / "ns" / "net").st_ino
+        except OSError:
+            continue
+        if namespace in seen:
+            continue
+        seen.add(namespace)
+        found = _in_tables(proc / str(pid) / "net", want)
+        if found is not None:
+            return found
+    return None
+
+
+def _in_tables(net: Path, want: tuple[tuple[Any, int], tuple[Any, int]]) -> Caller | None:
     for table in ("tcp", "tcp6"):
         try:
-            lines = (proc / "net" / table).read_text().splitlines()[1:]
+            lines = (net / table).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
@@ -70,7 +99,7 @@ def caller_of(client: Address, server: Address, proc: Path = Path("/proc")) -> C
                 local, remote = _address(fields[1]), _address(fields[2])
             except ValueError:
                 continue
-            if local == want_client and remote == want_server:
+            if (local, remote) == want:
                 return Caller(int(fields[7]), int(fields[9]))
     return None
 

@@ -140,7 +140,7 @@ class ProgressHandler(web.RequestHandler):
         caller = None
         if sock is not None:
             with contextlib.suppress(OSError, ValueError):
-                caller = caller_of(sock.getpeername()[:2], sock.getsockname()[:2])
+                caller = caller_of(sock.getpeername()[:2], sock.getsockname()[:2], marker=marker)
         return self.pod_of(marker, caller)
 
     async def post(self) -> None:

@@ -11,6 +11,11 @@ from .schemas import MAX_INT, Count, Instant, Name, Strict, WorkloadOut
 
 MAX_PODS = 100_000
 
+# How torchrun marks each line a rank writes, in a Kubernetes job pod's output (its
+# TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE): the node agent splits the pod's output into the
+# ranks' streams by it.
+RANK_LINE_PREFIX_TEMPLATE = "[gpufleet rank ${rank}]:"
+
 
 class JobSubmitIn(Strict):
     """A training job: ``gpus`` in pods of ``gpus_per_pod``, every pod in one zone."""
@@ -56,6 +61,7 @@ class JobSubmitIn(Strict):
 class JobPodOut(BaseModel):
     pod: int
     node: str
+    cluster: str = Field(default="", description="the cluster of its node")
     state: str = Field(description="waiting|running|exited|stopped|failed")
     ranks: list[int]
     exit_code: int | None
@@ -207,8 +213,8 @@ class AgentSyncIn(Strict):
     ] = Field(
         default_factory=list,
         max_length=10_000,
-        description="(workload, pod) the agent runs or is stopping: the answer waits "
-        "only while these are exactly the pods the controller lists for its nodes",
+        description="(workload, pod) the agent runs, is stopping or watches: the answer "
+        "waits only while these are exactly the pods the controller lists for its nodes",
     )
     wait: float = Field(default=0, ge=0, le=30)
     progress: list[PodProgressIn] = Field(default_factory=list, max_length=10_000)
@@ -253,3 +259,8 @@ class LeftoverOut(BaseModel):
 class AgentSyncOut(BaseModel):
     pods: list[DesiredPodOut]
     leftovers: list[LeftoverOut] = Field(default_factory=list)
+    watch: list[DesiredPodOut] = Field(
+        default_factory=list,
+        description="pods Kubernetes runs on the agent's nodes: it does not start them, "
+        "it relays their output and their ranks' progress",
+    )

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 
+from ..api.jobs import RANK_LINE_PREFIX_TEMPLATE
 from ..recovery.processes import part_marker
 from .manifests import (
     CLUSTER_LABEL,
@@ -77,6 +78,7 @@ CONTAINER_NAME = "torchrun"
 LAUNCH_DIR = "/var/run/gpufleet/job"  # the ConfigMap: the script and the launcher
 LAUNCHER_KEY = "gpufleet-launch.py"
 RENDEZVOUS_PORT_NAME = "rendezvous"
+HOST_IP_VARIABLE = "GPUFLEET_HOST_IP"
 DEFAULT_JOB_PRIORITY_CLASS = "gpufleet-job"
 # Variables the platform sets in every pod, which the job's own ``env`` cannot override.
 PLATFORM_VARIABLES = frozenset(
@@ -96,7 +98,10 @@ PLATFORM_VARIABLES = frozenset(
         "GPUFLEET_CHECKPOINT_URI",
         "GPUFLEET_ATTEMPT",
         "GPUFLEET_RESUME_FROM",
+        "GPUFLEET_PROGRESS_URL",
         "PYTHONUNBUFFERED",
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+        "GPUFLEET_HOST_IP",
     }
 )
 
@@ -140,6 +145,9 @@ class JobGang:
     resume_from: str = ""
     rendezvous_port: int = 29500
     rendezvous_timeout_s: int = 600
+    # Where ranks report progress: the node agent's port on the pod's node, which
+    # $(GPUFLEET_HOST_IP) names (the downward API's status.hostIP); "" for nowhere.
+    progress_url: str = ""
     # as whom
     uid: int
     gid: int
@@ -329,15 +337,24 @@ def _env(gang: JobGang, index: int) -> list[Manifest]:
         "GPUFLEET_ATTEMPT": str(gang.attempt),
         "GPUFLEET_RESUME_FROM": gang.resume_from,
         "PYTHONUNBUFFERED": "1",
+        # Every line a rank writes carries its rank: the node agent splits the pod's
+        # output into the ranks' streams by it (agent/kube_pods.py).
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_LINE_PREFIX_TEMPLATE,
     }
     env: list[Manifest] = [
         {
             "name": POD_IP_VARIABLE,
             "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}},
-        }
+        },
+        {
+            "name": HOST_IP_VARIABLE,
+            "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}},
+        },
     ]
     # Doubling '$' keeps a value literal through Kubernetes' $(VAR) expansion.
     env += [{"name": k, "value": v.replace("$", "$$")} for k, v in platform.items()]
+    if gang.progress_url:  # the admin's, expanded: it names $(GPUFLEET_HOST_IP)
+        env.append({"name": "GPUFLEET_PROGRESS_URL", "value": gang.progress_url})
     env += [{"name": k, "value": v.replace("$", "$$")} for k, v in gang.env.items()]
     return env
 

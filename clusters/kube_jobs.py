@@ -69,6 +69,7 @@ class JobPodSettings:
     rendezvous_ports: tuple[int, int] = (29500, 29500)  # a range: first, last
     rendezvous_timeout_s: int = 600
     start_deadline_s: float = 120.0
+    progress_url: str = ""
 
 
 def _describe(error: BaseException) -> str:
@@ -364,6 +365,7 @@ class ClusterJobs:
             resume_from=first.resume_from,
             rendezvous_port=port,
             rendezvous_timeout_s=settings.rendezvous_timeout_s,
+            progress_url=settings.progress_url,
             uid=int(account["uid"]),
             gid=int(account["gid"]),
             gpus_per_pod=first.gpus_per_pod,

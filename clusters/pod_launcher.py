@@ -14,7 +14,7 @@ replaces itself (``exec``) with::
 
     <python> -m torch.distributed.run --nnodes=<pods> --node-rank=<pod index>
         --nproc-per-node=<gpus per pod> --master-addr=<addr> --master-port=<port>
-        <script> <args...>
+        --tee=3 <script> <args...>
 
 A master that never listens ends the pod with exit status ``RENDEZVOUS_EXIT`` and a last
 line on stderr naming what it waited for and how long, which becomes the job's reason.
@@ -87,6 +87,9 @@ def torchrun_argv(python: str, env: Mapping[str, str], args: Sequence[str]) -> l
         f"--nproc-per-node={int(env['GPUFLEET_GPUS_PER_POD'])}",
         f"--master-addr={env['GPUFLEET_MASTER_ADDR']}",
         f"--master-port={int(env['GPUFLEET_MASTER_PORT'])}",
+        # Each rank's stdout and stderr on the pod's own, each line marked with its rank
+        # (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE): the node agent reads them from there.
+        "--tee=3",
         env["GPUFLEET_SCRIPT"],
         *args,
     ]

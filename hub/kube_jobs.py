@@ -118,6 +118,14 @@ class KubeJobs(LoopComponent):
         "with a message naming what it waited for.",
     ).tag(config=True)
 
+    progress_url = Unicode(
+        "",
+        help="Where a job pod's ranks report progress and checkpoints: the node agent's "
+        "progress port on the pod's own node, written with $(GPUFLEET_HOST_IP) (the node's "
+        "address), e.g. http://$(GPUFLEET_HOST_IP):9207/progress. Empty: no progress "
+        "(no hang detection, no resume from a checkpoint) for jobs on Kubernetes.",
+    ).tag(config=True)
+
     network_hub = Dict(
         help="The hub's API as job pods reach it: {cidr} or {pod_labels, namespace_labels}, "
         "and {ports}. Default: the host and port of the hub's API URL.",
@@ -181,6 +189,7 @@ class KubeJobs(LoopComponent):
             rendezvous_ports=(int(self.rendezvous_ports[0]), int(self.rendezvous_ports[1])),
             rendezvous_timeout_s=self.rendezvous_timeout_seconds,
             start_deadline_s=self.start_deadline_seconds,
+            progress_url=self.progress_url,
         )
 
     async def start(self) -> None:

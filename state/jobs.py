@@ -159,6 +159,9 @@ class SyncResult:
     resumed_after_s: list[float] = field(default_factory=list)
     leftovers: list[Leftover] = field(default_factory=list)  # for the agent to end
     released: list[str] = field(default_factory=list)  # GPUs no leftover holds any more
+    # For a node agent: the pods its cluster runs on its Kubernetes nodes, whose output and
+    # progress it relays (agent/kube_pods.py).
+    watched: list[DesiredPod] = field(default_factory=list)
 
 
 @dataclass
@@ -312,7 +315,10 @@ class JobStore(AttemptStore):
             released = release_leftovers(session, now, nodes, gone)
             desired = _desired_pods(session, nodes)
             leftovers = leftovers_on(session, nodes)
-        return SyncResult(desired, sorted(changed), ended, restarted, resumed, leftovers, released)
+            watched = [] if kubernetes else _watched_pods(session, node_names)
+        return SyncResult(
+            desired, sorted(changed), ended, restarted, resumed, leftovers, released, watched
+        )
 
     def _apply_reports(
         self,
@@ -539,6 +545,11 @@ class JobStore(AttemptStore):
         with self.read() as session:
             return _desired_pods(session, _launched_by(session, node_names, kubernetes))
 
+    def watched_pods(self, node_names: Sequence[str]) -> list[DesiredPod]:
+        """The pods a node agent of ``node_names`` watches (``SyncResult.watched``)."""
+        with self.read() as session:
+            return _watched_pods(session, node_names)
+
     def job_pods(self, workload_id: int) -> list[JobPod]:
         with self.read() as session:
             return list(_pods(session, workload_id))
@@ -629,6 +640,12 @@ def _launched_by(session: Session, node_names: Iterable[str], kubernetes: bool) 
         .where(Node.name.in_(names))
     ).all()
     return {name for name, backend in backends if (backend == KUBERNETES) == kubernetes}
+
+
+def _watched_pods(session: Session, node_names: Iterable[str]) -> list[DesiredPod]:
+    """The running pods Kubernetes runs on those of ``node_names`` in its clusters."""
+    kube_nodes = _launched_by(session, node_names, kubernetes=True)
+    return [pod for pod in _desired_pods(session, kube_nodes) if pod.run]
 
 
 def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:

@@ -41,6 +41,7 @@ def job_out(
     spec = workload.spec or {}
     reported = {p.pod_index: p for p in pods}
     placed = {a.pod_index: a.node.name for a in workload.allocations if a.closed_at is None}
+    cluster_of = {a.node.name: a.node.zone.cluster.name for a in workload.allocations}
     per_pod = workload.gpus_per_pod
     pod_states = []
     for index in range(workload.pods):
@@ -51,6 +52,7 @@ def job_out(
                 js.JobPodOut(
                     pod=index,
                     node=placed.get(index, ""),
+                    cluster=cluster_of.get(placed.get(index, ""), ""),
                     state="waiting",
                     ranks=ranks,
                     exit_code=None,
@@ -65,6 +67,7 @@ def job_out(
             js.JobPodOut(
                 pod=index,
                 node=row.node,
+                cluster=cluster_of.get(row.node, ""),
                 state=row.state,
                 ranks=ranks,
                 exit_code=row.exit_code,
@@ -385,17 +388,19 @@ class AgentPodsHandler(APIHandler):
             controller.kick()  # GPUs may have been released
         elif chunks:
             controller.notifier.changed({c.workload_id for c in chunks})
-        desired, leftovers = result.desired, result.leftovers
+        desired, leftovers, watched = result.desired, result.leftovers, result.watched
         if (
             body.wait
             and not leftovers
-            and {(p.workload_id, p.pod_index) for p in desired} == set(body.known)
+            and {(p.workload_id, p.pod_index) for p in [*desired, *watched]} == set(body.known)
         ):
             await controller.notifier.wait_for_any_change(body.wait)
             desired = controller.store.jobs.desired_pods(body.nodes)
+            watched = controller.store.jobs.watched_pods(body.nodes)
         self.send(
             js.AgentSyncOut(
                 pods=[_desired_out(p) for p in desired],
+                watch=[_desired_out(p) for p in watched],
                 leftovers=[
                     js.LeftoverOut(node=x.node, marker=x.marker, workload_id=x.workload_id)
                     for x in leftovers

@@ -125,9 +125,19 @@ def test_an_idle_session_is_warned_snapshotted_stopped_and_its_gpus_go_to_the_qu
     environment restored. One story: split, each part would start its own sessions and
     wait out the same idle time again."""
     began = datetime.now(UTC)
-    # carol's GPUs work (fake NVML says 90%): her session stays, whatever else it does.
-    carol = hub.start_session("carol", project="nlp", gpu_type="A100-80GB", gpus=4)
-    busy_gpus(hub, [a["uuid"] for a in carol["allocations"]])
+    # carol's GPUs work (fake NVML says 90%) from the moment they are hers, before her
+    # server is up (a slow start on a busy machine must not count as idle time): her
+    # session stays, whatever else it does.
+    hub.spawn("carol", project="nlp", gpu_type="A100-80GB", gpus=4)
+    placed = wait_for(
+        lambda: (w := hub.workload_of("carol")) and w["allocations"] and w,
+        60,
+        "carol's GPUs",
+    )
+    busy_gpus(hub, [a["uuid"] for a in placed["allocations"]])
+    hub.wait_ready("carol")
+    carol = hub.workload_of("carol")
+    assert carol is not None
     # alice's idle time runs from here: only bob's request comes before it ends (on a busy
     # machine, a session start takes a good part of the 20 s).
     alice = hub.start_session("alice", project="vision", gpu_type="A100-80GB", gpus=4)

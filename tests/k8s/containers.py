@@ -42,6 +42,7 @@ from pathlib import Path
 from gpufleet.agent.containment import OUTER_PATH
 from gpufleet.snapshotter.sandbox import SandboxDirs, SandboxSupport
 
+from .cri_logs import CriLog
 from .memory import MemoryCgroup, place_self
 from .processes import die_with_parent
 from .volumes import Mount
@@ -106,11 +107,22 @@ class ContainerProcess:
     its processes carry and its memory cgroup (None without a memory limit)."""
 
     def __init__(
-        self, process: subprocess.Popen[bytes], marker: str, cgroup: MemoryCgroup | None = None
+        self,
+        process: subprocess.Popen[bytes],
+        marker: str,
+        cgroup: MemoryCgroup | None = None,
+        output: CriLog | None = None,
     ) -> None:
         self.process = process
         self.marker = marker
         self.cgroup = cgroup
+        self.output = output
+
+    def output_written(self, timeout_s: float = 2.0) -> None:
+        """Return once the run's pumps have written all it wrote (or after ``timeout_s``:
+        a process it left behind may hold its pipes open)."""
+        for thread in self.output.threads if self.output is not None else ():
+            thread.join(timeout_s)
 
     @property
     def container_id(self) -> str:
@@ -195,8 +207,8 @@ def start(
 ) -> ContainerProcess:
     """Starts one run of a container whose sandbox lives in ``directory`` (its upper
     directory is kept across restarts, like a container's layer; ``home`` beside it), its
-    output appended to ``log``, every process of it in ``cgroup`` (the caller made it with
-    the run's limit). Raises :class:`CannotStart`."""
+    output written to ``log`` in the CRI log format (:mod:`.cri_logs`), every process of it
+    in ``cgroup`` (the caller made it with the run's limit). Raises :class:`CannotStart`."""
     try:
         return _start(settings, directory, launch, log, cgroup)
     except (OSError, subprocess.SubprocessError) as e:  # the latter: placing it failed
@@ -256,19 +268,22 @@ def _start(
         if cgroup is not None:
             place_self(cgroup.path)
 
-    with log.open("ab") as output:
+    def popen() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            argv,
+            env=outer_env,
+            cwd=home,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=child,
+        )
 
-        def popen() -> subprocess.Popen[bytes]:
-            return subprocess.Popen(
-                argv,
-                env=outer_env,
-                cwd=home,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=child,
-            )
-
-        process = _launcher.submit(popen).result()
-    return ContainerProcess(process, marker, cgroup)
+    process = _launcher.submit(popen).result()
+    output = CriLog(log)
+    for stream, pipe in (("stdout", process.stdout), ("stderr", process.stderr)):
+        assert pipe is not None
+        output.pump(stream, os.dup(pipe.fileno()))
+        pipe.close()
+    return ContainerProcess(process, marker, cgroup, output)

@@ -50,6 +50,7 @@ from gpufleet.snapshotter.sandbox import DEFAULT_SESSION_PREFIX, default_session
 
 from . import memory
 from .containers import SandboxSettings
+from .cri_logs import read_cri
 from .names import PeerDirectory
 from .nodes import GPU_RESOURCE, FakeNode
 from .pki import Identity, trust
@@ -212,8 +213,8 @@ class Kubelet:
             newest = self._log_dirs.get((namespace, pod))
         if newest is None:
             raise FileNotFoundError(f"{self.name} has run no pod {namespace}/{pod}")
-        path = newest / f"{container}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        runs = sorted((newest / container).glob("*.log"), key=lambda p: int(p.stem))
+        return "".join(read_cri(run) for run in runs)
 
     def held_devices(self) -> dict[str, frozenset[str]]:
         """The devices each live pod holds, by pod uid."""

@@ -48,6 +48,7 @@ from gpufleet.snapshotter.sandbox import remove_tree
 
 from . import containers
 from .containers import CannotStart, ContainerProcess, Launch
+from .cri_logs import read_cri
 from .memory import MemoryCgroup, memory_limit
 from .names import HostsFile, pod_hostname, pod_hosts, with_hosts
 from .nodes import rfc3339
@@ -379,6 +380,7 @@ class PodWorker:
                 "containerID": c.process.container_id,
             }
         }
+        c.process.output_written()
         message = self._termination_message(c, code)
         if message:
             c.state["terminated"]["message"] = message
@@ -391,13 +393,7 @@ class PodWorker:
         termination-log file to prefer)."""
         if code == 0 or c.spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
             return ""
-        log = self.log_dir / f"{c.name}.log"
-        try:
-            with log.open("rb") as output:
-                output.seek(max(0, log.stat().st_size - TERMINATION_MESSAGE_BYTES))
-                tail = output.read().decode(errors="replace")
-        except OSError:
-            return ""
+        tail = read_cri(self.log_dir / c.name / f"{c.restarts}.log")[-TERMINATION_MESSAGE_BYTES:]
         return "\n".join(tail.splitlines()[-TERMINATION_MESSAGE_LINES:])
 
     def _start(self, c: Container, now: float) -> None:
@@ -416,7 +412,7 @@ class PodWorker:
                 self.ctx.sandbox,
                 self.directory / "containers" / c.name,
                 launch,
-                self.log_dir / f"{c.name}.log",
+                self.log_dir / c.name / f"{c.restarts}.log",
                 cgroup,
             )
         except (CannotStart, OSError) as e:

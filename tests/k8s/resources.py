@@ -117,7 +117,7 @@ class NodeContext:
     api: httpx.Client  # as the node's kubelet identity; shared by the workers
     sandbox: SandboxSettings
     directory: Path  # pods/<uid>/ below it
-    logs: Path  # <namespace>_<pod>_<uid>/<container>.log below it
+    logs: Path  # <namespace>_<pod>_<uid>/<container>/<restart>.log below it (CRI format)
     devices: DeviceTable
     addresses: PodAddresses
     fake_nvml_dir: Path | None

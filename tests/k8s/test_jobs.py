@@ -18,9 +18,9 @@ from gpufleet.clusters.manifests import priority_class
 from gpufleet.snapshotter.sandbox import default_session_env
 
 from ..integration.harness import Hub, wait_for
-from ..ports import free_port_block
+from ..ports import free_port, free_port_block
 from .control_plane import NAMESPACE, ControlPlane
-from .hubs import WITHOUT_AGENT, make_kube_hub
+from .hubs import make_kube_hub
 from .nodes import NodeSpec
 from .tier import CLUSTER_A, CLUSTER_B
 
@@ -35,6 +35,15 @@ c.KubeJobs.rendezvous_ports = ({first}, {last})
 c.KubeJobs.rendezvous_timeout_seconds = 120
 c.KubeJobs.memory_limit = "3Gi"
 c.KubeJobs.start_deadline_seconds = 60
+c.KubeJobs.progress_url = "http://$(GPUFLEET_HOST_IP):{progress_port}/progress"
+# One node agent plays the DaemonSet: it relays the output and progress of every tier
+# node's job pods (the tier's pods share this machine's network, as a hostNetwork agent's).
+c.NodeAgent.declared_nodes = []
+c.NodeAgent.nvml = "off"
+c.NodeAgent.placement_interval = 0
+c.NodeAgent.operation_nodes = {nodes!r}
+c.NodeAgent.pod_log_dirs = {log_dirs!r}
+c.NodeAgent.progress_port = {progress_port}
 # vision may use the whole tier (three nodes of 4 GPUs), so placement, not quota, decides.
 for project in c.FleetController.projects:
     if project["name"] == "vision":
@@ -53,6 +62,7 @@ ALL_REDUCE = textwrap.dedent(
     dist.all_reduce(total)
     print(f"rank {rank}/{world} pod {os.environ['GPUFLEET_POD_INDEX']} sum {total.item():.0f} "
           f"gpus {os.environ.get('NVIDIA_VISIBLE_DEVICES')}", flush=True)
+    print(f"rank {rank} done", file=sys.stderr, flush=True)
     dist.destroy_process_group()
     """
 )
@@ -69,7 +79,15 @@ def jobs_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
             )
             assert made.status_code in (201, 409), made.text
     first = free_port_block(RENDEZVOUS_PORTS)
-    config = WITHOUT_AGENT + JOBS_CONFIG.format(first=first, last=first + RENDEZVOUS_PORTS - 1)
+    kubelets = [k for c in k8s_tier.clusters.values() for k in c.kubelets.values()]
+    config = JOBS_CONFIG.format(
+        first=first,
+        last=first + RENDEZVOUS_PORTS - 1,
+        nodes=sorted(k.name for k in kubelets),
+        # The tier's kubelets keep their containers' output each in a directory of its own.
+        log_dirs=sorted(str(k.directory / "logs") for k in kubelets),
+        progress_port=free_port(),
+    )
     hub = make_kube_hub(k8s_tier, Path(tmp_path_factory.mktemp("kube-jobs")), config)
     hub.start()
     try:
@@ -127,12 +145,27 @@ def test_a_two_pod_job_all_reduces_across_its_pods_in_one_cluster_and_zone(
     assert job.reason == "all 4 rank(s) exited with code 0"
     kinds = [e.kind for e in alice.events(workload_id=job_id)]
     assert {"admitted", "started", "job-pod-ended", "ended"} <= set(kinds)
-    # Both pods ran in one cluster; the kubelets kept what each rank printed.
-    clusters = {c for c in (CLUSTER_A, CLUSTER_B) if job_pods(k8s_tier, c, job_id)}
-    assert len(clusters) <= 1  # the manager may have cleaned them up already
-    outputs = "".join(pod_output(k8s_tier, f"gf-job-{job_id}-a1-{i}") for i in range(2))
+    # Both pods in one cluster and one zone.
+    where = {
+        n["name"]: (n["cluster"], n["zone"])
+        for n in jobs_hub.controller("GET", "/nodes").json()["items"]
+    }
+    assert len({where[p.node] for p in job.pod_states}) == 1, job.pod_states
+    assert [p.cluster for p in job.pod_states] == [where[job.pod_states[0].node][0]] * 2
+    # Each rank's output, through the controller, as the node agent relayed it.
     for rank in range(4):
-        assert f"rank {rank}/4 pod {rank // 2} sum 10 " in outputs
+        output = "".join(alice.logs(job_id, rank=rank))
+        assert output.startswith(f"rank {rank}/4 pod {rank // 2} sum 10 "), output
+        assert "".join(alice.logs(job_id, rank=rank, stream="stderr")) == f"rank {rank} done\n"
+    # Each pod's ranks see exactly their pod's two GPUs, as its device plugin gave them.
+    seen = [
+        "".join(alice.logs(job_id, rank=rank)).split("gpus ")[1].split()[0] for rank in range(4)
+    ]
+    assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2], seen
+    assert all(len(value.split(",")) == 2 for value in seen), seen
+    assert not set(seen[0].split(",")) & set(seen[2].split(","))
+    # torchrun's own output: pod 1's launcher waited for the master's port.
+    assert "the master pod p0.gf-job-" in "".join(alice.logs(job_id, rank=-2))
     # Every object of the gang goes once the job has ended.
     wait_for(
         lambda: not any(job_pods(k8s_tier, c, job_id) for c in (CLUSTER_A, CLUSTER_B)),
@@ -294,11 +327,38 @@ def running_attempt(client: Client, job_id: int, attempt: int) -> Any:
     )
 
 
-def test_a_node_that_stops_answering_under_a_job_restarts_it_elsewhere_and_holds_its_gpus(
+RESUMING = textwrap.dedent(
+    """
+    import os, time
+    import gpufleet
+
+    resumed = gpufleet.resume_from()
+    start = int(resumed.rsplit("-", 1)[1]) + 1 if resumed else 0
+    rank = int(os.environ["RANK"])
+    print(f"rank {rank} attempt {os.environ['GPUFLEET_ATTEMPT']} starts at step {start}",
+          flush=True)
+    location = os.environ["GPUFLEET_CHECKPOINT_URI"]
+    for step in range(start, 100_000):
+        time.sleep(0.2)
+        gpufleet.progress(step)
+        if step % 5 == 4:
+            gpufleet.checkpoint_started(step)
+            gpufleet.checkpoint_saved(f"{location}/step-{step}", step)
+    """
+)
+
+
+def test_a_node_that_stops_answering_under_a_job_restarts_it_elsewhere_from_its_checkpoint(
     k8s_tier: ControlPlane, jobs_hub: Hub, alice: Client
 ) -> None:
-    job_id = submit(alice, SLEEPER, name="survivor")
+    job_id = submit(alice, RESUMING, name="survivor", env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"})
     first = running_attempt(alice, job_id, 1)
+    # Its ranks' progress and checkpoints reach the controller through the node agent.
+    saved = wait_for(
+        lambda: (p := alice.job(job_id).progress) and p.last_checkpoint,
+        timeout=60,
+        what="a checkpoint saved",
+    )
     lost = first.allocations[0].node
     cluster = next(c for c in (CLUSTER_A, CLUSTER_B) if lost in k8s_tier[c].nodes)
     kubelet = k8s_tier[cluster].kubelet(lost)
@@ -306,6 +366,19 @@ def test_a_node_that_stops_answering_under_a_job_restarts_it_elsewhere_and_holds
     try:
         second = running_attempt(alice, job_id, 2)
         assert {a.node for a in second.allocations}.isdisjoint({lost})
+        # From its last checkpoint: attempt 2 starts past the step it saved, and goes on.
+        resumed_at = wait_for(
+            lambda: "attempt 2 starts at step" in (out := "".join(alice.logs(job_id))) and out,
+            timeout=60,
+            what="attempt 2's first words",
+        )
+        start = int(resumed_at.split("attempt 2 starts at step ")[1].split()[0])
+        assert start >= saved.step + 1, (start, saved)
+        wait_for(
+            lambda: (p := alice.job(job_id).progress) and (p.last_step or 0) > start + 2,
+            timeout=60,
+            what="attempt 2's steps going on",
+        )
         kinds = [(e.kind, e.node) for e in alice.events(workload_id=job_id)]
         assert ("job-fault", lost) in kinds, kinds
         # The old pods may still run on the silent node: its GPUs go to nobody meanwhile.

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,37 @@ def test_a_connection_no_socket_of_this_machine_made_has_no_caller() -> None:
         check_caller(None, processes.new_marker(), 1000)
     with pytest.raises(ReportRefused, match="not come from a process of that pod"):
         check_caller(Caller(os.getuid(), 1), processes.new_marker(), os.getuid())
+
+
+def _tcp_address(ip: str, port: int) -> str:
+    """An IPv4 address as ``/proc/net/tcp`` writes it: the 32-bit word in little-endian."""
+    return socket.inet_aton(ip)[::-1].hex().upper() + f":{port:04X}"
+
+
+def fake_pod_process(proc: Path, pid: int, marker: str, connection: str) -> None:
+    """A process of a pod with a network of its own, as ``/proc`` shows it to the agent."""
+    root = proc / str(pid)
+    (root / "ns").mkdir(parents=True)
+    (root / "ns" / "net").write_text("")
+    (root / "net").mkdir()
+    (root / "net" / "tcp").write_text(f"  sl  local_address rem_address   st ...\n{connection}\n")
+    (root / "environ").write_bytes(f"{processes.MARKER_VARIABLE}={marker}\0".encode())
+    (root / "stat").write_text(f"{pid} (python) S 1 " + " ".join(["0"] * 18) + " 4242 0\n")
+
+
+def test_a_pods_socket_is_found_in_its_own_network_namespace(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "net").mkdir(parents=True)
+    (proc / "net" / "tcp").write_text("  sl  local_address rem_address   st ...\n")
+    pod, other = processes.new_marker(), processes.new_marker()
+    line = (
+        f"   0: {_tcp_address('10.1.0.9', 40000)} {_tcp_address('10.0.0.1', 9207)} 01 "
+        "00000000:00000000 00:00000000 00000000  1500        0 777 1 0 20 4 30 10 -1"
+    )
+    fake_pod_process(proc, 4321, pod, line)
+    fake_pod_process(proc, 4322, other, "")
+    client, server = ("10.1.0.9", 40000), ("10.0.0.1", 9207)
+    assert caller_of(client, server, proc, marker=pod) == Caller(1500, 777)
+    # Not in the machine's own namespace, nor in another pod's.
+    assert caller_of(client, server, proc) is None
+    assert caller_of(client, server, proc, marker=other) is None

@@ -52,6 +52,7 @@ def gang(**changes: Any) -> JobGang:
         gid=1001,
         gpus_per_pod=2,
         memory_limit="64Gi",
+        progress_url="http://$(GPUFLEET_HOST_IP):9207/progress",
     )
     fields.update(changes)
     return JobGang(**fields)
@@ -139,6 +140,12 @@ def test_pod_1_of_a_gang_is_pinned_to_its_node_and_names_the_master() -> None:
                                 "fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}
                             },
                         },
+                        {
+                            "name": "GPUFLEET_HOST_IP",
+                            "valueFrom": {
+                                "fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}
+                            },
+                        },
                         {"name": "GPUFLEET_WORKLOAD_ID", "value": "12"},
                         {"name": "GPUFLEET_SESSION_MARKER", "value": "5f0c3b6a.1"},
                         {"name": "GPUFLEET_JOB_ID", "value": "12"},
@@ -160,6 +167,14 @@ def test_pod_1_of_a_gang_is_pinned_to_its_node_and_names_the_master() -> None:
                             "value": "s3://ckpt/jobs/ann/resnet/step-100",
                         },
                         {"name": "PYTHONUNBUFFERED", "value": "1"},
+                        {
+                            "name": "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+                            "value": "[gpufleet rank $${rank}]:",
+                        },
+                        {
+                            "name": "GPUFLEET_PROGRESS_URL",
+                            "value": "http://$(GPUFLEET_HOST_IP):9207/progress",
+                        },
                         {"name": "WANDB_MODE", "value": "offline"},
                     ],
                     "resources": {

@@ -91,6 +91,7 @@ def test_torchrun_gets_the_pods_place_in_the_gang() -> None:
         "--nproc-per-node=2",
         "--master-addr=p0.gf-job-1-a1.ns.svc.cluster.local",
         "--master-port=29500",
+        "--tee=3",
         "/var/run/gpufleet/job/train.py",
         "--lr",
         "0.1",
