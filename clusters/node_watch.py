@@ -42,6 +42,9 @@ _SUFFIXES = {
 }  # fmt: skip
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([a-zA-Z]*)$")
 NOT_READY_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+# gpufleet's cordon, beside spec.unschedulable: it stays when someone's ``kubectl uncordon``
+# clears the latter, and it says who cordoned the node and why (its value is escaped).
+CORDON_TAINT = "gpufleet.io/cordoned"
 
 
 def parse_quantity(text: str | int | float | None) -> float:
@@ -104,12 +107,34 @@ def observe_node(node: Mapping[str, Any], settings: ClusterSettings) -> ClusterN
         gpu_type=gpu_type_of_product(product, memory_mib, settings) if product else "unknown",
         gpus=gpus,
         ready=ready,
-        unschedulable=bool((node.get("spec") or {}).get("unschedulable", False)),
+        unschedulable=is_cordoned(node),
         why_not_ready=why,
         cpus=parse_quantity(allocatable.get("cpu")),
         memory_bytes=int(parse_quantity(allocatable.get("memory"))),
         labels=labels,
     )
+
+
+def is_cordoned(node: Mapping[str, Any]) -> bool:
+    """A cordon is ``spec.unschedulable`` (``kubectl cordon``'s) or gpufleet's taint."""
+    spec = node.get("spec") or {}
+    taints = spec.get("taints") or []
+    return bool(spec.get("unschedulable")) or any(t.get("key") == CORDON_TAINT for t in taints)
+
+
+def cordon_patch(node: Mapping[str, Any], cordoned: bool) -> dict[str, Any]:
+    """The strategic merge patch that cordons a Node (``spec.unschedulable`` and gpufleet's
+    ``NoSchedule`` taint) or uncordons it (both gone, the other taints kept). A node's
+    taints are replaced as a whole, so the patch carries the ``resourceVersion`` it was
+    computed from: a change in between makes it fail (409) rather than drop a taint."""
+    spec = node.get("spec") or {}
+    taints = [dict(t) for t in spec.get("taints") or [] if t.get("key") != CORDON_TAINT]
+    if cordoned:
+        taints.append({"key": CORDON_TAINT, "value": "true", "effect": "NoSchedule"})
+    return {
+        "metadata": {"resourceVersion": str((node.get("metadata") or {}).get("resourceVersion"))},
+        "spec": {"unschedulable": cordoned, "taints": taints},
+    }
 
 
 def _readiness(node: Mapping[str, Any]) -> tuple[bool, str]:

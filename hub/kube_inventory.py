@@ -22,12 +22,14 @@ from traitlets import Float
 from traitlets.config import Configurable
 
 from ..clusters.kube_config import ClusterSettings
-from ..clusters.node_watch import ClusterView, ClusterWatch
+from ..clusters.node_watch import ClusterView, ClusterWatch, cordon_patch
 from ..scheduler.errors import SchedulerError
 from ..state.clusters import ClusterInventoryStore, ClusterNodeState
 from ..state.cycle import Stop
 from ..state.jobs import JobStore
 from .components import LoopComponent
+
+CORDON_TRIES = 3  # a Node's status changes every few seconds; its spec seldom
 
 
 @dataclass(frozen=True)
@@ -337,11 +339,20 @@ class KubeInventory(LoopComponent):
         return pods
 
     async def cordon(self, node: str, cluster: str, cordoned: bool) -> None:
-        """Set the node's ``spec.unschedulable`` in its cluster: the one truth of a cordon,
-        which the watch then brings into the fleet's inventory."""
+        """Cordon or uncordon the node in its cluster (``spec.unschedulable`` and gpufleet's
+        taint, ``cordon_patch``): the one truth of a cordon, which the watch then brings
+        into the fleet's inventory. A Node changed meanwhile is read again."""
         from kubernetes_asyncio import client
+        from kubernetes_asyncio.client.exceptions import ApiException
 
-        watch = self.watches[cluster]
-        await client.CoreV1Api(watch.api).patch_node(
-            node, {"spec": {"unschedulable": cordoned}}, _request_timeout=10
-        )
+        core = client.CoreV1Api(self.watches[cluster].api)
+        for attempt in range(CORDON_TRIES):
+            current = await core.read_node(node, _request_timeout=10, _preload_content=False)
+            async with current:
+                body = json.loads(await current.read())
+            try:
+                await core.patch_node(node, cordon_patch(body, cordoned), _request_timeout=10)
+                return
+            except ApiException as e:
+                if e.status != 409 or attempt == CORDON_TRIES - 1:
+                    raise

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import select
 
 from gpufleet.clusters.kube_config import ClusterSettings
+from gpufleet.clusters.node_watch import cordon_patch
 from gpufleet.hub.kube_inventory import KubeInventory
 from gpufleet.state import db
 from gpufleet.state.clusters import slot_uuid
@@ -156,6 +157,12 @@ async def test_every_clusters_gpu_nodes_are_found_with_zone_type_and_gpus(
         assert sorted(uuids) == [slot_uuid(CLUSTER_B, "b-gpu-1", i) for i in range(4)]
 
 
+def taints_of(plane: ControlPlane, cluster: str, node: str) -> list[str]:
+    with plane[cluster].rest() as api:
+        spec = api.get(f"/api/v1/nodes/{node}").json()["spec"]
+    return [t["key"] for t in spec.get("taints") or []]
+
+
 async def test_a_cordon_is_one_truth_in_kubernetes_and_gpufleet(
     inventory: KubeInventory, store: FleetStore, k8s_tier: ControlPlane
 ) -> None:
@@ -182,13 +189,48 @@ async def test_a_cordon_is_one_truth_in_kubernetes_and_gpufleet(
         await eventually(recorded(store, "a-gpu-2", free), "the uncordon seen", 5.0)
         await inventory.cordon("a-gpu-2", CLUSTER_A, True)
         assert api_unschedulable(k8s_tier, CLUSTER_A, "a-gpu-2")
+        assert "gpufleet.io/cordoned" in taints_of(k8s_tier, CLUSTER_A, "a-gpu-2")
         await eventually(recorded(store, "a-gpu-2", cordoned), "gpufleet's cordon seen", 5.0)
+        # Someone's kubectl uncordon clears spec.unschedulable: gpufleet's taint keeps
+        # the node cordoned, for kube-scheduler and in gpufleet's inventory alike.
+        with k8s_tier[CLUSTER_A].rest() as api:  # kubectl uncordon, and a label to see it by
+            api.patch(
+                "/api/v1/nodes/a-gpu-2",
+                json={
+                    "metadata": {"labels": {"example.org/uncordoned": "yes"}},
+                    "spec": {"unschedulable": False},
+                },
+                headers={"Content-Type": "application/strategic-merge-patch+json"},
+            ).raise_for_status()
+        view = inventory.watches[CLUSTER_A].view
+
+        async def seen() -> bool:
+            state = view.nodes.get("a-gpu-2")
+            return state is not None and "example.org/uncordoned" in state.labels
+
+        await eventually(seen, "the kubectl uncordon seen by the watch", 5.0)
+        assert view.nodes["a-gpu-2"].unschedulable
+        assert node_row(store, "a-gpu-2") == cordoned
+        await inventory.cordon("a-gpu-2", CLUSTER_A, False)
+        assert "gpufleet.io/cordoned" not in taints_of(k8s_tier, CLUSTER_A, "a-gpu-2")
+        await eventually(recorded(store, "a-gpu-2", free), "the taint gone", 5.0)
     finally:
-        set_unschedulable(k8s_tier, CLUSTER_A, "a-gpu-2", False)
+        with k8s_tier[CLUSTER_A].rest() as api:  # uncordoned whatever failed above
+            node = api.get("/api/v1/nodes/a-gpu-2").json()
+            api.patch(
+                "/api/v1/nodes/a-gpu-2",
+                json={"spec": cordon_patch(node, False)["spec"]},
+                headers={"Content-Type": "application/strategic-merge-patch+json"},
+            ).raise_for_status()
         with k8s_tier[CLUSTER_A].rest() as api:
             api.patch(
                 "/api/v1/nodes/a-gpu-2",
-                json={"metadata": {"annotations": {"example.org/padding": None}}},
+                json={
+                    "metadata": {
+                        "annotations": {"example.org/padding": None},
+                        "labels": {"example.org/uncordoned": None},
+                    }
+                },
                 headers={"Content-Type": "application/strategic-merge-patch+json"},
             ).raise_for_status()
     await eventually(recorded(store, "a-gpu-2", free), "uncordoned again", 5.0)

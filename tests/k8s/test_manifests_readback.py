@@ -1,6 +1,7 @@
 """What the API server keeps of gpufleet's manifests: the 1.20 test server silently drops
 fields it does not know, so every object the KubeGPUSpawner builds is created as the
-spawner's identity, read back and compared with what was sent."""
+spawner's identity, and every object of a job's gang as the controller's, read back and
+compared with what was sent."""
 
 from __future__ import annotations
 
@@ -11,7 +12,21 @@ from typing import Any
 import pytest
 from traitlets.config import Config
 
-from gpufleet.clusters.manifests import dropped_fields, priority_class, session_pod
+from gpufleet.clusters.job_manifests import (
+    JobGang,
+    gang_config_map,
+    gang_network_policy,
+    gang_pod,
+    gang_service,
+)
+from gpufleet.clusters.manifests import (
+    Endpoint,
+    Peer,
+    Volume,
+    dropped_fields,
+    priority_class,
+    session_pod,
+)
 from gpufleet.spawner.kubernetes import KubeGPUSpawner
 
 from .control_plane import NAMESPACE, Cluster
@@ -100,3 +115,56 @@ async def test_every_field_of_the_session_pod_and_its_policy_is_kept(
         return got["spec"].get("nodeName")
 
     assert await eventually(bound, "the session pod bound", 30.0) == "a-gpu-1"
+
+
+def test_every_field_of_a_job_gangs_objects_is_kept(
+    cluster_a: Cluster, created: list[tuple[str, str]]
+) -> None:
+    """As the controller's identity, which makes them (its namespaced grants)."""
+    gang = JobGang(
+        workload_id=9002,
+        attempt=1,
+        job_name="readback",
+        user="readback@example.org",
+        project="vision",
+        marker="readback-job",
+        cluster=cluster_a.name,
+        namespace=NAMESPACE,
+        nodes=("a-gpu-1", "a-gpu-1"),
+        image="gpufleet/session:test",
+        python="/usr/bin/python3",
+        script_name="train.py",
+        script="print('read back')\n",
+        env={"A": "$literal"},
+        uid=200_012,
+        gid=200_012,
+        gpus_per_pod=1,
+        memory_limit="1Gi",
+        progress_url="http://$(GPUFLEET_HOST_IP):9207/progress",
+        volumes=(Volume("shm", "/dev/shm", "emptyDir", medium="Memory"),),
+    )
+    with cluster_a.rest() as api:  # the class job pods name (kept: shared)
+        made = api.post(
+            "/apis/scheduling.k8s.io/v1/priorityclasses",
+            json=priority_class("gpufleet-job", 500, "training jobs"),
+        )
+        assert made.status_code in (201, 409), made.text
+    core = f"/api/v1/namespaces/{NAMESPACE}"
+    objects = [
+        (f"{core}/configmaps", gang_config_map(gang)),
+        (f"{core}/services", gang_service(gang)),
+        (
+            f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies",
+            gang_network_policy(
+                gang,
+                hub=Endpoint(Peer(cidr="127.0.0.1/32"), (8081,)),
+                controller=Endpoint(Peer(cidr="127.0.0.1/32"), (8003,)),
+            ),
+        ),
+        (f"{core}/pods", gang_pod(gang, 0)),
+        (f"{core}/pods", gang_pod(gang, 1)),
+    ]
+    for collection, body in objects:
+        created.append((collection, body["metadata"]["name"]))
+        stored = create_and_read_back(cluster_a, "controller", collection, body)
+        assert dropped_fields(body, stored) == [], body["kind"]

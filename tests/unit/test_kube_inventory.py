@@ -288,3 +288,28 @@ async def test_watch_lines_of_any_length_survive_any_chunking() -> None:
                 yield body[start : start + 7_001]
 
     assert [line async for line in _lines(Stream())] == events
+
+
+def test_a_cordon_sets_unschedulable_and_gpufleets_taint_and_keeps_the_others() -> None:
+    from gpufleet.clusters.node_watch import cordon_patch, is_cordoned
+
+    gpu_taint = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+    node = {"metadata": {"resourceVersion": "41"}, "spec": {"taints": [gpu_taint]}}
+    patch = cordon_patch(node, True)
+    assert patch == {
+        "metadata": {"resourceVersion": "41"},
+        "spec": {
+            "unschedulable": True,
+            "taints": [
+                gpu_taint,
+                {"key": "gpufleet.io/cordoned", "value": "true", "effect": "NoSchedule"},
+            ],
+        },
+    }
+    cordoned = {"metadata": {"resourceVersion": "42"}, "spec": patch["spec"]}
+    assert is_cordoned(cordoned)
+    # kubectl uncordon clears spec.unschedulable only: the taint keeps the cordon.
+    assert is_cordoned({"spec": {**patch["spec"], "unschedulable": False}})
+    assert cordon_patch(cordoned, False)["spec"] == {"unschedulable": False, "taints": [gpu_taint]}
+    assert is_cordoned({"spec": {"unschedulable": True}})  # kubectl cordon is a cordon
+    assert not is_cordoned({"spec": {"taints": [gpu_taint]}})
