@@ -345,7 +345,7 @@ class KubeInventory(LoopComponent):
         from kubernetes_asyncio import client
         from kubernetes_asyncio.client.exceptions import ApiException
 
-        core = client.CoreV1Api(self.watches[cluster].api)
+        core: Any = client.CoreV1Api(self.watches[cluster].api)
         for attempt in range(CORDON_TRIES):
             current = await core.read_node(node, _request_timeout=10, _preload_content=False)
             async with current:
