@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from ..recovery import processes
-from ..recovery.checkpoints import within as checkpoint_within
 from ..recovery.classify import ENDED_BY_AGENT_RESTART, NODE_COULD_NOT_START, REFUSED_AS_ASKED
 from . import peers
 from .containment import OUTER_PATH
@@ -69,7 +68,7 @@ from .job_logs import (
     save_tails,
 )
 from .network_guard import GuardUnavailable, NetworkGuard
-from .progress import MAX_SAVED, MAX_STEP_TIMES, RankReport, merge
+from .progress import MAX_SAVED, MAX_STEP_TIMES, RankReport, merge, own_checkpoints_only
 from .runner import (
     RankRunner,
     RankSpec,
@@ -321,15 +320,7 @@ class PodKeeper:
         pod = self._pods.get(key)
         if pod is None:
             raise peers.ReportRefused("that pod no longer runs here")
-        location = pod.checkpoint_uri
-        kept = [c for c in report.checkpoints_saved if checkpoint_within(c.uri, location)]
-        left_out = [
-            f"checkpoint {c.uri} is left out: it is not inside this job's checkpoint "
-            f"location {location or '(none)'}, and only those are resumed from"
-            for c in report.checkpoints_saved
-            if c not in kept
-        ]
-        return report.model_copy(update={"checkpoints_saved": kept}), left_out
+        return own_checkpoints_only(report, pod.checkpoint_uri)
 
     def note_progress(self, key: tuple[int, int], report: RankReport, now: datetime) -> None:
         self._progress[key] = merge(self._progress.get(key), report, now)

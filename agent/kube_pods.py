@@ -33,9 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from ..api.jobs import RANK_LINE_PREFIX_TEMPLATE
-from ..recovery.checkpoints import within as checkpoint_within
 from . import peers
-from .progress import RankReport
+from .progress import RankReport, own_checkpoints_only
 
 RANK_LINE = re.compile(
     re.escape(RANK_LINE_PREFIX_TEMPLATE.encode()).replace(re.escape(b"${rank}"), rb"(\d{1,9})")
@@ -217,12 +216,4 @@ class KubePods:
         pod = self.pods.get(key)
         if pod is None:
             return None
-        location = pod.checkpoint_uri
-        kept = [c for c in report.checkpoints_saved if checkpoint_within(c.uri, location)]
-        left_out = [
-            f"checkpoint {c.uri} is left out: it is not inside this job's checkpoint "
-            f"location {location or '(none)'}, and only those are resumed from"
-            for c in report.checkpoints_saved
-            if c not in kept
-        ]
-        return report.model_copy(update={"checkpoints_saved": kept}), left_out
+        return own_checkpoints_only(report, pod.checkpoint_uri)

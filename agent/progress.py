@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tornado import web
 from tornado.netutil import bind_sockets
 
+from ..recovery.checkpoints import within as checkpoint_within
 from .peers import Caller, ReportRefused, caller_of
 
 MARKER_HEADER = "X-Gpufleet-Marker"
@@ -241,3 +242,17 @@ def _privileged(data_dir: Path) -> list[int]:
     ports = [p for p in PRIVILEGED_PORTS if p < start]
     first = int(hashlib.sha256(str(data_dir.absolute()).encode()).hexdigest(), 16) % len(ports)
     return ports[first:] + ports[:first]
+
+
+def own_checkpoints_only(report: RankReport, location: str) -> tuple[RankReport, list[str]]:
+    """The report with only the checkpoints inside its job's checkpoint ``location`` (a
+    rank cannot make another job, or its own next attempt, resume from elsewhere), and what
+    was left out, in words."""
+    kept = [c for c in report.checkpoints_saved if checkpoint_within(c.uri, location)]
+    left_out = [
+        f"checkpoint {c.uri} is left out: it is not inside this job's checkpoint "
+        f"location {location or '(none)'}, and only those are resumed from"
+        for c in report.checkpoints_saved
+        if c not in kept
+    ]
+    return report.model_copy(update={"checkpoints_saved": kept}), left_out

@@ -44,7 +44,6 @@ from ..recovery.processes import part_marker
 from .manifests import (
     CLUSTER_LABEL,
     DEFAULT_GPU_RESOURCE,
-    DNS_PORT,
     GPU_TOLERATION,
     KUBE_DNS,
     LABEL_PREFIX,
@@ -64,6 +63,7 @@ from .manifests import (
     check_dns_subdomain,
     check_labels,
     check_port,
+    dns_egress,
     frozen_mapping,
     label_value,
     parse_quantity,
@@ -289,17 +289,7 @@ def gang_network_policy(
     store, the collectives' own ports); out of the gang only the hub, the controller, DNS
     and ``extra_egress``; no one else reaches in."""
     own = Peer(pod_labels=_selector(gang))
-    dns_rules: list[Manifest] = []
-    if dns is not None:
-        dns_rules = [
-            {
-                "to": [dns.manifest()],
-                "ports": [
-                    {"protocol": "UDP", "port": DNS_PORT},
-                    {"protocol": "TCP", "port": DNS_PORT},
-                ],
-            }
-        ]
+    dns_rules = dns_egress(dns)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -668,6 +668,14 @@ KUBE_DNS = Peer(
 DNS_PORT = 53
 
 
+def dns_egress(dns: Peer | None) -> list[Manifest]:
+    """The egress rule to the cluster's DNS (UDP and TCP 53); none for None."""
+    if dns is None:
+        return []
+    ports = [{"protocol": "UDP", "port": DNS_PORT}, {"protocol": "TCP", "port": DNS_PORT}]
+    return [{"to": [dns.manifest()], "ports": ports}]
+
+
 def session_network_policy(
     pod: SessionPod,
     *,
@@ -686,17 +694,7 @@ def session_network_policy(
     plugins let through whatever the policy.
     """
     notebook_port = [{"protocol": "TCP", "port": pod.port}]
-    dns_rules: list[Manifest] = []
-    if dns is not None:
-        dns_rules = [
-            {
-                "to": [dns.manifest()],
-                "ports": [
-                    {"protocol": "UDP", "port": DNS_PORT},
-                    {"protocol": "TCP", "port": DNS_PORT},
-                ],
-            }
-        ]
+    dns_rules = dns_egress(dns)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
