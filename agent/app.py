@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
 import sys
 from dataclasses import asdict, replace
@@ -64,6 +65,7 @@ from .placements import (
     served_uuids,
 )
 from .progress import RankReport, bind_progress, progress_app
+from .stacks import StackTaker
 
 # While operations run, their progress goes to the controller this often; with none,
 # the agent long-polls this long for the next.
@@ -264,6 +266,18 @@ class NodeAgent(Application, RenamedSnapshotOptions):
         "<namespace>_<pod>_<uid>/<container>/): the agent reads its Kubernetes job pods' "
         "output there (mount the host's /var/log/pods into a DaemonSet's agent).",
     ).tag(config=True)
+
+    py_spy = Unicode(
+        help="The py-spy executable that takes a job's ranks' Python stacks for a trace (on "
+        "a hang, or asked for with gpufleet trace); it needs ptrace (root, or "
+        "CAP_SYS_PTRACE in the host's PID namespace). Default: the one installed beside "
+        "the agent's Python.",
+    ).tag(config=True)
+
+    @default("py_spy")
+    def _default_py_spy(self) -> str:
+        beside = Path(sys.executable).parent / "py-spy"
+        return str(beside) if beside.exists() else (shutil.which("py-spy") or "py-spy")
 
     protected_ports = List(
         Integer(),
@@ -671,7 +685,7 @@ class NodeAgent(Application, RenamedSnapshotOptions):
             server.add_sockets(sockets)
             self.log.info("ranks report progress to %s", progress_url)
         try:
-            await self._sync_pods(client, keeper, watched)
+            await self._sync_pods(client, keeper, watched, StackTaker(self.py_spy, self.log))
         finally:
             if server is not None:
                 server.stop()
@@ -680,7 +694,7 @@ class NodeAgent(Application, RenamedSnapshotOptions):
                 await asyncio.to_thread(keeper.guard.remove)
 
     async def _sync_pods(
-        self, client: httpx.AsyncClient, keeper: PodKeeper, watched: KubePods
+        self, client: httpx.AsyncClient, keeper: PodKeeper, watched: KubePods, stacks: StackTaker
     ) -> None:
         nodes = list(dict.fromkeys([n["name"] for n in self.inventory] + self.operation_nodes))
         while True:
@@ -689,6 +703,7 @@ class NodeAgent(Application, RenamedSnapshotOptions):
             known = keeper.known() + watched.known()
             progress = keeper.take_progress()
             gone = keeper.take_gone()
+            taken = stacks.take()
             wait = 0.0 if keeper.busy() or gone else (1.0 if known else self.job_poll_seconds)
             body = {
                 "nodes": nodes,
@@ -697,6 +712,7 @@ class NodeAgent(Application, RenamedSnapshotOptions):
                 "known": known,
                 "progress": progress,
                 "gone": gone,
+                "stacks": taken,
             }
             try:
                 response = await client.post(
@@ -709,11 +725,16 @@ class NodeAgent(Application, RenamedSnapshotOptions):
                 self.log.warning("could not sync job pods with the controller (%s)", e)
                 keeper.restore_progress(progress)
                 keeper.restore_gone(gone)
+                stacks.restore(taken)
                 await asyncio.sleep(1.0)
                 continue
             keeper.synced(len(chunks), pods)
             watched.acknowledged(len(relayed))
             answer = response.json()
+            listed = [*answer["pods"], *answer.get("watch", ())]
+            # Stacks first: a pod to stop is read before its ranks get the signal.
+            await stacks.answer(listed)
+            stacks.forget_all_but(p["trace"] for p in listed if p.get("trace"))
             await asyncio.to_thread(watched.watch, answer.get("watch", ()))
             await keeper.apply(answer["pods"])
             keeper.end_leftovers(answer.get("leftovers", ()))

@@ -45,6 +45,7 @@ class EventKind(StrEnum):
     JOB_FAULT = "job-fault"
     JOB_RESTARTING = "job-restarting"
     JOB_DRAINED = "job-drained"
+    JOB_TRACED = "job-traced"
 
     # Nodes and clusters.
     NODE_REGISTERED = "node-registered"

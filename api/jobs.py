@@ -204,6 +204,23 @@ class PodProgressIn(Strict):
     checkpoints_saved: list[SavedIn] = Field(default_factory=list, max_length=64)
 
 
+class RankStackIn(Strict):
+    rank: int = Field(ge=0, le=MAX_PODS * 1024)
+    pid: int | None = Field(default=None, ge=1, le=2**31)
+    where: str = Field(default="", max_length=500, description="the main thread's innermost frame")
+    text: str = Field(default="", max_length=1 << 17, description="py-spy dump's output")
+    error: str = Field(default="", max_length=2000, description="why none were taken")
+
+
+class PodStacksIn(Strict):
+    """One pod's answer to a trace: each of its ranks' stacks (agent/stacks.py)."""
+
+    trace_id: int = Field(ge=1, le=MAX_INT)
+    workload_id: int = Field(ge=1, le=MAX_INT)
+    pod_index: int = Field(ge=0, le=MAX_PODS)
+    ranks: list[RankStackIn] = Field(default_factory=list, max_length=1024)
+
+
 class AgentSyncIn(Strict):
     nodes: list[Name] = Field(max_length=10_000)
     pods: list[AgentPodIn] = Field(default_factory=list, max_length=10_000)
@@ -222,6 +239,9 @@ class AgentSyncIn(Strict):
         default_factory=list,
         max_length=10_000,
         description="leftover markers of which the agent found no process any more",
+    )
+    stacks: list[PodStacksIn] = Field(
+        default_factory=list, max_length=10_000, description="answers to the pods' traces"
     )
 
 
@@ -245,6 +265,45 @@ class DesiredPodOut(BaseModel):
     resume_from: str = Field(
         default="", description="the checkpoint the attempt resumes from (GPUFLEET_RESUME_FROM)"
     )
+    trace: int | None = Field(
+        default=None,
+        description="a trace awaiting this pod's ranks' stacks: take them (py-spy) before "
+        "anything else, and send them with the next sync",
+    )
+
+
+class RankStackOut(BaseModel):
+    rank: int
+    pid: int | None
+    where: str = Field(description="its main thread's innermost frame")
+    text: str = Field(description="every thread's stacks, as py-spy dump printed them")
+    error: str = Field(description="why its stacks could not be taken; empty when they were")
+
+
+class PodStacksOut(BaseModel):
+    pod: int
+    node: str
+    taken_at: datetime
+    ranks: list[RankStackOut]
+
+
+class TraceOut(BaseModel):
+    """Every rank's Python stacks of one attempt, taken on a hang or when asked for."""
+
+    id: int
+    job: int
+    attempt: int
+    why: str = Field(description="hang (the recovery loop, before it stopped the gang) or asked")
+    asked_by: str
+    asked_at: datetime
+    complete: bool = Field(description="every pod answered, or the wait for them ended")
+    closed_at: datetime | None
+    pods: list[PodStacksOut] = Field(description="the pods that answered, in pod order")
+    missing_pods: list[int] = Field(description="pods that have not answered (yet)")
+
+
+class TraceList(BaseModel):
+    items: list[TraceOut]
 
 
 class LeftoverOut(BaseModel):

@@ -20,6 +20,9 @@ The invariants it keeps:
   ``Evicted``). A pod of a lost node may never confirm its end: the inventory gives up on
   it after its grace (``JobStore.lose_cluster_node``), its GPUs held as leftovers until the
   cluster no longer has the pod.
+- **Stacks before the stop.** A pod to stop whose ranks' stacks a trace awaits
+  (``DesiredPod.trace``: a hang's, state/traces.py) is deleted once its node agent has
+  taken them, or the trace's wait is over: a hang's stacks are those of the hang.
 - **Failures first.** A pass's reports put the pods that failed before those stopped, so
   the job's reason and its classification are the first failure's.
 
@@ -316,8 +319,8 @@ def plan_pass(
                 report = _report(found)
                 bad = report.state == "failed" or report.exit_code != 0
                 (failed if bad and want.run else others).append(report)
-            elif not want.run:
-                delete(found)
+            elif not want.run and want.trace is None:
+                delete(found)  # (a pod whose stacks are awaited is deleted once they are in)
             elif found.terminating and found.name not in memory.deleting:
                 memory.ending.setdefault(found.name, found.cause or DELETED)
             elif found.running and not want.started:

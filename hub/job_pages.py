@@ -23,11 +23,13 @@ from ..api.jobs import JobOut
 from ..scheduler.errors import InvalidRequest
 from ..state.models import Event, JobProgress, Workload, WorkloadKind
 from .api.jobs import cancel_job, job_out, load_job
+from .api.traces import trace_out
 from .api.views import WORKLOAD_DETAILS
 from .gpu_charts import job_charts
 from .pages import PageHandler, project_names
 
 LOG_TAIL = 64 * 1024
+SHOWN_TRACES = 5  # the newest; GET /jobs/{id}/traces has them all
 REFRESH_S = 3
 TIMELINE_EVENTS = (
     EventKind.REQUESTED,
@@ -35,6 +37,7 @@ TIMELINE_EVENTS = (
     EventKind.STARTED,
     EventKind.JOB_FAULT,
     EventKind.JOB_DRAINED,
+    EventKind.JOB_TRACED,
     EventKind.JOB_FAILED,
     EventKind.JOB_RESTARTING,
     EventKind.JOB_CANCELLED,
@@ -105,6 +108,7 @@ class JobPage(PageHandler):
             progress_chart=charts.progress,
             project_names=names,
             timeline=events,
+            traces=[trace_out(t, job.pods) for t in store.traces.traces(job_id)[:SHOWN_TRACES]],
         )
 
     def _job(self, job_id: int) -> JobOut:
@@ -127,6 +131,23 @@ class JobCancelForm(JobPage):
             self.render_job(wid, error=str(e), status=400)
             return
         self.redirect(f"{self.base}jobs/{wid}", status=303)
+
+
+class JobTraceForm(JobPage):
+    """Take every rank's stacks now (``POST /jobs/{id}/traces``'s page form)."""
+
+    @web.authenticated
+    async def post(self, job_id: str) -> None:
+        identity = self.require_use()
+        wid = _page_id(job_id)
+        self._job(wid)  # yours, or 404
+        try:
+            self.controller.store.traces.ask(self.controller.now(), wid, identity.name)
+        except InvalidRequest as e:
+            self.render_job(wid, error=str(e), status=400)
+            return
+        self.controller.notifier.changed([wid])
+        self.redirect(f"{self.base}jobs/{wid}#stacks", status=303)
 
 
 def shown_state(job: JobOut) -> str:
@@ -178,5 +199,6 @@ def job_page_routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[
         (rf"{jobs}", JobsPage),
         (rf"{jobs}/(\d+)", JobPage),
         (rf"{jobs}/(\d+)/cancel", JobCancelForm),
+        (rf"{jobs}/(\d+)/trace", JobTraceForm),
     ]
     return [(path, handler, {"controller": controller}) for path, handler in table]

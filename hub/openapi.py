@@ -34,6 +34,7 @@ WORKLOAD_ID = ("workload_id", "integer", "the workload's id")
 USERNAME = ("username", "string", "a hub user name")
 NODE_NAME = ("node_name", "string", "a node's name, as GET /nodes lists it")
 JOB_ID = ("job_id", "integer", "a job's id (the id of its workload)")
+TRACE_ID = ("trace_id", "integer", "a trace's id, as GET /jobs/{job_id}/traces lists it")
 PROJECT_NAME = ("project_name", "string", "a project's (or organisation's, team's) name")
 OPERATION_ID = ("operation_id", "integer", "a node operation's id")
 GPU_UUID = ("gpu_uuid", "string", "a GPU's UUID, as GET /nodes lists it")
@@ -314,6 +315,32 @@ OPERATIONS = (
         ),
     ),
     Operation(
+        "get",
+        "/jobs/{job_id}/traces",
+        "The job's traces (every rank's Python stacks), newest first",
+        (scopes.USE,),
+        None,
+        js.TraceList,
+    ),
+    Operation(
+        "post",
+        "/jobs/{job_id}/traces",
+        "Take every rank's Python stacks of a running job now (the trace, open)",
+        (scopes.USE,),
+        None,
+        js.TraceOut,
+        202,
+    ),
+    Operation(
+        "get",
+        "/jobs/{job_id}/traces/{trace_id}",
+        "One trace; long-poll with wait until every pod answered",
+        (scopes.USE,),
+        None,
+        js.TraceOut,
+        query=(("wait", "integer", "seconds to wait for it to complete (0-60)"),),
+    ),
+    Operation(
         "post",
         "/agent/pods",
         "A node agent reports its job pods and their logs, and learns what to run",
@@ -427,6 +454,7 @@ PATH_PARAMETERS = (
     USERNAME,
     NODE_NAME,
     JOB_ID,
+    TRACE_ID,
     PROJECT_NAME,
     OPERATION_ID,
     GPU_UUID,

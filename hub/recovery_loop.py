@@ -17,6 +17,7 @@ from traitlets import Float
 from ..scheduler.errors import SchedulerError
 from ..state.jobs import JobStore
 from ..state.maintenance import MaintenanceStore
+from ..state.traces import TraceStore
 from .components import LoopComponent
 from .notifier import Notifier
 
@@ -26,6 +27,7 @@ class RecoveryState(Protocol):
 
     jobs: JobStore
     maintenance: MaintenanceStore
+    traces: TraceStore
 
 
 class RecoveringController(Protocol):
@@ -64,8 +66,15 @@ class RecoveryLoop(LoopComponent):
             self.log.exception("recovery: looking for hung jobs failed; retrying")
             return
         if stopped:
-            self.log.warning("recovery: stopping hung job(s) %s", stopped)
-            c.notifier.changed(stopped)  # the node agents stop their ranks
+            self.log.warning("recovery: stopping hung job(s) %s after their stacks", stopped)
+            c.notifier.changed(stopped)  # the node agents take their stacks, then stop them
+        try:
+            traced = c.store.traces.close_expired(c.now())
+        except (SQLAlchemyError, SchedulerError):
+            self.log.exception("recovery: closing expired traces failed; retrying")
+            return
+        if traced:
+            c.notifier.changed(traced)  # a hung gang waiting for its stacks is stopped now
         try:
             asked = c.store.maintenance.start_due_maintenance(c.now())
         except (SQLAlchemyError, SchedulerError):

@@ -95,6 +95,15 @@ class RecoveryOptions(Configurable):
         "loading its checkpoint) it is judged by job_silent_idle_seconds instead.",
     ).tag(config=True)
 
+    job_stacks_wait_seconds = Float(
+        20.0,
+        min=1,
+        max=600,
+        help="How long a trace of a job's ranks (on a hang, before the gang is stopped, "
+        "or asked for with gpufleet trace) waits for the node agents' stacks: a hung "
+        "gang is stopped once every pod's stacks are in, or after this long without them.",
+    ).tag(config=True)
+
     job_checkpoint_limit_seconds = Float(
         1800.0,
         min=0,
@@ -145,6 +154,7 @@ class RecoveryOptions(Configurable):
             hang_floor_s=self.job_hang_floor_seconds,
             checkpoint_limit_s=self.job_checkpoint_limit_seconds,
             silent_idle_s=self.job_silent_idle_seconds,
+            stacks_wait_s=self.job_stacks_wait_seconds,
         )
         breaker = BreakerPolicy(self.recovery_breaker_share, self.recovery_breaker_window_seconds)
         return retry, recovery, breaker

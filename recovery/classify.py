@@ -307,6 +307,8 @@ class RecoveryPolicy:
     hang_floor_s: float = 600.0  # ... and at least this long (NCCL's own default)
     checkpoint_limit_s: float = 1800.0  # a checkpoint started and not saved
     silent_idle_s: float = 1800.0  # no progress API: no output and idle GPUs this long
+    # A hung gang is stopped once every rank's stacks are taken, or after this long.
+    stacks_wait_s: float = 20.0
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from .api.events import EventOut
-from .api.jobs import JobOut, LogOut
+from .api.jobs import JobOut, LogOut, TraceList, TraceOut
 from .api.schemas import (
     BreakerOut,
     NodeOut,
@@ -347,6 +347,27 @@ def _log_piece(job: int, rank: int, stream: str, offset: int, wait: int) -> Step
     return LogOut.model_validate(answer)
 
 
+def _traces(job: int) -> Steps[list[TraceOut]]:
+    answer = yield _Request("GET", f"/jobs/{job}/traces")
+    return TraceList.model_validate(answer).items
+
+
+def _take_trace(job: int, timeout: float) -> Steps[TraceOut]:
+    """Ask for a new trace of a running job and wait until every pod answered (or the
+    controller's wait for them ended); ``TimeoutError`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    answer = yield _Request("POST", f"/jobs/{job}/traces")
+    trace = TraceOut.model_validate(answer)
+    while not trace.complete:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"job {job}'s trace {trace.id} is not complete after {timeout} s")
+        params = {"wait": max(1, int(min(LONG_POLL_S, left)))}
+        answer = yield _Request("GET", f"/jobs/{job}/traces/{trace.id}", params)
+        trace = TraceOut.model_validate(answer)
+    return trace
+
+
 def _job_id(job: int | JobOut) -> int:
     return job.id if isinstance(job, JobOut) else int(job)
 
@@ -518,6 +539,15 @@ class Client(_Common):
         """Stop every rank; the GPUs are released once they are gone."""
         return self._run(_cancel(_job_id(job)))
 
+    def traces(self, job: int | JobOut) -> list[TraceOut]:
+        """The job's traces (every rank's Python stacks), newest first: a hang's, taken
+        before its gang was stopped, and those asked for with ``trace``."""
+        return self._run(_traces(_job_id(job)))
+
+    def trace(self, job: int | JobOut, timeout: float = 60.0) -> TraceOut:
+        """Take every rank's Python stacks of a running job now (py-spy, on its nodes)."""
+        return self._run(_take_trace(_job_id(job), timeout))
+
     def watch(self, job: int | JobOut) -> Iterator[JobOut]:
         """The job now, then again at every change, until it has ended."""
         current = self._run(_job(_job_id(job)))
@@ -637,6 +667,13 @@ class AsyncClient(_Common):
 
     async def cancel(self, job: int | JobOut) -> JobOut:
         return await self._run(_cancel(_job_id(job)))
+
+    async def traces(self, job: int | JobOut) -> list[TraceOut]:
+        return await self._run(_traces(_job_id(job)))
+
+    async def trace(self, job: int | JobOut) -> TraceOut:
+        """As ``Client.trace``; bound it with ``asyncio.timeout``."""
+        return await self._run(_take_trace(_job_id(job), float("inf")))
 
     async def watch(self, job: int | JobOut) -> AsyncIterator[JobOut]:
         current = await self._run(_job(_job_id(job)))

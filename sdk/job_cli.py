@@ -1,8 +1,8 @@
-"""``gpufleet submit``, ``jobs``, ``logs``, ``cancel`` and, for admins, ``projects``: training
-jobs and the project tree through the SDK, in the style of ``fleet_cli`` (which runs
-them, with its connection options, ``--json`` and exit codes). ``submit --wait`` and
-``logs -f`` add one: 5, the job ended without succeeding; interrupted (Ctrl-C) they
-exit 130 and the job goes on.
+"""``gpufleet submit``, ``jobs``, ``logs``, ``trace``, ``cancel`` and, for admins,
+``projects``: training jobs and the project tree through the SDK, in the style of
+``fleet_cli`` (which runs them, with its connection options, ``--json`` and exit codes).
+``submit --wait`` and ``logs -f`` add one: 5, the job ended without succeeding;
+interrupted (Ctrl-C) they exit 130 and the job goes on.
 """
 
 from __future__ import annotations
@@ -59,6 +59,20 @@ def add_job_commands(commands: Any, connection: argparse.ArgumentParser) -> None
     logs.add_argument("--rank", type=int, default=0, help="a global rank (default 0)")
     logs.add_argument("--stderr", action="store_true", help="its stderr, not its stdout")
     logs.add_argument("-f", "--follow", action="store_true", help="until the job ends")
+
+    trace = commands.add_parser(
+        "trace",
+        parents=[connection],
+        help="every rank's Python stacks: taken now from a running job, else the last ones",
+        description="Print where each rank of JOB is: a running job's stacks are taken now "
+        "(py-spy on its nodes; its owner or an admin); an ended job's are the last ones "
+        "taken (a hang's, before its gang was stopped). --recorded lists those taken before.",
+    )
+    trace.add_argument("job", type=int)
+    trace.add_argument(
+        "--recorded", action="store_true", help="only the traces already taken, newest first"
+    )
+    trace.add_argument("--full", action="store_true", help="every thread's frames, not just where")
 
     cancel = commands.add_parser("cancel", parents=[connection], help="stop a job's every rank")
     cancel.add_argument("job", type=int)
@@ -162,6 +176,39 @@ def _logs(client: Client, args: argparse.Namespace, console: Console) -> int:
     return 0 if job.outcome == "succeeded" else EXIT_JOB_FAILED
 
 
+def _trace(client: Client, args: argparse.Namespace, console: Console) -> int:
+    job = client.job(args.job)
+    if job.state == "running" and not args.recorded:
+        traces = [client.trace(job)]
+    else:
+        traces = client.traces(job)
+        if not args.recorded:
+            traces = traces[:1]
+    if args.json:
+        return print_json(traces)
+    if not traces:
+        console.print(f"job {job.id} has no traces: it is {job.state}, and none were taken")
+        return 0
+    from rich.markup import escape
+
+    for trace in traces:
+        console.print(
+            f"[bold]trace {trace.id}[/bold] of job {job.id}, attempt {trace.attempt} "
+            f"({'the hang' if trace.why == 'hang' else 'asked by ' + escape(trace.asked_by)}, "
+            f"{trace.asked_at:%Y-%m-%d %H:%M:%S} UTC)"
+        )
+        for pod in trace.pods:
+            for rank in pod.ranks:
+                where = escape(rank.where or "no Python frame")
+                said = f"no stacks: {escape(rank.error)}" if rank.error else f"in {where}"
+                console.print(f"  rank {rank.rank} (pod {pod.pod} on {pod.node}) {said}")
+                if args.full and rank.text:
+                    console.print(escape(rank.text.rstrip()), highlight=False)
+        if trace.missing_pods:
+            console.print(f"  pods that did not answer: {trace.missing_pods}")
+    return 0
+
+
 def _cancel(client: Client, args: argparse.Namespace, console: Console) -> int:
 
     job = client.cancel(args.job)
@@ -230,6 +277,7 @@ JOB_COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Console], int]] = 
     "submit": _submit,
     "jobs": _jobs,
     "logs": _logs,
+    "trace": _trace,
     "cancel": _cancel,
     "projects": _projects,
 }

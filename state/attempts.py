@@ -72,6 +72,7 @@ from .models import (
     Zone,
 )
 from .progress import percentile
+from .traces import HANG, open_trace
 
 # What the agent reports of a failed rank: "rank 1: ValueError: bad learning rate".
 # (Nine digits at most: the rest of the line is what a rank wrote, and int() refuses 4,300.)
@@ -365,6 +366,9 @@ class AttemptStore(Repository):
                 if workload is None or workload.version != version:
                     continue  # it changed since it was read: the next pass looks again
                 verdict = classify(hang, (), self.recovery_policy)
+                # The stacks first: the gang is stopped once they are in (state/traces.py).
+                wait = timedelta(seconds=self.recovery_policy.stacks_wait_s)
+                open_trace(session, now, workload, HANG, "gpufleet", wait)
                 self._fault_stops(session, now, workload, verdict, hang=hang.kind)
                 stopped.append(workload.id)
         return stopped

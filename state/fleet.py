@@ -30,6 +30,7 @@ from .readback import ReadbackStore
 from .reconcile import ReconcileStore
 from .sessions import SessionActivityStore
 from .snapshots import SnapshotStore
+from .traces import TraceStore
 from .workloads import WorkloadStore
 
 
@@ -44,6 +45,7 @@ class FleetStore:
         self.scheduling = SchedulingStore(self.database)
         self.sessions = SessionActivityStore(self.database)
         self.jobs = JobStore(self.database, self.accounts)
+        self.traces = TraceStore(self.database, lambda: self.jobs.recovery_policy)
         self.reconcile = ReconcileStore(self.database, self.jobs)
         self.maintenance = MaintenanceStore(self.database, self.jobs)
         self.nodes = InventoryStore(self.database)

@@ -64,6 +64,7 @@ from .models import (
     Zone,
 )
 from .progress import ProgressReport, record_progress
+from .traces import PodStacks, close_expired, pending_traces, record_stacks
 
 ACTIVE = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
 POD_STATES = ("running", "exited", "stopped", "failed")
@@ -147,6 +148,9 @@ class DesiredPod:
     attempt: int = 1
     resume_from: str = ""  # the checkpoint the attempt resumes from (GPUFLEET_RESUME_FROM)
     project: str = ""  # the project charged
+    # An open trace this pod has not answered (state/traces.py): its agent takes the
+    # ranks' stacks first; a pod to stop is not stopped before, or the trace's wait ends.
+    trace: int | None = None
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,7 @@ class JobStore(AttemptStore):
         progress: Iterable[ProgressReport] = (),
         gone: Iterable[str] = (),
         kubernetes: bool = False,
+        stacks: Iterable[PodStacks] = (),
     ) -> SyncResult:
         """Record an agent's pod reports, log chunks and its ranks' progress (before the
         pods' ends: the last checkpoint of an attempt that ends now counts), and the
@@ -298,6 +303,8 @@ class JobStore(AttemptStore):
             store_chunks(session, now, chunks)
             resumed: list[float] = []
             changed |= record_progress(session, now, progress, resumed)
+            changed |= record_stacks(session, now, stacks, set(node_names))
+            changed.update(close_expired(session, now))
             by_workload: dict[int, list[PodReport]] = defaultdict(list)
             for report in reports:
                 by_workload[report.workload_id].append(report)
@@ -643,9 +650,10 @@ def _launched_by(session: Session, node_names: Iterable[str], kubernetes: bool) 
 
 
 def _watched_pods(session: Session, node_names: Iterable[str]) -> list[DesiredPod]:
-    """The running pods Kubernetes runs on those of ``node_names`` in its clusters."""
+    """The pods Kubernetes runs on those of ``node_names`` in its clusters: those to run,
+    and those to stop whose stacks are awaited (their agent takes them)."""
     kube_nodes = _launched_by(session, node_names, kubernetes=True)
-    return [pod for pod in _desired_pods(session, kube_nodes) if pod.run]
+    return [pod for pod in _desired_pods(session, kube_nodes) if pod.run or pod.trace]
 
 
 def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
@@ -677,6 +685,7 @@ def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
         (p.workload_id, p.pod_index): p
         for p in session.scalars(select(JobPod).where(JobPod.workload_id.in_(workloads)))
     }
+    traces = pending_traces(session, workloads)
     users = {w.username for w in workloads.values()}
     accounts = {
         a.username: a
@@ -688,6 +697,7 @@ def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
         row = pod_rows.get((workload_id, pod_index))
         if row is not None and row.state in ENDED_POD_STATES:
             continue  # reported ended: nothing left for the agent to do
+        trace_id, answered = traces.get((workload_id, workload.attempt), (None, set()))
         desired.append(
             DesiredPod(
                 workload_id=workload_id,
@@ -706,6 +716,7 @@ def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
                 attempt=workload.attempt,
                 resume_from=str((workload.recovery or {}).get("resume_from") or ""),
                 project=workload.project.name,
+                trace=trace_id if row is not None and pod_index not in answered else None,
             )
         )
     return desired

@@ -441,6 +441,43 @@ class JobPod(Base):
     ended_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
+class JobTrace(Base):
+    """A request for every rank's Python stacks of one attempt of a job (py-spy, taken by
+    the node agent of each pod's node): asked by its owner or an admin, or by the recovery
+    loop on a hang, before the gang is stopped. Open until each pod's stacks are in or
+    ``expires_at`` passes; a stopping gang with an open trace is held until then."""
+
+    __tablename__ = "job_traces"
+    __table_args__ = (Index("ix_job_traces_workload", "workload_id", "attempt"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    why: Mapped[str] = mapped_column(String(16))  # "hang" or "asked"
+    asked_by: Mapped[str] = mapped_column(String(255))
+    asked_at: Mapped[datetime] = mapped_column()
+    expires_at: Mapped[datetime] = mapped_column()
+    closed_at: Mapped[datetime | None] = mapped_column(default=None)
+    dumps: Mapped[list[JobTraceDump]] = relationship(
+        back_populates="trace", order_by="JobTraceDump.pod_index"
+    )
+
+
+class JobTraceDump(Base):
+    """One pod's answer to a trace: each of its ranks' stacks as py-spy printed them, or why
+    they could not be taken (``ranks``: ``[{rank, pid, where, text, error}]``)."""
+
+    __tablename__ = "job_trace_dumps"
+
+    trace_id: Mapped[int] = mapped_column(ForeignKey("job_traces.id"), primary_key=True)
+    pod_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node: Mapped[str] = mapped_column(String(255))
+    taken_at: Mapped[datetime] = mapped_column()
+    ranks: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    error: Mapped[str] = mapped_column(Text, default="")
+    trace: Mapped[JobTrace] = relationship(back_populates="dumps")
+
+
 class NodeOperation(Base):
     """Heavy work on one node that the node agent there does for a workload: a snapshot
     pass over a Kubernetes session's volumes and container layer, or a restore into its

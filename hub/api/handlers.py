@@ -33,6 +33,7 @@ from .jobs import job_routes
 from .node_operations import node_operation_routes
 from .projects import project_routes
 from .sessions import session_routes
+from .traces import trace_routes
 from .views import MAX_WAIT_SECONDS, listing, load_workload, page, workload_out
 
 if TYPE_CHECKING:
@@ -583,6 +584,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
         *session_routes(api),
         *account_routes(api),
         *job_routes(api),
+        *trace_routes(api),
         *node_operation_routes(api),
         *project_routes(api),
         (rf"{prefix.rstrip('/')}/metrics", MetricsHandler),

@@ -22,6 +22,7 @@ from ...snapshotter.sandbox import remove_tree
 from ...state.jobs import DesiredPod, JobSpec, LogChunk, PodReport
 from ...state.models import JobPod, JobProgress, Workload, WorkloadKind, WorkloadState
 from ...state.progress import ProgressReport, Saved, progress_json, training_ratio
+from ...state.traces import PodStacks
 from .. import scopes
 from ..errors import BadRequest, Forbidden, NotFoundError
 from .base import APIHandler, Identity, store_errors_as_http
@@ -373,9 +374,13 @@ class AgentPodsHandler(APIHandler):
             )
             for p in body.progress
         ]
+        stacks = [
+            PodStacks(s.trace_id, s.workload_id, s.pod_index, [r.model_dump() for r in s.ranks])
+            for s in body.stacks
+        ]
         with store_errors_as_http():
             result = controller.store.jobs.agent_sync(
-                controller.now(), body.nodes, reports, chunks, progress, body.gone
+                controller.now(), body.nodes, reports, chunks, progress, body.gone, stacks=stacks
             )
         for outcome in result.ended:
             controller.metrics.ended.labels("job", outcome).inc()
@@ -392,6 +397,7 @@ class AgentPodsHandler(APIHandler):
         if (
             body.wait
             and not leftovers
+            and not any(p.trace for p in [*desired, *watched])  # stacks to take: at once
             and {(p.workload_id, p.pod_index) for p in [*desired, *watched]} == set(body.known)
         ):
             await controller.notifier.wait_for_any_change(body.wait)
@@ -426,6 +432,7 @@ def _desired_out(pod: DesiredPod) -> js.DesiredPodOut:
         account=pod.account,
         attempt=pod.attempt,
         resume_from=pod.resume_from,
+        trace=pod.trace,
     )
 
 

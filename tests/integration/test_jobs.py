@@ -378,6 +378,11 @@ def test_the_jobs_pages_show_a_researchers_job_its_output_and_cancel_it(
             row.get_by_role("link", name=str(job_id)).click()
             # The page reloads itself while the job runs: rank 0's output appears.
             expect(page.locator("#log")).to_contain_text("rank 0 pid", timeout=90_000)
+            # Where its rank is, taken on demand: the page shows it once the agent answered.
+            page.get_by_role("button", name="Take every rank's stacks now").click()
+            stacks = page.locator("#stacks .trace").first
+            expect(stacks).to_contain_text("asked by alice", timeout=30_000)
+            expect(stacks).to_contain_text("in <module> (train.py:", timeout=30_000)
             page.get_by_role("button", name="Cancel this job").click()
             expect(page.locator("#state")).to_contain_text("cancelled", timeout=60_000)
             expect(page.locator("#log")).to_contain_text("rank 0 saving a checkpoint")

@@ -27,6 +27,7 @@ from gpufleet.recovery.fake_nvml import FakeGpu, write_control
 
 from .harness import Hub, pids_with_env, running_hub, server_environ, wait_for
 from .test_agent import DECLARED, events
+from .test_sdk_cli import cli
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +44,9 @@ TRAINS_AND_CHECKPOINTS = textwrap.dedent(
         print(f"rank {os.environ['RANK']} SIGTERM at {time.time():.3f}", flush=True)
         sys.exit(0)
 
+    def wait_for_nothing():
+        time.sleep(3600)  # alive, and no step any more
+
     signal.signal(signal.SIGTERM, stop)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -52,7 +56,7 @@ TRAINS_AND_CHECKPOINTS = textwrap.dedent(
           f"{time.time():.3f}", flush=True)
     for step in range(start, STEPS):
         if HANGS_AT == step and rank == 1 and gpufleet.attempt() == 1:
-            time.sleep(3600)  # alive, and no step any more
+            wait_for_nothing()
         total = torch.tensor([1.0])
         dist.all_reduce(total)
         print(f"rank {rank} step {step}", flush=True)
@@ -194,8 +198,18 @@ def _controller_time(at: object) -> float:
     return datetime.fromisoformat(str(at)).timestamp()
 
 
-def test_a_rank_that_hangs_is_found_stopped_and_the_job_resumes(fleet: Hub, alice: Client) -> None:
+def test_a_rank_that_hangs_is_found_traced_stopped_and_the_job_resumes(
+    fleet: Hub, alice: Client, tmp_path: Path
+) -> None:
     job_id = submit_training(alice, training(steps=40, hangs_at=15), "hangs")
+    wait_for(lambda: (p := alice.job(job_id).progress) and p.last_step, 60, "the job stepping")
+    # Asked for while it trains: every rank's stacks, from the job's own script or torch.
+    asked = alice.trace(job_id, timeout=30)
+    assert (asked.why, asked.complete, asked.missing_pods) == ("asked", True, [])
+    ranks = [r for p in asked.pods for r in p.ranks]
+    assert [(r.rank, r.error) for r in ranks] == [(0, ""), (1, "")]
+    assert all(r.where and "(" in r.where for r in ranks), ranks
+
     fault = wait_for(
         lambda: next((e for e in events(fleet, "job-fault") if e["workload_id"] == job_id), None),
         90,
@@ -203,11 +217,27 @@ def test_a_rank_that_hangs_is_found_stopped_and_the_job_resumes(fleet: Hub, alic
     )
     assert fault["reason"] == "hang" and fault["data"]["hang"] == "step"
     assert "no progress reported for" in str(fault["message"])
+    # Before its gang was stopped, the stacks of the hang: the hung rank in the function
+    # it hangs in, the other waiting for it in the all-reduce.
+    traced = wait_for(
+        lambda: next((e for e in events(fleet, "job-traced") if e["workload_id"] == job_id), None),
+        30,
+        "the hang's stacks",
+    )
+    assert traced["reason"] == "hang", traced
+    assert str(traced["data"]["where"]["1"]).startswith("wait_for_nothing (train.py:"), traced
+    assert "all_reduce" in str(traced["data"]["where"]["0"]) or "wait" in str(
+        traced["data"]["where"]["0"]
+    ), traced
     ended = alice.wait(job_id, timeout=120)
     assert (ended.outcome, ended.attempt, ended.faults) == ("succeeded", 2, 1), ended.reason
     after = "".join(alice.logs(job_id, rank=0)).partition("--- gpufleet: attempt 2: ")[2]
     assert "rank 0 attempt 2 starts at step 10" in after, after[:500]
     assert [int(s) for s in re.findall(r"rank 0 step (\d+)", after)] == list(range(10, 40))
+    shown = cli("trace", str(job_id), token=fleet.user_token("alice"), api_url=fleet.controller_api)
+    assert shown.returncode == 0, shown.stderr
+    assert "(the hang," in shown.stdout and "rank 1 (pod 1 on " in shown.stdout
+    assert ") in wait_for_nothing (train.py:" in shown.stdout, shown.stdout
 
 
 def test_a_drain_snapshots_and_stops_the_session_and_the_job_resumes_elsewhere(

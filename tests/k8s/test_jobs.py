@@ -36,6 +36,7 @@ c.KubeJobs.rendezvous_timeout_seconds = 120
 c.KubeJobs.memory_limit = "3Gi"
 c.KubeJobs.start_deadline_seconds = 60
 c.KubeJobs.progress_url = "http://$(GPUFLEET_HOST_IP):{progress_port}/progress"
+c.FleetController.job_hang_floor_seconds = 8  # a stepping job of these tests steps at 5 Hz
 # One node agent plays the DaemonSet: it relays the output and progress of every tier
 # node's job pods (the tier's pods share this machine's network, as a hostNetwork agent's).
 c.NodeAgent.declared_nodes = []
@@ -451,5 +452,59 @@ def test_a_pod_deleted_by_someone_else_restarts_the_job_without_charging_it(
     assert second.faults == first.faults == 0  # a disruption spends no retry budget
     failed = [e for e in alice.events(workload_id=job_id) if e.kind == "job-failed"]
     assert failed and "deleted by someone other than gpufleet" in failed[0].message, failed
+    alice.cancel(job_id)
+    assert alice.wait(job_id, timeout=90).outcome == "cancelled"
+
+
+HANGS_IN_ONE_RANK = textwrap.dedent(
+    """
+    import os, time
+    import torch, torch.distributed as dist
+    import gpufleet
+
+    def wait_for_nothing():
+        time.sleep(3600)
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    attempt = int(os.environ["GPUFLEET_ATTEMPT"])
+    print(f"rank {rank} attempt {attempt} starts", flush=True)
+    for step in range(100_000):
+        if attempt == 1 and rank == 3 and step == 10:
+            wait_for_nothing()
+        total = torch.tensor([1.0])
+        dist.all_reduce(total)
+        gpufleet.progress(step)
+        time.sleep(0.1)
+    """
+)
+
+
+def test_a_hang_on_kubernetes_is_traced_before_the_gang_is_deleted_and_the_job_restarts(
+    alice: Client,
+) -> None:
+    job_id = submit(
+        alice, HANGS_IN_ONE_RANK, name="hangs", env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"}
+    )
+    running_attempt(alice, job_id, 1)
+    traced = wait_for(
+        lambda: next((e for e in alice.events(workload_id=job_id) if e.kind == "job-traced"), None),
+        timeout=120,
+        what="the hang's stacks",
+    )
+    # Every rank of both pods was read before its pod was deleted: the hung rank inside
+    # the function it hangs in, the others in the all-reduce that waits for it.
+    assert traced.reason == "hang" and traced.data["missing_pods"] == [], traced
+    where = traced.data["where"]
+    assert str(where["3"]).startswith("wait_for_nothing (train.py:"), where
+    assert sorted(where) == ["0", "1", "2", "3"], where
+    faults = [e for e in alice.events(workload_id=job_id) if e.kind == "job-fault"]
+    assert faults and faults[0].reason == "hang", faults
+    second = running_attempt(alice, job_id, 2)
+    assert second.faults == 1
+    [trace] = alice.traces(job_id)
+    assert [p.pod for p in trace.pods] == [0, 1] and all(
+        "Thread " in r.text for p in trace.pods for r in p.ranks
+    ), trace
     alice.cancel(job_id)
     assert alice.wait(job_id, timeout=90).outcome == "cancelled"

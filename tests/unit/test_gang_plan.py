@@ -3,6 +3,7 @@ literal pod readings and passes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from gpufleet.clusters.gang_plan import GangMemory, ObservedPod, plan_pass, read_pod
@@ -181,6 +182,17 @@ def test_a_stopping_job_deletes_its_pods_and_reports_them_stopped_once_gone() ->
     assert plan_pass(wanted, terminating, [], [], memory, 6.0, 60).delete == []
     done = plan_pass(wanted, [pod(1, terminating=True)], [], [], memory, 7.0, 60)
     assert done.reports == [PodReport(7, 0, "stopped", attempt=1)]
+
+
+def test_a_pod_to_stop_whose_stacks_are_awaited_is_deleted_only_once_they_are_in() -> None:
+    memory = GangMemory(created_at={(7, 1): 0.0})
+    awaited = [replace(want(i, run=False, started=True), trace=3) for i in (0, 1)]
+    held = plan_pass(awaited, [pod(0), pod(1)], [], [], memory, 5.0, 60)
+    assert held.delete == [] and held.reports == []
+    answered = [awaited[0], want(1, run=False, started=True)]  # pod 1's stacks are in
+    assert plan_pass(answered, [pod(0), pod(1)], [], [], memory, 6.0, 60).delete == [
+        "gf-job-7-a1-1"
+    ]
 
 
 def test_failures_come_before_other_reports() -> None:
