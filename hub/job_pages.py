@@ -147,7 +147,8 @@ class JobTraceForm(JobPage):
             self.render_job(wid, error=str(e), status=400)
             return
         self.controller.notifier.changed([wid])
-        self.redirect(f"{self.base}jobs/{wid}#stacks", status=303)
+        # No #fragment: the page's refresh would then only scroll, never load it again.
+        self.redirect(f"{self.base}jobs/{wid}", status=303)
 
 
 def shown_state(job: JobOut) -> str:
