@@ -116,7 +116,10 @@ class KubePods:
         }
         for key, pod in list(self.pods.items()):
             if key not in wanted or int(wanted[key].get("attempt", 1)) != pod.attempt:
-                self._read(pod)
+                try:
+                    self._read(pod)
+                except OSError as e:  # the kubelet removed a deleted pod's files
+                    self.log.info("job %s pod %s: its output is gone: %s", *pod.key, e)
                 if pod.unsent:
                     continue  # forgotten once its last chunks were acknowledged
                 del self.pods[key]

@@ -375,6 +375,11 @@ class NodeOut(BaseModel):
     gpus: int
     free_gpus: int
     last_heartbeat_at: datetime | None
+    gpu_uuids: list[str] = Field(
+        default_factory=list,
+        description="its present GPUs' UUIDs, by index; on Kubernetes, until a node agent "
+        "there names them, its cluster's counted slots k8s/<cluster>/<node>/<i>",
+    )
     cordoned_gpus: list[str] = Field(
         default_factory=list,
         description="GPUs the recovery loop took out of service; uncordoning the node "

@@ -50,6 +50,7 @@ from .culling import Culling
 from .errors import ClusterUnavailable
 from .inventory_loop import NodeWatch
 from .job_pages import job_page_routes
+from .kube_drains import KubeDrains
 from .kube_inventory import KubeInventory
 from .kube_jobs import KubeJobs
 from .lease import LeaseHolder
@@ -247,6 +248,7 @@ class FleetController(RecoveryOptions, DatabaseMixin, RenamedSnapshotOptions, Ea
             self.exit_with(f"c.FleetController.clusters: {e}", code=2)
         self.kube: KubeInventory | None = None
         self.kube_jobs: KubeJobs | None = None
+        self.kube_drains: KubeDrains | None = None
         self.notifier = Notifier()
         self._open_database()
         self.hub_api_url = os.environ.get("JUPYTERHUB_API_URL", "")
@@ -416,6 +418,10 @@ class FleetController(RecoveryOptions, DatabaseMixin, RenamedSnapshotOptions, Ea
         self.victims.stop(drained.sessions)
         self.notifier.changed(drained.changed)  # the node agents stop the jobs' ranks
         self.kick()
+        place = self.store.clusters.cluster_of_node(node)
+        if place is not None and place[1] == KUBERNETES and self.kube_drains is not None:
+            # What gpufleet does not run there: evicted, so PodDisruptionBudgets hold.
+            self.kube_drains.start(node, place[0], by)
 
     async def recycle(self, node: str, by: str, why: str) -> None:
         """Drain ``node``, recycle it once it is empty, then diagnose it (docs/recovery.md,
@@ -525,6 +531,9 @@ class FleetController(RecoveryOptions, DatabaseMixin, RenamedSnapshotOptions, Ea
             )
             await kube.start()
             self.loops.start([lambda: kube.run(lambda: self.is_leader)])
+            self.kube_drains = KubeDrains(kube, self.store, self.now, parent=self)
+            if kube.recycle_action == "delete-node":
+                self.store.maintenance.replacing_clusters = frozenset(kube.watches)
             jobs = self.kube_jobs = KubeJobs(
                 self.cluster_settings,
                 self.store,

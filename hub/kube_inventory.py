@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from sqlalchemy.exc import SQLAlchemyError
-from traitlets import Float
+from traitlets import Enum, Float
 from traitlets.config import Configurable
 
 from ..clusters.kube_config import ClusterSettings
@@ -27,6 +27,7 @@ from ..scheduler.errors import SchedulerError
 from ..state.clusters import ClusterInventoryStore, ClusterNodeState
 from ..state.cycle import Stop
 from ..state.jobs import JobStore
+from ..state.operations import NodeOperationStore
 from .components import LoopComponent
 
 CORDON_TRIES = 3  # a Node's status changes every few seconds; its spec seldom
@@ -55,10 +56,12 @@ class _GpufleetPod:
 
 class ClusterState(Protocol):
     """The repositories the inventory writes the clusters' nodes to and ends the jobs of
-    lost nodes through (``FleetStore``'s)."""
+    lost nodes through, and where it claims the recycles that delete a Node
+    (``FleetStore``'s)."""
 
     clusters: ClusterInventoryStore
     jobs: JobStore
+    node_operations: NodeOperationStore
 
 
 class KubeInventory(LoopComponent):
@@ -79,6 +82,17 @@ class KubeInventory(LoopComponent):
         help="A Kubernetes node that is not Ready, or deleted, for this many seconds ends "
         "the sessions on it, each with an event naming the node. Their GPUs stay held "
         "until the pod is gone (a pod on a node that does not answer may still run).",
+    ).tag(config=True)
+
+    recycle_action = Enum(
+        ["agent", "delete-node"],
+        "agent",
+        help="How a Kubernetes node is recycled once a recycle empties it (docs/recovery.md, "
+        "'Maintenance'): 'agent': its node agent (the DaemonSet) runs "
+        "c.NodeAgent.recycle_command on the node, then its diagnostics, as on the local "
+        "backend; 'delete-node': the controller deletes the Node, for its node group "
+        "(cluster autoscaler, Karpenter, a managed node pool) to replace the machine with a "
+        "new node, which joins under a name of its own.",
     ).tag(config=True)
 
     def __init__(
@@ -113,6 +127,7 @@ class KubeInventory(LoopComponent):
             for c in clusters
         }
         self._was_leader = False
+        self._pushed: set[tuple[str, datetime]] = set()  # recovery cordons made in clusters
 
     async def start(self) -> None:
         for watch in self.watches.values():
@@ -139,6 +154,8 @@ class KubeInventory(LoopComponent):
                 self.kick()
             if leader:
                 self.end_sessions_on_lost_nodes(time.monotonic())
+                await self.push_recovery_cordons()
+                await self.replace_recycled_nodes()
 
     def flush(self) -> bool:
         """Tell the store what changed; True if a node's record changed. A write that
@@ -337,6 +354,79 @@ class KubeInventory(LoopComponent):
                     )
                 )
         return pods
+
+    async def push_recovery_cordons(self) -> None:
+        """Make the recovery loop's cordons of Kubernetes nodes (made in the store when it
+        blames a node) in their clusters, the one truth of a cordon: once each, or until
+        the Node shows it. A cluster that refuses is tried again at the next pass."""
+        try:
+            wanted = await asyncio.to_thread(self.store.clusters.recovery_cordons, self.now())
+        except (SQLAlchemyError, SchedulerError):
+            self.log.exception("could not read the recovery loop's cordons")
+            return
+        self._pushed &= {(node, at) for node, _cluster, at in wanted}
+        for node, cluster, at in wanted:
+            watch = self.watches.get(cluster)
+            seen = watch.view.nodes.get(node) if watch is not None else None
+            if watch is None or seen is None or seen.unschedulable or (node, at) in self._pushed:
+                continue
+            try:
+                await self.cordon(node, cluster, True)
+            except Exception as e:  # noqa: BLE001 (an API server's refusal, or no answer)
+                self.log.warning(
+                    "could not cordon %s in cluster %s for the recovery loop: %s", node, cluster, e
+                )
+                continue
+            self._pushed.add((node, at))
+            self.log.info("cordoned %s in cluster %s for the recovery loop", node, cluster)
+
+    async def replace_recycled_nodes(self) -> None:
+        """Run the recycles asked of the clusters (``recycle_action`` 'delete-node'): delete
+        each Node, and say so as the operation's end (a Node already gone counts)."""
+        if self.recycle_action != "delete-node":
+            return
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        operations = self.store.node_operations
+        for name, watch in self.watches.items():
+            try:
+                nodes = await asyncio.to_thread(self.store.clusters.node_names, name)
+                claimed = operations.claim_node_operations(self.now(), nodes, by_cluster=True)
+            except (SQLAlchemyError, SchedulerError):
+                self.log.exception("could not claim cluster %s's recycles", name)
+                continue
+            for operation in claimed:
+                result, error = None, ""
+                try:
+                    await client.CoreV1Api(watch.api).delete_node(
+                        operation.node, _request_timeout=15
+                    )
+                except ApiException as e:
+                    if e.status != 404:
+                        error = (
+                            f"cluster {name} refused to delete Node {operation.node}: {e.reason}"
+                        )
+                except Exception as e:  # noqa: BLE001 - said as the operation's failure
+                    error = f"cluster {name} did not answer: {e}"
+                if not error:
+                    result = {
+                        "summary": f"Node {operation.node} deleted in cluster {name}",
+                        "replaced": True,
+                    }
+                try:
+                    operations.report_node_operation(
+                        self.now(),
+                        operation.id,
+                        state="failed" if error else "done",
+                        result=result,
+                        error=error,
+                    )
+                except (SQLAlchemyError, SchedulerError):
+                    self.log.exception("could not report recycle %s", operation.id)
+                self.log.info(
+                    "recycle of %s in cluster %s: %s", operation.node, name, error or "deleted"
+                )
 
     async def cordon(self, node: str, cluster: str, cordoned: bool) -> None:
         """Cordon or uncordon the node in its cluster (``spec.unschedulable`` and gpufleet's

@@ -5,7 +5,10 @@ cluster) and, where gpufleet's node agent runs on it, from the agent too. The tw
 split the work:
 
 - the Node object gives the node's place (cluster, zone), GPU type and count, readiness and
-  cordon (``spec.unschedulable``: one truth, whoever set it);
+  cordon (``spec.unschedulable``: one truth, whoever set it). A cordon the recovery loop
+  makes in the store is pushed to the cluster by the inventory loop
+  (``recovery_cordons``); until the cluster shows it, for ``RECOVERY_CORDON_PUSH``, the
+  Node's word does not undo it;
 - the agent, where it runs, gives the GPUs themselves (UUIDs, samples, XIDs). Without it,
   the node's GPUs are counted slots ``k8s/<cluster>/<node>/<i>``: the device plugin chooses
   which device a pod gets, so a slot is "one of this node's GPUs", not a particular one.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -43,6 +46,10 @@ from .models import (
 KUBERNETES = "kubernetes"
 # A node without a gpufleet agent of its own is reported by its cluster: its ``agent``.
 AGENT_PREFIX = "kubernetes:"
+# How long the recovery loop's cordon of a Kubernetes node holds in the store against a
+# Node that does not show it yet: the inventory loop pushes it within a pass; after this,
+# a Node without it says someone uncordoned it in the cluster.
+RECOVERY_CORDON_PUSH = timedelta(seconds=60)
 
 
 def slot_uuid(cluster: str, node: str, index: int) -> str:
@@ -225,6 +232,23 @@ class ClusterInventoryStore(Repository):
             ).first()
             return (found[0], found[1]) if found else None
 
+    def recovery_cordons(self, now: datetime) -> list[tuple[str, str, datetime]]:
+        """(node, cluster, when) of the recovery loop's cordons of Kubernetes nodes made
+        within ``RECOVERY_CORDON_PUSH``: the inventory loop makes each one in its cluster."""
+        with self.read() as session:
+            rows = session.execute(
+                select(Node.name, Cluster.name, Node.recovery_cordoned_at)
+                .join(Zone, Node.zone_id == Zone.id)
+                .join(Cluster, Zone.cluster_id == Cluster.id)
+                .where(
+                    Cluster.backend == KUBERNETES,
+                    Node.cordoned.is_(True),
+                    Node.recovery_cordoned_at >= now - RECOVERY_CORDON_PUSH,
+                )
+                .order_by(Node.name)
+            ).all()
+            return [(node, cluster, at) for node, cluster, at in rows if at is not None]
+
     def node_names(self, cluster: str) -> list[str]:
         """The names of every node the cluster has or had (a deleted node keeps its row
         while allocations refer to it), by name."""
@@ -311,6 +335,11 @@ def _reported_by_cluster(node: Node) -> bool:
 def _cordon(session: Session, now: datetime, cluster: str, node: Node, cordoned: bool) -> bool:
     if node.cordoned == cordoned:
         return False
+    pushing = node.recovery_cordoned_at is not None and (
+        now - node.recovery_cordoned_at < RECOVERY_CORDON_PUSH
+    )
+    if not cordoned and pushing:
+        return False  # the recovery loop's cordon, on its way to the cluster
     node.cordoned = cordoned
     verb = "cordoned" if cordoned else "uncordoned"
     _event(

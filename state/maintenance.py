@@ -32,7 +32,7 @@ from ..api.events import EventKind
 from .attempts import AttemptStore, DrainStops, _node_named
 from .base import Repository, _event
 from .database import Database
-from .maintenance_plan import GPU_STEPS, MAINTENANCE_KINDS, NODE_STEPS, OPERATION_OF
+from .maintenance_plan import BY_CLUSTER, GPU_STEPS, MAINTENANCE_KINDS, NODE_STEPS, OPERATION_OF
 from .models import (
     Allocation,
     Gpu,
@@ -52,6 +52,9 @@ class MaintenanceStore(Repository):
     def __init__(self, database: Database, attempts: AttemptStore):
         super().__init__(database)
         self.attempts = attempts
+        # Clusters whose nodes are recycled by deleting the Node, for their node groups to
+        # replace (``c.KubeInventory.recycle_action``): the controller does it, no agent.
+        self.replacing_clusters: frozenset[str] = frozenset()
 
     def recycle_node(self, now: datetime, node_name: str, by: str, why: str) -> DrainStops:
         """Drain ``node_name`` (``drain_node``), recycle it once it is empty, then diagnose
@@ -126,7 +129,10 @@ class MaintenanceStore(Repository):
                 step = node.maintenance or ""
                 if node.health == NodeHealth.ok and idle(node.gpus):
                     node.maintenance = NODE_STEPS[step]
-                    asked.append(_ask(session, now, node, step, list(node.gpus), scope="node"))
+                    replaced = (
+                        step == "recycle" and node.zone.cluster.name in self.replacing_clusters
+                    )
+                    asked.append(_ask(session, now, node, step, list(node.gpus), "node", replaced))
             for gpu in session.scalars(
                 select(Gpu).where(Gpu.maintenance.in_(GPU_STEPS)).order_by(Gpu.uuid)
             ):
@@ -136,7 +142,7 @@ class MaintenanceStore(Repository):
                 if step == "reset-at-idle":
                     gpu.cordoned = True  # nothing lands on it while it resets
                 gpu.maintenance = GPU_STEPS[step]
-                asked.append(_ask(session, now, node, step, [gpu], scope="gpu"))
+                asked.append(_ask(session, now, node, step, [gpu], "gpu"))
         return asked
 
 
@@ -160,7 +166,9 @@ def settle_operation(session: Session, now: datetime, row: NodeOperation) -> Non
         node = session.scalar(select(Node).where(Node.name == row.node))
         if node is None:
             return
-        node.maintenance = "diagnose" if passed and row.kind == "recycle" else None
+        replaced = passed and bool((row.result or {}).get("replaced"))
+        # A Node deleted for its node group to replace is gone: nothing left to diagnose.
+        node.maintenance = "diagnose" if passed and row.kind == "recycle" and not replaced else None
         if passed and row.kind == "diagnose":
             node.cordoned = False
             node.recovery_cordoned_at = None
@@ -170,7 +178,9 @@ def settle_operation(session: Session, now: datetime, row: NodeOperation) -> Non
                     gpu.cordoned = False
                     returned_gpus.append(gpu.uuid)
         outcome = (
-            "its diagnostics follow"
+            "its node group replaces it (the new node joins under a name of its own)"
+            if replaced
+            else "its diagnostics follow"
             if node.maintenance
             else "it takes work again"
             if passed
@@ -247,14 +257,23 @@ def lapse_avoidance(session: Session, nodes: Sequence[str], gpus: Sequence[str])
 
 
 def _ask(
-    session: Session, now: datetime, node: Node, step: str, gpus: Sequence[Gpu], scope: str
+    session: Session,
+    now: datetime,
+    node: Node,
+    step: str,
+    gpus: Sequence[Gpu],
+    scope: str,
+    by_cluster: bool = False,
 ) -> int:
+    """Ask for one maintenance step: of the node's agent, or (``by_cluster``: a recycle
+    that deletes the Node) of the controller's inventory loop, which alone claims it."""
     kind = OPERATION_OF[step]
     request = {
         "scope": scope,
         "uuids": [g.uuid for g in gpus],
         "indexes": [g.index for g in gpus],
         "by": node.maintenance_by or "recovery" if scope == "node" else "recovery",
+        **({BY_CLUSTER: True} if by_cluster else {}),
     }
     row = NodeOperation(
         workload_id=None,
@@ -272,7 +291,12 @@ def _ask(
         session,
         now,
         EventKind.MAINTENANCE_ASKED,
-        f"{kind} of {target} asked of its node agent",
+        f"{kind} of {target} asked of "
+        + (
+            "its cluster: the Node is deleted for its node group to replace"
+            if by_cluster
+            else "its node agent"
+        ),
         reason=kind,
         node=node.name,
         cause=str(request["by"]),

@@ -23,6 +23,9 @@ from ..recovery.classify import HardwareAction, Verdict
 from .base import _event
 from .models import Gpu, Node
 
+# In a maintenance request: the step is the cluster's to do (the controller deletes the
+# Node for its node group to replace), not the node agent's.
+BY_CLUSTER = "by_cluster"
 # Due -> in flight, and the node operation that does it.
 NODE_STEPS = {"recycle": "recycling", "diagnose": "diagnosing"}
 GPU_STEPS = {"reset": "resetting", "reset-at-idle": "resetting", "diagnose": "diagnosing"}

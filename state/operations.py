@@ -30,6 +30,7 @@ from sqlalchemy import delete, select, update
 from ..scheduler.errors import InvalidRequest, NotFound
 from .base import Repository, _get_workload
 from .maintenance import settle_operation
+from .maintenance_plan import BY_CLUSTER
 from .models import Allocation, NodeOperation, WorkloadKind
 
 KINDS = ("snapshot", "restore")
@@ -128,16 +129,28 @@ class NodeOperationStore(Repository):
                 raise NotFound(f"there is no node operation {operation_id}")
             return _operation(row)
 
-    def claim_node_operations(self, now: datetime, nodes: Sequence[str]) -> list[Operation]:
-        """The pending operations of ``nodes``, now ``running``: the caller runs them."""
+    def claim_node_operations(
+        self, now: datetime, nodes: Sequence[str], by_cluster: bool = False
+    ) -> list[Operation]:
+        """The pending operations of ``nodes``, now ``running``: the caller runs them. A
+        node agent claims those of its nodes; the controller's inventory loop
+        (``by_cluster``) those only a cluster can do (a recycle that deletes the Node)."""
         if not nodes:
             return []
+        # A read first: a claim with nothing pending (nearly every one) writes nothing.
+        with self.read() as session:
+            pending = [
+                operation_id
+                for operation_id, request in session.execute(
+                    select(NodeOperation.id, NodeOperation.request)
+                    .where(NodeOperation.node.in_(list(nodes)), NodeOperation.state == "pending")
+                    .order_by(NodeOperation.id)
+                )
+                if bool((request or {}).get(BY_CLUSTER)) == by_cluster
+            ]
+        if not pending:
+            return []
         with self._write(now) as session:
-            pending = session.scalars(
-                select(NodeOperation.id)
-                .where(NodeOperation.node.in_(list(nodes)), NodeOperation.state == "pending")
-                .order_by(NodeOperation.id)
-            ).all()
             claimed = []
             for operation_id in pending:
                 taken = session.execute(

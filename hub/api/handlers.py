@@ -263,6 +263,7 @@ def node_rows(session: Session, spares: frozenset[str] = frozenset()) -> list[sc
                     if not (g.lost or g.cordoned or g.leftover_marker) and g.uuid not in taken
                 ),
                 last_heartbeat_at=n.last_heartbeat_at,
+                gpu_uuids=[g.uuid for g in sorted(present, key=lambda g: g.index)],
                 cordoned_gpus=[g.uuid for g in present if g.cordoned],
                 lemon_gpus=[g.uuid for g in present if g.lemon],
                 leftover_gpus=[g.uuid for g in present if g.leftover_marker],

@@ -240,8 +240,15 @@ class Cluster:
 # Grants of gpufleet's own identities: what the controller and the spawner are expected to
 # need (later work may widen them; the tier's tests check that they are not wider).
 CONTROLLER_RULES: list[dict[str, Any]] = [
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
+    # delete: a recycle by deleting the Node (c.KubeInventory.recycle_action).
+    {
+        "apiGroups": [""],
+        "resources": ["nodes"],
+        "verbs": ["get", "list", "watch", "patch", "delete"],
+    },
     {"apiGroups": [""], "resources": ["pods", "events"], "verbs": ["get", "list", "watch"]},
+    # A drain evicts what else runs on the node, whatever its namespace.
+    {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "list"]},
 ]

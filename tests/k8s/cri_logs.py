@@ -89,3 +89,15 @@ def read_cri(path: Path) -> str:
         content = parts[3] if len(parts) == 4 else b""
         out.append(content + (b"\n" if parts[2] == b"F" else b""))
     return b"".join(out).decode(errors="replace")
+
+
+def set_aside(pod_logs: Path) -> Path:
+    """Take a removed pod's logs out of the kubelet's logs directory, as a kubelet removes
+    a deleted pod's from ``/var/log/pods`` (so a reader never takes an old pod's files for a
+    new pod of the same name); kept in ``removed/`` beside it for the tests that read what a
+    pod wrote after it is gone. Where they are now."""
+    aside = pod_logs.parent.parent / "removed" / pod_logs.name
+    if pod_logs.exists():
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        pod_logs.rename(aside)
+    return aside

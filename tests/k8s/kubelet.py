@@ -213,6 +213,8 @@ class Kubelet:
             newest = self._log_dirs.get((namespace, pod))
         if newest is None:
             raise FileNotFoundError(f"{self.name} has run no pod {namespace}/{pod}")
+        if not newest.exists():  # removed with its pod: set aside (cri_logs.set_aside)
+            newest = newest.parent.parent / "removed" / newest.name
         runs = sorted((newest / container).glob("*.log"), key=lambda p: int(p.stem))
         return "".join(read_cri(run) for run in runs)
 

@@ -48,7 +48,7 @@ from gpufleet.snapshotter.sandbox import remove_tree
 
 from . import containers
 from .containers import CannotStart, ContainerProcess, Launch
-from .cri_logs import read_cri
+from .cri_logs import read_cri, set_aside
 from .memory import MemoryCgroup, memory_limit
 from .names import HostsFile, pod_hostname, pod_hosts, with_hosts
 from .nodes import rfc3339
@@ -637,6 +637,7 @@ class PodWorker:
             self.ctx.addresses.release(self.ip)
 
     def _finish(self) -> None:
+        self.log_dir = set_aside(self.log_dir)
         self._release()
         if self.directory.exists():
             remove_tree(self.directory)

@@ -69,10 +69,9 @@ ALL_REDUCE = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def jobs_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    """A hub whose training jobs run as pods on the tier's clusters."""
-    for cluster in k8s_tier.clusters.values():
+def jobs_config(plane: ControlPlane) -> str:
+    """JOBS_CONFIG for the tier, whose clusters now have the jobs' priority class."""
+    for cluster in plane.clusters.values():
         with cluster.rest() as api:
             made = api.post(
                 "/apis/scheduling.k8s.io/v1/priorityclasses",
@@ -80,8 +79,8 @@ def jobs_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
             )
             assert made.status_code in (201, 409), made.text
     first = free_port_block(RENDEZVOUS_PORTS)
-    kubelets = [k for c in k8s_tier.clusters.values() for k in c.kubelets.values()]
-    config = JOBS_CONFIG.format(
+    kubelets = [k for c in plane.clusters.values() for k in c.kubelets.values()]
+    return JOBS_CONFIG.format(
         first=first,
         last=first + RENDEZVOUS_PORTS - 1,
         nodes=sorted(k.name for k in kubelets),
@@ -89,6 +88,12 @@ def jobs_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
         log_dirs=sorted(str(k.directory / "logs") for k in kubelets),
         progress_port=free_port(),
     )
+
+
+@pytest.fixture(scope="module")
+def jobs_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """A hub whose training jobs run as pods on the tier's clusters."""
+    config = jobs_config(k8s_tier)
     hub = make_kube_hub(k8s_tier, Path(tmp_path_factory.mktemp("kube-jobs")), config)
     hub.start()
     try:

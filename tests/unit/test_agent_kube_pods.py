@@ -94,3 +94,17 @@ def test_a_new_attempt_is_read_afresh_once_the_last_ones_output_is_acknowledged(
     write(log_file(tmp_path, 2), "stdout F [gpufleet rank 2]:attempt two")
     chunks = pods.chunks()
     assert [(c["attempt"], c["offset"], c["data"]) for c in chunks] == [(2, 0, "attempt two\n")]
+
+
+def test_a_pod_whose_files_the_kubelet_removed_is_forgotten_without_failing(
+    tmp_path: Path,
+) -> None:
+    pods = KubePods([tmp_path], logging.getLogger("test"))
+    pods.watch([listed(1)])
+    path = log_file(tmp_path, 1)
+    write(path, "stdout F [gpufleet rank 2]:the last words")
+    assert [c["data"] for c in pods.chunks()] == ["the last words\n"]
+    pods.acknowledged(1)
+    path.unlink()  # the pod was deleted, and its kubelet removed its output
+    pods.watch([])
+    assert pods.known() == [] and pods.chunks() == []

@@ -232,6 +232,29 @@ def test_an_agent_on_the_node_names_its_gpus_and_the_slots_step_aside(store: Fle
     assert health(store)["a-gpu-1"] == (NodeHealth.ok, True)
 
 
+def test_the_recovery_loops_cordon_holds_until_it_reaches_the_cluster(store: FleetStore) -> None:
+    nodes = [state("a-gpu-1", gpus=2), state("a-gpu-2", gpus=2)]
+    store.clusters.sync_cluster_nodes(t(1), "cluster-a", nodes, complete=True)
+    agent_view = NodeSpec(
+        name="a-gpu-1",
+        cluster="cluster-a",
+        zone="zone-a",
+        gpu_type="A100",
+        gpus=(GpuSpec("GPU-real-0", 0), GpuSpec("GPU-real-1", 1)),
+    )
+    store.nodes.register_nodes(t(2), "agent-a-gpu-1", [agent_view])
+    store.jobs.act_on_xid(t(10), "GPU-real-0", 79)  # a node fault: the loop cordons it
+    assert health(store)["a-gpu-1"] == (NodeHealth.ok, True)
+    assert store.clusters.recovery_cordons(t(11)) == [("a-gpu-1", "cluster-a", t(10))]
+    # The Node does not show it yet: its next update does not undo the loop's cordon.
+    store.clusters.sync_cluster_nodes(t(12), "cluster-a", [state("a-gpu-1", gpus=2)])
+    assert health(store)["a-gpu-1"] == (NodeHealth.ok, True)
+    # Long after, a Node without it says someone uncordoned it in the cluster.
+    assert store.clusters.recovery_cordons(t(71)) == []
+    store.clusters.sync_cluster_nodes(t(71), "cluster-a", [state("a-gpu-1", gpus=2)])
+    assert health(store)["a-gpu-1"] == (NodeHealth.ok, False)
+
+
 def test_a_node_name_another_cluster_holds_is_left_to_its_owner(store: FleetStore) -> None:
     store.clusters.sync_cluster_nodes(t(1), "cluster-a", [state("gpu-1")], complete=True)
     assert store.clusters.sync_cluster_nodes(t(2), "cluster-b", [state("gpu-1", "zone-c")]) == []

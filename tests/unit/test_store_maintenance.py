@@ -172,3 +172,28 @@ def test_with_maintenance_off_a_fault_only_cordons(store: FleetStore) -> None:
     # An admin's recycle still runs.
     store.maintenance.recycle_node(t(13), "h1", "admin", "")
     assert len(store.maintenance.start_due_maintenance(t(14))) == 1
+
+
+def test_a_recycle_its_cluster_does_is_claimed_by_the_controller_alone_and_ends_the_node(
+    store: FleetStore,
+) -> None:
+    place = store.clusters.cluster_of_node("h1")
+    assert place is not None
+    store.maintenance.replacing_clusters = frozenset({place[0]})
+    store.maintenance.recycle_node(t(1), "h1", "admin", "kernel update")
+    [asked] = store.maintenance.start_due_maintenance(t(2))
+    assert events(store, "maintenance-asked") == [
+        "recycle of node h1 asked of its cluster: the Node is deleted for its node group to replace"
+    ]
+    assert store.node_operations.claim_node_operations(t(3), ["h1"]) == []  # no agent's
+    [operation] = store.node_operations.claim_node_operations(t(3), ["h1"], by_cluster=True)
+    assert operation.id == asked
+    result = {"summary": "Node h1 deleted in cluster c", "replaced": True}
+    store.node_operations.report_node_operation(t(4), asked, state="done", result=result)
+    # Gone for its node group to replace: no diagnostics follow, it stays cordoned.
+    assert node_state(store, "h1") == (True, None)
+    assert events(store, "maintenance-passed")[-1] == (
+        "recycle of node h1 passed (Node h1 deleted in cluster c): its node group replaces "
+        "it (the new node joins under a name of its own)"
+    )
+    assert store.maintenance.start_due_maintenance(t(5)) == []

@@ -1,0 +1,289 @@
+"""Faults and node operations under training jobs on the tier: an XID written to a
+Kubernetes node's fake NVML (its node agent, as the DaemonSet would, reports the node's
+GPUs) cordons the node in its cluster, stops the gang and resumes it elsewhere from its
+checkpoint; a drain evicts what else runs on the node through the Eviction API, so a
+PodDisruptionBudget holds, and stops gpufleet's job there with the checkpoint signal."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gpufleet.agent.gpus import declared_fake_gpus
+from gpufleet.client import Client
+from gpufleet.recovery.fake_nvml import write_control
+
+from ..integration.harness import Hub, wait_for
+from .control_plane import NAMESPACE, ControlPlane
+from .hubs import make_kube_hub
+from .kubelet_helpers import manifest
+from .nodes import NodeSpec
+from .test_jobs import RESUMING, job_pods, jobs_config, running_attempt, submit
+from .tier import CLUSTER_A, CLUSTER_B
+
+pytestmark = [pytest.mark.k8s, pytest.mark.integration]
+
+BUDGETS = f"/apis/policy/v1beta1/namespaces/{NAMESPACE}/poddisruptionbudgets"
+
+# The node agent of a-gpu-1 reports its GPUs through the fake NVML (the other nodes' GPUs
+# are their clusters' slots).
+WATCHED = [
+    {"name": "a-gpu-1", "cluster": CLUSTER_A, "zone": "zone-a", "gpu_type": "A100-80GB", "gpus": 4}
+]
+FAULTS_CONFIG = f"""
+c.NodeAgent.nvml = "fake"
+c.NodeAgent.declared_nodes = {WATCHED!r}
+c.NodeAgent.heartbeat_interval = 1
+c.NodeAgent.sample_interval = 1
+c.KubeInventory.recycle_action = "delete-node"
+"""
+
+
+@pytest.fixture(scope="module")
+def faults_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    config = jobs_config(k8s_tier)
+    hub = make_kube_hub(
+        k8s_tier, Path(tmp_path_factory.mktemp("kube-faults")), config + FAULTS_CONFIG
+    )
+    hub.start()
+    try:
+        yield hub
+    finally:
+        hub.kill_everything()
+
+
+@pytest.fixture
+def alice(faults_hub: Hub) -> Iterator[Client]:
+    with Client(faults_hub.controller_api, faults_hub.user_token("alice")) as client:
+        yield client
+
+
+def agent_reports_its_gpus(hub: Hub) -> None:
+    """Wait until a-gpu-1's GPUs are its node agent's, no longer its cluster's slots."""
+    declared = [g.uuid for g in declared_fake_gpus(WATCHED)]
+    wait_for(
+        lambda: any(
+            n["name"] == "a-gpu-1" and n["gpu_uuids"] == declared
+            for n in hub.controller("GET", "/nodes").json()["items"]
+        ),
+        timeout=60,
+        what="a-gpu-1's GPUs reported by its node agent",
+    )
+
+
+def only_on(hub: Hub, node: str) -> list[str]:
+    """Cordon every other node (gpufleet's cordons, made in the clusters); returns them."""
+    others = [
+        n["name"] for n in hub.controller("GET", "/nodes").json()["items"] if n["name"] != node
+    ]
+    for other in others:
+        hub.controller("POST", f"/nodes/{other}/cordon").raise_for_status()
+    return others
+
+
+def node_spec(plane: ControlPlane, node: str) -> dict[str, object]:
+    cluster = next(c for c in (CLUSTER_A, CLUSTER_B) if node in plane[c].nodes)
+    with plane[cluster].rest() as api:
+        found = api.get(f"/api/v1/nodes/{node}")
+        found.raise_for_status()
+        return dict(found.json()["spec"])
+
+
+def test_an_xid_on_a_kubernetes_node_cordons_it_there_and_the_job_resumes_elsewhere(
+    k8s_tier: ControlPlane, faults_hub: Hub, alice: Client
+) -> None:
+    agent_reports_its_gpus(faults_hub)
+    others = only_on(faults_hub, "a-gpu-1")
+    try:
+        job_id = submit(alice, RESUMING, name="xid", env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"})
+        first = running_attempt(alice, job_id, 1)
+        assert {a.node for a in first.allocations} == {"a-gpu-1"}
+    finally:
+        for other in others:
+            faults_hub.controller("POST", f"/nodes/{other}/uncordon").raise_for_status()
+    saved = wait_for(
+        lambda: (p := alice.job(job_id).progress) and p.last_checkpoint,
+        timeout=60,
+        what="a checkpoint saved",
+    )
+    gpus = declared_fake_gpus(WATCHED)
+    blamed = next(g for g in gpus if g.uuid in {a.uuid for a in first.allocations})
+    write_control(
+        faults_hub.fake_nvml_control,
+        [replace(g, xid_events=[79]) if g is blamed else g for g in gpus],
+    )
+    try:
+        second = running_attempt(alice, job_id, 2)
+        assert "a-gpu-1" not in {a.node for a in second.allocations}
+        # The recovery loop's cordon is the cluster's: spec.unschedulable and the taint.
+        spec = wait_for(
+            lambda: (s := node_spec(k8s_tier, "a-gpu-1")).get("unschedulable") and s,
+            timeout=30,
+            what="a-gpu-1 cordoned in its cluster",
+        )
+        assert any(t["key"] == "gpufleet.io/cordoned" for t in spec.get("taints", [])), spec
+        faults = [e for e in alice.events(workload_id=job_id) if e.kind == "job-fault"]
+        assert faults and "XID 79" in faults[0].message, faults
+        resumed = wait_for(
+            lambda: "attempt 2 starts at step" in (out := "".join(alice.logs(job_id))) and out,
+            timeout=60,
+            what="attempt 2's first words",
+        )
+        start = int(resumed.split("attempt 2 starts at step ")[1].split()[0])
+        assert start >= saved.step + 1, (start, saved)
+        # Still cordoned a while later: the Node's updates do not undo it.
+        node = next(
+            n
+            for n in faults_hub.controller("GET", "/nodes").json()["items"]
+            if n["name"] == "a-gpu-1"
+        )
+        assert node["cordoned"], node
+        alice.cancel(job_id)
+        assert alice.wait(job_id, timeout=90).outcome == "cancelled"
+    finally:
+        write_control(faults_hub.fake_nvml_control, gpus)
+        faults_hub.controller("POST", "/nodes/a-gpu-1/uncordon").raise_for_status()
+    wait_for(
+        lambda: not job_pods(k8s_tier, CLUSTER_A, job_id),
+        timeout=30,
+        what="the job's pods gone",
+    )
+
+
+def web_server(plane: ControlPlane, node: str) -> str:
+    """Another team's pod on ``node`` (not gpufleet's), with a budget that lets none go."""
+    body = manifest("web", ["sleep", "600"], node=node)
+    body["metadata"]["labels"] = {"app": "web"}
+    budget = {
+        "apiVersion": "policy/v1beta1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": "web"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "web"}}},
+    }
+    with plane[CLUSTER_A].rest() as api:
+        api.post(f"/api/v1/namespaces/{NAMESPACE}/pods", json=body).raise_for_status()
+        api.post(f"{BUDGETS}/", json=budget).raise_for_status()
+
+        def budget_holds() -> bool:
+            status = api.get(f"{BUDGETS}/web").json().get("status") or {}
+            return status.get("currentHealthy") == 1 and status.get("disruptionsAllowed") == 0
+
+        wait_for(budget_holds, timeout=60, what="the web pod running under its budget")
+    return str(body["metadata"]["name"])
+
+
+def test_a_drain_stops_the_job_and_evicts_the_rest_as_its_budget_allows(
+    k8s_tier: ControlPlane, faults_hub: Hub, alice: Client
+) -> None:
+    others = only_on(faults_hub, "a-gpu-2")
+    try:
+        job_id = submit(alice, RESUMING, name="drained", env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"})
+        first = running_attempt(alice, job_id, 1)
+        assert {a.node for a in first.allocations} == {"a-gpu-2"}
+    finally:
+        for other in others:
+            faults_hub.controller("POST", f"/nodes/{other}/uncordon").raise_for_status()
+    web = web_server(k8s_tier, "a-gpu-2")
+    saved = wait_for(
+        lambda: (p := alice.job(job_id).progress) and p.last_checkpoint,
+        timeout=60,
+        what="a checkpoint saved",
+    )
+    drained = faults_hub.controller(
+        "POST", "/nodes/a-gpu-2/drain", json={"reason": "kernel update"}
+    )
+    drained.raise_for_status()
+    try:
+        assert node_spec(k8s_tier, "a-gpu-2").get("unschedulable")  # in its cluster
+        # gpufleet's job: checkpoint signal, and its next attempt elsewhere, charged nothing.
+        second = running_attempt(alice, job_id, 2)
+        assert "a-gpu-2" not in {a.node for a in second.allocations}
+        assert second.faults == 0
+        resumed = wait_for(
+            lambda: "attempt 2 starts at step" in (out := "".join(alice.logs(job_id))) and out,
+            timeout=60,
+            what="attempt 2's first words",
+        )
+        assert int(resumed.split("attempt 2 starts at step ")[1].split()[0]) > saved.step
+        # The other team's pod stays while its budget refuses, and the drain says why.
+        waiting = wait_for(
+            lambda: next(
+                (e for e in node_events(faults_hub) if e["kind"] == "node-eviction-waiting"), None
+            ),
+            timeout=30,
+            what="the eviction waiting on the budget",
+        )
+        assert f"pod {NAMESPACE}/{web}" in waiting["message"], waiting
+        assert "disruption budget" in waiting["message"], waiting
+        assert waiting["cause"] == "test-admin"
+        with k8s_tier[CLUSTER_A].rest() as api:
+            pod = api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{web}").json()
+            assert "deletionTimestamp" not in pod["metadata"], pod["metadata"]
+            # Its budget lets it go: the drain evicts it, and is done.
+            api.delete(f"{BUDGETS}/web").raise_for_status()
+        wait_for(
+            lambda: any(e["kind"] == "node-drain-done" for e in node_events(faults_hub)),
+            timeout=60,
+            what="the drain done",
+        )
+        kinds = [(e["kind"], e["data"].get("pod")) for e in node_events(faults_hub)]
+        assert ("node-pod-evicted", f"{NAMESPACE}/{web}") in kinds, kinds
+        alice.cancel(job_id)
+        assert alice.wait(job_id, timeout=90).outcome == "cancelled"
+    finally:
+        faults_hub.controller("POST", "/nodes/a-gpu-2/uncordon").raise_for_status()
+        with k8s_tier[CLUSTER_A].rest() as api:
+            api.delete(f"{BUDGETS}/web")
+            api.delete(
+                f"/api/v1/namespaces/{NAMESPACE}/pods/{web}", params={"gracePeriodSeconds": 0}
+            )
+
+
+def node_events(hub: Hub, node: str = "a-gpu-2") -> list[dict[str, object]]:
+    found = hub.controller("GET", "/events", params={"limit": 500}).json()["items"]
+    return [e for e in found if e["node"] == node]
+
+
+def test_a_recycle_deletes_the_node_for_its_node_group_to_replace(
+    k8s_tier: ControlPlane, faults_hub: Hub
+) -> None:
+    b = k8s_tier[CLUSTER_B]
+    name = b.spare_node_name()
+    b.add_node(NodeSpec(name, "zone-c", gpus=4))
+    try:
+        wait_for(
+            lambda: any(
+                n["name"] == name and n["health"] == "ok"
+                for n in faults_hub.controller("GET", "/nodes").json()["items"]
+            ),
+            timeout=30,
+            what="the new node in gpufleet's inventory",
+        )
+        faults_hub.controller(
+            "POST", f"/nodes/{name}/recycle", json={"reason": "kernel update"}
+        ).raise_for_status()
+        with b.rest() as api:
+            wait_for(
+                lambda: api.get(f"/api/v1/nodes/{name}").status_code == 404,
+                timeout=30,
+                what=f"Node {name} deleted in its cluster",
+            )
+        said = wait_for(
+            lambda: [
+                e["message"]
+                for e in node_events(faults_hub, name)
+                if e["kind"] in ("maintenance-asked", "maintenance-passed")
+            ],
+            timeout=30,
+            what="the recycle's events",
+        )
+        assert (
+            f"recycle of node {name} passed (Node {name} deleted in cluster {CLUSTER_B}): its "
+            "node group replaces it (the new node joins under a name of its own)"
+        ) in said, said
+        assert any("asked of its cluster" in m for m in said), said
+    finally:
+        b.remove_node(name)
