@@ -90,17 +90,19 @@ class StackTaker:
             marker = processes.part_marker(str(pod["marker"]), key[2])
             ranks = range(first, first + per_pod)
             pids = await asyncio.to_thread(rank_pids, marker, ranks)
-            taken = []
+            # Every rank at once: a pod's stacks take one py-spy deadline at most.
+            dumps = await asyncio.gather(*(dump(self.py_spy, pid) for pid in pids.values()))
+            by_rank = dict(zip(pids, dumps, strict=True))
+            taken: list[dict[str, Any]] = []
             for rank in ranks:
-                pid = pids.get(rank)
-                if pid is None:
+                if rank not in by_rank:
                     taken.append({"rank": rank, "error": NO_RANK_PROCESS})
                     continue
-                text, error = await dump(self.py_spy, pid)
+                text, error = by_rank[rank]
                 taken.append(
                     {
                         "rank": rank,
-                        "pid": pid,
+                        "pid": pids[rank],
                         "where": where_of(text),
                         "text": text,
                         "error": error,

@@ -1,5 +1,6 @@
-"""Training jobs on Kubernetes: job start against ``kubectl apply`` of the same gang, and
-pod creation throughput against a plain create loop.
+"""Training jobs on Kubernetes: job start against ``kubectl apply`` of the same gang, a
+restart after one pod's loss against deleting and recreating the whole gang, and pod
+creation throughput against a plain create loop.
 
 Measured: from the submission to every rank running, for a job of 4 pods × 2 GPUs, median
 of 5, gpufleet against a shell script that applies the very same objects with
@@ -16,6 +17,12 @@ pods on this machine. The runs alternate (gpufleet, kubectl, ...) so a slow mome
 machine hits both; one untimed run of each comes first (the first gang of a hub starts its
 clients, the first pods warm the page cache with torch).
 
+Restart: a 4 × 2 gang, one pod per node of 2 GPUs (and a spare node), loses pod 1 (deleted
+with no grace, as a lost node's pods go); measured from that moment to every rank of the
+next attempt running, median of 5, gpufleet against what JobSet does by default after a
+failure: delete the whole gang (``kubectl delete --wait``) and create it again (``kubectl
+apply``, under new names), on the same nodes (target: ratio <= 0.7).
+
 Creation throughput: 200 queued 1-pod jobs released at once (vision's quota goes from 0 to
 256 GPUs), pods created per second, from the release to the moment the API server holds
 all 200, against a loop creating the same 200 pods one after the other on the same API
@@ -24,7 +31,7 @@ is measured is their creation), and nodes of 64 GPUs. gpufleet makes four object
 (ConfigMap, Service, NetworkPolicy, pod), the loop one.
 
     .venv/bin/python bench/k8s_jobs.py              # --runs 5 --warmup 1 --jobs 200
-    .venv/bin/python bench/k8s_jobs.py --only start   # or --only throughput
+    .venv/bin/python bench/k8s_jobs.py --only start   # or --only restart, --only throughput
 
 Needs the tier's binaries (``scripts/install --k8s``) and root (the test kubelets run
 containers as their pods' users). Every process it starts is stopped at the end.
@@ -132,10 +139,12 @@ def gpufleet_run(client: Client, plane: ControlPlane, python: str) -> tuple[floa
 
 
 # ------------------------------------------------------------------ kubectl apply
-def baseline_gang(run: int, nodes: tuple[str, ...], python: str, port: int) -> JobGang:
+def baseline_gang(
+    run: int, nodes: tuple[str, ...], python: str, port: int, attempt: int = 1
+) -> JobGang:
     return JobGang(
         workload_id=900_000 + run,
-        attempt=1,
+        attempt=attempt,
         job_name="bench",
         user="alice",
         project="vision",
@@ -154,7 +163,8 @@ def baseline_gang(run: int, nodes: tuple[str, ...], python: str, port: int) -> J
     )
 
 
-def baseline_run(plane: ControlPlane, gang: JobGang, directory: Path) -> float:
+def baseline_manifest(gang: JobGang, directory: Path) -> Path:
+    """The gang's objects as one List for kubectl, labelled as not gpufleet's."""
     objects = [
         gang_config_map(gang),
         gang_service(gang),
@@ -169,14 +179,17 @@ def baseline_run(plane: ControlPlane, gang: JobGang, directory: Path) -> float:
         body["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "kubectl"
     manifest = directory / f"{gang.name}.json"
     manifest.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
-    kubectl = plane.binaries.kubectl
-    assert kubectl is not None, "the tier's kubectl is missing: scripts/install --k8s"
-    script = (
-        f"{kubectl} --kubeconfig {plane.admin_kubeconfig} --context {CLUSTER_A} "
-        f"apply -f {manifest} >/dev/null"
-    )
-    began = time.monotonic()
-    subprocess.run(["sh", "-c", script], check=True)
+    return manifest
+
+
+def kubectl(plane: ControlPlane, *args: str) -> list[str]:
+    """A kubectl command line on cluster-a as its admin."""
+    binary = plane.binaries.kubectl
+    assert binary is not None, "the tier's kubectl is missing: scripts/install --k8s"
+    return [str(binary), "--kubeconfig", str(plane.admin_kubeconfig), "--context", CLUSTER_A, *args]
+
+
+def wait_ranks(plane: ControlPlane, gang: JobGang) -> None:
     pods = [gang.pod_name(i) for i in range(gang.pods)]
     try:
         wait(lambda: ranks_running(plane, pods), 180, "every rank of the applied gang running")
@@ -186,23 +199,109 @@ def baseline_run(plane: ControlPlane, gang: JobGang, directory: Path) -> float:
                 status = api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}").json()
                 print(pod, json.dumps(status)[:300], file=sys.stderr)
         raise
+
+
+def baseline_run(plane: ControlPlane, gang: JobGang, directory: Path) -> float:
+    manifest = baseline_manifest(gang, directory)
+    script = " ".join(kubectl(plane, "apply", "-f", str(manifest))) + " >/dev/null"
+    began = time.monotonic()
+    subprocess.run(["sh", "-c", script], check=True)
+    wait_ranks(plane, gang)
     took = time.monotonic() - began
-    subprocess.run(
-        [
-            str(kubectl),
-            "--kubeconfig",
-            str(plane.admin_kubeconfig),
-            "--context",
-            CLUSTER_A,
-            "delete",
-            "--wait=true",
-            "-f",
-            str(manifest),
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    delete = kubectl(plane, "delete", "--wait=true", "-f", str(manifest))
+    subprocess.run(delete, check=True, stdout=subprocess.DEVNULL)
     return took
+
+
+# ------------------------------------------------------------------ restart
+# One pod per node, and a spare node: a fault takes one pod's node.
+NARROW = {
+    CLUSTER_A: tuple(
+        NodeSpec(f"a-gpu-{i}", "zone-a", gpus=GPUS_PER_POD) for i in range(1, PODS + 2)
+    ),
+    CLUSTER_B: (NodeSpec("b-gpu-1", "zone-c", gpus=4),),
+}
+
+
+def delete_pod(plane: ControlPlane, pod: str) -> None:
+    """The fault: the pod is gone at once (its node's loss, as the API server sees it)."""
+    with plane[CLUSTER_A].rest() as api:
+        api.delete(
+            f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}", params={"gracePeriodSeconds": 0}
+        ).raise_for_status()
+
+
+def gpufleet_restart(client: Client, plane: ControlPlane, python: str) -> tuple[float, Any]:
+    job = client.submit(
+        SCRIPT,
+        gpus=PODS * GPUS_PER_POD,
+        gpus_per_pod=GPUS_PER_POD,
+        gpu_type="A100-80GB",
+        project="vision",
+        python=python,
+        name="restart",
+    )
+    first = [f"gf-job-{job.id}-a1-{i}" for i in range(PODS)]
+    wait(lambda: ranks_running(plane, first), 180, "every rank of attempt 1 running")
+    began = time.monotonic()
+    delete_pod(plane, first[1])
+    second = [f"gf-job-{job.id}-a2-{i}" for i in range(PODS)]
+    wait(lambda: ranks_running(plane, second), 180, "every rank of attempt 2 running")
+    took = time.monotonic() - began
+    placed = client.job(job.id)
+    client.cancel(job.id)
+    client.wait(job.id, timeout=120)
+    return took, placed
+
+
+def baseline_restart(plane: ControlPlane, before: JobGang, after: JobGang, tmp: Path) -> float:
+    """JobSet's default after a failure: delete the whole gang, then create it again."""
+    old, new = baseline_manifest(before, tmp), baseline_manifest(after, tmp)
+    subprocess.run(kubectl(plane, "apply", "-f", str(old)), check=True, stdout=subprocess.DEVNULL)
+    wait_ranks(plane, before)
+    began = time.monotonic()
+    delete_pod(plane, before.pod_name(1))
+    delete = kubectl(plane, "delete", "--wait=true", "-f", str(old))
+    subprocess.run(delete, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(kubectl(plane, "apply", "-f", str(new)), check=True, stdout=subprocess.DEVNULL)
+    wait_ranks(plane, after)
+    took = time.monotonic() - began
+    delete = kubectl(plane, "delete", "--wait=true", "-f", str(new))
+    subprocess.run(delete, check=True, stdout=subprocess.DEVNULL)
+    return took
+
+
+def restart(args: argparse.Namespace, python: str) -> None:
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        plane = stack.enter_context(tier(NARROW))
+        first = free_port_block(40)
+        config = WITHOUT_AGENT + CONFIG.format(first=first, last=first + 19)
+        hub: Hub = make_kube_hub(plane, Path(tmp) / "hub", config)
+        stack.callback(hub.kill_everything)
+        hub.start()
+        client = stack.enter_context(Client(hub.controller_api, hub.user_token("alice")))
+        gpufleet: list[float] = []
+        recreate: list[float] = []
+        for i in range(args.warmup + args.runs):
+            took, placed = gpufleet_restart(client, plane, python)
+            nodes = tuple(p.node for p in placed.pod_states)
+            port = first + 20 + (2 * i) % 20
+            before = baseline_gang(i, nodes, python, port)
+            after = baseline_gang(i, nodes, python, port + 1, attempt=2)
+            again = baseline_restart(plane, before, after, Path(tmp))
+            label = "warm-up" if i < args.warmup else f"run {i - args.warmup + 1}"
+            print(f"{label}: gpufleet {took:6.2f} s  recreate {again:6.2f} s", flush=True)
+            if i >= args.warmup:
+                gpufleet.append(took)
+                recreate.append(again)
+        ours, theirs = statistics.median(gpufleet), statistics.median(recreate)
+        print(
+            f"\nrestart after one pod's loss, {PODS} pods × {GPUS_PER_POD} GPUs, fault to "
+            f"every rank running again, median of {args.runs}:\n"
+            f"  gpufleet           {ours:6.2f} s\n"
+            f"  delete + recreate  {theirs:6.2f} s\n"
+            f"  ratio              {ours / theirs:6.2f}  (target <= 0.7)"
+        )
 
 
 # ------------------------------------------------------------------ throughput
@@ -324,14 +423,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=200)
-    parser.add_argument("--only", choices=("start", "throughput"))
+    parser.add_argument("--only", choices=("start", "restart", "throughput"))
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("the test kubelets run containers as their pods' users: run as root")
     python = str(Path(default_session_env()) / "bin" / "python")
-    if args.only != "throughput":
+    if args.only in (None, "start"):
         job_start(args, python)
-    if args.only != "start":
+    if args.only in (None, "restart"):
+        restart(args, python)
+    if args.only in (None, "throughput"):
         ours, theirs = throughput(args, python)
         print(
             f"\npod creation, {args.jobs} queued 1-pod jobs released at once:\n"

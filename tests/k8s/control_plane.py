@@ -312,7 +312,7 @@ class ControlPlane:
         cls,
         binaries: Binaries,
         nodes: dict[str, Sequence[NodeSpec]],
-        spare_kubelets: int = 4,
+        spare_kubelets: int = 6,
         kubelets: bool = True,
     ) -> ControlPlane:
         """Starts one cluster per key of ``nodes`` with those fake nodes registered and

@@ -39,6 +39,7 @@ c.NodeAgent.declared_nodes = {WATCHED!r}
 c.NodeAgent.heartbeat_interval = 1
 c.NodeAgent.sample_interval = 1
 c.KubeInventory.recycle_action = "delete-node"
+c.KubeDrains.eviction_retry_seconds = 1
 """
 
 
