@@ -261,7 +261,7 @@ def baseline_restart(plane: ControlPlane, before: JobGang, after: JobGang, tmp: 
     wait_ranks(plane, before)
     began = time.monotonic()
     delete_pod(plane, before.pod_name(1))
-    delete = kubectl(plane, "delete", "--wait=true", "-f", str(old))
+    delete = kubectl(plane, "delete", "--wait=true", "--ignore-not-found", "-f", str(old))
     subprocess.run(delete, check=True, stdout=subprocess.DEVNULL)
     subprocess.run(kubectl(plane, "apply", "-f", str(new)), check=True, stdout=subprocess.DEVNULL)
     wait_ranks(plane, after)
@@ -321,10 +321,16 @@ for project in c.FleetController.projects:
 
 
 def job_pod_count(plane: ControlPlane, selector: str) -> int:
-    with plane[CLUSTER_A].rest() as api:
-        listed = api.get(f"/api/v1/namespaces/{NAMESPACE}/pods", params={"labelSelector": selector})
-        listed.raise_for_status()
-        return len(listed.json()["items"])
+    """Pods in both clusters: the scheduler may put a few jobs on cluster-b's node."""
+    count = 0
+    for cluster in plane.clusters.values():
+        with cluster.rest() as api:
+            listed = api.get(
+                f"/api/v1/namespaces/{NAMESPACE}/pods", params={"labelSelector": selector}
+            )
+            listed.raise_for_status()
+            count += len(listed.json()["items"])
+    return count
 
 
 def throughput(args: argparse.Namespace, python: str) -> tuple[float, float]:
