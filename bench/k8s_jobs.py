@@ -119,8 +119,8 @@ def ranks_running(plane: ControlPlane, pods: list[str]) -> bool:
 
 
 # ------------------------------------------------------------------ gpufleet
-def gpufleet_run(client: Client, plane: ControlPlane, python: str) -> tuple[float, Any]:
-    began = time.monotonic()
+def submit_gang(client: Client, python: str, name: str) -> tuple[Any, list[str]]:
+    """The benchmark's job, and the names of its first attempt's pods."""
     job = client.submit(
         SCRIPT,
         gpus=PODS * GPUS_PER_POD,
@@ -128,9 +128,14 @@ def gpufleet_run(client: Client, plane: ControlPlane, python: str) -> tuple[floa
         gpu_type="A100-80GB",
         project="vision",
         python=python,
-        name="bench",
+        name=name,
     )
-    pods = [f"gf-job-{job.id}-a1-{i}" for i in range(PODS)]
+    return job, [f"gf-job-{job.id}-a1-{i}" for i in range(PODS)]
+
+
+def gpufleet_run(client: Client, plane: ControlPlane, python: str) -> tuple[float, Any]:
+    began = time.monotonic()
+    job, pods = submit_gang(client, python, "bench")
     wait(lambda: ranks_running(plane, pods), 180, "every rank of gpufleet's job running")
     took = time.monotonic() - began
     placed = client.job(job.id)
@@ -233,16 +238,7 @@ def delete_pod(plane: ControlPlane, pod: str) -> None:
 
 
 def gpufleet_restart(client: Client, plane: ControlPlane, python: str) -> tuple[float, Any]:
-    job = client.submit(
-        SCRIPT,
-        gpus=PODS * GPUS_PER_POD,
-        gpus_per_pod=GPUS_PER_POD,
-        gpu_type="A100-80GB",
-        project="vision",
-        python=python,
-        name="restart",
-    )
-    first = [f"gf-job-{job.id}-a1-{i}" for i in range(PODS)]
+    job, first = submit_gang(client, python, "restart")
     wait(lambda: ranks_running(plane, first), 180, "every rank of attempt 1 running")
     began = time.monotonic()
     delete_pod(plane, first[1])

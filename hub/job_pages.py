@@ -119,22 +119,12 @@ class JobPage(PageHandler):
             return job_out(workload, pods, session.get(JobProgress, job_id))
 
 
-class JobCancelForm(JobPage):
-    @web.authenticated
-    async def post(self, job_id: str) -> None:
-        identity = self.require_use()
-        wid = _page_id(job_id)
-        self._job(wid)  # yours, or 404
-        try:
-            cancel_job(self.controller, wid, identity.name)
-        except InvalidRequest as e:
-            self.render_job(wid, error=str(e), status=400)
-            return
-        self.redirect(f"{self.base}jobs/{wid}", status=303)
+class _JobForm(JobPage):
+    """A button of the job page, posted back with the XSRF token: its action goes through
+    the store as the API's does; a refusal shows on the page, else the page loads again."""
 
-
-class JobTraceForm(JobPage):
-    """Take every rank's stacks now (``POST /jobs/{id}/traces``'s page form)."""
+    def act(self, workload_id: int, by: str) -> None:
+        raise NotImplementedError
 
     @web.authenticated
     async def post(self, job_id: str) -> None:
@@ -142,13 +132,25 @@ class JobTraceForm(JobPage):
         wid = _page_id(job_id)
         self._job(wid)  # yours, or 404
         try:
-            self.controller.store.traces.ask(self.controller.now(), wid, identity.name)
+            self.act(wid, identity.name)
         except InvalidRequest as e:
             self.render_job(wid, error=str(e), status=400)
             return
-        self.controller.notifier.changed([wid])
         # No #fragment: the page's refresh would then only scroll, never load it again.
         self.redirect(f"{self.base}jobs/{wid}", status=303)
+
+
+class JobCancelForm(_JobForm):
+    def act(self, workload_id: int, by: str) -> None:
+        cancel_job(self.controller, workload_id, by)
+
+
+class JobTraceForm(_JobForm):
+    """Take every rank's stacks now (``POST /jobs/{id}/traces``'s page form)."""
+
+    def act(self, workload_id: int, by: str) -> None:
+        self.controller.store.traces.ask(self.controller.now(), workload_id, by)
+        self.controller.notifier.changed([workload_id])
 
 
 def shown_state(job: JobOut) -> str:

@@ -64,7 +64,7 @@ from .models import (
     Zone,
 )
 from .progress import ProgressReport, record_progress
-from .traces import PodStacks, close_expired, pending_traces, record_stacks
+from .traces import PodStacks, pending_traces, record_stacks
 
 ACTIVE = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
 POD_STATES = ("running", "exited", "stopped", "failed")
@@ -304,7 +304,6 @@ class JobStore(AttemptStore):
             resumed: list[float] = []
             changed |= record_progress(session, now, progress, resumed)
             changed |= record_stacks(session, now, stacks, set(node_names))
-            changed.update(close_expired(session, now))
             by_workload: dict[int, list[PodReport]] = defaultdict(list)
             for report in reports:
                 by_workload[report.workload_id].append(report)

@@ -7,7 +7,8 @@ to the agent of its node (``DesiredPod.trace``), which takes the stacks of the p
 with py-spy and sends them with its next sync; a pod being stopped keeps running until
 then, so a hang's stacks are those of the hang (the local agent takes them before it
 signals the ranks; the Kubernetes cluster manager does not delete a pod whose stacks are
-awaited). A trace closes when every pod answered or ``stacks_wait_s`` passed, with a
+awaited). A trace closes when every pod answered (in the sync that brings the last answer)
+or ``stacks_wait_s`` passed (the recovery loop's pass, ``TraceStore.close_expired``), with a
 ``job-traced`` event that says where each rank was.
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,10 +19,16 @@ from gpufleet.recovery.fake_nvml import write_control
 
 from ..integration.harness import Hub, wait_for
 from .control_plane import NAMESPACE, ControlPlane
-from .hubs import make_kube_hub
 from .kubelet_helpers import manifest
 from .nodes import NodeSpec
-from .test_jobs import RESUMING, job_pods, jobs_config, running_attempt, submit
+from .test_jobs import (
+    RESUMING,
+    job_pods,
+    running_attempt,
+    running_jobs_hub,
+    submit,
+    wait_node_in_inventory,
+)
 from .tier import CLUSTER_A, CLUSTER_B
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
@@ -45,15 +52,9 @@ c.KubeDrains.eviction_retry_seconds = 1
 
 @pytest.fixture(scope="module")
 def faults_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    config = jobs_config(k8s_tier)
-    hub = make_kube_hub(
-        k8s_tier, Path(tmp_path_factory.mktemp("kube-faults")), config + FAULTS_CONFIG
-    )
-    hub.start()
-    try:
+    root = Path(tmp_path_factory.mktemp("kube-faults"))
+    with running_jobs_hub(k8s_tier, root, FAULTS_CONFIG) as hub:
         yield hub
-    finally:
-        hub.kill_everything()
 
 
 @pytest.fixture
@@ -73,6 +74,25 @@ def agent_reports_its_gpus(hub: Hub) -> None:
         timeout=60,
         what="a-gpu-1's GPUs reported by its node agent",
     )
+
+
+def checkpointing_job_on(hub: Hub, alice: Client, node: str, name: str) -> tuple[int, Any, Any]:
+    """A job running on ``node`` alone (every other node cordoned until it runs), once it
+    saved a checkpoint: its id, its first attempt and that checkpoint."""
+    others = only_on(hub, node)
+    try:
+        job_id = submit(alice, RESUMING, name=name, env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"})
+        first = running_attempt(alice, job_id, 1)
+        assert {a.node for a in first.allocations} == {node}
+    finally:
+        for other in others:
+            hub.controller("POST", f"/nodes/{other}/uncordon").raise_for_status()
+    saved = wait_for(
+        lambda: (p := alice.job(job_id).progress) and p.last_checkpoint,
+        timeout=60,
+        what="a checkpoint saved",
+    )
+    return job_id, first, saved
 
 
 def only_on(hub: Hub, node: str) -> list[str]:
@@ -97,19 +117,7 @@ def test_an_xid_on_a_kubernetes_node_cordons_it_there_and_the_job_resumes_elsewh
     k8s_tier: ControlPlane, faults_hub: Hub, alice: Client
 ) -> None:
     agent_reports_its_gpus(faults_hub)
-    others = only_on(faults_hub, "a-gpu-1")
-    try:
-        job_id = submit(alice, RESUMING, name="xid", env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"})
-        first = running_attempt(alice, job_id, 1)
-        assert {a.node for a in first.allocations} == {"a-gpu-1"}
-    finally:
-        for other in others:
-            faults_hub.controller("POST", f"/nodes/{other}/uncordon").raise_for_status()
-    saved = wait_for(
-        lambda: (p := alice.job(job_id).progress) and p.last_checkpoint,
-        timeout=60,
-        what="a checkpoint saved",
-    )
+    job_id, first, saved = checkpointing_job_on(faults_hub, alice, "a-gpu-1", "xid")
     gpus = declared_fake_gpus(WATCHED)
     blamed = next(g for g in gpus if g.uuid in {a.uuid for a in first.allocations})
     write_control(
@@ -179,20 +187,8 @@ def web_server(plane: ControlPlane, node: str) -> str:
 def test_a_drain_stops_the_job_and_evicts_the_rest_as_its_budget_allows(
     k8s_tier: ControlPlane, faults_hub: Hub, alice: Client
 ) -> None:
-    others = only_on(faults_hub, "a-gpu-2")
-    try:
-        job_id = submit(alice, RESUMING, name="drained", env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"})
-        first = running_attempt(alice, job_id, 1)
-        assert {a.node for a in first.allocations} == {"a-gpu-2"}
-    finally:
-        for other in others:
-            faults_hub.controller("POST", f"/nodes/{other}/uncordon").raise_for_status()
+    job_id, _first, saved = checkpointing_job_on(faults_hub, alice, "a-gpu-2", "drained")
     web = web_server(k8s_tier, "a-gpu-2")
-    saved = wait_for(
-        lambda: (p := alice.job(job_id).progress) and p.last_checkpoint,
-        timeout=60,
-        what="a checkpoint saved",
-    )
     drained = faults_hub.controller(
         "POST", "/nodes/a-gpu-2/drain", json={"reason": "kernel update"}
     )
@@ -255,14 +251,7 @@ def test_a_recycle_deletes_the_node_for_its_node_group_to_replace(
     name = b.spare_node_name()
     b.add_node(NodeSpec(name, "zone-c", gpus=4))
     try:
-        wait_for(
-            lambda: any(
-                n["name"] == name and n["health"] == "ok"
-                for n in faults_hub.controller("GET", "/nodes").json()["items"]
-            ),
-            timeout=30,
-            what="the new node in gpufleet's inventory",
-        )
+        wait_node_in_inventory(faults_hub, name)
         faults_hub.controller(
             "POST", f"/nodes/{name}/recycle", json={"reason": "kernel update"}
         ).raise_for_status()

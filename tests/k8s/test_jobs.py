@@ -5,6 +5,7 @@ launcher and torchrun (CPU PyTorch, gloo) in the session sandbox."""
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,16 +91,21 @@ def jobs_config(plane: ControlPlane) -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def jobs_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    """A hub whose training jobs run as pods on the tier's clusters."""
-    config = jobs_config(k8s_tier)
-    hub = make_kube_hub(k8s_tier, Path(tmp_path_factory.mktemp("kube-jobs")), config)
+@contextlib.contextmanager
+def running_jobs_hub(plane: ControlPlane, root: Path, extra_config: str = "") -> Iterator[Hub]:
+    """A started hub whose training jobs run as pods on the tier's clusters."""
+    hub = make_kube_hub(plane, root, jobs_config(plane) + extra_config)
     hub.start()
     try:
         yield hub
     finally:
         hub.kill_everything()
+
+
+@pytest.fixture(scope="module")
+def jobs_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    with running_jobs_hub(k8s_tier, Path(tmp_path_factory.mktemp("kube-jobs"))) as hub:
+        yield hub
 
 
 @pytest.fixture
@@ -320,6 +326,17 @@ def test_a_pod_the_api_server_refuses_leaves_nothing_and_the_job_queued_with_the
                 api.delete(f"/api/v1/namespaces/{NAMESPACE}/resourcequotas/one-pod")
 
 
+def wait_node_in_inventory(hub: Hub, name: str) -> None:
+    wait_for(
+        lambda: any(
+            n["name"] == name and n["health"] == "ok"
+            for n in hub.controller("GET", "/nodes").json()["items"]
+        ),
+        timeout=30,
+        what=f"node {name} in gpufleet's inventory",
+    )
+
+
 def node_row(hub: Hub, name: str) -> dict[str, Any]:
     nodes = hub.controller("GET", "/nodes").json()["items"]
     return next(n for n in nodes if n["name"] == name)
@@ -418,14 +435,7 @@ def test_a_node_deleted_under_a_job_restarts_it_elsewhere(
         jobs_hub.controller("POST", f"/nodes/{node}/cordon").raise_for_status()
     b.add_node(NodeSpec(name, "zone-c", gpus=4))
     try:
-        wait_for(
-            lambda: any(
-                n["name"] == name and n["health"] == "ok"
-                for n in jobs_hub.controller("GET", "/nodes").json()["items"]
-            ),
-            timeout=30,
-            what="the new node in gpufleet's inventory",
-        )
+        wait_node_in_inventory(jobs_hub, name)
         jobs_hub.controller("POST", "/nodes/b-gpu-1/cordon").raise_for_status()
         job_id = submit(alice, SLEEPER, name="moved")
         first = running_attempt(alice, job_id, 1)

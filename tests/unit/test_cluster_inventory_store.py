@@ -212,8 +212,8 @@ def test_kubernetes_nodes_are_not_lost_for_want_of_an_agent_heartbeat(store: Fle
     assert health(store)["a-gpu-1"] == (NodeHealth.ok, False)
 
 
-def test_an_agent_on_the_node_names_its_gpus_and_the_slots_step_aside(store: FleetStore) -> None:
-    store.clusters.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1", gpus=2)], complete=True)
+def agent_names_its_gpus(store: FleetStore) -> None:
+    """The node agent of a-gpu-1 reports its two GPUs, GPU-real-0 and GPU-real-1."""
     agent_view = NodeSpec(
         name="a-gpu-1",
         cluster="cluster-a",
@@ -222,6 +222,11 @@ def test_an_agent_on_the_node_names_its_gpus_and_the_slots_step_aside(store: Fle
         gpus=(GpuSpec("GPU-real-0", 0), GpuSpec("GPU-real-1", 1)),
     )
     store.nodes.register_nodes(t(2), "agent-a-gpu-1", [agent_view])
+
+
+def test_an_agent_on_the_node_names_its_gpus_and_the_slots_step_aside(store: FleetStore) -> None:
+    store.clusters.sync_cluster_nodes(t(1), "cluster-a", [state("a-gpu-1", gpus=2)], complete=True)
+    agent_names_its_gpus(store)
     assert present_gpus(store, "a-gpu-1") == ["GPU-real-0", "GPU-real-1"]
     assert events(store, "gpu-missing") == []  # slots are not GPUs that went missing
     # The cluster's next word on the node keeps the agent's GPUs and still cordons.
@@ -235,14 +240,7 @@ def test_an_agent_on_the_node_names_its_gpus_and_the_slots_step_aside(store: Fle
 def test_the_recovery_loops_cordon_holds_until_it_reaches_the_cluster(store: FleetStore) -> None:
     nodes = [state("a-gpu-1", gpus=2), state("a-gpu-2", gpus=2)]
     store.clusters.sync_cluster_nodes(t(1), "cluster-a", nodes, complete=True)
-    agent_view = NodeSpec(
-        name="a-gpu-1",
-        cluster="cluster-a",
-        zone="zone-a",
-        gpu_type="A100",
-        gpus=(GpuSpec("GPU-real-0", 0), GpuSpec("GPU-real-1", 1)),
-    )
-    store.nodes.register_nodes(t(2), "agent-a-gpu-1", [agent_view])
+    agent_names_its_gpus(store)
     store.jobs.act_on_xid(t(10), "GPU-real-0", 79)  # a node fault: the loop cordons it
     assert health(store)["a-gpu-1"] == (NodeHealth.ok, True)
     assert store.clusters.recovery_cordons(t(11)) == [("a-gpu-1", "cluster-a", t(10))]
