@@ -452,21 +452,32 @@ class GPUQueueSpawner(_SpawnerBase):
                 self._log_name,
                 e,
             )
-            if self.workload_id is not None:
-                try:
-                    await self.controller.hold(self.workload_id, f"the final snapshot failed: {e}")
-                except ControllerError as held:
-                    self.log.warning("could not tell the controller: %s", held)
-            self._retry_final_snapshot()
+            held = await self._hold(f"the final snapshot failed: {e}")
+            self._retry_final_snapshot(held)
             return
         await self._release("stopped", f"the server stopped; {saved}")
 
+    async def _hold(self, message: str) -> bool:
+        """Tell the controller that the session's GPUs stay allocated (its event is what
+        tells an admin to act); False when it could not be told."""
+        if self.workload_id is None:
+            return True
+        try:
+            await self.controller.hold(self.workload_id, message)
+        except ControllerError as e:
+            self.log.warning("could not tell the controller: %s", e)
+            return False
+        return True
+
     final_snapshot_retry_seconds: float  # the backend's trait
 
-    def _retry_final_snapshot(self) -> None:
+    def _retry_final_snapshot(self, held: bool) -> None:
+        """Retries the final pass in the background; a hold the controller did not take
+        is sent again with each failure, so that an admin always learns of it."""
         workload_id = self.workload_id
 
         async def retry() -> None:
+            told = held
             while True:
                 await asyncio.sleep(self.final_snapshot_retry_seconds)
                 if workload_id is None or await self._released_elsewhere(workload_id):
@@ -475,6 +486,7 @@ class GPUQueueSpawner(_SpawnerBase):
                     saved = await self._final_snapshot()
                 except SnapshotFailed as e:
                     self.log.warning("final snapshot of %s still failing: %s", self._log_name, e)
+                    told = told or await self._hold(f"the final snapshot failed: {e}")
                     continue
                 await self._release("stopped", f"the server stopped; {saved}, retried")
                 return

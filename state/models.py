@@ -598,8 +598,13 @@ class SessionActivity(Base):
     keep_alive_until: Mapped[datetime | None] = mapped_column(default=None)
     warned_at: Mapped[datetime | None] = mapped_column(default=None)
     warned_stop_at: Mapped[datetime | None] = mapped_column(default=None)
-    # {"id", "level", "message", "deadline"}: what the session's notice area shows.
+    # {"id", "level", "message", "deadline"}: the culler's warning the session shows; a
+    # keep-alive or new activity withdraws it.
     notice: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    # What the session's start had to say (restored from a snapshot, culled before), in
+    # the same shape: shown beside the warning, kept until the session ends, so that a
+    # warning never hides it.
+    start_notice: Mapped[dict[str, Any] | None] = mapped_column(default=None)
 
 
 class UserAccount(Base):

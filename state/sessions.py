@@ -192,9 +192,10 @@ class SessionActivityStore(Repository):
     def post_session_notice(
         self, now: datetime, workload_id: int, level: str, message: str
     ) -> None:
-        """A notice the session shows its user (until the culler replaces it)."""
+        """What the session's start tells its user, shown for as long as it runs (beside
+        any warning of the culler, which neither replaces nor withdraws it)."""
         with self._write(now) as session:
-            _activity(session, workload_id).notice = _notice(now, level, message, None)
+            _activity(session, workload_id).start_notice = _notice(now, level, message, None)
 
     def is_running(self, workload_id: int) -> bool:
         """Whether the workload is running now (not stopping, not ended)."""
@@ -311,7 +312,7 @@ class SessionActivityStore(Repository):
 
 def _state(workload: Workload, row: SessionActivity | None) -> SessionState:
     return SessionState(
-        [row.notice] if row is not None and row.notice else [],
+        [n for n in (row.start_notice, row.notice) if n] if row is not None else [],
         row.keep_alive_until if row is not None else None,
         workload.project.name,
         workload.profile or "",

@@ -691,6 +691,23 @@ def test_a_busy_kernel_unmarks_an_idle_session_in_the_same_request(store: FleetS
     assert events(store, "session-active-again") == ["in use again: a kernel is running code"]
 
 
+def test_what_a_session_start_said_stays_beside_the_warnings_that_come_and_go(
+    store: FleetStore,
+) -> None:
+    wid = running_session(store)
+    store.sessions.post_session_notice(t(4), wid, "info", "restored from the snapshot of t(0)")
+
+    def shown() -> list[str]:
+        return [n["message"] for n in store.sessions.session_state(wid, "alice").notices]
+
+    store.sessions.record_idle_decision(t(10), wid, "warn", "idle: stops in 10 s", due_at=t(20))
+    assert shown() == ["Restored from the snapshot of t(0)", "Idle: stops in 10 s"]
+    store.sessions.record_idle_decision(t(11), wid, "withdraw", "in use again")
+    assert shown() == ["Restored from the snapshot of t(0)"]
+    store.sessions.set_keep_alive(t(12), wid, "alice", t(30), timedelta(hours=1))
+    assert shown() == ["Restored from the snapshot of t(0)"]
+
+
 def test_a_report_for_someone_elses_session_finds_nothing(store: FleetStore) -> None:
     from gpufleet.scheduler.errors import NotFound
     from gpufleet.state.sessions import ActivityReport
