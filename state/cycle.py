@@ -118,6 +118,13 @@ class PlannedCycle:
     # ``idle_gpus`` once the decisions are carried out, when asked for (``plan_cycle``).
     idle: Mapping[str, Counter[IdleCause]] | None = None
 
+    @property
+    def writes_nothing(self) -> bool:
+        """Whether the commit has no row to write: most cycles of a fleet where nothing
+        happens."""
+        rows = (self.allocations, self.admitted, self.stopping, self.kept, self.holds)
+        return not any(rows) and not self.events and not self.waits
+
 
 class Outcome(enum.Enum):
     """What became of a planned cycle, for ``settle_cycle``."""
@@ -229,6 +236,10 @@ class SchedulingStore(Repository):
         """Write a planned cycle's decisions, with its first ``waits`` waits rows (all by
         default), in one fenced transaction; False, writing nothing, when something they
         depend on committed since the mirror was read (see the module docstring)."""
+        if planned.writes_nothing:
+            # No transaction: an idle fleet's cycles, several a second, would each cost a
+            # fenced commit. (Stale only when everything must be read again.)
+            return not _stale(planned, self.tracker.since_take())
         with self._write(planned.now) as session:
             # Past the fence: every other write transaction has committed, or waits for
             # this one; ``since_take`` holds what the committed ones changed.

@@ -161,17 +161,16 @@ class WorkloadStore(Repository):
         processes holding its GPUs: it is left to the reconciler, which ends it only once
         nothing carrying the marker runs.
         """
+        lapsed = select(Workload).where(
+            Workload.lease_expires_at < now,
+            (Workload.state == WorkloadState.pending)
+            | ((Workload.state == WorkloadState.admitted) & Workload.process_marker.is_(None)),
+        )
+        with self.read() as session:  # most cycles find none: no write transaction then
+            if session.scalars(lapsed.with_only_columns(Workload.id).limit(1)).first() is None:
+                return []
         with self._write(now) as session:
-            expired = session.scalars(
-                select(Workload).where(
-                    Workload.lease_expires_at < now,
-                    (Workload.state == WorkloadState.pending)
-                    | (
-                        (Workload.state == WorkloadState.admitted)
-                        & Workload.process_marker.is_(None)
-                    ),
-                )
-            ).all()
+            expired = session.scalars(lapsed).all()
             for workload in expired:
                 end_workload(
                     session,

@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 
 def wait_for(
-    condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1
+    condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.25
 ) -> T:
     """Poll ``condition`` until it returns something truthy; fail with ``what`` after timeout."""
     deadline = time.monotonic() + timeout
@@ -59,7 +59,7 @@ c.JupyterHub.load_roles.append({{
                "custom:gpufleet:admin"],
     "services": ["test-admin"],
 }})
-c.AdmissionCycles.interval = 0.2
+c.AdmissionCycles.interval = 0.5
 c.AdmissionCycles.min_run_time_seconds = 0
 c.AdmissionCycles.preemption_retry_seconds = 2
 c.FleetController.request_lease_seconds = 6
@@ -75,7 +75,7 @@ c.RecoveryLoop.hang_check_interval = 1
 c.FleetController.recovery_maintenance = False
 c.LocalGPUSpawner.lease_renew_interval = 1
 c.NodeAgent.heartbeat_interval = 1
-c.NodeAgent.sample_interval = 0.5
+c.NodeAgent.sample_interval = 1
 c.JupyterHub.log_level = "INFO"
 # JupyterHub starts a managed service again once its poll of the service's process finds
 # it dead: every Spawner.poll_interval (30 s) of the spawner each service gets

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select, text
+from sqlalchemy.event import listen, remove
 
 from gpufleet.hub.metrics import ControllerMetrics
 from gpufleet.scheduler.errors import CycleConflict
@@ -94,6 +95,28 @@ def test_the_minimum_run_time_delays_a_reclaim(store: FleetStore) -> None:
     assert store.scheduling.scheduling_cycle(t(6), Policy(min_run_time_s=60)).stops == ()
     assert workload(store, alice).state == WorkloadState.pending
     assert len(store.scheduling.scheduling_cycle(t(64), Policy(min_run_time_s=60)).stops) == 1
+
+
+def test_cycles_over_a_fleet_where_nothing_happens_write_nothing(store: FleetStore) -> None:
+    running = ask(store, t(1), "carol", project="nlp", gpus=4)
+    cycle(store, t(2))
+    store.workloads.mark_running(t(3), running)
+    waiting = ask(store, t(3), "alice", gpus=4)  # no node has 4 free: it waits
+    cycle(store, t(4))
+    commits: list[object] = []
+    count = commits.append  # one bound method, so that ``remove`` finds it
+    listen(store.engine, "commit", count)
+    try:
+        for second in (5, 6, 7):  # what a controller does every interval
+            assert store.workloads.expire_leases(t(second)) == []
+            assert cycle(store, t(second)).admitted == ()
+        assert commits == []
+        # Something to do is still done at once: a request that fits is admitted.
+        fits = ask(store, t(8), "bob", gpus=1)
+        assert [a.workload_id for a in cycle(store, t(8)).admitted] == [fits]
+    finally:
+        remove(store.engine, "commit", count)
+    assert workload(store, waiting).state == WorkloadState.pending
 
 
 def test_the_mirror_follows_committed_changes_only(store: FleetStore) -> None:
