@@ -2,18 +2,26 @@
 dicts out.
 
 An attempt of a job placed on a cluster is a **gang** (:class:`JobGang`): one pod per pod
-of the job, each on the node the scheduler chose, plus three objects the pods share, all
-named ``gf-job-<id>-a<attempt>`` (:func:`gang_name`) and deleted with them:
+of the job, each on the node the scheduler chose. A job of one pod is that pod alone (a
+cluster creating hundreds of them at once makes one object each); a gang of several adds
+what its pods share, named ``gf-job-<id>-a<attempt>`` (:func:`gang_name`) and deleted
+with them (:func:`gang_objects`):
 
-- a ConfigMap with the job's script and the pods' launcher (``clusters/pod_launcher.py``),
-  mounted read-only at :data:`LAUNCH_DIR`;
 - a headless Service whose ``subdomain`` the pods name, so pod *i* is
   ``p<i>.<gang>.<namespace>.svc.cluster.local`` wherever it runs. It publishes pods that
   are not Ready yet: the master's name must resolve while its torchrun starts, and the
   launcher waits for its port, not for the pod to be Ready;
-- a NetworkPolicy letting the gang's pods reach each other on any port and, out of the
-  gang, only the hub, the controller, DNS and the egress the admin lists (the S3 endpoint
-  of checkpoints); nothing else reaches them, so no other user's pod joins the rendezvous.
+- a NetworkPolicy letting the gang's pods reach each other on any port.
+
+Every job pod reads two files at :data:`LAUNCH_DIR`: the launcher
+(``clusters/pod_launcher.py``), from one ConfigMap per cluster named after its content
+(:func:`launcher_config_map`), and the job's script, from the pod's own annotation
+(:data:`SCRIPT_ANNOTATION`, through the downward API) or, for a script too large for an
+annotation, from a ConfigMap of the attempt's. One NetworkPolicy per namespace
+(:func:`jobs_network_policy`) isolates every job pod: nothing reaches in, and out only the
+hub, the controller, DNS and the egress the admin lists (the S3 endpoint of checkpoints);
+so no other user's pod joins a rendezvous. Policies add up: a gang's own lets its pods
+reach each other besides.
 
 Each attempt has objects of its own, never reusing an earlier attempt's names: a pod of the
 attempt before may still be terminating on a node that stopped answering, and a name it
@@ -34,6 +42,7 @@ marker, which the reconciler maps back to the job's) and ``gpufleet.io/attempt``
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -75,8 +84,17 @@ JOB_LABELS: Mapping[str, str] = MappingProxyType(
     {"app.kubernetes.io/managed-by": "gpufleet", "app.kubernetes.io/component": "job"}
 )
 CONTAINER_NAME = "torchrun"
-LAUNCH_DIR = "/var/run/gpufleet/job"  # the ConfigMap: the script and the launcher
+LAUNCH_DIR = "/var/run/gpufleet/job"  # the script and the launcher
 LAUNCHER_KEY = "gpufleet-launch.py"
+SCRIPT_ANNOTATION = LABEL_PREFIX + "script"
+# A script up to this size travels in its pods' annotation; a larger one in a ConfigMap of
+# the attempt's. Well under the API server's 256 KiB of annotations per object, because
+# every pass of the cluster manager lists every job pod of its cluster, annotations and all.
+INLINE_SCRIPT_BYTES = 16 * 1024
+JOBS_NETWORK_POLICY = "gf-jobs"
+LAUNCHER_LABELS: Mapping[str, str] = MappingProxyType(
+    {"app.kubernetes.io/managed-by": "gpufleet", "app.kubernetes.io/component": "job-launcher"}
+)
 RENDEZVOUS_PORT_NAME = "rendezvous"
 HOST_IP_VARIABLE = "GPUFLEET_HOST_IP"
 DEFAULT_JOB_PRIORITY_CLASS = "gpufleet-job"
@@ -107,13 +125,20 @@ PLATFORM_VARIABLES = frozenset(
 
 
 def launcher_text() -> str:
-    """The launcher every job pod runs first (its text goes into the gang's ConfigMap)."""
+    """The launcher every job pod runs first (:func:`launcher_config_map` holds it)."""
     return (Path(__file__).parent / "pod_launcher.py").read_text(encoding="utf-8")
 
 
+def launcher_config_map_name() -> str:
+    """Named after its content: a new gpufleet's pods get its launcher, while the pods of
+    the one before keep theirs."""
+    digest = hashlib.sha256(launcher_text().encode()).hexdigest()[:12]
+    return f"gf-job-launcher-{digest}"
+
+
 def gang_name(workload_id: int, attempt: int) -> str:
-    """The name of an attempt's Service, ConfigMap and NetworkPolicy; its pods' names add
-    ``-<index>``."""
+    """The name of an attempt's Service, NetworkPolicy and script ConfigMap, where it has
+    them; its pods' names add ``-<index>``."""
     return f"gf-job-{workload_id}-a{attempt}"
 
 
@@ -212,8 +237,16 @@ class JobGang:
     def pod_name(self, index: int) -> str:
         return f"{self.name}-{index}"
 
+    @property
+    def script_inline(self) -> bool:
+        """Whether the script travels in the pods' annotation (else in a ConfigMap)."""
+        return len(self.script.encode()) <= INLINE_SCRIPT_BYTES
+
     def master_address(self) -> str:
-        """Pod 0's stable name, as the cluster's DNS answers it."""
+        """Pod 0's stable name, as the cluster's DNS answers it ('localhost' for a job of
+        one pod, whose torchrun needs no Service: it rendezvouses with itself)."""
+        if self.pods == 1:
+            return "localhost"
         return f"p0.{self.name}.{self.namespace}.svc.cluster.local"
 
 
@@ -245,13 +278,60 @@ def _metadata(gang: JobGang, name: str, **extra: str) -> Manifest:
 
 
 # ------------------------------------------------------------------ the shared objects
+def launcher_config_map(namespace: str) -> Manifest:
+    """The launcher, one ConfigMap per namespace (:func:`launcher_config_map_name`)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": launcher_config_map_name(),
+            "namespace": namespace,
+            "labels": dict(LAUNCHER_LABELS),
+        },
+        "data": {LAUNCHER_KEY: launcher_text()},
+    }
+
+
+def jobs_network_policy(
+    namespace: str,
+    *,
+    hub: Endpoint,
+    controller: Endpoint,
+    dns: Peer | None = KUBE_DNS,
+    extra_egress: Sequence[Endpoint] = (),
+) -> Manifest:
+    """Every job pod of the namespace: nothing reaches in; out, only the hub, the
+    controller, DNS and ``extra_egress``. A gang's own policy adds its pods to each
+    other."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": JOBS_NETWORK_POLICY,
+            "namespace": namespace,
+            "labels": dict(LAUNCHER_LABELS),
+        },
+        "spec": {
+            "podSelector": {"matchLabels": dict(JOB_LABELS)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [],
+            "egress": [
+                hub.rule(),
+                controller.rule(),
+                *dns_egress(dns),
+                *(e.rule() for e in extra_egress),
+            ],
+        },
+    }
+
+
 def gang_config_map(gang: JobGang) -> Manifest:
-    """The script and the launcher, as files of the pods' :data:`LAUNCH_DIR`."""
+    """A script too large for an annotation, as the file of the pods' :data:`LAUNCH_DIR`."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(gang, gang.name),
-        "data": {LAUNCHER_KEY: launcher_text(), gang.script_name: gang.script},
+        "data": {gang.script_name: gang.script},
     }
 
 
@@ -277,19 +357,11 @@ def gang_service(gang: JobGang) -> Manifest:
     }
 
 
-def gang_network_policy(
-    gang: JobGang,
-    *,
-    hub: Endpoint,
-    controller: Endpoint,
-    dns: Peer | None = KUBE_DNS,
-    extra_egress: Sequence[Endpoint] = (),
-) -> Manifest:
+def gang_network_policy(gang: JobGang) -> Manifest:
     """The attempt's NetworkPolicy: its pods reach each other on every port (torchrun's
-    store, the collectives' own ports); out of the gang only the hub, the controller, DNS
-    and ``extra_egress``; no one else reaches in."""
+    store, the collectives' own ports). What else they reach is the namespace's
+    (:func:`jobs_network_policy`)."""
     own = Peer(pod_labels=_selector(gang))
-    dns_rules = dns_egress(dns)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -298,15 +370,18 @@ def gang_network_policy(
             "podSelector": {"matchLabels": _selector(gang)},
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [{"from": [own.manifest()]}],
-            "egress": [
-                {"to": [own.manifest()]},
-                hub.rule(),
-                controller.rule(),
-                *dns_rules,
-                *(e.rule() for e in extra_egress),
-            ],
+            "egress": [{"to": [own.manifest()]}],
         },
     }
+
+
+def gang_objects(gang: JobGang) -> list[Manifest]:
+    """What the attempt's pods share, created before them: nothing for a job of one pod
+    whose script fits its annotation."""
+    objects = [] if gang.script_inline else [gang_config_map(gang)]
+    if gang.pods > 1:
+        objects += [gang_service(gang), gang_network_policy(gang)]
+    return objects
 
 
 # ------------------------------------------------------------------ the pods
@@ -384,7 +459,7 @@ def _container(gang: JobGang, index: int) -> Manifest:
         # them in its termination message, which becomes the job's reason.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if index == 0:
+    if index == 0 and gang.pods > 1:
         container["ports"] = [
             {
                 "name": RENDEZVOUS_PORT_NAME,
@@ -395,6 +470,32 @@ def _container(gang: JobGang, index: int) -> Manifest:
     return container
 
 
+def _launch_volume(gang: JobGang) -> Manifest:
+    """:data:`LAUNCH_DIR`: the launcher and the script, read-only."""
+    script: Manifest
+    if gang.script_inline:
+        field_path = f"metadata.annotations['{SCRIPT_ANNOTATION}']"
+        script = {
+            "downwardAPI": {
+                "items": [
+                    {
+                        "path": gang.script_name,
+                        "fieldRef": {"apiVersion": "v1", "fieldPath": field_path},
+                    }
+                ]
+            }
+        }
+    else:
+        script = {"configMap": {"name": gang.name}}
+    return {
+        "name": "gpufleet-job",
+        "projected": {
+            "defaultMode": 0o444,
+            "sources": [{"configMap": {"name": launcher_config_map_name()}}, script],
+        },
+    }
+
+
 def gang_pod(gang: JobGang, index: int) -> Manifest:
     """Pod ``index`` of the attempt, on ``gang.nodes[index]``."""
     if not 0 <= index < gang.pods:
@@ -403,9 +504,12 @@ def gang_pod(gang: JobGang, index: int) -> Manifest:
     metadata = _metadata(gang, gang.pod_name(index), **{POD_INDEX_LABEL: str(index)})
     metadata["labels"][MARKER_LABEL] = label_value(marker)
     metadata["annotations"][MARKER_LABEL] = marker
-    spec: Manifest = {
-        "hostname": f"p{index}",
-        "subdomain": gang.name,
+    if gang.script_inline:
+        metadata["annotations"][SCRIPT_ANNOTATION] = gang.script
+    spec: Manifest = {}
+    if gang.pods > 1:  # its stable name, p<i>.<gang>, under the gang's Service
+        spec |= {"hostname": f"p{index}", "subdomain": gang.name}
+    spec |= {
         "affinity": {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
@@ -443,13 +547,7 @@ def gang_pod(gang: JobGang, index: int) -> Manifest:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [_container(gang, index)],
-        "volumes": [
-            {
-                "name": "gpufleet-job",
-                "configMap": {"name": gang.name, "defaultMode": 0o444},
-            },
-            *(v.manifest() for v in gang.volumes),
-        ],
+        "volumes": [_launch_volume(gang), *(v.manifest() for v in gang.volumes)],
     }
     return {
         "apiVersion": "v1",

@@ -10,11 +10,14 @@ objects of attempts that are over) and syncs the pods' reports and the leftovers
 So the attempts, the failure classifier, the retry budget and the GPUs' release are the
 local backend's, unchanged.
 
-Creating a gang: its ConfigMap, Service and NetworkPolicy, then every pod at once. If the
-API server refuses any of them (admission, RBAC, quota, a bad field), whatever was made is
-deleted at once and the gang's pods are reported failed with the server's words
-(``CreateRefused``): nothing of it runs or holds GPUs, and the job goes back to the queue
-within its retry budget with that reason.
+Creating a gang: what its pods share (``job_manifests.gang_objects``: nothing for a job
+of one pod), then every pod at once. If the API server refuses any of them (admission,
+RBAC, quota, a bad field), whatever was made is deleted at once and the gang's pods are
+reported failed with the server's words (``CreateRefused``): nothing of it runs or holds
+GPUs, and the job goes back to the queue within its retry budget with that reason. What
+every job pod of the namespace shares (the launcher's ConfigMap, the jobs' NetworkPolicy)
+is made before the first gang, and made again, at most once a minute, should someone
+delete it.
 """
 
 from __future__ import annotations
@@ -34,15 +37,17 @@ from .job_manifests import (
     ATTEMPT_LABEL,
     JOB_LABELS,
     JobGang,
-    gang_config_map,
-    gang_network_policy,
+    gang_objects,
     gang_pod,
-    gang_service,
+    jobs_network_policy,
+    launcher_config_map,
 )
 from .kube_config import ClusterSettings, api_client
 from .manifests import WORKLOAD_LABEL, Endpoint, Peer, Toleration, Volume
 
 REQUEST_TIMEOUT_S = 15
+# How long the namespace's shared objects, once made, are taken to exist without asking.
+SHARED_OBJECTS_RECHECK_S = 60.0
 
 
 class JobsState(Protocol):
@@ -108,6 +113,7 @@ class ClusterJobs:
         self.api: Any = None
         self.leftovers: list[str] = []  # part markers whose pods must go (the last sync's)
         self.refusals: list[PodReport] = []  # gangs refused since the last sync
+        self._shared_made_at: float | None = None  # the namespace's launcher and policy
 
     async def start(self) -> None:
         self.api = await api_client(self.cluster)
@@ -127,13 +133,13 @@ class ClusterJobs:
         listed = await self._list()
         if listed is None:
             return [], False
-        pods, ports = listed
+        pods, ports, gangs = listed
         desired = await asyncio.to_thread(self.store.jobs.desired_pods, node_names, True)
         plan = plan_pass(
             desired,
             [p for p in (read_pod(pod) for pod in pods) if p is not None],
             self.leftovers,
-            ports,
+            gangs,
             self.memory,
             time.monotonic(),
             self.settings.start_deadline_s,
@@ -155,9 +161,9 @@ class ClusterJobs:
         self.leftovers = [left.marker for left in result.leftovers]
         return list(result.changed), bool(result.released)
 
-    async def _list(self) -> tuple[list[dict[str, Any]], dict[str, int]] | None:
-        """The cluster's job pods (as JSON) and its gangs' Services (name → rendezvous
-        port); None when it cannot list them."""
+    async def _list(self) -> tuple[list[dict[str, Any]], dict[str, int], set[str]] | None:
+        """The cluster's job pods (as JSON), its gangs' Services (name → rendezvous port)
+        and the names of every gang's shared objects; None when it cannot list them."""
         from kubernetes_asyncio import client
 
         selector = ",".join(f"{k}={v}" for k, v in sorted(JOB_LABELS.items()))
@@ -172,8 +178,13 @@ class ClusterJobs:
             )
             async with response:
                 pods = json.loads(await response.read()).get("items", [])
-            services = await core.list_namespaced_service(
-                namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
+            services, config_maps = await asyncio.gather(
+                core.list_namespaced_service(
+                    namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
+                ),
+                core.list_namespaced_config_map(
+                    namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
+                ),
             )
         except Exception as e:  # noqa: BLE001 - any failure: this pass cannot see the cluster
             self.log.warning("cluster %s: cannot list job pods: %s", self.cluster.name, e)
@@ -182,7 +193,8 @@ class ClusterJobs:
             s.metadata.name: int(s.spec.ports[0].port) if s.spec.ports else 0
             for s in services.items
         }
-        return pods, ports
+        gangs = set(ports) | {c.metadata.name for c in config_maps.items}
+        return pods, ports, gangs
 
     async def _act(
         self, plan: Pass, desired: Sequence[DesiredPod], ports: Mapping[str, int]
@@ -190,15 +202,57 @@ class ClusterJobs:
         by_gang: dict[tuple[int, int], list[DesiredPod]] = {}
         for want in desired:
             by_gang.setdefault((want.workload_id, want.attempt), []).append(want)
-        taken = set(ports.values())
         creating = []
+        refused = await self._make_shared_objects() if plan.create else ""
+        taken = set(ports.values())
         for gang in plan.create:
+            if refused:
+                self.memory.created_at[gang] = time.monotonic()
+                self._refuse(gang, by_gang[gang], refused)
+                continue
             port = self._free_port(taken)
-            taken.add(port)
+            if by_gang[gang][0].pods > 1:  # a job of one pod picks its own port
+                taken.add(port)
             creating.append(self._create(gang, by_gang[gang], port))
         work = [self._delete_pod(name) for name in plan.delete]
         work += [self._delete_gang_objects(name) for name in plan.orphan_gangs]
         await asyncio.gather(*creating, *work)
+
+    async def _make_shared_objects(self) -> str:
+        """Make what every job pod of the namespace shares, unless made within the last
+        ``SHARED_OBJECTS_RECHECK_S``; what the API server refused, in words ('' if none)."""
+        from kubernetes_asyncio import client
+
+        made = self._shared_made_at
+        if made is not None and time.monotonic() - made < SHARED_OBJECTS_RECHECK_S:
+            return ""
+        settings = self.settings
+        namespace = self.cluster.namespace
+        policy = jobs_network_policy(
+            namespace,
+            hub=settings.hub,
+            controller=settings.controller,
+            dns=settings.dns,
+            extra_egress=settings.extra_egress,
+        )
+        try:
+            await _create_one(
+                client.CoreV1Api(self.api).create_namespaced_config_map,
+                namespace,
+                launcher_config_map(namespace),
+            )
+            await _create_one(
+                client.NetworkingV1Api(self.api).create_namespaced_network_policy,
+                namespace,
+                policy,
+            )
+        except Exception as e:  # noqa: BLE001 - reported as every gang's reason
+            return (
+                f"cluster {self.cluster.name} refused what every job pod needs, the "
+                f"launcher's ConfigMap and the jobs' NetworkPolicy ({_describe(e)})"
+            )
+        self._shared_made_at = time.monotonic()
+        return ""
 
     def _free_port(self, taken: set[int]) -> int:
         """The first rendezvous port of the range no live gang of the cluster uses (on a
@@ -222,19 +276,15 @@ class ClusterJobs:
             return
         core: Any = client.CoreV1Api(self.api)
         networking: Any = client.NetworkingV1Api(self.api)
+        creators = {
+            "ConfigMap": core.create_namespaced_config_map,
+            "Service": core.create_namespaced_service,
+            "NetworkPolicy": networking.create_namespaced_network_policy,
+        }
         namespace = gang.namespace
-        settings = self.settings
         try:
-            await _create_one(core.create_namespaced_config_map, namespace, gang_config_map(gang))
-            await _create_one(core.create_namespaced_service, namespace, gang_service(gang))
-            policy = gang_network_policy(
-                gang,
-                hub=settings.hub,
-                controller=settings.controller,
-                dns=settings.dns,
-                extra_egress=settings.extra_egress,
-            )
-            await _create_one(networking.create_namespaced_network_policy, namespace, policy)
+            for shared in gang_objects(gang):
+                await _create_one(creators[shared["kind"]], namespace, shared)
             made = await asyncio.gather(
                 *(
                     _create_one(core.create_namespaced_pod, namespace, gang_pod(gang, i))

@@ -2,7 +2,7 @@
 
 It runs inside the researcher's pod, with the job's own interpreter, so it uses the
 standard library alone and never imports gpufleet: the cluster manager puts this file's
-text into the job's ConfigMap next to the script (``clusters/job_manifests.py``).
+text into a ConfigMap the pods mount beside the script (``clusters/job_manifests.py``).
 
 Why wait at all: a pod's stable name (``p0.<service>``) resolves as soon as the master pod
 has an address, seconds before its torchrun listens; torchrun's workers that connect too
@@ -15,6 +15,8 @@ replaces itself (``exec``) with::
     <python> -m torch.distributed.run --nnodes=<pods> --node-rank=<pod index>
         --nproc-per-node=<gpus per pod> --master-addr=<addr> --master-port=<port>
         --tee=3 <script> <args...>
+
+(a job of one pod: ``--nnodes=1 --standalone`` in place of the rank and the master).
 
 A master that never listens ends the pod with exit status ``RENDEZVOUS_EXIT`` and a last
 line on stderr naming what it waited for and how long, which becomes the job's reason.
@@ -77,16 +79,25 @@ def wait_for_port(
 
 
 def torchrun_argv(python: str, env: Mapping[str, str], args: Sequence[str]) -> list[str]:
-    """torchrun's command line for this pod, from the variables its manifest sets."""
+    """torchrun's command line for this pod, from the variables its manifest sets. A job
+    of one pod rendezvouses with itself (``--standalone``: on a port its torchrun picks)."""
+    pods = int(env["GPUFLEET_PODS"])
+    gpus = f"--nproc-per-node={int(env['GPUFLEET_GPUS_PER_POD'])}"
+    if pods == 1:
+        placement = ["--nnodes=1", "--standalone", gpus]
+    else:
+        placement = [
+            f"--nnodes={pods}",
+            f"--node-rank={int(env['GPUFLEET_POD_INDEX'])}",
+            gpus,
+            f"--master-addr={env['GPUFLEET_MASTER_ADDR']}",
+            f"--master-port={int(env['GPUFLEET_MASTER_PORT'])}",
+        ]
     return [
         python,
         "-m",
         "torch.distributed.run",
-        f"--nnodes={int(env['GPUFLEET_PODS'])}",
-        f"--node-rank={int(env['GPUFLEET_POD_INDEX'])}",
-        f"--nproc-per-node={int(env['GPUFLEET_GPUS_PER_POD'])}",
-        f"--master-addr={env['GPUFLEET_MASTER_ADDR']}",
-        f"--master-port={int(env['GPUFLEET_MASTER_PORT'])}",
+        *placement,
         # Each rank's stdout and stderr on the pod's own, each line marked with its rank
         # (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE): the node agent reads them from there.
         "--tee=3",

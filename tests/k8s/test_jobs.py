@@ -1,7 +1,8 @@
 """Training jobs on the tier's two clusters, end to end: the SDK submits to the real
 controller, the scheduler places the gang in one cluster and zone, the cluster manager
-creates its pods, Service, ConfigMap and NetworkPolicy, and the test kubelets run each pod's
-launcher and torchrun (CPU PyTorch, gloo) in the session sandbox."""
+creates its pods (and, for a gang of several, its Service and NetworkPolicy), and the test
+kubelets run each pod's launcher and torchrun (CPU PyTorch, gloo) in the session
+sandbox."""
 
 from __future__ import annotations
 
@@ -124,6 +125,24 @@ def job_pods(plane: ControlPlane, cluster: str, job_id: int) -> list[dict[str, A
         return list(listed.json()["items"])
 
 
+def shared_objects(plane: ControlPlane, cluster: str, job_id: int) -> list[str]:
+    """The job's Services, ConfigMaps and NetworkPolicies in the cluster, as kind/name."""
+    found = []
+    with plane[cluster].rest() as api:
+        for collection in (
+            f"/api/v1/namespaces/{NAMESPACE}/services",
+            f"/api/v1/namespaces/{NAMESPACE}/configmaps",
+            f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies",
+        ):
+            listed = api.get(collection, params={"labelSelector": f"gpufleet.io/workload={job_id}"})
+            listed.raise_for_status()
+            found += [
+                f"{collection.rsplit('/', 1)[1]}/{o['metadata']['name']}"
+                for o in listed.json()["items"]
+            ]
+    return sorted(found)
+
+
 def pod_output(plane: ControlPlane, pod: str) -> str:
     """What the pod's container wrote, from whichever test kubelet ran it ("" while none
     has)."""
@@ -180,11 +199,53 @@ def test_a_two_pod_job_all_reduces_across_its_pods_in_one_cluster_and_zone(
     assert "the master pod p0.gf-job-" in "".join(alice.logs(job_id, rank=-2))
     # Every object of the gang goes once the job has ended.
     wait_for(
-        lambda: not any(job_pods(k8s_tier, c, job_id) for c in (CLUSTER_A, CLUSTER_B)),
+        lambda: (
+            not any(
+                job_pods(k8s_tier, c, job_id) or shared_objects(k8s_tier, c, job_id)
+                for c in (CLUSTER_A, CLUSTER_B)
+            )
+        ),
         timeout=30,
-        what="the job's pods deleted after it ended",
+        what="the job's pods, Service and NetworkPolicy deleted after it ended",
     )
     assert not job.allocations
+
+
+ALL_REDUCE_THEN_WAIT = ALL_REDUCE.replace(
+    "dist.destroy_process_group()", "import time; time.sleep(3600)"
+)
+
+
+def test_a_job_of_one_pod_is_that_pod_alone_and_its_ranks_rendezvous_by_themselves(
+    k8s_tier: ControlPlane, alice: Client
+) -> None:
+    job_id = submit(alice, ALL_REDUCE_THEN_WAIT, name="alone", gpus=2, gpus_per_pod=2)
+    for rank in range(2):
+        wait_for(
+            lambda rank=rank: "".join(alice.logs(job_id, rank=rank)).startswith(
+                f"rank {rank}/2 pod 0 sum 3 "
+            ),
+            timeout=120,
+            what=f"rank {rank} past its all-reduce",
+        )
+    [cluster] = [c for c in (CLUSTER_A, CLUSTER_B) if job_pods(k8s_tier, c, job_id)]
+    assert [p["metadata"]["name"] for p in job_pods(k8s_tier, cluster, job_id)] == [
+        f"gf-job-{job_id}-a1-0"
+    ]
+    assert shared_objects(k8s_tier, cluster, job_id) == []  # no Service, policy or ConfigMap
+    # What every job pod of the namespace shares: the launcher, and the jobs' policy.
+    with k8s_tier[cluster].rest() as api:
+        launchers = api.get(
+            f"/api/v1/namespaces/{NAMESPACE}/configmaps",
+            params={"labelSelector": "app.kubernetes.io/component=job-launcher"},
+        ).json()["items"]
+        assert [c["metadata"]["name"][:16] for c in launchers] == ["gf-job-launcher-"]
+        policy = api.get(
+            f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies/gf-jobs"
+        )
+        assert policy.status_code == 200, policy.text
+    alice.cancel(job_id)
+    assert alice.wait(job_id, timeout=90).outcome == "cancelled"
 
 
 OUT_OF_MEMORY = textwrap.dedent(

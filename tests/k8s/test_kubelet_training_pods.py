@@ -384,6 +384,57 @@ async def test_a_config_map_volume_brings_the_chosen_keys_with_their_mode(
         await spawner_a.delete_namespaced_config_map(name, NAMESPACE)
 
 
+async def test_a_projected_volume_joins_a_config_map_and_the_pods_own_annotation(
+    kubelets: ControlPlane, spawner_a: client.CoreV1Api
+) -> None:
+    cluster = kubelets[CLUSTER_A]
+    name = f"launcher-{uuid.uuid4().hex[:6]}"
+    body = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name},
+        "data": {"launch.sh": "echo launching\n"},
+    }
+    await spawner_a.create_namespaced_config_map(NAMESPACE, cast(client.V1ConfigMap, body))
+    script = "print('from the annotation')\n"
+    annotation = "metadata.annotations['example.org/script']"
+    pod = manifest(
+        "projected",
+        ["sh", "-c", "ls /job; stat -L -c %a /job/train.py; sh /job/launch.sh; cat /job/train.py"],
+        container={"volumeMounts": [{"name": "job", "mountPath": "/job", "readOnly": True}]},
+        volumes=[
+            {
+                "name": "job",
+                "projected": {
+                    "defaultMode": 0o444,
+                    "sources": [
+                        {"configMap": {"name": name}},
+                        {
+                            "downwardAPI": {
+                                "items": [
+                                    {
+                                        "path": "train.py",
+                                        "fieldRef": {"fieldPath": annotation},
+                                    }
+                                ]
+                            }
+                        },
+                    ],
+                },
+            }
+        ],
+    )
+    pod["metadata"]["annotations"] = {"example.org/script": script}
+    try:
+        async with pods(spawner_a, pod) as (pod_name,):
+            await phase(spawner_a, pod_name, "Succeeded")
+            assert await logged(cluster, NODE, pod_name, "from the annotation") == (
+                f"launch.sh\ntrain.py\n444\nlaunching\n{script}"
+            )
+    finally:
+        await spawner_a.delete_namespaced_config_map(name, NAMESPACE)
+
+
 async def test_a_failed_container_says_why_in_its_termination_message_when_asked(
     kubelets: ControlPlane, spawner_a: client.CoreV1Api
 ) -> None:

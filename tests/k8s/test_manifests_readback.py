@@ -6,6 +6,7 @@ compared with what was sent."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +19,8 @@ from gpufleet.clusters.job_manifests import (
     gang_network_policy,
     gang_pod,
     gang_service,
+    jobs_network_policy,
+    launcher_config_map,
 )
 from gpufleet.clusters.manifests import (
     Endpoint,
@@ -150,19 +153,26 @@ def test_every_field_of_a_job_gangs_objects_is_kept(
         )
         assert made.status_code in (201, 409), made.text
     core = f"/api/v1/namespaces/{NAMESPACE}"
+    policies = f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies"
+    alone = replace(gang, workload_id=9003, nodes=("a-gpu-1",))  # one pod: its script inline
+    # The namespace's own two under other names: the tier's hubs use theirs.
+    launcher = launcher_config_map(NAMESPACE)
+    jobs_policy = jobs_network_policy(
+        NAMESPACE,
+        hub=Endpoint(Peer(cidr="127.0.0.1/32"), (8081,)),
+        controller=Endpoint(Peer(cidr="127.0.0.1/32"), (8003,)),
+    )
+    for shared in (launcher, jobs_policy):
+        shared["metadata"]["name"] += "-readback"
     objects = [
+        (f"{core}/configmaps", launcher),
+        (policies, jobs_policy),
         (f"{core}/configmaps", gang_config_map(gang)),
         (f"{core}/services", gang_service(gang)),
-        (
-            f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies",
-            gang_network_policy(
-                gang,
-                hub=Endpoint(Peer(cidr="127.0.0.1/32"), (8081,)),
-                controller=Endpoint(Peer(cidr="127.0.0.1/32"), (8003,)),
-            ),
-        ),
+        (policies, gang_network_policy(gang)),
         (f"{core}/pods", gang_pod(gang, 0)),
         (f"{core}/pods", gang_pod(gang, 1)),
+        (f"{core}/pods", gang_pod(alone, 0)),
     ]
     for collection, body in objects:
         created.append((collection, body["metadata"]["name"]))

@@ -11,7 +11,10 @@ machine, bound into the container's sandbox at each ``volumeMount``'s ``mountPat
 - ``persistentVolumeClaim``: the claim's bound PersistentVolume, which must be a static one
   whose source is ``hostPath`` or ``local`` (there is nothing else to mount);
 - ``secret`` and ``configMap``: their keys (or ``items``) written as files into a directory
-  of the pod's own, shown read-only.
+  of the pod's own, shown read-only;
+- ``projected``: its ``configMap``, ``secret`` and ``downwardAPI`` sources' files in one
+  such directory (the downward API's ``fieldRef``s of the pod's own metadata: its name,
+  namespace, uid, and its labels' or annotations' values, one or all).
 
 Any other kind fails the pod (:class:`VolumeUnsupported`); a claim that is not bound yet, or
 an object the node may not read yet (the Node authorizer learns of a pod's references a
@@ -28,7 +31,7 @@ from typing import Any
 
 from .podspec import DataLookup, Manifest, PodSpecError
 
-SUPPORTED = ("hostPath", "emptyDir", "persistentVolumeClaim", "secret", "configMap")
+SUPPORTED = ("hostPath", "emptyDir", "persistentVolumeClaim", "secret", "configMap", "projected")
 _KINDS = (
     *SUPPORTED,
     "projected",
@@ -99,7 +102,7 @@ def prepare_volumes(pod: Manifest, directory: Path, lookups: VolumeLookups) -> d
             raise VolumeUnsupported(
                 f'volume "{name}" is of kind {kind}: the test kubelet mounts only '
                 "hostPath, emptyDir, persistentVolumeClaim (bound to a static hostPath or local "
-                "PersistentVolume), secret and configMap volumes"
+                "PersistentVolume), secret, configMap and projected volumes"
             )
         own = directory / name
         source: Manifest = volume[kind] or {}
@@ -111,15 +114,64 @@ def prepare_volumes(pod: Manifest, directory: Path, lookups: VolumeLookups) -> d
             result[name] = Volume(own)
         elif kind == "persistentVolumeClaim":
             result[name] = _claimed(name, source, lookups)
+        elif kind == "projected":
+            default = int(source.get("defaultMode", _DEFAULT_MODE))
+            for part in source.get("sources") or []:
+                [(part_kind, part_source)] = part.items()
+                part_source = {"defaultMode": default, **(part_source or {})}
+                if part_kind == "downwardAPI":
+                    _write_downward(own, pod, part_source)
+                elif part_kind in ("secret", "configMap"):
+                    _write_object(own, name, part_kind, part_source, lookups)
+                else:
+                    raise VolumeUnsupported(
+                        f'projected volume "{name}": the test kubelet projects only '
+                        f"configMap, secret and downwardAPI sources, not {part_kind}"
+                    )
+            result[name] = Volume(own, read_only=True)
         else:
-            lookup = lookups.secret if kind == "secret" else lookups.config_map
-            object_name = str(source.get("secretName" if kind == "secret" else "name", ""))
-            data = lookup(object_name)
-            if data is None and not source.get("optional"):
-                raise VolumeNotReady(f'{kind} "{object_name}" of volume "{name}" not found')
-            _write_files(own, data or {}, source)
+            _write_object(own, name, kind, source, lookups)
             result[name] = Volume(own, read_only=True)
     return result
+
+
+def _write_object(
+    own: Path, name: str, kind: str, source: Manifest, lookups: VolumeLookups
+) -> None:
+    """A Secret's or a ConfigMap's files (a volume's, or a projected volume's source)."""
+    # A projected source names its Secret "name"; a volume of its own, "secretName".
+    object_name = str(source.get("secretName") or source.get("name") or "")
+    data = (lookups.secret if kind == "secret" else lookups.config_map)(object_name)
+    if data is None and not source.get("optional"):
+        raise VolumeNotReady(f'{kind} "{object_name}" of volume "{name}" not found')
+    _write_files(own, data or {}, source)
+
+
+def _write_downward(directory: Path, pod: Manifest, source: Manifest) -> None:
+    """The downward API's files of the pod's own metadata, as the kubelet writes them."""
+    metadata = pod.get("metadata") or {}
+    default = int(source.get("defaultMode", _DEFAULT_MODE))
+    for item in source.get("items") or []:
+        field_path = str((item.get("fieldRef") or {}).get("fieldPath", ""))
+        whole, _, key = field_path.partition("[")
+        if whole in ("metadata.labels", "metadata.annotations"):
+            values = metadata.get(whole.removeprefix("metadata.")) or {}
+            if key:
+                text = str(values.get(key.rstrip("]").strip("'\""), ""))
+            else:
+                text = "\n".join(f'{k}="{v}"' for k, v in sorted(values.items()))
+        elif field_path in ("metadata.name", "metadata.namespace", "metadata.uid"):
+            text = str(metadata.get(field_path.removeprefix("metadata.")) or "")
+        else:
+            raise VolumeUnsupported(
+                f"downwardAPI item {item.get('path')!r}: the test kubelet gives only the "
+                f"pod's metadata (name, namespace, uid, labels, annotations), not {field_path}"
+            )
+        target = directory / _inside(str(item["path"]), f"item {item['path']!r}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(directory, 0o755)
+        target.write_text(text, encoding="utf-8", errors="surrogateescape")
+        os.chmod(target, int(item.get("mode", default)))
 
 
 def _host_path(name: str, source: Manifest) -> Path:

@@ -1,20 +1,27 @@
 """The objects of a job's attempt on Kubernetes (``clusters/job_manifests.py``): literal
 results, the API's schemas (``kubernetes-validate --strict``), who may reach the pods (the
-pure NetworkPolicy evaluator) and refusals that say what to fix."""
+pure NetworkPolicy evaluator, over the namespace's policy and the gang's together), what a
+job of one pod is made of, and refusals that say what to fix."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import kubernetes_validate
 import pytest
 
 from gpufleet.clusters.job_manifests import (
+    INLINE_SCRIPT_BYTES,
     JobGang,
     gang_config_map,
     gang_network_policy,
+    gang_objects,
     gang_pod,
     gang_service,
+    jobs_network_policy,
+    launcher_config_map,
+    launcher_config_map_name,
     launcher_text,
 )
 from gpufleet.clusters.manifests import Endpoint, Peer
@@ -86,6 +93,7 @@ def test_pod_1_of_a_gang_is_pinned_to_its_node_and_names_the_master() -> None:
                 "gpufleet.io/user": "ann@example.org",
                 "gpufleet.io/project": "vision",
                 "gpufleet.io/marker": "5f0c3b6a.1",
+                "gpufleet.io/script": "print('hi')\n",
             },
         },
         "spec": {
@@ -199,7 +207,27 @@ def test_pod_1_of_a_gang_is_pinned_to_its_node_and_names_the_master() -> None:
             "volumes": [
                 {
                     "name": "gpufleet-job",
-                    "configMap": {"name": "gf-job-12-a2", "defaultMode": 0o444},
+                    "projected": {
+                        "defaultMode": 0o444,
+                        "sources": [
+                            {"configMap": {"name": launcher_config_map_name()}},
+                            {
+                                "downwardAPI": {
+                                    "items": [
+                                        {
+                                            "path": "train.py",
+                                            "fieldRef": {
+                                                "apiVersion": "v1",
+                                                "fieldPath": (
+                                                    "metadata.annotations['gpufleet.io/script']"
+                                                ),
+                                            },
+                                        }
+                                    ]
+                                }
+                            },
+                        ],
+                    },
                 }
             ],
         },
@@ -233,24 +261,62 @@ def test_the_service_names_every_pod_before_it_is_ready() -> None:
     }
 
 
-def test_the_config_map_holds_the_script_and_the_launcher() -> None:
-    data = gang_config_map(gang())["data"]
-    assert data == {"gpufleet-launch.py": launcher_text(), "train.py": "print('hi')\n"}
-    assert "def wait_for_port" in data["gpufleet-launch.py"]
+def test_the_launcher_is_one_config_map_named_after_its_content() -> None:
+    made = launcher_config_map("gpufleet")
+    assert made["metadata"]["name"] == launcher_config_map_name()
+    assert launcher_config_map_name().startswith("gf-job-launcher-")
+    assert made["data"] == {"gpufleet-launch.py": launcher_text()}
+    assert "def wait_for_port" in made["data"]["gpufleet-launch.py"]
+    # Not a gang's: the cluster manager never takes it for an attempt's leftover.
+    assert made["metadata"]["labels"]["app.kubernetes.io/component"] == "job-launcher"
 
 
-def _policy() -> dict[str, Any]:
-    return gang_network_policy(gang(), hub=HUB, controller=CONTROLLER, extra_egress=[S3])
+def test_a_job_of_one_pod_is_that_pod_alone() -> None:
+    alone = gang(nodes=("a-gpu-1",))
+    assert gang_objects(alone) == []
+    pod = gang_pod(alone, 0)
+    assert "hostname" not in pod["spec"] and "subdomain" not in pod["spec"]
+    assert "ports" not in pod["spec"]["containers"][0]  # its torchrun picks its own port
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["GPUFLEET_PODS"] == "1" and env["GPUFLEET_MASTER_ADDR"] == "localhost"
+    assert pod["metadata"]["annotations"]["gpufleet.io/script"] == "print('hi')\n"
+    assert [o["kind"] for o in gang_objects(gang())] == ["Service", "NetworkPolicy"]
+
+
+def test_a_script_too_large_for_an_annotation_goes_in_a_config_map() -> None:
+    script = "x = 1\n" * (INLINE_SCRIPT_BYTES // 6 + 1)
+    large = gang(nodes=("a-gpu-1",), script=script)
+    [config_map] = gang_objects(large)
+    assert config_map == gang_config_map(large)
+    assert config_map["metadata"]["name"] == "gf-job-12-a2"
+    assert config_map["data"] == {"train.py": script}
+    pod = gang_pod(large, 0)
+    assert "gpufleet.io/script" not in pod["metadata"]["annotations"]
+    sources = pod["spec"]["volumes"][0]["projected"]["sources"]
+    assert sources == [
+        {"configMap": {"name": launcher_config_map_name()}},
+        {"configMap": {"name": "gf-job-12-a2"}},
+    ]
+    at_the_limit = gang(script="é" * (INLINE_SCRIPT_BYTES // 2))  # bytes, not characters
+    assert gang_objects(replace(at_the_limit, nodes=("a-gpu-1",))) == []
+    over = gang(nodes=("a-gpu-1",), script="é" * (INLINE_SCRIPT_BYTES // 2) + "x")
+    assert [o["kind"] for o in gang_objects(over)] == ["ConfigMap"]
+
+
+def _policies() -> list[dict[str, Any]]:
+    namespace = jobs_network_policy("gpufleet", hub=HUB, controller=CONTROLLER, extra_egress=[S3])
+    return [namespace, gang_network_policy(gang())]
 
 
 OWN = {"gpufleet.io/workload": "12", "gpufleet.io/attempt": "2"}
+JOB = {"app.kubernetes.io/managed-by": "gpufleet", "app.kubernetes.io/component": "job"}
 
 
-def allows(direction: str, remote: Remote, port: int) -> bool:
+def allows(direction: str, remote: Remote, port: int, own: dict[str, str] = OWN) -> bool:
     return policy_allows(
-        [_policy()],
+        _policies(),
         namespace="gpufleet",
-        pod_labels={**OWN, "gpufleet.io/pod-index": "0"},
+        pod_labels={**JOB, **own, "gpufleet.io/pod-index": "0"},
         direction=direction,  # type: ignore[arg-type]
         remote=remote,
         port=port,
@@ -262,13 +328,13 @@ def pod(**labels: str) -> Remote:
 
 
 def test_the_gangs_pods_reach_each_other_and_the_platform_but_no_one_else() -> None:
-    own = pod(**OWN)
+    own = pod(**JOB, **OWN)
     assert allows("ingress", own, 29500)
     assert allows("ingress", own, 41234)  # the collectives' own ports
     assert allows("egress", own, 29500)
     for stranger in (
-        pod(**{"gpufleet.io/workload": "13", "gpufleet.io/attempt": "2"}),
-        pod(**{"gpufleet.io/workload": "12", "gpufleet.io/attempt": "1"}),  # the attempt before
+        pod(**JOB, **{"gpufleet.io/workload": "13", "gpufleet.io/attempt": "2"}),
+        pod(**JOB, **{"gpufleet.io/workload": "12", "gpufleet.io/attempt": "1"}),  # before
     ):
         assert not allows("ingress", stranger, 29500)
         assert not allows("egress", stranger, 29500)
@@ -280,12 +346,24 @@ def test_the_gangs_pods_reach_each_other_and_the_platform_but_no_one_else() -> N
     assert not allows("ingress", Remote(ip="10.0.0.5"), 29500)
 
 
+def test_a_pod_of_a_job_without_a_gang_policy_reaches_only_the_platform() -> None:
+    alone = {"gpufleet.io/workload": "14", "gpufleet.io/attempt": "1"}
+    other = pod(**JOB, **OWN)
+    assert not allows("ingress", other, 29500, own=alone)
+    assert not allows("egress", other, 29500, own=alone)
+    assert allows("egress", Remote(ip="10.0.0.6"), 8090, own=alone)
+    assert not allows("egress", Remote(ip="169.254.169.254"), 80, own=alone)
+
+
 ALL = {
     "pod 0": lambda: gang_pod(gang(), 0),
     "pod 1": lambda: gang_pod(gang(), 1),
     "service": lambda: gang_service(gang()),
+    "one pod alone": lambda: gang_pod(gang(nodes=("a-gpu-1",)), 0),
     "config map": lambda: gang_config_map(gang()),
-    "network policy": _policy,
+    "launcher": lambda: launcher_config_map("gpufleet"),
+    "network policy": lambda: gang_network_policy(gang()),
+    "jobs network policy": lambda: _policies()[0],
 }
 
 

@@ -96,3 +96,24 @@ def test_torchrun_gets_the_pods_place_in_the_gang() -> None:
         "--lr",
         "0.1",
     ]
+
+
+def test_a_job_of_one_pod_rendezvouses_with_itself() -> None:
+    env = {
+        "GPUFLEET_PODS": "1",
+        "GPUFLEET_POD_INDEX": "0",
+        "GPUFLEET_GPUS_PER_POD": "4",
+        "GPUFLEET_MASTER_ADDR": "localhost",
+        "GPUFLEET_MASTER_PORT": "29500",
+        "GPUFLEET_SCRIPT": "/var/run/gpufleet/job/train.py",
+    }
+    assert torchrun_argv("/usr/bin/python3", env, []) == [
+        "/usr/bin/python3",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--standalone",
+        "--nproc-per-node=4",
+        "--tee=3",
+        "/var/run/gpufleet/job/train.py",
+    ]
