@@ -133,6 +133,13 @@ class Reconciler:
         self.headers = {"Authorization": f"token {hub_api_token}"}
         self.log = log
         self.clock = clock
+        # One client for every pass: making one costs a TLS context, every pass.
+        self._client: httpx.AsyncClient | None = None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
     async def run_once(self, grace: timedelta) -> list[int]:
         """One pass; returns the workloads whose visible state changed.
@@ -140,40 +147,42 @@ class Reconciler:
         A pass that cannot see the hub's servers repairs nothing.
         """
         now = self.clock()
-        async with httpx.AsyncClient(timeout=30, headers=self.headers) as client:
-            servers = await self._active_servers(client)
-            if servers is None:
-                return []
-            pods = await self.pods() if self.pods is not None else frozenset()
-            if pods is None:
-                self.log.warning(
-                    "reconciler: a Kubernetes cluster cannot list its pods; nothing is "
-                    "repaired until every cluster answers"
-                )
-                return []
-            marked = {
-                pid: processes.workload_marker(found)
-                for pid, found in (await asyncio.to_thread(processes.marked_processes)).items()
-            }
-            recorded = recorded_workloads(self.store, set(marked.values()) | pods)
-            for username in sorted(_unseen_users(recorded, servers)):
-                found = await self._servers_of_user(client, username)
-                if found is None:
-                    return []
-                servers.update(found)
-            seen = {w.id for w in recorded}
-            recorded += [
-                w
-                for w in last_workloads(self.store, _ready_without_open(recorded, servers))
-                if w.id not in seen
-            ]
-            observed = Observed(
-                servers=tuple(servers.values()),
-                processes=tuple(MarkedProcess(pid, m) for pid, m in sorted(marked.items())),
-                pods=pods,
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=30, headers=self.headers)
+        client = self._client
+        servers = await self._active_servers(client)
+        if servers is None:
+            return []
+        pods = await self.pods() if self.pods is not None else frozenset()
+        if pods is None:
+            self.log.warning(
+                "reconciler: a Kubernetes cluster cannot list its pods; nothing is "
+                "repaired until every cluster answers"
             )
-            repairs = reconcile(recorded, observed, now, grace)
-            changed = await asyncio.gather(*(self._apply(client, r) for r in repairs))
+            return []
+        marked = {
+            pid: processes.workload_marker(found)
+            for pid, found in (await asyncio.to_thread(processes.marked_processes)).items()
+        }
+        recorded = recorded_workloads(self.store, set(marked.values()) | pods)
+        for username in sorted(_unseen_users(recorded, servers)):
+            found = await self._servers_of_user(client, username)
+            if found is None:
+                return []
+            servers.update(found)
+        seen = {w.id for w in recorded}
+        recorded += [
+            w
+            for w in last_workloads(self.store, _ready_without_open(recorded, servers))
+            if w.id not in seen
+        ]
+        observed = Observed(
+            servers=tuple(servers.values()),
+            processes=tuple(MarkedProcess(pid, m) for pid, m in sorted(marked.items())),
+            pods=pods,
+        )
+        repairs = reconcile(recorded, observed, now, grace)
+        changed = await asyncio.gather(*(self._apply(client, r) for r in repairs))
         return [workload_id for workload_id in changed if workload_id is not None]
 
     # ----------------------------------------------------------- the hub's servers

@@ -80,18 +80,21 @@ class Reconciling(LoopComponent):
             pods=c.live_pod_markers,
             delete_pods=c.kube.delete_pods_with_marker if c.kube is not None else None,
         )
-        while True:
-            await asyncio.sleep(self.interval)
-            if not c.is_leader:
-                continue
-            try:
-                changed = await reconciler.run_once(timedelta(seconds=self.grace))
-            except httpx.TransportError as e:  # the hub restarting
-                self.log.warning("reconciler: the hub's API did not answer (%s); retrying", e)
-                continue
-            except (httpx.HTTPError, SQLAlchemyError, SchedulerError):
-                self.log.exception("reconciler pass failed; retrying next pass")
-                continue
-            if changed:
-                c.notifier.changed(changed)
-                c.kick()  # released GPUs may admit waiting requests
+        try:
+            while True:
+                await asyncio.sleep(self.interval)
+                if not c.is_leader:
+                    continue
+                try:
+                    changed = await reconciler.run_once(timedelta(seconds=self.grace))
+                except httpx.TransportError as e:  # the hub restarting
+                    self.log.warning("reconciler: the hub's API did not answer (%s); retrying", e)
+                    continue
+                except (httpx.HTTPError, SQLAlchemyError, SchedulerError):
+                    self.log.exception("reconciler pass failed; retrying next pass")
+                    continue
+                if changed:
+                    c.notifier.changed(changed)
+                    c.kick()  # released GPUs may admit waiting requests
+        finally:
+            await reconciler.close()

@@ -18,6 +18,7 @@ from sqlalchemy import Engine
 from gpufleet.state import db
 
 from .postgres import PostgresServer, PostgresUnavailable, skip_requested
+from .schema import migrated_sqlite
 
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
 
@@ -105,11 +106,23 @@ def empty_engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Eng
         engine.dispose()
 
 
-@pytest.fixture
-def engine(empty_engine: Engine) -> Engine:
+@pytest.fixture(params=BACKENDS)
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
     """An engine on a database migrated to this version's head, once per backend."""
-    db.upgrade(empty_engine)
-    return empty_engine
+    name = ""
+    if request.param == "sqlite":
+        url = migrated_sqlite(tmp_path / "gpufleet.sqlite")
+    else:
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        name = server.create_migrated_database()
+        url = server.url(name)
+    engine = db.make_engine(url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        if name:
+            server.drop_database(name)
 
 
 # ------------------------------------------------------------------------ S3

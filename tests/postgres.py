@@ -69,6 +69,7 @@ class PostgresServer:
     port: int
     process: subprocess.Popen[bytes]
     password: str
+    _migrated: str = ""  # the database migrated once, which the others copy
 
     @property
     def log_path(self) -> Path:
@@ -213,12 +214,29 @@ class PostgresServer:
         """A SQLAlchemy URL for ``dbname`` on this server (with its password)."""
         return f"postgresql+psycopg://{SUPERUSER}:{self.password}@127.0.0.1:{self.port}/{dbname}"
 
-    def create_database(self, prefix: str = "t") -> str:
-        """Create a fresh, empty database; returns its name."""
+    def create_database(self, prefix: str = "t", template: str = "") -> str:
+        """Create a fresh database, empty or a copy of ``template``; returns its name."""
         name = f"{prefix}_{uuid.uuid4().hex[:16]}"
+        statement = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+        if template:
+            statement += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
         with psycopg.connect(self.dsn("postgres"), autocommit=True) as conn:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            conn.execute(statement)
         return name
+
+    def create_migrated_database(self) -> str:
+        """A fresh database migrated to this version's head: a copy of one migrated once
+        per server (the migrations take a tenth of a second or more, a copy a few ms)."""
+        if not self._migrated:
+            from gpufleet.state import db
+
+            self._migrated = self.create_database("head")
+            engine = db.make_engine(self.url(self._migrated))
+            try:
+                db.upgrade(engine)
+            finally:
+                engine.dispose()  # a template must have no connection while it is copied
+        return self.create_database(template=self._migrated)
 
     def drop_database(self, name: str) -> None:
         with psycopg.connect(self.dsn("postgres"), autocommit=True) as conn:

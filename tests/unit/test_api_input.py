@@ -31,6 +31,8 @@ from gpufleet.state import db
 from gpufleet.state.fleet import FleetStore
 from gpufleet.state.inventory import GpuSpec, NodeSpec
 
+from ..schema import migrated_sqlite
+
 PREFIX = "/services/gpufleet/"
 HUGE = "1" * 4301  # one digit past what int() reads
 PADDED_ONE = "0" * 4300 + "1"
@@ -85,8 +87,7 @@ class Controller:
 
 def fleet_store(path: Path) -> FleetStore:
     """One project (vision: alice) and one node of 4 A100."""
-    engine = db.make_engine(f"sqlite:///{path}")
-    db.upgrade(engine)
+    engine = db.make_engine(migrated_sqlite(path))
     now = datetime.now(UTC)
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(hours=1))
     assert store.try_acquire_lease(now)

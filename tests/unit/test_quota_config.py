@@ -26,6 +26,7 @@ from gpufleet.state.inventory import GpuSpec, NodeSpec
 from gpufleet.state.models import Event, Project
 from gpufleet.state.projects import ProjectEdit, QuotaEdit
 
+from ..schema import migrated_sqlite
 from .test_api_input import PREFIX, Controller, serve
 
 RESEARCH = "team research: its projects' guarantees for H100 sum to 400 (vision 160, nlp 128, speech 112), more than the 360 × H100 the team may hold (guaranteed 300 + borrow_limit 60); lower a guarantee or raise the team's limit"  # noqa: E501
@@ -110,8 +111,7 @@ NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 
 
 def fleet_store(path: Path, projects: list[dict[str, Any]] | None = None) -> FleetStore:
-    engine = db.make_engine(f"sqlite:///{path}")
-    db.upgrade(engine)
+    engine = db.make_engine(migrated_sqlite(path))
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(hours=1))
     assert store.try_acquire_lease(NOW)
     store.projects.apply_config(
@@ -140,8 +140,7 @@ def events(store: FleetStore) -> int:
 
 
 def test_the_store_refuses_a_config_over_its_limits_and_writes_nothing(tmp_path: Path) -> None:
-    engine = db.make_engine(f"sqlite:///{tmp_path / 'fleet.sqlite'}")
-    db.upgrade(engine)
+    engine = db.make_engine(migrated_sqlite(tmp_path / "fleet.sqlite"))
     store = FleetStore(engine, "controller-a", lease_ttl=timedelta(hours=1))
     assert store.try_acquire_lease(NOW)
     with pytest.raises(InvalidRequest) as refused:
