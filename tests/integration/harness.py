@@ -275,8 +275,9 @@ class Hub:
         return workload
 
     def workload_of(self, username: str, server: str = "") -> dict[str, Any] | None:
+        """The live session of the user's server (never one of the user's jobs)."""
         for w in self.workloads(username=username):
-            if w["server_name"] == server and w["state"] != "ended":
+            if w["kind"] == "session" and w["server_name"] == server and w["state"] != "ended":
                 return w
         return None
 

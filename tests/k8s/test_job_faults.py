@@ -2,7 +2,8 @@
 Kubernetes node's fake NVML (its node agent, as the DaemonSet would, reports the node's
 GPUs) cordons the node in its cluster, stops the gang and resumes it elsewhere from its
 checkpoint; a drain evicts what else runs on the node through the Eviction API, so a
-PodDisruptionBudget holds, and stops gpufleet's job there with the checkpoint signal."""
+PodDisruptionBudget holds, snapshots and stops gpufleet's session there and stops its job
+with the checkpoint signal."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from .test_jobs import (
     submit,
     wait_node_in_inventory,
 )
+from .test_sessions import objects_of, spawn_api
 from .tier import CLUSTER_A, CLUSTER_B
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
@@ -47,13 +49,28 @@ c.NodeAgent.heartbeat_interval = 1
 c.NodeAgent.sample_interval = 1
 c.KubeInventory.recycle_action = "delete-node"
 c.KubeDrains.eviction_retry_seconds = 1
+c.KubeGPUSpawner.final_snapshot_retry_seconds = 1
 """
 
 
 @pytest.fixture(scope="module")
 def faults_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     root = Path(tmp_path_factory.mktemp("kube-faults"))
-    with running_jobs_hub(k8s_tier, root, FAULTS_CONFIG) as hub:
+    # Sessions keep their homes on their node (a hostPath), which the agent snapshots.
+    homes = root / "homes"
+    homes.mkdir(mode=0o755)
+    home = {
+        "name": "home",
+        "kind": "hostPath",
+        "source": f"{homes}/{{username}}",
+        "mount_path": "/home/jovyan",
+    }
+    sessions = f"""
+c.KubeGPUSpawner.session_volumes = [{home!r}]
+c.KubeGPUSpawner.snapshot_volumes = ["home"]
+c.KubeGPUSpawner.environment = {{"HOME": "/home/jovyan"}}
+"""
+    with running_jobs_hub(k8s_tier, root, FAULTS_CONFIG + sessions) as hub:
         yield hub
 
 
@@ -76,12 +93,21 @@ def agent_reports_its_gpus(hub: Hub) -> None:
     )
 
 
-def checkpointing_job_on(hub: Hub, alice: Client, node: str, name: str) -> tuple[int, Any, Any]:
+def checkpointing_job_on(
+    hub: Hub, alice: Client, node: str, name: str, session: bool = False
+) -> tuple[int, Any, Any]:
     """A job running on ``node`` alone (every other node cordoned until it runs), once it
-    saved a checkpoint: its id, its first attempt and that checkpoint."""
+    saved a checkpoint: its id, its first attempt and that checkpoint. With ``session``,
+    alice's session of 2 GPUs runs there first, and the job has the other 2."""
     others = only_on(hub, node)
     try:
-        job_id = submit(alice, RESUMING, name=name, env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"})
+        sizes: dict[str, Any] = {}
+        if session:
+            spawn_api(hub, "alice", "", "vision", 2)
+            hub.wait_ready("alice", timeout=180)
+            sizes = {"gpus": 2, "gpus_per_pod": 2}
+        env = {"GPUFLEET_PROGRESS_INTERVAL": "0.5"}
+        job_id = submit(alice, RESUMING, name=name, env=env, **sizes)
         first = running_attempt(alice, job_id, 1)
         assert {a.node for a in first.allocations} == {node}
     finally:
@@ -184,10 +210,14 @@ def web_server(plane: ControlPlane, node: str) -> str:
     return str(body["metadata"]["name"])
 
 
-def test_a_drain_stops_the_job_and_evicts_the_rest_as_its_budget_allows(
+def test_a_drain_stops_the_session_and_the_job_and_evicts_the_rest_as_its_budget_allows(
     k8s_tier: ControlPlane, faults_hub: Hub, alice: Client
 ) -> None:
-    job_id, _first, saved = checkpointing_job_on(faults_hub, alice, "a-gpu-2", "drained")
+    job_id, _first, saved = checkpointing_job_on(
+        faults_hub, alice, "a-gpu-2", "drained", session=True
+    )
+    [session] = [w for w in faults_hub.workloads(username="alice") if w["kind"] == "session"]
+    assert {a["node"] for a in session["allocations"]} == {"a-gpu-2"}
     web = web_server(k8s_tier, "a-gpu-2")
     drained = faults_hub.controller(
         "POST", "/nodes/a-gpu-2/drain", json={"reason": "kernel update"}
@@ -205,6 +235,11 @@ def test_a_drain_stops_the_job_and_evicts_the_rest_as_its_budget_allows(
             what="attempt 2's first words",
         )
         assert int(resumed.split("attempt 2 starts at step ")[1].split()[0]) > saved.step
+        # gpufleet's session: snapshotted by the agent on its node, then stopped.
+        ended = faults_hub.wait_ended(session, 120)
+        assert ended["outcome"] == "stopped", ended
+        assert "final snapshot" in ended["reason"] and "on the node" in ended["reason"], ended
+        assert objects_of(k8s_tier, CLUSTER_A, session["id"], "pods") == []
         # The other team's pod stays while its budget refuses, and the drain says why.
         waiting = wait_for(
             lambda: next(
@@ -228,10 +263,14 @@ def test_a_drain_stops_the_job_and_evicts_the_rest_as_its_budget_allows(
         )
         kinds = [(e["kind"], e["data"].get("pod")) for e in node_events(faults_hub)]
         assert ("node-pod-evicted", f"{NAMESPACE}/{web}") in kinds, kinds
+        # gpufleet's own pods were stopped its own way, never evicted; all of it as events.
+        evicted = [pod for kind, pod in kinds if kind == "node-pod-evicted"]
+        assert evicted == [f"{NAMESPACE}/{web}"], evicted
+        assert {"node-cordoned", "node-drained", "node-drain-done"} <= {k for k, _ in kinds}, kinds
         alice.cancel(job_id)
         assert alice.wait(job_id, timeout=90).outcome == "cancelled"
     finally:
-        faults_hub.controller("POST", "/nodes/a-gpu-2/uncordon").raise_for_status()
+        faults_hub.stop_all_servers()  # and uncordons what the test cordoned
         with k8s_tier[CLUSTER_A].rest() as api:
             api.delete(f"{BUDGETS}/web")
             api.delete(
