@@ -43,6 +43,7 @@ marker, which the reconciler maps back to the job's) and ``gpufleet.io/attempt``
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -91,9 +92,11 @@ SCRIPT_ANNOTATION = LABEL_PREFIX + "script"
 # the attempt's. Well under the API server's 256 KiB of annotations per object, because
 # every pass of the cluster manager lists every job pod of its cluster, annotations and all.
 INLINE_SCRIPT_BYTES = 16 * 1024
-JOBS_NETWORK_POLICY = "gf-jobs"
-LAUNCHER_LABELS: Mapping[str, str] = MappingProxyType(
-    {"app.kubernetes.io/managed-by": "gpufleet", "app.kubernetes.io/component": "job-launcher"}
+JOBS_NETWORK_POLICY_PREFIX = "gf-jobs-"
+# What every job pod of a namespace shares (the launcher, the jobs' NetworkPolicy): not a
+# gang's, so never taken for an attempt's leftover.
+SHARED_LABELS: Mapping[str, str] = MappingProxyType(
+    {"app.kubernetes.io/managed-by": "gpufleet", "app.kubernetes.io/component": "job-shared"}
 )
 RENDEZVOUS_PORT_NAME = "rendezvous"
 HOST_IP_VARIABLE = "GPUFLEET_HOST_IP"
@@ -129,11 +132,14 @@ def launcher_text() -> str:
     return (Path(__file__).parent / "pod_launcher.py").read_text(encoding="utf-8")
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def launcher_config_map_name() -> str:
     """Named after its content: a new gpufleet's pods get its launcher, while the pods of
     the one before keep theirs."""
-    digest = hashlib.sha256(launcher_text().encode()).hexdigest()[:12]
-    return f"gf-job-launcher-{digest}"
+    return f"gf-job-launcher-{_digest(launcher_text())}"
 
 
 def gang_name(workload_id: int, attempt: int) -> str:
@@ -286,7 +292,7 @@ def launcher_config_map(namespace: str) -> Manifest:
         "metadata": {
             "name": launcher_config_map_name(),
             "namespace": namespace,
-            "labels": dict(LAUNCHER_LABELS),
+            "labels": dict(SHARED_LABELS),
         },
         "data": {LAUNCHER_KEY: launcher_text()},
     }
@@ -302,26 +308,29 @@ def jobs_network_policy(
 ) -> Manifest:
     """Every job pod of the namespace: nothing reaches in; out, only the hub, the
     controller, DNS and ``extra_egress``. A gang's own policy adds its pods to each
-    other."""
+    other. Named after what it allows (``gf-jobs-<digest>``): where the admin changes the
+    egress, the cluster manager makes the new one, then deletes the old, so no moment
+    leaves a job pod without one."""
+    spec = {
+        "podSelector": {"matchLabels": dict(JOB_LABELS)},
+        "policyTypes": ["Ingress", "Egress"],
+        "ingress": [],
+        "egress": [
+            hub.rule(),
+            controller.rule(),
+            *dns_egress(dns),
+            *(e.rule() for e in extra_egress),
+        ],
+    }
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": {
-            "name": JOBS_NETWORK_POLICY,
+            "name": JOBS_NETWORK_POLICY_PREFIX + _digest(json.dumps(spec, sort_keys=True)),
             "namespace": namespace,
-            "labels": dict(LAUNCHER_LABELS),
+            "labels": dict(SHARED_LABELS),
         },
-        "spec": {
-            "podSelector": {"matchLabels": dict(JOB_LABELS)},
-            "policyTypes": ["Ingress", "Egress"],
-            "ingress": [],
-            "egress": [
-                hub.rule(),
-                controller.rule(),
-                *dns_egress(dns),
-                *(e.rule() for e in extra_egress),
-            ],
-        },
+        "spec": spec,
     }
 
 

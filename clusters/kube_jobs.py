@@ -36,6 +36,8 @@ from .gang_plan import CREATE_REFUSED, GangMemory, Pass, plan_pass, read_pod
 from .job_manifests import (
     ATTEMPT_LABEL,
     JOB_LABELS,
+    JOBS_NETWORK_POLICY_PREFIX,
+    SHARED_LABELS,
     JobGang,
     gang_objects,
     gang_pod,
@@ -220,7 +222,8 @@ class ClusterJobs:
 
     async def _make_shared_objects(self) -> str:
         """Make what every job pod of the namespace shares, unless made within the last
-        ``SHARED_OBJECTS_RECHECK_S``; what the API server refused, in words ('' if none)."""
+        ``SHARED_OBJECTS_RECHECK_S``, then delete the jobs' NetworkPolicies of settings
+        before; what the API server refused, in words ('' if none)."""
         from kubernetes_asyncio import client
 
         made = self._shared_made_at
@@ -235,24 +238,45 @@ class ClusterJobs:
             dns=settings.dns,
             extra_egress=settings.extra_egress,
         )
+        networking: Any = client.NetworkingV1Api(self.api)
         try:
             await _create_one(
                 client.CoreV1Api(self.api).create_namespaced_config_map,
                 namespace,
                 launcher_config_map(namespace),
             )
-            await _create_one(
-                client.NetworkingV1Api(self.api).create_namespaced_network_policy,
-                namespace,
-                policy,
-            )
+            await _create_one(networking.create_namespaced_network_policy, namespace, policy)
         except Exception as e:  # noqa: BLE001 - reported as every gang's reason
             return (
                 f"cluster {self.cluster.name} refused what every job pod needs, the "
                 f"launcher's ConfigMap and the jobs' NetworkPolicy ({_describe(e)})"
             )
         self._shared_made_at = time.monotonic()
+        await self._delete_older_jobs_policies(networking, policy["metadata"]["name"])
         return ""
+
+    async def _delete_older_jobs_policies(self, networking: Any, current: str) -> None:
+        """The jobs' NetworkPolicies made with other settings: they would add what those
+        allowed to what the current one allows. Tried again at the next making."""
+        namespace = self.cluster.namespace
+        selector = ",".join(f"{k}={v}" for k, v in sorted(SHARED_LABELS.items()))
+        try:
+            listed = await networking.list_namespaced_network_policy(
+                namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
+            )
+            for older in listed.items:
+                name = older.metadata.name
+                if name.startswith(JOBS_NETWORK_POLICY_PREFIX) and name != current:
+                    await networking.delete_namespaced_network_policy(
+                        name, namespace, _request_timeout=REQUEST_TIMEOUT_S
+                    )
+                    self.log.info("cluster %s: deleted jobs' policy %s", self.cluster.name, name)
+        except Exception as e:  # noqa: BLE001 - the next making tries again
+            self.log.warning(
+                "cluster %s: could not delete the jobs' older policies: %s",
+                self.cluster.name,
+                _describe(e),
+            )
 
     def _free_port(self, taken: set[int]) -> int:
         """The first rendezvous port of the range no live gang of the cluster uses (on a

@@ -234,16 +234,16 @@ def test_a_job_of_one_pod_is_that_pod_alone_and_its_ranks_rendezvous_by_themselv
     ]
     assert shared_objects(k8s_tier, cluster, job_id) == []  # no Service, policy or ConfigMap
     # What every job pod of the namespace shares: the launcher, and the jobs' policy.
+    shared = {"labelSelector": "app.kubernetes.io/component=job-shared"}
     with k8s_tier[cluster].rest() as api:
-        launchers = api.get(
-            f"/api/v1/namespaces/{NAMESPACE}/configmaps",
-            params={"labelSelector": "app.kubernetes.io/component=job-launcher"},
-        ).json()["items"]
-        assert [c["metadata"]["name"][:16] for c in launchers] == ["gf-job-launcher-"]
-        policy = api.get(
-            f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies/gf-jobs"
+        launchers = api.get(f"/api/v1/namespaces/{NAMESPACE}/configmaps", params=shared)
+        assert [c["metadata"]["name"][:16] for c in launchers.json()["items"]] == [
+            "gf-job-launcher-"
+        ]
+        policies = api.get(
+            f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies", params=shared
         )
-        assert policy.status_code == 200, policy.text
+        assert [p["metadata"]["name"][:8] for p in policies.json()["items"]] == ["gf-jobs-"]
     alice.cancel(job_id)
     assert alice.wait(job_id, timeout=90).outcome == "cancelled"
 

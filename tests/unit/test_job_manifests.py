@@ -268,7 +268,19 @@ def test_the_launcher_is_one_config_map_named_after_its_content() -> None:
     assert made["data"] == {"gpufleet-launch.py": launcher_text()}
     assert "def wait_for_port" in made["data"]["gpufleet-launch.py"]
     # Not a gang's: the cluster manager never takes it for an attempt's leftover.
-    assert made["metadata"]["labels"]["app.kubernetes.io/component"] == "job-launcher"
+    assert made["metadata"]["labels"]["app.kubernetes.io/component"] == "job-shared"
+
+
+def test_the_jobs_policy_is_named_after_what_it_allows() -> None:
+    def named(*egress: Endpoint) -> str:
+        made = jobs_network_policy(
+            "gpufleet", hub=HUB, controller=CONTROLLER, extra_egress=list(egress)
+        )
+        assert made["metadata"]["labels"]["app.kubernetes.io/component"] == "job-shared"
+        return str(made["metadata"]["name"])
+
+    assert named(S3) == named(S3) and named(S3).startswith("gf-jobs-")
+    assert named(S3) != named()  # other settings: another policy, the old one deleted
 
 
 def test_a_job_of_one_pod_is_that_pod_alone() -> None:

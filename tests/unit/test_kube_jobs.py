@@ -5,6 +5,7 @@ the store's pods, and refusals that say what to fix."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -106,3 +107,33 @@ def test_a_gang_that_cannot_be_made_says_why(image: str, pods: list[DesiredPod],
     config.KubeJobs.image = image
     with pytest.raises(ValueError, match=says):
         loop(config).managers["cluster-a"].gang_of(pods, 29500)
+
+
+class PoliciesOfANamespace:
+    """The jobs' NetworkPolicies a namespace holds, as the Kubernetes client lists them."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = list(names)
+        self.selectors: list[str] = []
+
+    async def list_namespaced_network_policy(
+        self, namespace: str, label_selector: str, **_: Any
+    ) -> Any:
+        self.selectors.append(label_selector)
+        return SimpleNamespace(
+            items=[SimpleNamespace(metadata=SimpleNamespace(name=n)) for n in self.names]
+        )
+
+    async def delete_namespaced_network_policy(self, name: str, namespace: str, **_: Any) -> None:
+        self.names.remove(name)
+
+
+async def test_the_jobs_policies_of_settings_before_go_once_the_current_one_is_made() -> None:
+    manager = loop().managers["cluster-a"]
+    # The current one, one made with another egress, and one that is not the jobs' at all.
+    policies = PoliciesOfANamespace("gf-jobs-0123456789ab", "gf-jobs-ba9876543210", "other")
+    await manager._delete_older_jobs_policies(policies, "gf-jobs-0123456789ab")
+    assert policies.names == ["gf-jobs-0123456789ab", "other"]
+    assert policies.selectors == [
+        "app.kubernetes.io/component=job-shared,app.kubernetes.io/managed-by=gpufleet"
+    ]
