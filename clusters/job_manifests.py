@@ -42,6 +42,7 @@ marker, which the reconciler maps back to the job's) and ``gpufleet.io/attempt``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -127,8 +128,10 @@ PLATFORM_VARIABLES = frozenset(
 )
 
 
+@functools.cache
 def launcher_text() -> str:
-    """The launcher every job pod runs first (:func:`launcher_config_map` holds it)."""
+    """The launcher every job pod runs first (:func:`launcher_config_map` holds it). Read
+    once: every pod's manifest names it by its digest."""
     return (Path(__file__).parent / "pod_launcher.py").read_text(encoding="utf-8")
 
 
@@ -136,6 +139,7 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+@functools.cache
 def launcher_config_map_name() -> str:
     """Named after its content: a new gpufleet's pods get its launcher, while the pods of
     the one before keep theirs."""

@@ -134,12 +134,10 @@ class Reconciler:
         self.log = log
         self.clock = clock
         # One client for every pass: making one costs a TLS context, every pass.
-        self._client: httpx.AsyncClient | None = None
+        self._client = httpx.AsyncClient(timeout=30, headers=self.headers)
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self._client.aclose()
 
     async def run_once(self, grace: timedelta) -> list[int]:
         """One pass; returns the workloads whose visible state changed.
@@ -147,8 +145,6 @@ class Reconciler:
         A pass that cannot see the hub's servers repairs nothing.
         """
         now = self.clock()
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=30, headers=self.headers)
         client = self._client
         servers = await self._active_servers(client)
         if servers is None:

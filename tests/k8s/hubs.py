@@ -60,3 +60,19 @@ def make_kube_hub(
     ]
     config = textwrap.dedent(KUBE_CONFIG).format(controller=controller, spawner=spawner)
     return Hub.create(root, config + textwrap.dedent(extra_config))
+
+
+def node_homes_config(homes: Path) -> str:
+    """Config for sessions whose homes stay on their node (a hostPath under ``homes``,
+    one directory per user), which the node agent snapshots."""
+    volume = {
+        "name": "home",
+        "kind": "hostPath",
+        "source": f"{homes}/{{username}}",
+        "mount_path": "/home/jovyan",
+    }
+    return f"""
+c.KubeGPUSpawner.session_volumes = [{volume!r}]
+c.KubeGPUSpawner.snapshot_volumes = ["home"]
+c.KubeGPUSpawner.environment = {{"HOME": "/home/jovyan"}}
+"""

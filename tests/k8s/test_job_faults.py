@@ -20,6 +20,7 @@ from gpufleet.recovery.fake_nvml import write_control
 
 from ..integration.harness import Hub, wait_for
 from .control_plane import NAMESPACE, ControlPlane
+from .hubs import node_homes_config
 from .kubelet_helpers import manifest
 from .nodes import NodeSpec
 from .test_jobs import (
@@ -56,21 +57,9 @@ c.KubeGPUSpawner.final_snapshot_retry_seconds = 1
 @pytest.fixture(scope="module")
 def faults_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     root = Path(tmp_path_factory.mktemp("kube-faults"))
-    # Sessions keep their homes on their node (a hostPath), which the agent snapshots.
-    homes = root / "homes"
+    homes = root / "homes"  # sessions' homes stay on their node; its agent snapshots them
     homes.mkdir(mode=0o755)
-    home = {
-        "name": "home",
-        "kind": "hostPath",
-        "source": f"{homes}/{{username}}",
-        "mount_path": "/home/jovyan",
-    }
-    sessions = f"""
-c.KubeGPUSpawner.session_volumes = [{home!r}]
-c.KubeGPUSpawner.snapshot_volumes = ["home"]
-c.KubeGPUSpawner.environment = {{"HOME": "/home/jovyan"}}
-"""
-    with running_jobs_hub(k8s_tier, root, FAULTS_CONFIG + sessions) as hub:
+    with running_jobs_hub(k8s_tier, root, FAULTS_CONFIG + node_homes_config(homes)) as hub:
         yield hub
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from ..integration.harness import REPO, Hub, run_in_kernel, wait_for
 from .control_plane import ControlPlane
-from .hubs import make_kube_hub
+from .hubs import make_kube_hub, node_homes_config
 from .test_sessions import objects_of, pod_of, spawn_api
 from .tier import TIER_NODES
 
@@ -79,16 +79,9 @@ def snapshot_hub(
     k8s_tier: ControlPlane, homes: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Hub]:
     nodes = [spec.name for specs in TIER_NODES.values() for spec in specs]
-    volume = {
-        "name": "home",
-        "kind": "hostPath",
-        "source": f"{homes}/{{username}}",
-        "mount_path": "/home/jovyan",
-    }
-    config = f"""
-c.KubeGPUSpawner.session_volumes = [{volume!r}]
-c.KubeGPUSpawner.snapshot_volumes = ["home"]
-c.KubeGPUSpawner.environment = {{"HOME": "/home/jovyan"}}
+    config = (
+        node_homes_config(homes)
+        + f"""
 c.KubeGPUSpawner.final_snapshot_retry_seconds = 1
 c.Culling.idle_policies = {{
     "default": {{"mode": "always", "idle_timeout_s": 20, "warn_before_s": 6}},
@@ -104,6 +97,7 @@ c.NodeAgent.operation_nodes = {nodes!r}
 # The test kubelets are the runtime: their containers' layers are under their directory.
 c.NodeAgent.container_layer_roots = [{str(k8s_tier.workdir / "kubelets")!r}]
 """
+    )
     hub = make_kube_hub(k8s_tier, Path(tmp_path_factory.mktemp("snapshot-hub")), config)
     hub.start()
     try:
