@@ -306,6 +306,13 @@ class Hub:
             60,
             "every workload ended",
         )
+        # A spawner may still be stopping after its workload ended (its final snapshot,
+        # its processes); the hub refuses a spawn for that server until it is done.
+        wait_for(
+            lambda: not self.hub_api("GET", "/users", params={"state": "active"}).json(),
+            60,
+            "every server stopped in the hub",
+        )
         # What a test's faults took out of service comes back for the next test.
         for node in self.controller("GET", "/nodes").json()["items"]:
             if node["cordoned"] or node["cordoned_gpus"]:

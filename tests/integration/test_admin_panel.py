@@ -80,7 +80,8 @@ def test_an_admin_lowers_a_quota_and_the_next_spawn_queues(
         pending = w and w["state"] == "pending" and "may never hold" in w["reason"]
         return str(w["reason"]) if w and pending else None
 
-    fleet.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
+    spawned = fleet.spawn("alice", project="vision", gpu_type="A100-80GB", gpus=2)
+    assert spawned.status_code in (201, 202), spawned.text
     waiting = wait_for(alice_waits, 30, "alice's spawn to queue")
     assert "project vision may never hold more than 1 × A100-80GB" in waiting, waiting
     admin_page.goto(PANEL)
