@@ -13,7 +13,9 @@ local backend's pods, for the pods the controller lists as *watched* on its node
   prefix are torchrun's own, pod *p*'s "rank" ``-1-p`` as on the local backend. The agent
   sends what is new as chunks at byte offsets of each stream, with its pods' sync, again
   with every sync until one succeeds. The file stays until the pod is deleted, which the
-  cluster manager does only once the attempt is over.
+  cluster manager does only once the attempt is over. A pod a restart keeps (its name is
+  the attempt's that made it) goes on in the same file: the next attempt's output is what
+  follows the point the last one's was read to.
 - **Progress.** A rank's ``gpufleet.progress`` reports reach the agent's progress port
   (``GPUFLEET_PROGRESS_URL`` in the pod) and count for the watched pod whose marker the
   calling process carries, running as that pod's account, checked against the kernel's
@@ -104,6 +106,9 @@ class KubePods:
         self.log_dirs = [Path(d) for d in log_dirs]
         self.log = log
         self.pods: dict[tuple[int, int], WatchedPod] = {}
+        # Where the output of pods no longer watched was read to, by pod name: a pod kept
+        # into the next attempt reads on from there.
+        self.read_to: dict[str, tuple[Path | None, int]] = {}
 
     def known(self) -> list[tuple[int, int]]:
         return sorted(self.pods)
@@ -123,12 +128,16 @@ class KubePods:
                 if pod.unsent:
                     continue  # forgotten once its last chunks were acknowledged
                 del self.pods[key]
+                self.read_to[pod.name] = (pod.file, pod.position)
         for key, listed_pod in wanted.items():
             if key in self.pods:
                 continue
             attempt = int(listed_pod.get("attempt", 1))
+            made_by = int(listed_pod.get("created_attempt") or attempt)
             account = listed_pod.get("account") or {}
             spec = listed_pod.get("spec") or {}
+            name = pod_name(key[0], made_by, key[1])
+            file, position = self.read_to.pop(name, (None, 0))
             self.pods[key] = WatchedPod(
                 workload_id=key[0],
                 pod_index=key[1],
@@ -136,8 +145,15 @@ class KubePods:
                 marker=f"{listed_pod['marker']}.{key[1]}",
                 uid=int(account["uid"]) if "uid" in account else None,
                 checkpoint_uri=str(spec.get("checkpoint_uri") or ""),
-                name=pod_name(key[0], attempt, key[1]),
+                name=name,
+                file=file,
+                position=position,
             )
+        named = {
+            pod_name(k[0], int(p.get("created_attempt") or p.get("attempt", 1)), k[1])
+            for k, p in wanted.items()
+        }
+        self.read_to = {n: r for n, r in self.read_to.items() if n in named}
 
     # ------------------------------------------------------------------ output
     def chunks(self) -> list[dict[str, Any]]:

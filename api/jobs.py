@@ -262,6 +262,11 @@ class DesiredPodOut(BaseModel):
         default=None, description="uid, gid and mode: whom the pod's ranks run as"
     )
     attempt: int = Field(default=1, description="the job's attempt this pod belongs to")
+    created_attempt: int = Field(
+        default=0,
+        description="the attempt that made the pod, whose name it has: an earlier one for a "
+        "pod a restart kept on Kubernetes (0: this attempt)",
+    )
     resume_from: str = Field(
         default="", description="the checkpoint the attempt resumes from (GPUFLEET_RESUME_FROM)"
     )

@@ -19,7 +19,8 @@ clients, the first pods warm the page cache with torch).
 
 Restart: a 4 × 2 gang, one pod per node of 2 GPUs (and a spare node), loses pod 1 (deleted
 with no grace, as a lost node's pods go); measured from that moment to every rank of the
-next attempt running, median of 5, gpufleet against what JobSet does by default after a
+next attempt running (each rank's first line names its attempt, since a pod the restart
+keeps holds the lines of both), median of 5, gpufleet against what JobSet does by default after a
 failure: delete the whole gang (``kubectl delete --wait``) and create it again (``kubectl
 apply``, under new names), on the same nodes (target: ratio <= 0.7).
 
@@ -76,7 +77,8 @@ NODES = {
 SCRIPT = textwrap.dedent(
     """
     import os, time
-    print(f"rank {os.environ['RANK']} running", flush=True)
+    print(f"rank {os.environ['RANK']} attempt {os.environ['GPUFLEET_ATTEMPT']} running",
+          flush=True)
     time.sleep(3600)
     """
 )
@@ -100,8 +102,9 @@ def wait(condition: Callable[[], Any], timeout: float, what: str, every: float =
     raise TimeoutError(f"{what}: not within {timeout:.0f} s")
 
 
-def ranks_running(plane: ControlPlane, pods: list[str]) -> bool:
-    """Whether the kubelets hold every rank's first line, for the pods named."""
+def ranks_running(plane: ControlPlane, pods: list[str], attempt: int = 1) -> bool:
+    """Whether the kubelets hold every rank's first line of ``attempt``, for the pods
+    named (a pod a restart keeps has its attempts' lines one after the other)."""
     seen = ""
     for cluster in plane.clusters.values():
         for kubelet in cluster.kubelets.values():
@@ -110,7 +113,7 @@ def ranks_running(plane: ControlPlane, pods: list[str]) -> bool:
                     seen += kubelet.logs(NAMESPACE, pod, "torchrun")
                 except FileNotFoundError:
                     continue
-    return all(f"rank {r} running" in seen for r in range(PODS * GPUS_PER_POD))
+    return all(f"rank {r} attempt {attempt} running" in seen for r in range(PODS * GPUS_PER_POD))
 
 
 # ------------------------------------------------------------------ gpufleet
@@ -185,7 +188,11 @@ def kubectl(plane: ControlPlane, *args: str) -> list[str]:
 def wait_ranks(plane: ControlPlane, gang: JobGang) -> None:
     pods = [gang.pod_name(i) for i in range(gang.pods)]
     try:
-        wait(lambda: ranks_running(plane, pods), 180, "every rank of the applied gang running")
+        wait(
+            lambda: ranks_running(plane, pods, gang.attempt),
+            180,
+            "every rank of the applied gang running",
+        )
     except TimeoutError:
         with plane[CLUSTER_A].rest() as api:
             for pod in pods:
@@ -229,8 +236,9 @@ def gpufleet_restart(client: Client, plane: ControlPlane, python: str) -> tuple[
     wait(lambda: ranks_running(plane, first), 180, "every rank of attempt 1 running")
     began = time.monotonic()
     delete_pod(plane, first[1])
-    second = [f"gf-job-{job.id}-a2-{i}" for i in range(PODS)]
-    wait(lambda: ranks_running(plane, second), 180, "every rank of attempt 2 running")
+    # Kept pods keep attempt 1's names; a pod made anew has attempt 2's.
+    second = [f"gf-job-{job.id}-a{a}-{i}" for a in (1, 2) for i in range(PODS)]
+    wait(lambda: ranks_running(plane, second, 2), 180, "every rank of attempt 2 running")
     took = time.monotonic() - began
     placed = client.job(job.id)
     client.cancel(job.id)

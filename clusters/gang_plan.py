@@ -25,6 +25,10 @@ The invariants it keeps:
   taken them, or the trace's wait is over: a hang's stacks are those of the hang.
 - **Failures first.** A pass's reports put the pods that failed before those stopped, so
   the job's reason and its classification are the first failure's.
+- **Kept pods are the new attempt's.** A pod a restart keeps (``DesiredPod.kept``: its
+  name is the attempt's that made it) counts as the new attempt's from the start: it is
+  patched into it (``Pass.keep``) until its labels say so, never deleted as an earlier
+  attempt's, and only the gang's other pods are created.
 
 What a pod says becomes its report's ``cause`` in Kubernetes' own words: ``OOMKilled``
 from the container's termination reason (never inferred from exit 137), ``Evicted``,
@@ -69,6 +73,7 @@ class ObservedPod:
     cause: str = ""  # Kubernetes' word for how it ended or is ending
     message: str = ""  # what it said, for the job's reason
     waiting: str = ""  # why it is not running yet, in words
+    ip: str = ""  # its address, once it has one
 
     @property
     def ended(self) -> bool:
@@ -150,6 +155,7 @@ def read_pod(pod: Mapping[str, Any]) -> ObservedPod | None:
         cause=cause,
         message=message,
         waiting="" if "running" in state or terminated else _waiting_words(pod, state),
+        ip=str(status.get("podIP") or ""),
     )
 
 
@@ -183,10 +189,15 @@ class Pass:
     delete: list[str] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
     orphan_gangs: list[str] = field(default_factory=list)
+    # Kept pods still labelled with an earlier attempt: (gang, pod index, pod name).
+    keep: list[tuple[tuple[int, int], int, str]] = field(default_factory=list)
+    # A gang's master address when its pod 0 is kept: that pod's (its name is an earlier
+    # attempt's, under a Service that goes with it).
+    masters: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
-def _report(pod: ObservedPod) -> PodReport:
-    """The report of a pod whose phase is terminal."""
+def _report(pod: ObservedPod, attempt: int) -> PodReport:
+    """The report of a pod of ``attempt`` whose phase is terminal."""
     if pod.exit_code is not None:
         said = ": ".join(part for part in (pod.cause, pod.message) if part)
         return PodReport(
@@ -196,7 +207,7 @@ def _report(pod: ObservedPod) -> PodReport:
             exit_code=pod.exit_code,
             signal=pod.signal,
             reason=said,
-            attempt=pod.attempt,
+            attempt=attempt,
             cause=pod.cause,
         )
     what = pod.cause or "Failed"
@@ -205,9 +216,14 @@ def _report(pod: ObservedPod) -> PodReport:
         pod.index,
         "failed",
         reason=f"{what}: {pod.message}" if pod.message else what,
-        attempt=pod.attempt,
+        attempt=attempt,
         cause=pod.cause,
     )
+
+
+def pod_name(want: DesiredPod) -> str:
+    """The name of the pod ``want`` is: the attempt's that made it."""
+    return f"{gang_name(want.workload_id, want.created_attempt or want.attempt)}-{want.pod_index}"
 
 
 def _failed(want: DesiredPod, cause: str, reason: str) -> PodReport:
@@ -219,7 +235,7 @@ def _failed(want: DesiredPod, cause: str, reason: str) -> PodReport:
 def _vanished(want: DesiredPod, memory: GangMemory, lost_nodes: Mapping[str, str]) -> PodReport:
     """The report of a pod that should run and is gone from the API server."""
     gang = (want.workload_id, want.attempt)
-    name = f"{gang_name(*gang)}-{want.pod_index}"
+    name = pod_name(want)
     if gang in memory.refused:
         return _failed(want, CREATE_REFUSED, memory.refused[gang])
     if gang in memory.timed_out:
@@ -264,6 +280,45 @@ def _start_deadline(
             memory.deleting.add(pod.name)
 
 
+def _to_create(
+    gang: tuple[int, int],
+    wanted: Sequence[DesiredPod],
+    have: Mapping[int, ObservedPod],
+    memory: GangMemory,
+) -> bool:
+    """Whether the gang is made now: none of its pods to create (all but the kept ones)
+    was ever reported or exists, and it was neither made nor refused before."""
+    new = [w for w in wanted if not w.kept]
+    return (
+        bool(new)
+        and all(w.run and not w.started and w.pod_index not in have for w in new)
+        and gang not in memory.created_at
+        and gang not in memory.refused
+    )
+
+
+def _kept_pods(
+    out: Pass,
+    gang: tuple[int, int],
+    wanted: Sequence[DesiredPod],
+    by_name: Mapping[str, ObservedPod],
+) -> dict[int, ObservedPod]:
+    """The gang's pods kept from attempts before, by index; those still labelled with
+    their own attempt are to be patched (``out.keep``), and pod 0's address is the
+    master's (``out.masters``)."""
+    found: dict[int, ObservedPod] = {}
+    for want in wanted:
+        pod = by_name.get(pod_name(want)) if want.kept else None
+        if pod is None or pod.workload_id != want.workload_id:
+            continue
+        found[want.pod_index] = pod
+        if pod.attempt < want.attempt and want.run and not pod.terminating:
+            out.keep.append((gang, want.pod_index, pod.name))
+        if want.pod_index == 0:
+            out.masters[gang] = pod.ip
+    return found
+
+
 def plan_pass(
     desired: Iterable[DesiredPod],
     observed: Iterable[ObservedPod],
@@ -295,14 +350,12 @@ def plan_pass(
             out.delete.append(pod.name)
             memory.deleting.add(pod.name)
 
+    by_name = {pod.name: pod for pod in all_pods}
+    held: set[str] = set()  # the pods the gangs asked for hold, kept ones too
     for gang, wanted in sorted(by_gang.items()):
-        have = pods.get(gang, {})
-        if (
-            all(w.run and not w.started for w in wanted)
-            and not have
-            and gang not in memory.created_at
-            and gang not in memory.refused
-        ):
+        have = {**pods.get(gang, {}), **_kept_pods(out, gang, wanted, by_name)}
+        held.update(pod.name for pod in have.values())
+        if _to_create(gang, wanted, have, memory):
             out.create.append(gang)
             continue
         _start_deadline(out, gang, wanted, have, memory, now, start_deadline_s)
@@ -316,7 +369,7 @@ def plan_pass(
                         PodReport(want.workload_id, want.pod_index, "stopped", attempt=gang[1])
                     )
             elif found.ended:
-                report = _report(found)
+                report = _report(found, gang[1])
                 bad = report.state == "failed" or report.exit_code != 0
                 (failed if bad and want.run else others).append(report)
             elif not want.run and want.trace is None:
@@ -333,7 +386,7 @@ def plan_pass(
     carried = {pod.marker for pod in all_pods}
     out.gone = sorted(markers - carried)
     for pod in all_pods:
-        if pod.marker in markers or pod.gang not in by_gang:
+        if pod.marker in markers or (pod.gang not in by_gang and pod.name not in held):
             delete(pod)  # a leftover, or of an attempt nothing asks for any more
     live = set(by_gang) | set(pods)
     out.orphan_gangs = sorted(

@@ -89,6 +89,11 @@ CONTAINER_NAME = "torchrun"
 LAUNCH_DIR = "/var/run/gpufleet/job"  # the script and the launcher
 LAUNCHER_KEY = "gpufleet-launch.py"
 SCRIPT_ANNOTATION = LABEL_PREFIX + "script"
+# A gang pod's attempt, marker, master and checkpoint (JSON), which the launcher reads from
+# the file ``assignment`` (the downward API) and the cluster manager changes for a pod it
+# keeps into the next attempt (:func:`keep_patch`).
+ASSIGNMENT_ANNOTATION = LABEL_PREFIX + "assignment"
+ASSIGNMENT_FILE = "assignment"
 # A script up to this size travels in its pods' annotation; a larger one in a ConfigMap of
 # the attempt's. Well under the API server's 256 KiB of annotations per object, because
 # every pass of the cluster manager lists every job pod of its cluster, annotations and all.
@@ -124,6 +129,7 @@ PLATFORM_VARIABLES = frozenset(
         "PYTHONUNBUFFERED",
         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
         "GPUFLEET_HOST_IP",
+        "GPUFLEET_KEEP_WAIT_S",
     }
 )
 
@@ -183,6 +189,13 @@ class JobGang:
     # Where ranks report progress: the node agent's port on the pod's node, which
     # $(GPUFLEET_HOST_IP) names (the downward API's status.hostIP); "" for nowhere.
     progress_url: str = ""
+    # The master's address when it is not pod 0's name under this attempt's Service: the
+    # address of a pod 0 kept from an attempt before (its name is that attempt's).
+    master_addr: str = ""
+    # Pods kept from attempts before (by index): patched into this one, never created.
+    kept: frozenset[int] = frozenset()
+    # How long a gang pod whose torchrun failed waits to be kept for the next attempt.
+    keep_wait_s: float = 10.0
     # as whom
     uid: int
     gid: int
@@ -231,6 +244,8 @@ class JobGang:
                 parse_quantity(quantity)
         if self.grace_seconds < 0:
             raise ValueError("grace_seconds is negative")
+        if not self.kept <= set(range(len(self.nodes))):
+            raise ValueError(f"kept pods {sorted(self.kept)} are not all pods of the gang")
         taken = sorted(set(self.env) & PLATFORM_VARIABLES)
         if taken:
             raise ValueError(f"env: {', '.join(taken)} are set by gpufleet; leave them out")
@@ -257,7 +272,22 @@ class JobGang:
         one pod, whose torchrun needs no Service: it rendezvouses with itself)."""
         if self.pods == 1:
             return "localhost"
+        if self.master_addr:
+            return self.master_addr
         return f"p0.{self.name}.{self.namespace}.svc.cluster.local"
+
+    def assignment(self, index: int) -> str:
+        """Pod ``index``'s :data:`ASSIGNMENT_ANNOTATION` (read by ``pod_launcher.py``)."""
+        return json.dumps(
+            {
+                "attempt": self.attempt,
+                "marker": part_marker(self.marker, index),
+                "master_addr": self.master_address(),
+                "master_port": self.rendezvous_port,
+                "resume_from": self.resume_from,
+            },
+            sort_keys=True,
+        )
 
 
 # ------------------------------------------------------------------ labels
@@ -431,6 +461,8 @@ def _env(gang: JobGang, index: int) -> list[Manifest]:
     ]
     # Doubling '$' keeps a value literal through Kubernetes' $(VAR) expansion.
     env += [{"name": k, "value": v.replace("$", "$$")} for k, v in platform.items()]
+    if gang.pods > 1:
+        env.append({"name": "GPUFLEET_KEEP_WAIT_S", "value": f"{gang.keep_wait_s:g}"})
     if gang.progress_url:  # the admin's, expanded: it names $(GPUFLEET_HOST_IP)
         env.append({"name": "GPUFLEET_PROGRESS_URL", "value": gang.progress_url})
     env += [{"name": k, "value": v.replace("$", "$$")} for k, v in gang.env.items()]
@@ -484,29 +516,28 @@ def _container(gang: JobGang, index: int) -> Manifest:
 
 
 def _launch_volume(gang: JobGang) -> Manifest:
-    """:data:`LAUNCH_DIR`: the launcher and the script, read-only."""
-    script: Manifest
+    """:data:`LAUNCH_DIR`: the launcher, the script and a gang pod's assignment, read-only."""
+    downward = []
     if gang.script_inline:
-        field_path = f"metadata.annotations['{SCRIPT_ANNOTATION}']"
-        script = {
-            "downwardAPI": {
-                "items": [
-                    {
-                        "path": gang.script_name,
-                        "fieldRef": {"apiVersion": "v1", "fieldPath": field_path},
-                    }
-                ]
+        downward.append((gang.script_name, SCRIPT_ANNOTATION))
+    if gang.pods > 1:
+        downward.append((ASSIGNMENT_FILE, ASSIGNMENT_ANNOTATION))
+    sources: list[Manifest] = [{"configMap": {"name": launcher_config_map_name()}}]
+    if not gang.script_inline:
+        sources.append({"configMap": {"name": gang.name}})
+    if downward:
+        items = [
+            {
+                "path": path,
+                "fieldRef": {
+                    "apiVersion": "v1",
+                    "fieldPath": f"metadata.annotations['{annotation}']",
+                },
             }
-        }
-    else:
-        script = {"configMap": {"name": gang.name}}
-    return {
-        "name": "gpufleet-job",
-        "projected": {
-            "defaultMode": 0o444,
-            "sources": [{"configMap": {"name": launcher_config_map_name()}}, script],
-        },
-    }
+            for path, annotation in downward
+        ]
+        sources.append({"downwardAPI": {"items": items}})
+    return {"name": "gpufleet-job", "projected": {"defaultMode": 0o444, "sources": sources}}
 
 
 def gang_pod(gang: JobGang, index: int) -> Manifest:
@@ -519,6 +550,8 @@ def gang_pod(gang: JobGang, index: int) -> Manifest:
     metadata["annotations"][MARKER_LABEL] = marker
     if gang.script_inline:
         metadata["annotations"][SCRIPT_ANNOTATION] = gang.script
+    if gang.pods > 1:
+        metadata["annotations"][ASSIGNMENT_ANNOTATION] = gang.assignment(index)
     spec: Manifest = {}
     if gang.pods > 1:  # its stable name, p<i>.<gang>, under the gang's Service
         spec |= {"hostname": f"p{index}", "subdomain": gang.name}
@@ -567,4 +600,18 @@ def gang_pod(gang: JobGang, index: int) -> Manifest:
         "kind": "Pod",
         "metadata": metadata,
         "spec": spec,
+    }
+
+
+def keep_patch(gang: JobGang, index: int) -> Manifest:
+    """The patch that makes a pod kept from an attempt before pod ``index`` of this one:
+    its attempt and marker, and the assignment its launcher runs next. Its name, and the
+    stable name under its own attempt's Service, stay (``hostname`` and ``subdomain``
+    cannot change)."""
+    marker = part_marker(gang.marker, index)
+    return {
+        "metadata": {
+            "labels": {ATTEMPT_LABEL: str(gang.attempt), MARKER_LABEL: label_value(marker)},
+            "annotations": {MARKER_LABEL: marker, ASSIGNMENT_ANNOTATION: gang.assignment(index)},
+        }
     }

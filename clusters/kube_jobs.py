@@ -39,9 +39,11 @@ from .job_manifests import (
     JOBS_NETWORK_POLICY_PREFIX,
     SHARED_LABELS,
     JobGang,
+    gang_name,
     gang_objects,
     gang_pod,
     jobs_network_policy,
+    keep_patch,
     launcher_config_map,
 )
 from .kube_config import ClusterSettings, api_client
@@ -77,6 +79,7 @@ class JobPodSettings:
     rendezvous_timeout_s: int = 600
     start_deadline_s: float = 120.0
     progress_url: str = ""
+    keep_wait_s: float = 10.0
 
 
 def _describe(error: BaseException) -> str:
@@ -116,6 +119,7 @@ class ClusterJobs:
         self.leftovers: list[str] = []  # part markers whose pods must go (the last sync's)
         self.refusals: list[PodReport] = []  # gangs refused since the last sync
         self._shared_made_at: float | None = None  # the namespace's launcher and policy
+        self.restarted = False  # the last pass's sync began a job's next attempt
 
     async def start(self) -> None:
         self.api = await api_client(self.cluster)
@@ -161,6 +165,7 @@ class ClusterJobs:
             True,
         )
         self.leftovers = [left.marker for left in result.leftovers]
+        self.restarted = bool(result.restarted)
         return list(result.changed), bool(result.released)
 
     async def _list(self) -> tuple[list[dict[str, Any]], dict[str, int], set[str]] | None:
@@ -207,18 +212,25 @@ class ClusterJobs:
         creating = []
         refused = await self._make_shared_objects() if plan.create else ""
         taken = set(ports.values())
+        chosen = {gang: ports.get(gang_name(*gang), 0) for gang in by_gang}
         for gang in plan.create:
             if refused:
                 self.memory.created_at[gang] = time.monotonic()
                 self._refuse(gang, by_gang[gang], refused)
                 continue
-            port = self._free_port(taken)
+            port = chosen[gang] = self._free_port(taken)
             if by_gang[gang][0].pods > 1:  # a job of one pod picks its own port
                 taken.add(port)
-            creating.append(self._create(gang, by_gang[gang], port))
-        work = [self._delete_pod(name) for name in plan.delete]
+            creating.append(self._create(gang, by_gang[gang], port, plan.masters.get(gang, "")))
+        await asyncio.gather(*creating)
+        work = [
+            self._keep(gang, index, name, by_gang[gang], chosen[gang], plan.masters.get(gang, ""))
+            for gang, index, name in plan.keep
+            if gang not in self.memory.refused
+        ]
+        work += [self._delete_pod(name) for name in plan.delete]
         work += [self._delete_gang_objects(name) for name in plan.orphan_gangs]
-        await asyncio.gather(*creating, *work)
+        await asyncio.gather(*work)
 
     async def _make_shared_objects(self) -> str:
         """Make what every job pod of the namespace shares, unless made within the last
@@ -288,13 +300,16 @@ class ClusterJobs:
         return first  # more gangs than ports: they share it, each pod on its own address
 
     # ------------------------------------------------------------------ creating
-    async def _create(self, gang_key: tuple[int, int], wanted: list[DesiredPod], port: int) -> None:
-        """Create the gang whole, or leave nothing of it and report why."""
+    async def _create(
+        self, gang_key: tuple[int, int], wanted: list[DesiredPod], port: int, master: str
+    ) -> None:
+        """Create the gang whole (but for the pods it keeps from the attempt before), or
+        leave nothing of it and report why."""
         from kubernetes_asyncio import client
 
         self.memory.created_at[gang_key] = time.monotonic()
         try:
-            gang = self.gang_of(wanted, port)
+            gang = self.gang_of(wanted, port, master)
         except ValueError as e:
             self._refuse(gang_key, wanted, f"gpufleet cannot make the job's pods: {e}")
             return
@@ -313,6 +328,7 @@ class ClusterJobs:
                 *(
                     _create_one(core.create_namespaced_pod, namespace, gang_pod(gang, i))
                     for i in range(gang.pods)
+                    if i not in gang.kept
                 ),
                 return_exceptions=True,
             )
@@ -333,8 +349,57 @@ class ClusterJobs:
             self.cluster.name,
             gang.workload_id,
             gang.attempt,
-            gang.pods,
-            ", ".join(gang.nodes),
+            gang.pods - len(gang.kept),
+            ", ".join(n for i, n in enumerate(gang.nodes) if i not in gang.kept),
+        )
+
+    async def _keep(
+        self,
+        gang_key: tuple[int, int],
+        index: int,
+        name: str,
+        wanted: list[DesiredPod],
+        port: int,
+        master: str,
+    ) -> None:
+        """Make a pod kept from an attempt before pod ``index`` of this one: its launcher
+        stops the old torchrun and starts this attempt's. The next pass tries again if
+        the patch fails for a while; a pod that is gone meanwhile is reported as any pod
+        that vanishes. A patch the API server refuses outright (RBAC, admission) fails
+        the pod (``CreateRefused``): the whole gang restarts instead."""
+        from kubernetes_asyncio import client
+
+        try:
+            gang = self.gang_of(wanted, port, master)
+            core: Any = client.CoreV1Api(self.api)
+            await core.patch_namespaced_pod(
+                name,
+                self.cluster.namespace,
+                keep_patch(gang, index),
+                _content_type="application/merge-patch+json",
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        except Exception as e:  # noqa: BLE001 - the next pass tries again, or see above
+            why = f"cluster {self.cluster.name} refused to keep pod {name} ({_describe(e)})"
+            self.log.warning("job %s attempt %s: %s", *gang_key, why)
+            if getattr(e, "status", None) in (400, 403, 422):
+                self.refusals.append(
+                    PodReport(
+                        gang_key[0],
+                        index,
+                        "failed",
+                        reason=why,
+                        attempt=gang_key[1],
+                        cause=CREATE_REFUSED,
+                    )
+                )
+            return
+        self.log.info(
+            "cluster %s: kept pod %s as pod %s of job %s attempt %s",
+            self.cluster.name,
+            name,
+            index,
+            *gang_key,
         )
 
     def _refuse(self, gang: tuple[int, int], wanted: Sequence[DesiredPod], why: str) -> None:
@@ -403,8 +468,9 @@ class ClusterJobs:
                 )
 
     # ------------------------------------------------------------------ the gang
-    def gang_of(self, wanted: Sequence[DesiredPod], port: int) -> JobGang:
-        """The gang of an attempt from the store's pods; ValueError says what is wrong."""
+    def gang_of(self, wanted: Sequence[DesiredPod], port: int, master: str = "") -> JobGang:
+        """The gang of an attempt from the store's pods; ValueError says what is wrong.
+        ``master``: the address of its pod 0 where that pod is kept from an attempt before."""
         first = min(wanted, key=lambda w: w.pod_index)
         if len(wanted) != first.pods:
             raise ValueError(f"{len(wanted)} of the job's {first.pods} pods are placed here")
@@ -440,6 +506,9 @@ class ClusterJobs:
             rendezvous_port=port,
             rendezvous_timeout_s=settings.rendezvous_timeout_s,
             progress_url=settings.progress_url,
+            master_addr=master,
+            kept=frozenset(w.pod_index for w in wanted if w.kept),
+            keep_wait_s=settings.keep_wait_s,
             uid=int(account["uid"]),
             gid=int(account["gid"]),
             gpus_per_pod=first.gpus_per_pod,

@@ -82,6 +82,16 @@ class KubeJobs(LoopComponent):
         "goes back to the queue with the reason: no gang ever runs, or holds GPUs, in part.",
     ).tag(config=True)
 
+    keep_pod_seconds = Float(
+        10.0,
+        help="How long a pod of a gang whose torchrun failed waits to be kept for the "
+        "job's next attempt before it ends. When a pod of a gang is lost (deleted, evicted, "
+        "its node lost), the restart keeps the others where they run and places only the "
+        "lost one again (docs/kubernetes.md, 'What a restart keeps'); their ranks fail "
+        "meanwhile, and this is how long their pods wait to be told. A rank's own error "
+        "in a job of several pods is reported this much later.",
+    ).tag(config=True)
+
     priority_class = Unicode(
         DEFAULT_JOB_PRIORITY_CLASS,
         help="The PriorityClass of job pods. Create it with preemptionPolicy: Never "
@@ -190,6 +200,7 @@ class KubeJobs(LoopComponent):
             rendezvous_timeout_s=self.rendezvous_timeout_seconds,
             start_deadline_s=self.start_deadline_seconds,
             progress_url=self.progress_url,
+            keep_wait_s=self.keep_pod_seconds,
         )
 
     async def start(self) -> None:
@@ -203,8 +214,11 @@ class KubeJobs(LoopComponent):
     async def run(self, is_leader: Callable[[], bool]) -> None:
         """A pass over every cluster whenever a workload changed (a placement, a stop, a
         restart: what wakes the node agents' long polls) and every ``interval``."""
+        again = False
         while True:
-            await self.notifier.wait_for_any_change(self.interval)
+            if not again:
+                await self.notifier.wait_for_any_change(self.interval)
+            again = False
             if not is_leader():
                 continue
             passes = await asyncio.gather(
@@ -215,6 +229,9 @@ class KubeJobs(LoopComponent):
                 self.notifier.changed(changed)
             if changed or any(released for _, released in passes):
                 self.kick()  # GPUs went back, or a job goes back to the queue
+            # A restart that kept pods placed the lost ones in this pass's own sync: the
+            # next pass makes them at once (this loop's own changes do not wake it).
+            again = any(manager.restarted for manager in self.managers.values())
 
     async def _pass(self, cluster: str, manager: ClusterJobs) -> tuple[list[int], bool]:
         try:

@@ -25,7 +25,6 @@ are given to end attempts; every write is fenced by the lease.
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -35,7 +34,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..api.events import EventKind
-from ..recovery.attempts import AttemptRecord, GiveUp, Resume, RetryPolicy, next_attempt
+from ..recovery.attempts import GiveUp, Resume, RetryPolicy, next_attempt
 from ..recovery.breaker import BreakerPolicy, may_cordon
 from ..recovery.classify import (
     FaultClass,
@@ -71,6 +70,7 @@ from .models import (
     WorkloadState,
     Zone,
 )
+from .next_attempt import attempt_record, begin_next_attempt, pods_of, restarting_event
 from .progress import percentile
 from .traces import HANG, open_trace
 
@@ -444,17 +444,9 @@ class AttemptStore(Repository):
         if verdict is None:
             end_workload(session, now, workload, outcome, message)
             return None
-        record = AttemptRecord(
-            attempt=workload.attempt,
-            fault_times=tuple((workload.recovery or {}).get("fault_times", ())),
-            avoid_nodes=frozenset((workload.recovery or {}).get("avoid_nodes", ())),
-            avoid_gpus=frozenset((workload.recovery or {}).get("avoid_gpus", ())),
-            checkpoint=_last_checkpoint(session, workload.id),
-            gpus=workload.gpus,
-            ran_s=(now - workload.started_at).total_seconds() if workload.started_at else 0.0,
-            quick_faults=int((workload.recovery or {}).get("quick_faults", 0)),
+        step = next_attempt(
+            attempt_record(session, now, workload), verdict, self.retry_policy, now.timestamp()
         )
-        step = next_attempt(record, verdict, self.retry_policy, now.timestamp())
         if isinstance(step, GiveUp):
             # The pod's own ending, then the verdict, unless the verdict is what stopped it.
             said = (
@@ -482,62 +474,20 @@ class AttemptStore(Repository):
         for allocation in workload.allocations:
             if allocation.closed_at is None:
                 allocation.closed_at = now
-        for row in session.scalars(select(JobPod).where(JobPod.workload_id == workload.id)):
+        for row in session.scalars(pods_of(workload.id)):
             session.delete(row)  # the attempt's pods live on as job-pod-ended events
-        line = f"--- gpufleet: attempt {step.attempt}: {step.message} ---\n"
-        before = workload.recovery or {}
-        # Disruptions too: the time to resume counts from whatever ended the attempt.
-        fault_at = before.get("fault_at") or now.isoformat()
-        progress = session.get(JobProgress, workload.id)
-        workload.recovery = {
-            "avoid_nodes": sorted(step.avoid_nodes),
-            "avoid_gpus": sorted(step.avoid_gpus),
-            "resume_from": step.resume_from,
-            "log_bases": _continue_logs(session, now, workload.id, line),
-            "fault_times": list(step.fault_times),
-            "quick_faults": step.quick_faults,
-            "fault_at": fault_at,
-            # After a fault, not a preemption or a drain: it may use the recovery spares.
-            "recovering": verdict.fault is not FaultClass.DISRUPTION,
-            **_training_lost(before, progress, datetime.fromisoformat(fault_at)),
-        }
-        workload.attempt = step.attempt
-        workload.faults += 1 if verdict.spends_budget else 0
+        begin_next_attempt(session, now, workload, verdict, step)
         workload.not_before = now + timedelta(seconds=step.delay_s) if step.delay_s else None
         workload.state = WorkloadState.pending
-        workload.outcome = None
-        workload.preempted_for_id = None
         workload.promised = None
         workload.admitted_at = workload.started_at = None
         workload.queue_position = None
-        # A new marker: whatever is left of the old attempt is never taken for the new one.
-        workload.process_marker = uuid.uuid4().hex
-        if progress is not None:  # a checkpoint the old attempt began will never be saved
-            progress.checkpoint_started_step = progress.checkpoint_started_at = None
         workload.reason = (
             f"attempt {step.attempt} waits for its back-off ({step.delay_s:.0f} s)"
             if step.delay_s
             else f"attempt {step.attempt} waits for the next admission cycle"
         )
-        workload.version += 1
-        _event(
-            session,
-            now,
-            EventKind.JOB_RESTARTING,
-            step.message,
-            reason=verdict.fault.value,
-            workload=workload,
-            data={
-                "attempt": step.attempt,
-                "fault": verdict.fault.value,
-                "spends_budget": verdict.spends_budget,
-                "faults": workload.faults,
-                "delay_s": step.delay_s,
-                "resume_from": step.resume_from,
-                "avoid_nodes": sorted(step.avoid_nodes),
-                "avoid_gpus": sorted(step.avoid_gpus),
-            },
-        )
+        restarting_event(session, now, workload, verdict, step, step.message)
 
 
 # ------------------------------------------------------------------ helpers
@@ -561,24 +511,6 @@ def stopping_for(workload: Workload, verdict: Verdict, now: datetime, reason: st
     workload.state = WorkloadState.stopping
     workload.outcome = "failed"
     workload.reason = reason
-
-
-def _training_lost(
-    before: dict[str, Any], progress: JobProgress | None, fault_at: datetime
-) -> dict[str, Any]:
-    """What the next attempt carries of the job's effective training time
-    (``progress.training_ratio``): when it first stepped, and the time lost so far — now
-    also the work this attempt did after its last checkpoint, which is done again."""
-    if "trained_since" not in before:
-        return {}
-    lost = float(before.get("lost_s", 0.0))
-    stepped = before.get("attempt_stepped_at")
-    if stepped:
-        kept = datetime.fromisoformat(stepped)
-        if progress is not None and progress.last_checkpoint_at is not None:
-            kept = max(kept, progress.last_checkpoint_at)
-        lost += max(0.0, (fault_at - kept).total_seconds())
-    return {"trained_since": before["trained_since"], "lost_s": lost}
 
 
 def _placement(workload: Workload) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -673,47 +605,6 @@ def _running_progress(session: Session) -> list[tuple[int, int, JobProgressSeen]
         )
         seen.append((job.id, job.version, progress))
     return seen
-
-
-def _last_checkpoint(session: Session, workload_id: int) -> str | None:
-    row = session.get(JobProgress, workload_id)
-    return row.last_checkpoint_uri or None if row is not None else None
-
-
-def _continue_logs(session: Session, now: datetime, workload_id: int, line: str) -> dict[str, int]:
-    """End each of the job's log streams with ``line``; where each one continues."""
-    ends = session.execute(
-        select(JobLog.rank, JobLog.stream, func.max(JobLog.offset))
-        .where(JobLog.workload_id == workload_id)
-        .group_by(JobLog.rank, JobLog.stream)
-    ).all()
-    bases: dict[str, int] = {}
-    for rank, stream, last in ends:
-        data = session.scalar(
-            select(JobLog.data).where(
-                JobLog.workload_id == workload_id,
-                JobLog.rank == rank,
-                JobLog.stream == stream,
-                JobLog.offset == last,
-            )
-        )
-        size = last + len((data or "").encode())
-        session.add(
-            JobLog(
-                workload_id=workload_id, rank=rank, stream=stream, offset=size, data=line, at=now
-            )
-        )
-        bases[f"{rank}:{stream}"] = size + len(line.encode())
-    return bases
-
-
-def log_offset(workload: Workload, attempt: int, rank: int, stream: str, offset: int) -> int | None:
-    """Where a chunk an agent sent lands in the job's log; None for one of an earlier
-    attempt (stored already: an attempt ends only once its logs were read whole)."""
-    if attempt != workload.attempt:
-        return None
-    bases = (workload.recovery or {}).get("log_bases") or {}
-    return int(bases.get(f"{rank}:{stream}", 0)) + offset
 
 
 def verdict_json(verdict: Verdict) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from .attempts import log_offset
 from .models import JobLog, Workload, WorkloadKind
+from .next_attempt import log_offset
 
 LOG_STREAMS = ("stdout", "stderr")
 
@@ -32,7 +32,7 @@ def store_chunks(session: Session, now: datetime, chunks: Iterable[LogChunk]) ->
     where the controller last acknowledged, in chunks cut where it reads, so the bytes past
     the stored chunk's end are stored after it (``_past_stored``). An attempt's chunks
     continue the job's streams where that attempt's output begins
-    (``attempts.log_offset``); an earlier attempt's are dropped."""
+    (``next_attempt.log_offset``); an earlier attempt's are dropped."""
     arrived = [c for c in chunks if c.stream in LOG_STREAMS and c.offset >= 0 and c.data]
     if not arrived:
         return

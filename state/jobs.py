@@ -27,7 +27,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 
 from ..api.events import EventKind
 from ..recovery.checkpoints import filled
@@ -38,10 +38,19 @@ from .accounts import AccountStore
 from .attempts import AttemptStore, cancelled_ending, stopping_for
 from .base import _event, _get_workload, _preemptible, end_workload
 from .catalogue import catalogue_of
-from .clusters import AGENT_PREFIX, KUBERNETES
+from .clusters import AGENT_PREFIX
 from .database import Database
+from .desired_pods import (
+    ACTIVE,
+    ENDED_POD_STATES,
+    DesiredPod,
+    desired_on,
+    launched_by,
+    watched_on,
+)
 from .inventory import mark_silent
 from .job_logs import LogChunk, store_chunks
+from .kept_pods import GONE_CAUSES, restart_keeping
 from .leftovers import (
     Leftover,
     hold_for_leftovers,
@@ -50,26 +59,19 @@ from .leftovers import (
     release_leftovers,
 )
 from .models import (
-    Allocation,
-    Cluster,
     JobLog,
     JobPod,
     Node,
     NodeHealth,
     Project,
-    UserAccount,
     Workload,
     WorkloadKind,
     WorkloadState,
-    Zone,
 )
 from .progress import ProgressReport, record_progress
-from .traces import PodStacks, pending_traces, record_stacks
+from .traces import PodStacks, record_stacks
 
-ACTIVE = (WorkloadState.admitted, WorkloadState.running, WorkloadState.stopping)
 POD_STATES = ("running", "exited", "stopped", "failed")
-# ``lost``: its node's agent went silent (never reported by an agent).
-ENDED_POD_STATES = frozenset({"exited", "stopped", "failed", "lost"})
 MAX_SCRIPT_BYTES = 1 << 20
 
 
@@ -124,33 +126,6 @@ class PodReport:
     # Why it ended in the backend's own word (``OOMKilled``, ``Evicted``, ``NodeLost``,
     # ``Deleted``, ``StartTimeout``...): what the classifier reads before ``reason``'s words.
     cause: str = ""
-
-
-@dataclass(frozen=True)
-class DesiredPod:
-    """One pod an agent should run (``run``) or make sure is gone (not ``run``)."""
-
-    workload_id: int
-    pod_index: int
-    pods: int
-    gpus_per_pod: int
-    node: str
-    gpu_uuids: tuple[str, ...]
-    marker: str
-    run: bool
-    started: (
-        bool  # the agent reported it running before (an agent that lost it must not restart it)
-    )
-    username: str
-    name: str
-    spec: dict[str, Any]
-    account: dict[str, Any] | None = None  # uid, gid, mode: whom its ranks run as
-    attempt: int = 1
-    resume_from: str = ""  # the checkpoint the attempt resumes from (GPUFLEET_RESUME_FROM)
-    project: str = ""  # the project charged
-    # An open trace this pod has not answered (state/traces.py): its agent takes the
-    # ranks' stacks first; a pod to stop is not stopped before, or the trace's wait ends.
-    trace: int | None = None
 
 
 @dataclass(frozen=True)
@@ -299,7 +274,7 @@ class JobStore(AttemptStore):
         ended: list[str] = []
         restarted: list[str] = []
         with self._write(now) as session:
-            nodes = _launched_by(session, node_names, kubernetes)
+            nodes = launched_by(session, node_names, kubernetes)
             store_chunks(session, now, chunks)
             resumed: list[float] = []
             changed |= record_progress(session, now, progress, resumed)
@@ -319,9 +294,9 @@ class JobStore(AttemptStore):
                 if fault is not None:
                     restarted.append(fault)
             released = release_leftovers(session, now, nodes, gone)
-            desired = _desired_pods(session, nodes)
+            desired = desired_on(session, nodes)
             leftovers = leftovers_on(session, nodes)
-            watched = [] if kubernetes else _watched_pods(session, node_names)
+            watched = [] if kubernetes else watched_on(session, node_names)
         return SyncResult(
             desired, sorted(changed), ended, restarted, resumed, leftovers, released, watched
         )
@@ -340,6 +315,7 @@ class JobStore(AttemptStore):
             return False, None
         placed = {a.pod_index: a.node.name for a in workload.allocations if a.closed_at is None}
         rows = {p.pod_index: p for p in _pods(session, workload.id)}
+        attempt = workload.attempt
         visible = False
         for report in reports:
             node = placed.get(report.pod_index)
@@ -348,6 +324,8 @@ class JobStore(AttemptStore):
             if report.attempt != workload.attempt:
                 continue  # of an attempt that has ended
             visible |= self._apply_report(session, now, workload, report, node, rows)
+        if workload.attempt != attempt:  # begun at once, keeping pods: nothing more ends
+            return True, str((workload.recovery or {}).get("restarted_for") or "")
         fault, ended = self._end_attempt_if_done(session, now, workload, rows)
         if visible and not ended:
             workload.version += 1
@@ -415,6 +393,19 @@ class JobStore(AttemptStore):
         # endings of its own (``state/attempts.py``).
         verdict = self._classify_pod(session, now, workload, row)
         said = f"pod {row.pod_index} on {node} {_pod_ending(row)}"
+        if row.cause in GONE_CAUSES:
+            where = session.scalars(select(Node).where(Node.name == node)).one()
+            # Its node stays in doubt after a node loss: what may run there keeps its GPUs.
+            if restart_keeping(
+                session,
+                now,
+                workload,
+                verdict,
+                {row.pod_index: (where, row.cause == "NodeLost")},
+                (EventKind.JOB_FAILED, said),
+                self.retry_policy,
+            ):
+                return
         stopping_for(workload, verdict, now, said)
         _event(
             session,
@@ -540,21 +531,32 @@ class JobStore(AttemptStore):
                 node=node.name,
                 data={"pod": index, "held": uuids},
             )
-        if workload.state != WorkloadState.stopping:
-            self._fault_stops(session, now, workload, verdict, node.name, lost=node.name)
         lost.changed.append(workload.id)
+        if workload.state != WorkloadState.stopping:
+            if restart_keeping(
+                session,
+                now,
+                workload,
+                verdict,
+                {i: (node, True) for i in indexes},
+                (EventKind.JOB_FAULT, verdict.reason),
+                self.retry_policy,
+            ):
+                lost.restarted.append(verdict.fault.value)
+                return
+            self._fault_stops(session, now, workload, verdict, node.name, lost=node.name)
         fault, _ = self._end_attempt_if_done(session, now, workload, rows)
         if fault is not None:
             lost.restarted.append(fault)
 
     def desired_pods(self, node_names: Sequence[str], kubernetes: bool = False) -> list[DesiredPod]:
         with self.read() as session:
-            return _desired_pods(session, _launched_by(session, node_names, kubernetes))
+            return desired_on(session, launched_by(session, node_names, kubernetes))
 
     def watched_pods(self, node_names: Sequence[str]) -> list[DesiredPod]:
         """The pods a node agent of ``node_names`` watches (``SyncResult.watched``)."""
         with self.read() as session:
-            return _watched_pods(session, node_names)
+            return watched_on(session, node_names)
 
     def job_pods(self, workload_id: int) -> list[JobPod]:
         with self.read() as session:
@@ -633,94 +635,6 @@ def _pods(session: Session, workload_id: int) -> Sequence[JobPod]:
     ).all()
 
 
-def _launched_by(session: Session, node_names: Iterable[str], kubernetes: bool) -> set[str]:
-    """Those of ``node_names`` whose pods the caller launches: the nodes of Kubernetes
-    clusters for a cluster manager, the others for a node agent."""
-    names = set(node_names)
-    if not names:
-        return names
-    backends = session.execute(
-        select(Node.name, Cluster.backend)
-        .join(Zone, Node.zone_id == Zone.id)
-        .join(Cluster, Zone.cluster_id == Cluster.id)
-        .where(Node.name.in_(names))
-    ).all()
-    return {name for name, backend in backends if (backend == KUBERNETES) == kubernetes}
-
-
-def _watched_pods(session: Session, node_names: Iterable[str]) -> list[DesiredPod]:
-    """The pods Kubernetes runs on those of ``node_names`` in its clusters: those to run,
-    and those to stop whose stacks are awaited (their agent takes them)."""
-    kube_nodes = _launched_by(session, node_names, kubernetes=True)
-    return [pod for pod in _desired_pods(session, kube_nodes) if pod.run or pod.trace]
-
-
-def _desired_pods(session: Session, nodes: set[str]) -> list[DesiredPod]:
-    rows = session.execute(
-        select(Allocation, Workload)
-        .join(Workload, Allocation.workload_id == Workload.id)
-        .join(Node, Allocation.node_id == Node.id)
-        .where(
-            Allocation.closed_at.is_(None),
-            Node.name.in_(nodes),
-            Workload.kind == WorkloadKind.job,
-            Workload.state.in_(ACTIVE),
-        )
-        .options(
-            selectinload(Allocation.gpu),
-            selectinload(Allocation.node),
-            selectinload(Allocation.workload).selectinload(Workload.project),
-        )
-    ).all()
-    gpus: dict[tuple[int, int], list[tuple[int, str]]] = defaultdict(list)
-    where: dict[tuple[int, int], str] = {}
-    workloads: dict[int, Workload] = {}
-    for allocation, workload in rows:
-        key = (workload.id, allocation.pod_index)
-        gpus[key].append((allocation.gpu.index, allocation.gpu_uuid))
-        where[key] = allocation.node.name
-        workloads[workload.id] = workload
-    pod_rows = {
-        (p.workload_id, p.pod_index): p
-        for p in session.scalars(select(JobPod).where(JobPod.workload_id.in_(workloads)))
-    }
-    traces = pending_traces(session, workloads)
-    users = {w.username for w in workloads.values()}
-    accounts = {
-        a.username: a
-        for a in session.scalars(select(UserAccount).where(UserAccount.username.in_(users)))
-    }
-    desired = []
-    for (workload_id, pod_index), node in sorted(where.items()):
-        workload = workloads[workload_id]
-        row = pod_rows.get((workload_id, pod_index))
-        if row is not None and row.state in ENDED_POD_STATES:
-            continue  # reported ended: nothing left for the agent to do
-        trace_id, answered = traces.get((workload_id, workload.attempt), (None, set()))
-        desired.append(
-            DesiredPod(
-                workload_id=workload_id,
-                pod_index=pod_index,
-                pods=workload.pods,
-                gpus_per_pod=workload.gpus_per_pod,
-                node=node,
-                gpu_uuids=tuple(u for _, u in sorted(gpus[workload_id, pod_index])),
-                marker=workload.process_marker or "",
-                run=workload.state != WorkloadState.stopping,
-                started=row is not None,
-                username=workload.username,
-                name=workload.name,
-                spec=dict(workload.spec or {}),
-                account=_account_json(accounts.get(workload.username)),
-                attempt=workload.attempt,
-                resume_from=str((workload.recovery or {}).get("resume_from") or ""),
-                project=workload.project.name,
-                trace=trace_id if row is not None and pod_index not in answered else None,
-            )
-        )
-    return desired
-
-
 def _session_environment(session: Session, username: str, session_id: int | None) -> dict[str, Any]:
     """Where the submitting session's environment is (its overlay upper directory), which
     its job's ranks get as a read-only layer; {} for a job from outside a session or a
@@ -739,14 +653,6 @@ def _session_environment(session: Session, username: str, session_id: int | None
     if not overlays:
         return {"session": session_id}
     return {"session": session_id, "environment_upper": str(overlays[0]).partition(":")[0]}
-
-
-def _account_json(row: UserAccount | None) -> dict[str, Any] | None:
-    """Whom a pod's ranks run as; None for a job from before accounts (the agent refuses to
-    start it rather than run it as root)."""
-    if row is None:
-        return None
-    return {"uid": row.uid, "gid": row.gid, "mode": row.mode}
 
 
 def _pod_ending(row: JobPod) -> str:

@@ -124,6 +124,12 @@ class ChangeTracker:
                 self._flushed.pop(id(session), None)
 
 
+def note_changes(session: Session, changes: Iterable[tuple[str, int]]) -> None:
+    """Changes the transaction of ``session`` makes that its objects do not show: a GPU
+    taken on a node by an allocation marks only the allocation's workload by itself."""
+    session.info.setdefault("gpufleet_changes", set()).update(changes)
+
+
 def _changes(obj: Any, session: Session) -> Iterable[tuple[str, int]]:
     quiet = _QUIET.get(type(obj))
     if quiet and obj in session.dirty:

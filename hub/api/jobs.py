@@ -431,6 +431,7 @@ def _desired_out(pod: DesiredPod) -> js.DesiredPodOut:
         spec=pod.spec,
         account=pod.account,
         attempt=pod.attempt,
+        created_attempt=pod.created_attempt,
         resume_from=pod.resume_from,
         trace=pod.trace,
     )

@@ -253,11 +253,17 @@ CONTROLLER_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "list"]},
 ]
 # In gpufleet's namespace only: the reconciler deletes pods of sessions that ended; the
-# cluster manager makes and deletes training jobs' pods and the objects they share.
+# cluster manager makes and deletes training jobs' pods and the objects they share, and
+# patches a pod a restart keeps into the next attempt.
 CONTROLLER_NAMESPACE_RULES: list[dict[str, Any]] = [
     {
         "apiGroups": [""],
-        "resources": ["pods", "services", "configmaps"],
+        "resources": ["pods"],
+        "verbs": ["get", "list", "create", "patch", "delete", "deletecollection"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["services", "configmaps"],
         "verbs": ["get", "list", "create", "delete", "deletecollection"],
     },
     {

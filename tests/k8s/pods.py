@@ -71,6 +71,7 @@ from .volumes import (
     VolumeUnsupported,
     container_mounts,
     prepare_volumes,
+    refresh_downward,
 )
 
 TICK_S = 0.1
@@ -209,7 +210,9 @@ class PodWorker:
         if pod is None:
             self.deleted = True
         else:
-            self.pod = pod
+            before, self.pod = self.pod, pod
+            if self.volumes is not None and _metadata_changed(before, pod):
+                refresh_downward(pod, self.directory / "volumes")
         self.wake.set()
 
     def repost(self) -> None:
@@ -793,3 +796,9 @@ class PodWorker:
             self.ctx.api.post(f"/api/v1/namespaces/{self.namespace}/events", json=event)
         except httpx.HTTPError:
             return
+
+
+def _metadata_changed(before: Manifest, after: Manifest) -> bool:
+    """Whether the pod's labels or annotations changed (what its downward API shows)."""
+    old, new = before.get("metadata") or {}, after.get("metadata") or {}
+    return any(old.get(key) != new.get(key) for key in ("labels", "annotations"))

@@ -516,20 +516,81 @@ def test_a_node_deleted_under_a_job_restarts_it_elsewhere(
         b.remove_node(name)
 
 
-def test_a_pod_deleted_by_someone_else_restarts_the_job_without_charging_it(
-    k8s_tier: ControlPlane, alice: Client
+ALL_REDUCING_TO_STEP_60 = textwrap.dedent(
+    """
+    import os, time
+    import torch, torch.distributed as dist
+    import gpufleet
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    resumed = gpufleet.resume_from()
+    start = int(resumed.rsplit("-", 1)[1]) + 1 if resumed else 0
+    attempt = os.environ["GPUFLEET_ATTEMPT"]
+    print(f"rank {rank} attempt {attempt} starts at step {start}", flush=True)
+    location = os.environ["GPUFLEET_CHECKPOINT_URI"]
+    for step in range(start, 60):
+        total = torch.tensor([1.0])
+        dist.all_reduce(total)
+        assert total.item() == world, total
+        gpufleet.progress(step)
+        if step % 5 == 4:
+            gpufleet.checkpoint_started(step)
+            gpufleet.checkpoint_saved(f"{location}/step-{step}", step)
+        time.sleep(0.2)
+    print(f"rank {rank} attempt {attempt} summed {world} ranks to step 59", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_a_deleted_pod_is_made_again_alone_and_the_other_keeps_running_into_the_next_attempt(
+    k8s_tier: ControlPlane, jobs_hub: Hub, alice: Client
 ) -> None:
-    job_id = submit(alice, SLEEPER, name="deleted")
+    """A pod of a running gang deleted by someone else: only it is made again; the other
+    pod stays (the same pod, its launcher running the next attempt's torchrun), and the
+    ranks all-reduce again from the last checkpoint to the job's end. A disruption: no
+    retry budget is spent."""
+    job_id = submit(
+        alice, ALL_REDUCING_TO_STEP_60, name="kept", env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"}
+    )
     first = running_attempt(alice, job_id, 1)
+    saved = wait_for(
+        lambda: (p := alice.job(job_id).progress) and (p.last_step or 0) >= 12 and p,
+        timeout=90,
+        what="attempt 1 past step 12",
+    )
     cluster = next(c for c in (CLUSTER_A, CLUSTER_B) if job_pods(k8s_tier, c, job_id))
+    uids = {
+        p["metadata"]["name"]: p["metadata"]["uid"] for p in job_pods(k8s_tier, cluster, job_id)
+    }
+    assert sorted(uids) == [f"gf-job-{job_id}-a1-0", f"gf-job-{job_id}-a1-1"]
     with k8s_tier[cluster].rest() as api:
         api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/gf-job-{job_id}-a1-1").raise_for_status()
     second = running_attempt(alice, job_id, 2)
     assert second.faults == first.faults == 0  # a disruption spends no retry budget
-    failed = [e for e in alice.events(workload_id=job_id) if e.kind == "job-failed"]
-    assert failed and "deleted by someone other than gpufleet" in failed[0].message, failed
-    alice.cancel(job_id)
-    assert alice.wait(job_id, timeout=90).outcome == "cancelled"
+
+    def attempt_2_pods() -> dict[str, Any] | None:
+        pods = {p["metadata"]["name"]: p for p in job_pods(k8s_tier, cluster, job_id)}
+        labels = {n: p["metadata"]["labels"]["gpufleet.io/attempt"] for n, p in pods.items()}
+        wanted = {f"gf-job-{job_id}-a1-0": "2", f"gf-job-{job_id}-a2-1": "2"}
+        return pods if labels == wanted else None
+
+    pods = wait_for(attempt_2_pods, timeout=60, what="pod 0 kept into attempt 2 beside a new pod 1")
+    kept = pods[f"gf-job-{job_id}-a1-0"]
+    assert kept["metadata"]["uid"] == uids[f"gf-job-{job_id}-a1-0"]  # the very same pod
+    done = alice.wait(job_id, timeout=120)
+    assert done.outcome == "succeeded", done.reason
+    out = "".join(alice.logs(job_id))
+    resumed = int(out.split("rank 0 attempt 2 starts at step ")[1].split()[0])
+    assert resumed >= saved.last_checkpoint.step + 1, (resumed, saved)  # from its checkpoint
+    assert "attempt 2 summed 4 ranks to step 59" in out
+    events = [(e.kind, e.message) for e in alice.events(workload_id=job_id)]
+    failed = [m for k, m in events if k == "job-failed"]
+    assert failed and "deleted by someone other than gpufleet" in failed[0], events
+    assert "the other pods are kept for the next attempt" in failed[0]
+    restarting = [m for k, m in events if k == "job-restarting"]
+    assert restarting and "pods 0 keep their nodes and run it in place" in restarting[0]
 
 
 HANGS_IN_ONE_RANK = textwrap.dedent(

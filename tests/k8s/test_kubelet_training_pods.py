@@ -435,6 +435,44 @@ async def test_a_projected_volume_joins_a_config_map_and_the_pods_own_annotation
         await spawner_a.delete_namespaced_config_map(name, NAMESPACE)
 
 
+async def test_a_downward_api_file_follows_the_pods_annotation_while_it_runs(
+    kubelets: ControlPlane, spawner_a: client.CoreV1Api
+) -> None:
+    """As the kubelet does (how a kept job pod learns of its next attempt): the file is
+    rewritten whole when the annotation changes."""
+    cluster = kubelets[CLUSTER_A]
+    annotation = "metadata.annotations['example.org/note']"
+    waits = "until grep -q second /job/note; do sleep 0.1; done; echo saw; cat /job/note"
+    pod = manifest(
+        "follows",
+        ["sh", "-c", f"cat /job/note; echo; {waits}"],
+        container={"volumeMounts": [{"name": "job", "mountPath": "/job", "readOnly": True}]},
+        volumes=[
+            {
+                "name": "job",
+                "projected": {
+                    "sources": [
+                        {
+                            "downwardAPI": {
+                                "items": [{"path": "note", "fieldRef": {"fieldPath": annotation}}]
+                            }
+                        }
+                    ]
+                },
+            }
+        ],
+    )
+    pod["metadata"]["annotations"] = {"example.org/note": "first"}
+    async with pods(spawner_a, pod) as (pod_name,):
+        await logged(cluster, NODE, pod_name, "first")
+        patch = {"metadata": {"annotations": {"example.org/note": "second"}}}
+        await cast(Any, spawner_a).patch_namespaced_pod(
+            pod_name, NAMESPACE, patch, _content_type="application/merge-patch+json"
+        )
+        await phase(spawner_a, pod_name, "Succeeded")
+        assert await logged(cluster, NODE, pod_name, "saw") == "first\nsaw\nsecond"
+
+
 async def test_a_failed_container_says_why_in_its_termination_message_when_asked(
     kubelets: ControlPlane, spawner_a: client.CoreV1Api
 ) -> None:

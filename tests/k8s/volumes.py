@@ -14,7 +14,9 @@ machine, bound into the container's sandbox at each ``volumeMount``'s ``mountPat
   of the pod's own, shown read-only;
 - ``projected``: its ``configMap``, ``secret`` and ``downwardAPI`` sources' files in one
   such directory (the downward API's ``fieldRef``s of the pod's own metadata: its name,
-  namespace, uid, and its labels' or annotations' values, one or all).
+  namespace, uid, and its labels' or annotations' values, one or all). The downward API's
+  files follow the pod's labels and annotations while it runs (:func:`refresh_downward`),
+  each replaced whole, as the kubelet's atomic writer does.
 
 Any other kind fails the pod (:class:`VolumeUnsupported`); a claim that is not bound yet, or
 an object the node may not read yet (the Node authorizer learns of a pod's references a
@@ -170,8 +172,27 @@ def _write_downward(directory: Path, pod: Manifest, source: Manifest) -> None:
         target = directory / _inside(str(item["path"]), f"item {item['path']!r}")
         target.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(directory, 0o755)
-        target.write_text(text, encoding="utf-8", errors="surrogateescape")
-        os.chmod(target, int(item.get("mode", default)))
+        if target.exists() and target.read_text(errors="surrogateescape") == text:
+            continue
+        # Whole or not at all: a reader never sees half a file.
+        written = target.with_name(f".{target.name}.new")
+        written.write_text(text, encoding="utf-8", errors="surrogateescape")
+        os.chmod(written, int(item.get("mode", default)))
+        os.replace(written, target)
+
+
+def refresh_downward(pod: Manifest, directory: Path) -> None:
+    """Bring the downward API's files of the pod's projected volumes (under ``directory``,
+    as :func:`prepare_volumes` made them) up to date with its metadata now."""
+    for volume in (pod.get("spec") or {}).get("volumes") or []:
+        source = volume.get("projected")
+        if not source:
+            continue
+        default = int(source.get("defaultMode", _DEFAULT_MODE))
+        for part in source.get("sources") or []:
+            if "downwardAPI" in part:
+                own = directory / str(volume["name"])
+                _write_downward(own, pod, {"defaultMode": default, **part["downwardAPI"]})
 
 
 def _host_path(name: str, source: Manifest) -> Path:

@@ -1,6 +1,7 @@
 """The node agent's relay of Kubernetes job pods' output (``agent/kube_pods.py``): a pod's
 CRI log file split into each rank's streams, at offsets that continue across reads, sent
-again until acknowledged, and a new attempt read afresh."""
+again until acknowledged, a new attempt read afresh, and a pod kept into the next attempt
+read on from where the last one's output ended."""
 
 from __future__ import annotations
 
@@ -108,3 +109,25 @@ def test_a_pod_whose_files_the_kubelet_removed_is_forgotten_without_failing(
     path.unlink()  # the pod was deleted, and its kubelet removed its output
     pods.watch([])
     assert pods.known() == [] and pods.chunks() == []
+
+
+def test_a_pod_kept_into_the_next_attempt_reads_on_where_the_last_one_stopped(
+    tmp_path: Path,
+) -> None:
+    pods = KubePods([tmp_path], logging.getLogger("test"))
+    pods.watch([listed(1)])
+    path = log_file(tmp_path, 1)
+    write(path, "stdout F [gpufleet rank 2]:attempt 1 step 9")
+    pods.acknowledged(len(pods.chunks()))
+    # The restart keeps the pod: same name and file, the output after is attempt 2's.
+    kept = {**listed(2), "created_attempt": 1}
+    pods.watch([kept])  # attempt 1's pod is forgotten, and the pod watched afresh
+    write(path, "stdout F [gpufleet rank 2]:attempt 2 starts at step 5")
+    first = pods.chunks()
+    pods.acknowledged(len(first))
+    write(path, "stdout F [gpufleet rank 2]:attempt 2 step 6")
+    then = pods.chunks()
+    assert [(c["attempt"], c["offset"], c["data"]) for c in [*first, *then]] == [
+        (2, 0, "attempt 2 starts at step 5\n"),
+        (2, 27, "attempt 2 step 6\n"),
+    ]

@@ -214,3 +214,41 @@ def test_objects_of_attempts_nothing_asks_for_are_deleted() -> None:
     memory = GangMemory()
     out = plan_pass([want(0), want(1)], [], [], ["gf-job-7-a1", "gf-job-3-a4"], memory, 0.0, 60)
     assert out.orphan_gangs == ["gf-job-3-a4"]
+
+
+def test_a_pod_kept_into_the_next_attempt_is_patched_not_recreated_nor_deleted() -> None:
+    """Attempt 2 keeps pod 0 (made by attempt 1) and places pod 1 anew: pod 0 is patched
+    into attempt 2 and its address is the master's, only pod 1 is created, and nothing of
+    attempt 1 that is kept is deleted; once patched, its end is attempt 2's."""
+    kept = replace(want(0, started=True), attempt=2, created_attempt=1)
+    new = replace(want(1, node="a-gpu-2"), attempt=2)
+    old = pod(0, ip="127.0.3.4")
+    memory = GangMemory()
+    first = plan_pass([kept, new], [old], [], [], memory, 0.0, 60.0)
+    assert first.create == [(7, 2)]
+    assert first.keep == [((7, 2), 0, "gf-job-7-a1-0")]
+    assert first.masters == {(7, 2): "127.0.3.4"}
+    assert first.delete == [] and first.reports == []
+
+    memory.created_at[(7, 2)] = 0.0  # as the manager notes when it creates the gang
+    patched = replace(old, attempt=2, marker="n.0")
+    made = pod(1, name="gf-job-7-a2-1", attempt=2, node="a-gpu-2")
+    later = plan_pass([kept, new], [patched, made], [], [], memory, 1.0, 60.0)
+    assert later.create == [] and later.keep == [] and later.delete == []
+    assert later.reports == [PodReport(7, 1, "running", attempt=2)]
+
+    ended = replace(patched, phase="Failed", running=False, exit_code=1)
+    started = replace(new, started=True)
+    last = plan_pass([kept, started], [ended, made], [], [], memory, 2.0, 60.0)
+    assert last.reports == [PodReport(7, 0, "exited", exit_code=1, attempt=2)]
+
+
+def test_a_kept_pod_that_is_gone_is_reported_by_its_own_name() -> None:
+    kept = replace(want(0, started=True), attempt=2, created_attempt=1)
+    new = replace(want(1, node="a-gpu-2", started=True), attempt=2)
+    made = pod(1, name="gf-job-7-a2-1", attempt=2, node="a-gpu-2")
+    memory = GangMemory(created_at={(7, 2): 0.0})
+    out = plan_pass([kept, new], [made], [], [], memory, 1.0, 60.0)
+    [report] = out.reports
+    assert (report.pod_index, report.cause, report.attempt) == (0, "Deleted", 2)
+    assert "gf-job-7-a1-0" in report.reason

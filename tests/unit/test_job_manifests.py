@@ -5,6 +5,7 @@ job of one pod is made of, and refusals that say what to fix."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +21,7 @@ from gpufleet.clusters.job_manifests import (
     gang_pod,
     gang_service,
     jobs_network_policy,
+    keep_patch,
     launcher_config_map,
     launcher_config_map_name,
     launcher_text,
@@ -94,6 +96,11 @@ def test_pod_1_of_a_gang_is_pinned_to_its_node_and_names_the_master() -> None:
                 "gpufleet.io/project": "vision",
                 "gpufleet.io/marker": "5f0c3b6a.1",
                 "gpufleet.io/script": "print('hi')\n",
+                "gpufleet.io/assignment": (
+                    '{"attempt": 2, "marker": "5f0c3b6a.1", "master_addr": '
+                    '"p0.gf-job-12-a2.gpufleet.svc.cluster.local", "master_port": 29500, '
+                    '"resume_from": "s3://ckpt/jobs/ann/resnet/step-100"}'
+                ),
             },
         },
         "spec": {
@@ -179,6 +186,7 @@ def test_pod_1_of_a_gang_is_pinned_to_its_node_and_names_the_master() -> None:
                             "name": "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
                             "value": "[gpufleet rank $${rank}]:",
                         },
+                        {"name": "GPUFLEET_KEEP_WAIT_S", "value": "10"},
                         {
                             "name": "GPUFLEET_PROGRESS_URL",
                             "value": "http://$(GPUFLEET_HOST_IP):9207/progress",
@@ -222,7 +230,16 @@ def test_pod_1_of_a_gang_is_pinned_to_its_node_and_names_the_master() -> None:
                                                     "metadata.annotations['gpufleet.io/script']"
                                                 ),
                                             },
-                                        }
+                                        },
+                                        {
+                                            "path": "assignment",
+                                            "fieldRef": {
+                                                "apiVersion": "v1",
+                                                "fieldPath": (
+                                                    "metadata.annotations['gpufleet.io/assignment']"
+                                                ),
+                                            },
+                                        },
                                     ]
                                 }
                             },
@@ -292,6 +309,8 @@ def test_a_job_of_one_pod_is_that_pod_alone() -> None:
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["GPUFLEET_PODS"] == "1" and env["GPUFLEET_MASTER_ADDR"] == "localhost"
     assert pod["metadata"]["annotations"]["gpufleet.io/script"] == "print('hi')\n"
+    assert "gpufleet.io/assignment" not in pod["metadata"]["annotations"]  # nothing to keep
+    assert "GPUFLEET_KEEP_WAIT_S" not in env
     assert [o["kind"] for o in gang_objects(gang())] == ["Service", "NetworkPolicy"]
 
 
@@ -406,3 +425,34 @@ def test_bad_input_is_refused_with_what_to_fix(changes: dict[str, Any], says: st
 def test_a_pod_index_outside_the_gang_is_refused() -> None:
     with pytest.raises(ValueError, match="not one of the gang's 2 pods"):
         gang_pod(gang(), 2)
+
+
+def test_a_pod_kept_into_the_next_attempt_is_told_it_by_its_labels_and_assignment() -> None:
+    """Pod 0 of attempt 2 was kept; attempt 3's pod 1 is new. The kept pod's patch moves it
+    into attempt 3 (its Service and policy select it) under its new marker, and both pods'
+    assignments name the kept master by its address."""
+    after = gang(attempt=3, marker="77aa", kept=frozenset({0}), master_addr="10.1.2.3")
+    patch = keep_patch(after, 0)
+    assert patch == {
+        "metadata": {
+            "labels": {"gpufleet.io/attempt": "3", "gpufleet.io/marker": "77aa.0"},
+            "annotations": {
+                "gpufleet.io/marker": "77aa.0",
+                "gpufleet.io/assignment": after.assignment(0),
+            },
+        }
+    }
+    told = json.loads(after.assignment(0))
+    assert told == {
+        "attempt": 3,
+        "marker": "77aa.0",
+        "master_addr": "10.1.2.3",
+        "master_port": 29500,
+        "resume_from": "s3://ckpt/jobs/ann/resnet/step-100",
+    }
+    new = gang_pod(after, 1)
+    assert json.loads(new["metadata"]["annotations"]["gpufleet.io/assignment"])["attempt"] == 3
+    env = {e["name"]: e.get("value") for e in new["spec"]["containers"][0]["env"]}
+    assert env["GPUFLEET_MASTER_ADDR"] == "10.1.2.3"
+    with pytest.raises(ValueError, match="kept pods"):
+        gang(kept=frozenset({2}))

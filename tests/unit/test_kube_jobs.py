@@ -1,6 +1,6 @@
 """The training jobs' loop on Kubernetes (``hub/kube_jobs.py``) and its cluster managers'
 gangs (``clusters/kube_jobs.py``): options with their defaults, what a gang is made of from
-the store's pods, and refusals that say what to fix."""
+the store's pods, refusals that say what to fix, and a kept pod's patch."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
 from traitlets.config import Config
 
 from gpufleet.clusters.kube_config import ClusterSettings
@@ -137,3 +138,52 @@ async def test_the_jobs_policies_of_settings_before_go_once_the_current_one_is_m
     assert policies.selectors == [
         "app.kubernetes.io/component=job-shared,app.kubernetes.io/managed-by=gpufleet"
     ]
+
+
+class Refusing:
+    """A CoreV1Api whose API server answers a pod's patch with ``status``."""
+
+    patched: list[tuple[str, dict[str, Any], str]] = []
+    status = 403
+
+    def __init__(self, api: Any) -> None:
+        pass
+
+    async def patch_namespaced_pod(
+        self, name: str, namespace: str, body: dict[str, Any], **options: Any
+    ) -> None:
+        Refusing.patched.append((name, body, options["_content_type"]))
+        raise ApiException(status=Refusing.status, reason="Forbidden")
+
+
+@pytest.mark.parametrize(("status", "reported"), [(403, True), (500, False)])
+async def test_a_kept_pod_the_cluster_refuses_to_patch_fails_so_the_whole_gang_restarts(
+    monkeypatch: pytest.MonkeyPatch, status: int, reported: bool
+) -> None:
+    """RBAC or admission refusing the patch stands: the pod is reported failed
+    (``CreateRefused``) and the job restarts whole. A passing failure is tried again by
+    the next pass instead."""
+    from kubernetes_asyncio import client
+
+    monkeypatch.setattr(client, "CoreV1Api", Refusing)
+    Refusing.patched, Refusing.status = [], status
+    config = Config()
+    config.KubeJobs.image = "lab:1"
+    manager = loop(config).managers["cluster-a"]
+    kept, new = placed(0, started=True, created_attempt=2), placed(1)
+    await manager._keep((9, 3), 0, "gf-job-9-a2-0", [kept, new], 29500, "10.0.0.9")
+    [(name, body, content_type)] = Refusing.patched
+    assert (name, content_type) == ("gf-job-9-a2-0", "application/merge-patch+json")
+    assert body["metadata"]["labels"]["gpufleet.io/attempt"] == "3"
+    assert '"master_addr": "10.0.0.9"' in body["metadata"]["annotations"]["gpufleet.io/assignment"]
+    if reported:
+        [report] = manager.refusals
+        assert (report.pod_index, report.state, report.cause, report.attempt) == (
+            0,
+            "failed",
+            "CreateRefused",
+            3,
+        )
+        assert "refused to keep pod gf-job-9-a2-0" in report.reason
+    else:
+        assert manager.refusals == []
