@@ -119,7 +119,7 @@ class ClusterJobs:
         self.leftovers: list[str] = []  # part markers whose pods must go (the last sync's)
         self.refusals: list[PodReport] = []  # gangs refused since the last sync
         self._shared_made_at: float | None = None  # the namespace's launcher and policy
-        self.restarted = False  # the last pass's sync began a job's next attempt
+        self.restarted: list[str] = []  # the fault class of each restart of the last pass
 
     async def start(self) -> None:
         self.api = await api_client(self.cluster)
@@ -165,7 +165,7 @@ class ClusterJobs:
             True,
         )
         self.leftovers = [left.marker for left in result.leftovers]
-        self.restarted = bool(result.restarted)
+        self.restarted = list(result.restarted)
         return list(result.changed), bool(result.released)
 
     async def _list(self) -> tuple[list[dict[str, Any]], dict[str, int], set[str]] | None:

@@ -527,6 +527,7 @@ class FleetController(RecoveryOptions, DatabaseMixin, RenamedSnapshotOptions, Ea
                 now=self.now,
                 kick=self.kick,
                 stop_sessions=self._stop_sessions_of_lost_nodes,
+                jobs_changed=self.notifier.changed,
                 parent=self,
             )
             await kube.start()
@@ -543,6 +544,7 @@ class FleetController(RecoveryOptions, DatabaseMixin, RenamedSnapshotOptions, Ea
                 hub_url=self.hub_api_url,
                 controller_url=self.service_url,
                 lost_nodes=lambda: {name: why for name, (_, why) in kube.lost_since.items()},
+                on_restart=lambda fault: self.metrics.job_restarts.labels(fault).inc(),
                 parent=self,
             )
             await jobs.start()

@@ -103,11 +103,14 @@ class KubeInventory(LoopComponent):
         now: Callable[[], datetime],
         kick: Callable[[], None],
         stop_sessions: Callable[[list[Stop]], None] = lambda stops: None,
+        jobs_changed: Callable[[list[int]], None] = lambda workloads: None,
         parent: Configurable | None = None,
         **kwargs: Any,
     ):
         super().__init__(parent=parent, **kwargs)
         self.stop_sessions = stop_sessions
+        # Jobs a lost node stopped or restarted: their cluster manager acts on them now.
+        self.jobs_changed = jobs_changed
         # Nodes not Ready or deleted, since when (monotonic), and why; and those whose
         # sessions were already told to end. A node that is Ready again leaves both.
         self.lost_since: dict[str, tuple[float, str]] = {}
@@ -270,6 +273,7 @@ class KubeInventory(LoopComponent):
                     why,
                     extra={"workloads": jobs.changed},
                 )
+                self.jobs_changed(jobs.changed)
                 self.kick()
             if stops:
                 self.log.warning(

@@ -168,6 +168,7 @@ class KubeJobs(LoopComponent):
         hub_url: str,
         controller_url: str,
         lost_nodes: Callable[[], Mapping[str, str]] = dict,
+        on_restart: Callable[[str], None] = lambda fault: None,
         parent: Configurable | None = None,
         **kwargs: Any,
     ):
@@ -175,6 +176,7 @@ class KubeJobs(LoopComponent):
         self.store = store
         self.kick = kick
         self.notifier = notifier
+        self.on_restart = on_restart  # a job's next attempt began, for this fault class
         settings = self.pod_settings(hub_url, controller_url)
         self.managers = {
             c.name: ClusterJobs(c, store, settings, now=now, lost_nodes=lost_nodes, log=self.log)
@@ -231,7 +233,10 @@ class KubeJobs(LoopComponent):
                 self.kick()  # GPUs went back, or a job goes back to the queue
             # A restart that kept pods placed the lost ones in this pass's own sync: the
             # next pass makes them at once (this loop's own changes do not wake it).
-            again = any(manager.restarted for manager in self.managers.values())
+            restarts = [f for manager in self.managers.values() for f in manager.restarted]
+            for fault in restarts:
+                self.on_restart(fault)
+            again = bool(restarts)
 
     async def _pass(self, cluster: str, manager: ClusterJobs) -> tuple[list[int], bool]:
         try:

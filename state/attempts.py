@@ -11,7 +11,8 @@ The invariants:
 - a job goes back to the queue only once every pod of the ended attempt is reported
   ended (its GPUs are released then, as at any end) and under a new process marker, so
   nothing of the old attempt can be taken for the new one; reports and log chunks of an
-  earlier attempt change nothing;
+  earlier attempt change nothing. (On Kubernetes, a gang that lost a pod may instead
+  begin its next attempt at once, keeping its other pods: ``state/kept_pods.py``.);
 - it keeps its id, name and submission time (its place in the queue), and each rank's log
   continues the same stream: an attempt's output starts after a line that says which
   attempt begins and why (``log_bases``);

@@ -11,7 +11,8 @@ reports what it runs and is told what it should run. The invariants:
   allocations, and only ``agent_sync`` (or the reconciler, once no process of the job is
   alive) calls it for a job that held GPUs;
 - one pod failing stops the others: the job goes ``stopping`` with outcome ``failed``
-  and every pod's ``run`` turns false;
+  and every pod's ``run`` turns false (but for a Kubernetes gang's pod that is merely
+  gone, whose next attempt may keep the others: ``state/kept_pods.py``);
 - a pod reported ended stays ended: a late or repeated report cannot revive it.
 
 The repository is ``store.jobs``; every write is fenced by the controller lease.

@@ -432,60 +432,6 @@ RESUMING = textwrap.dedent(
 )
 
 
-def test_a_node_that_stops_answering_under_a_job_restarts_it_elsewhere_from_its_checkpoint(
-    k8s_tier: ControlPlane, jobs_hub: Hub, alice: Client
-) -> None:
-    job_id = submit(alice, RESUMING, name="survivor", env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"})
-    first = running_attempt(alice, job_id, 1)
-    # Its ranks' progress and checkpoints reach the controller through the node agent.
-    saved = wait_for(
-        lambda: (p := alice.job(job_id).progress) and p.last_checkpoint,
-        timeout=60,
-        what="a checkpoint saved",
-    )
-    lost = first.allocations[0].node
-    cluster = next(c for c in (CLUSTER_A, CLUSTER_B) if lost in k8s_tier[c].nodes)
-    kubelet = k8s_tier[cluster].kubelet(lost)
-    kubelet.pause()  # the kubelet hangs; the pods' containers keep running there
-    try:
-        second = running_attempt(alice, job_id, 2)
-        assert {a.node for a in second.allocations}.isdisjoint({lost})
-        # From its last checkpoint: attempt 2 starts past the step it saved, and goes on.
-        resumed_at = wait_for(
-            lambda: "attempt 2 starts at step" in (out := "".join(alice.logs(job_id))) and out,
-            timeout=60,
-            what="attempt 2's first words",
-        )
-        start = int(resumed_at.split("attempt 2 starts at step ")[1].split()[0])
-        assert start >= saved.step + 1, (start, saved)
-        wait_for(
-            lambda: (p := alice.job(job_id).progress) and (p.last_step or 0) > start + 2,
-            timeout=60,
-            what="attempt 2's steps going on",
-        )
-        kinds = [(e.kind, e.node) for e in alice.events(workload_id=job_id)]
-        assert ("job-fault", lost) in kinds, kinds
-        # The old pods may still run on the silent node: its GPUs go to nobody meanwhile.
-        held = node_row(jobs_hub, lost)
-        assert sorted(held["leftover_gpus"]) == sorted(a.uuid for a in first.allocations)
-        assert held["free_gpus"] == 0
-    finally:
-        kubelet.resume()
-    # Back, the kubelet ends the old pods; only then do the GPUs take work again.
-    wait_for(
-        lambda: not node_row(jobs_hub, lost)["leftover_gpus"],
-        timeout=90,
-        what=f"{lost}'s GPUs released once the old pods are gone",
-    )
-    assert not [
-        p
-        for p in job_pods(k8s_tier, cluster, job_id)
-        if p["metadata"]["labels"]["gpufleet.io/attempt"] == "1"
-    ]
-    alice.cancel(job_id)
-    assert alice.wait(job_id, timeout=90).outcome == "cancelled"
-
-
 def test_a_node_deleted_under_a_job_restarts_it_elsewhere(
     k8s_tier: ControlPlane, jobs_hub: Hub, alice: Client
 ) -> None:
@@ -516,7 +462,7 @@ def test_a_node_deleted_under_a_job_restarts_it_elsewhere(
         b.remove_node(name)
 
 
-ALL_REDUCING_TO_STEP_60 = textwrap.dedent(
+ALL_REDUCING = textwrap.dedent(
     """
     import os, time
     import torch, torch.distributed as dist
@@ -529,7 +475,8 @@ ALL_REDUCING_TO_STEP_60 = textwrap.dedent(
     attempt = os.environ["GPUFLEET_ATTEMPT"]
     print(f"rank {rank} attempt {attempt} starts at step {start}", flush=True)
     location = os.environ["GPUFLEET_CHECKPOINT_URI"]
-    for step in range(start, 60):
+    steps = int(os.environ["STEPS"])
+    for step in range(start, steps):
         total = torch.tensor([1.0])
         dist.all_reduce(total)
         assert total.item() == world, total
@@ -538,7 +485,7 @@ ALL_REDUCING_TO_STEP_60 = textwrap.dedent(
             gpufleet.checkpoint_started(step)
             gpufleet.checkpoint_saved(f"{location}/step-{step}", step)
         time.sleep(0.2)
-    print(f"rank {rank} attempt {attempt} summed {world} ranks to step 59", flush=True)
+    print(f"rank {rank} attempt {attempt} summed {world} ranks to step {steps - 1}", flush=True)
     dist.destroy_process_group()
     """
 )
@@ -551,9 +498,8 @@ def test_a_deleted_pod_is_made_again_alone_and_the_other_keeps_running_into_the_
     pod stays (the same pod, its launcher running the next attempt's torchrun), and the
     ranks all-reduce again from the last checkpoint to the job's end. A disruption: no
     retry budget is spent."""
-    job_id = submit(
-        alice, ALL_REDUCING_TO_STEP_60, name="kept", env={"GPUFLEET_PROGRESS_INTERVAL": "0.5"}
-    )
+    env = {"GPUFLEET_PROGRESS_INTERVAL": "0.5", "STEPS": "40"}
+    job_id = submit(alice, ALL_REDUCING, name="kept", env=env)
     first = running_attempt(alice, job_id, 1)
     saved = wait_for(
         lambda: (p := alice.job(job_id).progress) and (p.last_step or 0) >= 12 and p,
@@ -584,13 +530,105 @@ def test_a_deleted_pod_is_made_again_alone_and_the_other_keeps_running_into_the_
     out = "".join(alice.logs(job_id))
     resumed = int(out.split("rank 0 attempt 2 starts at step ")[1].split()[0])
     assert resumed >= saved.last_checkpoint.step + 1, (resumed, saved)  # from its checkpoint
-    assert "attempt 2 summed 4 ranks to step 59" in out
+    assert "attempt 2 summed 4 ranks to step 39" in out
     events = [(e.kind, e.message) for e in alice.events(workload_id=job_id)]
     failed = [m for k, m in events if k == "job-failed"]
     assert failed and "deleted by someone other than gpufleet" in failed[0], events
     assert "the other pods are kept for the next attempt" in failed[0]
     restarting = [m for k, m in events if k == "job-restarting"]
     assert restarting and "pods 0 keep their nodes and run it in place" in restarting[0]
+
+
+def test_a_node_that_stops_answering_under_one_pod_of_a_gang_costs_only_that_pod(
+    k8s_tier: ControlPlane, jobs_hub: Hub, alice: Client
+) -> None:
+    """A gang across a-gpu-1 and a node added to its zone (a filler job holds the rest of
+    a-gpu-1 meanwhile); the added node stops answering (its kubelet paused: the pod there
+    still runs). That pod is placed anew on a-gpu-1, the other is kept, the ranks go on
+    from the checkpoint, and the lost pod's GPUs go to nobody until its node is back and
+    the pod gone. (The tier's node agent watches the tier's own nodes: the steps and
+    checkpoints are those of the ranks on a-gpu-1.)"""
+    a = k8s_tier[CLUSTER_A]
+    added = a.spare_node_name()
+    a.add_node(NodeSpec(added, "zone-a", gpus=2))
+    others = ["a-gpu-2", "b-gpu-1"]
+    for node in others:  # zone-a only
+        jobs_hub.controller("POST", f"/nodes/{node}/cordon").raise_for_status()
+    lost = ""
+    try:
+        wait_node_in_inventory(jobs_hub, added)
+        jobs_hub.controller("POST", f"/nodes/{added}/cordon").raise_for_status()
+        filler = submit(alice, SLEEPER, name="filler", gpus=2, gpus_per_pod=2)
+        assert {p.node for p in running_attempt(alice, filler, 1).pod_states} == {"a-gpu-1"}
+        jobs_hub.controller("POST", f"/nodes/{added}/uncordon").raise_for_status()
+        job_id = submit(
+            alice,
+            ALL_REDUCING,
+            name="half-lost",
+            env={"GPUFLEET_PROGRESS_INTERVAL": "0.5", "STEPS": "100000"},
+        )
+        first = running_attempt(alice, job_id, 1)
+        where = {p.pod: p.node for p in first.pod_states}
+        assert sorted(where.values()) == sorted(["a-gpu-1", added])
+        alice.cancel(filler)  # room on a-gpu-1 for the pod that will be lost
+        assert alice.wait(filler, timeout=90).outcome == "cancelled"
+        saved = wait_for(
+            lambda: (p := alice.job(job_id).progress) and p.last_checkpoint,
+            timeout=60,
+            what="a checkpoint saved",
+        )
+        lost = added
+        [moved] = [i for i, node in where.items() if node == lost]
+        stays = 1 - moved
+        uid = {
+            p["metadata"]["name"]: p["metadata"]["uid"]
+            for p in job_pods(k8s_tier, CLUSTER_A, job_id)
+        }
+        a.kubelet(lost).pause()
+        second = running_attempt(alice, job_id, 2)
+        assert {p.pod: p.node for p in second.pod_states} == {0: "a-gpu-1", 1: "a-gpu-1"}
+        resumed = wait_for(
+            lambda: (
+                "rank 0 attempt 2 starts at step" in (out := "".join(alice.logs(job_id))) and out
+            ),
+            timeout=60,
+            what="attempt 2's first words",
+        )
+        start = int(resumed.split("rank 0 attempt 2 starts at step ")[1].split()[0])
+        assert start >= saved.step + 1, (start, saved)
+        wait_for(
+            lambda: (p := alice.job(job_id).progress) and (p.last_step or 0) > start + 5,
+            timeout=60,
+            what="attempt 2's steps going on across both pods",
+        )
+        pods = {p["metadata"]["name"]: p for p in job_pods(k8s_tier, CLUSTER_A, job_id)}
+        kept = pods[f"gf-job-{job_id}-a1-{stays}"]
+        assert kept["metadata"]["uid"] == uid[f"gf-job-{job_id}-a1-{stays}"]  # the same pod
+        assert kept["metadata"]["labels"]["gpufleet.io/attempt"] == "2"
+        assert pods[f"gf-job-{job_id}-a2-{moved}"]["spec"]["nodeName"] == "a-gpu-1"
+        # What may still run on the silent node keeps its GPUs from anyone else.
+        held = node_row(jobs_hub, lost)
+        assert len(held["leftover_gpus"]) == 2 and held["free_gpus"] == 0
+        a.kubelet(lost).resume()
+        wait_for(
+            lambda: not node_row(jobs_hub, lost)["leftover_gpus"],
+            timeout=90,
+            what=f"{lost}'s GPUs released once the old pod is gone",
+        )
+        assert f"gf-job-{job_id}-a1-{moved}" not in {
+            p["metadata"]["name"] for p in job_pods(k8s_tier, CLUSTER_A, job_id)
+        }
+        kinds = [(e.kind, e.node) for e in alice.events(workload_id=job_id)]
+        assert ("job-fault", lost) in kinds, kinds
+        alice.cancel(job_id)
+        assert alice.wait(job_id, timeout=90).outcome == "cancelled"
+    finally:
+        if lost and a.kubelet(lost).paused:
+            a.kubelet(lost).resume()
+        for node in others:
+            jobs_hub.controller("POST", f"/nodes/{node}/uncordon").raise_for_status()
+        jobs_hub.stop_all_servers()  # what a failure left running ends before the node goes
+        a.remove_node(added)
 
 
 HANGS_IN_ONE_RANK = textwrap.dedent(
