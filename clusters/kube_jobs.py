@@ -16,8 +16,8 @@ RBAC, quota, a bad field), whatever was made is deleted at once and the gang's p
 reported failed with the server's words (``CreateRefused``): nothing of it runs or holds
 GPUs, and the job goes back to the queue within its retry budget with that reason. What
 every job pod of the namespace shares (the launcher's ConfigMap, the jobs' NetworkPolicy)
-is made before the first gang, and made again, at most once a minute, should someone
-delete it.
+is made on the manager's first pass, and made again before a gang, at most once a minute,
+should someone delete it.
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ class ClusterJobs:
         self.leftovers: list[str] = []  # part markers whose pods must go (the last sync's)
         self.refusals: list[PodReport] = []  # gangs refused since the last sync
         self._shared_made_at: float | None = None  # the namespace's launcher and policy
+        self._shared_refused_at: float | None = None
         self.restarted: list[str] = []  # the fault class of each restart of the last pass
 
     async def start(self) -> None:
@@ -210,7 +211,10 @@ class ClusterJobs:
         for want in desired:
             by_gang.setdefault((want.workload_id, want.attempt), []).append(want)
         creating = []
-        refused = await self._make_shared_objects() if plan.create else ""
+        # Made on the first pass, gangs or none, so a burst of new jobs does not wait for
+        # them; and again before creating, at most once a minute.
+        first = self._shared_made_at is None and self._shared_refused_at is None
+        refused = await self._make_shared_objects() if plan.create or first else ""
         taken = set(ports.values())
         chosen = {gang: ports.get(gang_name(*gang), 0) for gang in by_gang}
         for gang in plan.create:
@@ -259,6 +263,7 @@ class ClusterJobs:
             )
             await _create_one(networking.create_namespaced_network_policy, namespace, policy)
         except Exception as e:  # noqa: BLE001 - reported as every gang's reason
+            self._shared_refused_at = time.monotonic()
             return (
                 f"cluster {self.cluster.name} refused what every job pod needs, the "
                 f"launcher's ConfigMap and the jobs' NetworkPolicy ({_describe(e)})"
@@ -538,9 +543,16 @@ def _for_user(volume: Volume, username: str) -> Volume:
 
 async def _create_one(create: Callable[..., Any], namespace: str, body: Mapping[str, Any]) -> None:
     """Create one object; one that exists already (a pass before a restart made it) is
-    taken as made."""
-    try:
-        await create(namespace, body, _request_timeout=REQUEST_TIMEOUT_S)
-    except Exception as e:
-        if getattr(e, "status", None) != 409:
-            raise
+    taken as made. The answer is not read into the client's models: nothing here needs
+    it, and for a burst of pods that reading is most of the manager's work."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    response = await create(
+        namespace, body, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+    )
+    async with response:
+        if response.status == 409 or 200 <= response.status <= 299:
+            return
+        refused = ApiException(status=response.status, reason=response.reason)
+        refused.body = await response.text()
+        raise refused
