@@ -59,6 +59,7 @@ class WatchedPod:
     file: Path | None = None
     position: int = 0  # bytes of whole records of the file read
     offsets: dict[tuple[int, str], int] = field(default_factory=dict)  # text sent per stream
+    closed: bool = False  # its attempt is over: read no more
     # The rank whose line each stream is in the middle of (a P record continues it).
     open_line: dict[str, int | None] = field(default_factory=dict)
     unsent: list[dict[str, Any]] = field(default_factory=list)
@@ -122,9 +123,12 @@ class KubePods:
         for key, pod in list(self.pods.items()):
             if key not in wanted or int(wanted[key].get("attempt", 1)) != pod.attempt:
                 try:
-                    self._read(pod)
+                    if not pod.closed:
+                        self._read(pod)
                 except OSError as e:  # the kubelet removed a deleted pod's files
                     self.log.info("job %s pod %s: its output is gone: %s", *pod.key, e)
+                # Read no further: what a kept pod writes from now on is the next attempt's.
+                pod.closed = True
                 if pod.unsent:
                     continue  # forgotten once its last chunks were acknowledged
                 del self.pods[key]
@@ -161,7 +165,8 @@ class KubePods:
         out: list[dict[str, Any]] = []
         for pod in list(self.pods.values()):
             try:
-                self._read(pod)
+                if not pod.closed:
+                    self._read(pod)
             except OSError as e:
                 self.log.warning("job %s pod %s: its output cannot be read: %s", *pod.key, e)
             out += pod.unsent

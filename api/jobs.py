@@ -265,7 +265,8 @@ class DesiredPodOut(BaseModel):
     created_attempt: int = Field(
         default=0,
         description="the attempt that made the pod, whose name it has: an earlier one for a "
-        "pod a restart kept on Kubernetes (0: this attempt)",
+        "pod a restart kept on Kubernetes (0 from a controller that does not say: this "
+        "attempt)",
     )
     resume_from: str = Field(
         default="", description="the checkpoint the attempt resumes from (GPUFLEET_RESUME_FROM)"

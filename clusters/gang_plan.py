@@ -45,7 +45,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..state.jobs import DesiredPod, PodReport
-from .job_manifests import ATTEMPT_LABEL, CONTAINER_NAME, POD_INDEX_LABEL, gang_name
+from .job_manifests import (
+    ASSIGNMENT_ANNOTATION,
+    ATTEMPT_LABEL,
+    CONTAINER_NAME,
+    POD_INDEX_LABEL,
+    gang_name,
+)
 from .manifests import MARKER_LABEL, WORKLOAD_LABEL
 
 DELETED = "Deleted"
@@ -74,6 +80,8 @@ class ObservedPod:
     message: str = ""  # what it said, for the job's reason
     waiting: str = ""  # why it is not running yet, in words
     ip: str = ""  # its address, once it has one
+    # Its launcher follows an assignment (a pod of an earlier gpufleet's does not).
+    keepable: bool = False
 
     @property
     def ended(self) -> bool:
@@ -156,6 +164,7 @@ def read_pod(pod: Mapping[str, Any]) -> ObservedPod | None:
         message=message,
         waiting="" if "running" in state or terminated else _waiting_words(pod, state),
         ip=str(status.get("podIP") or ""),
+        keepable=ASSIGNMENT_ANNOTATION in (metadata.get("annotations") or {}),
     )
 
 
@@ -191,6 +200,8 @@ class Pass:
     orphan_gangs: list[str] = field(default_factory=list)
     # Kept pods still labelled with an earlier attempt: (gang, pod index, pod name).
     keep: list[tuple[tuple[int, int], int, str]] = field(default_factory=list)
+    # Kept pods whose launcher cannot follow an assignment: deleted, the gang restarts.
+    cannot_keep: list[str] = field(default_factory=list)
     # A gang's master address when its pod 0 is kept: that pod's (its name is an earlier
     # attempt's, under a Service that goes with it).
     masters: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -245,6 +256,9 @@ def _vanished(want: DesiredPod, memory: GangMemory, lost_nodes: Mapping[str, str
     cause = memory.ending.pop(name, DELETED)
     if cause == DELETED:
         return _failed(want, DELETED, f"pod {name} was deleted by someone other than gpufleet")
+    if cause == CREATE_REFUSED:  # a pod gpufleet could not keep
+        why = f"pod {name} could not be kept for the next attempt (see the controller's log)"
+        return _failed(want, cause, f"{why}; it was deleted")
     return _failed(want, cause, f"pod {name} was ended by its cluster ({cause})")
 
 
@@ -313,7 +327,10 @@ def _kept_pods(
             continue
         found[want.pod_index] = pod
         if pod.attempt < want.attempt and want.run and not pod.terminating:
-            out.keep.append((gang, want.pod_index, pod.name))
+            if pod.keepable:
+                out.keep.append((gang, want.pod_index, pod.name))
+            else:
+                out.cannot_keep.append(pod.name)
         if want.pod_index == 0:
             out.masters[gang] = pod.ip
     return found
@@ -336,8 +353,11 @@ def plan_pass(
     lost = lost_nodes or {}
     out = Pass()
     by_gang: dict[tuple[int, int], list[DesiredPod]] = defaultdict(list)
+    kept_wanted = []
     for want in desired:
         by_gang[(want.workload_id, want.attempt)].append(want)
+        if want.kept:
+            kept_wanted.append(want)
     pods: dict[tuple[int, int], dict[int, ObservedPod]] = defaultdict(dict)
     all_pods = list(observed)
     for pod in all_pods:
@@ -388,7 +408,8 @@ def plan_pass(
     for pod in all_pods:
         if pod.marker in markers or (pod.gang not in by_gang and pod.name not in held):
             delete(pod)  # a leftover, or of an attempt nothing asks for any more
-    live = set(by_gang) | set(pods)
+    # A kept pod's volume still names the objects of the attempt that made it.
+    live = set(by_gang) | set(pods) | {(w.workload_id, w.created_attempt) for w in kept_wanted}
     out.orphan_gangs = sorted(
         name for name in set(gangs) if name not in {gang_name(*g) for g in live}
     )

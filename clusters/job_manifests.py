@@ -195,7 +195,7 @@ class JobGang:
     # Pods kept from attempts before (by index): patched into this one, never created.
     kept: frozenset[int] = frozenset()
     # How long a gang pod whose torchrun failed waits to be kept for the next attempt.
-    keep_wait_s: float = 10.0
+    keep_wait_s: float = 30.0
     # as whom
     uid: int
     gid: int

@@ -79,7 +79,7 @@ class JobPodSettings:
     rendezvous_timeout_s: int = 600
     start_deadline_s: float = 120.0
     progress_url: str = ""
-    keep_wait_s: float = 10.0
+    keep_wait_s: float = 30.0
 
 
 def _describe(error: BaseException) -> str:
@@ -135,6 +135,7 @@ class ClusterJobs:
         """One pass over the cluster's job pods: the jobs whose visible state changed, and
         whether GPUs held for leftovers went back. A cluster that does not answer is
         skipped whole: nothing is reported of pods that cannot be seen."""
+        self.restarted = []
         if self.api is None:
             return [], False
         listed = await self._list()
@@ -185,7 +186,11 @@ class ClusterJobs:
                 _request_timeout=REQUEST_TIMEOUT_S,
             )
             async with response:
-                pods = json.loads(await response.read()).get("items", [])
+                # Unread by the client, so unchecked by it: an answer that is no listing
+                # must never read as a cluster without pods (each would seem deleted).
+                if response.status != 200:
+                    raise RuntimeError(f"{response.status} {response.reason}")
+                pods = json.loads(await response.read()).get("items") or []
             services, config_maps = await asyncio.gather(
                 core.list_namespaced_service(
                     namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
@@ -230,8 +235,11 @@ class ClusterJobs:
         work = [
             self._keep(gang, index, name, by_gang[gang], chosen[gang], plan.masters.get(gang, ""))
             for gang, index, name in plan.keep
-            if gang not in self.memory.refused
+            # (no port: its Service is not listed yet; the start deadline covers one lost)
+            if gang not in self.memory.refused and chosen[gang]
         ]
+        old_launcher = "its launcher, an earlier gpufleet's, cannot follow an assignment"
+        work += [self._cannot_keep(name, old_launcher) for name in plan.cannot_keep]
         work += [self._delete_pod(name) for name in plan.delete]
         work += [self._delete_gang_objects(name) for name in plan.orphan_gangs]
         await asyncio.gather(*work)
@@ -370,8 +378,9 @@ class ClusterJobs:
         """Make a pod kept from an attempt before pod ``index`` of this one: its launcher
         stops the old torchrun and starts this attempt's. The next pass tries again if
         the patch fails for a while; a pod that is gone meanwhile is reported as any pod
-        that vanishes. A patch the API server refuses outright (RBAC, admission) fails
-        the pod (``CreateRefused``): the whole gang restarts instead."""
+        that vanishes. A pod whose patch the API server refuses outright (RBAC,
+        admission) is deleted, and reported ``CreateRefused`` once it is gone: the whole
+        gang restarts instead."""
         from kubernetes_asyncio import client
 
         try:
@@ -388,16 +397,7 @@ class ClusterJobs:
             why = f"cluster {self.cluster.name} refused to keep pod {name} ({_describe(e)})"
             self.log.warning("job %s attempt %s: %s", *gang_key, why)
             if getattr(e, "status", None) in (400, 403, 422):
-                self.refusals.append(
-                    PodReport(
-                        gang_key[0],
-                        index,
-                        "failed",
-                        reason=why,
-                        attempt=gang_key[1],
-                        cause=CREATE_REFUSED,
-                    )
-                )
+                await self._cannot_keep(name, why)
             return
         self.log.info(
             "cluster %s: kept pod %s as pod %s of job %s attempt %s",
@@ -407,9 +407,20 @@ class ClusterJobs:
             *gang_key,
         )
 
+    async def _cannot_keep(self, name: str, why: str) -> None:
+        """A pod that cannot be kept is deleted, and reported ``CreateRefused`` once gone
+        (``gang_plan._vanished``): until then it runs, and holds its GPUs."""
+        self.log.warning("cluster %s: pod %s cannot be kept: %s", self.cluster.name, name, why)
+        self.memory.ending[name] = CREATE_REFUSED
+        self.memory.deleting.add(name)
+        await self._delete_pod(name)
+
     def _refuse(self, gang: tuple[int, int], wanted: Sequence[DesiredPod], why: str) -> None:
         self.log.warning("job %s attempt %s: %s", gang[0], gang[1], why)
         self.memory.refused[gang] = why
+        # A pod kept from the attempt before still runs: it is not reported ended (its GPUs
+        # would go back under it) but stopped with the rest of the gang, once the store
+        # has the others' failure.
         self.refusals += [
             PodReport(
                 w.workload_id,
@@ -420,6 +431,7 @@ class ClusterJobs:
                 cause=CREATE_REFUSED,
             )
             for w in sorted(wanted, key=lambda w: w.pod_index)
+            if not w.kept
         ]
 
     # ------------------------------------------------------------------ deleting

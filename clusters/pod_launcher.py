@@ -25,7 +25,8 @@ file ``assignment`` beside it: the pod's annotation ``gpufleet.io/assignment``, 
 kubelet's downward API brings up to date when the cluster manager changes it. So:
 
 - a newer attempt in the file while torchrun runs: torchrun gets SIGTERM (its ranks' checkpoint
-  signal), then SIGKILL after ``STOP_WAIT_S``, and the new attempt's torchrun starts;
+  signal), then SIGKILL after ``STOP_WAIT_S``, to it and to every process that carries the
+  attempt's marker (its ranks), and the new attempt's torchrun starts once they are gone;
 - torchrun exits with 0: so does the pod (the job succeeded);
 - torchrun fails: the pod waits up to ``GPUFLEET_KEEP_WAIT_S`` for a newer attempt (its
   gang lost a pod, and the controller keeps this one), and otherwise ends with torchrun's
@@ -62,8 +63,8 @@ POLL_S = 0.2
 SAY_EVERY_S = 10.0
 RENDEZVOUS_EXIT = 3
 DEFAULT_TIMEOUT_S = 600.0
-DEFAULT_KEEP_WAIT_S = 10.0
-STOP_WAIT_S = 10.0  # from torchrun's SIGTERM to its SIGKILL, when a newer attempt begins
+DEFAULT_KEEP_WAIT_S = 30.0
+STOP_WAIT_S = 10.0  # from torchrun's SIGTERM to the SIGKILL of it and its ranks
 ASSIGNMENT_FILE = "assignment"
 MARKER_VARIABLE = "GPUFLEET_SESSION_MARKER"  # recovery/processes.py's: how ranks are found
 
@@ -219,6 +220,7 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         pause: Callable[[float], None] = time.sleep,
         say: Callable[[str], None] = lambda m: print(m, flush=True),
+        kill_marked: Callable[[str], None] | None = None,
     ):
         self.env = env
         self.args = args
@@ -231,18 +233,22 @@ class Supervisor:
         self.keep_wait_s = float(env.get("GPUFLEET_KEEP_WAIT_S") or DEFAULT_KEEP_WAIT_S)
         self.timeout_s = float(env.get("GPUFLEET_RENDEZVOUS_TIMEOUT") or DEFAULT_TIMEOUT_S)
         self.current = read_assignment(assignment_path, Assignment.from_env(env))
-        self.stopping = False  # the pod itself was told to stop
+        # The pod itself was told to stop (a cancel, a preemption, a whole restart): the
+        # signal handler only notes it; the loops pass it on to the torchrun running then.
+        self.stopping = False
+        self.stop_signal = signal.SIGTERM
         self.child: Child | None = None
+        self.kill_marked = kill_marked or _kill_marked
 
     def newer(self) -> Assignment | None:
         found = read_assignment(self.path, self.current)
         return found if found is not self.current else None
 
     def stop(self, signum: int) -> None:
-        """The pod's SIGTERM or SIGINT: passed on to torchrun; no attempt follows."""
+        """The pod's SIGTERM or SIGINT (a signal handler: it only notes it). Passed on
+        to the torchrun that runs; no attempt follows."""
+        self.stop_signal = signal.Signals(signum)
         self.stopping = True
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signum)
 
     def run(self) -> int:
         while True:
@@ -291,24 +297,32 @@ class Supervisor:
         if self.stopping:
             return 128 + signal.SIGTERM
         env = assignment.environment(self.env)
-        self.child = self.start(torchrun_argv(sys.executable, env, self.args), env)
-        while (status := self.child.poll()) is None:
-            if not self.stopping and self.newer() is not None:
-                return self._superseded(self.child)
+        self.child = child = self.start(torchrun_argv(sys.executable, env, self.args), env)
+        passed_on = False
+        while (status := child.poll()) is None:
+            if self.stopping and not passed_on:
+                child.send_signal(self.stop_signal)
+                passed_on = True
+            elif not self.stopping and self.newer() is not None:
+                return self._superseded(child)
             self.pause(POLL_S)
         return status if status >= 0 else 128 - status
 
     def _superseded(self, child: Child | None) -> int | None:
-        """Stop what runs of the current attempt; the newer one becomes current."""
+        """Stop what runs of the current attempt, its ranks included, before the newer
+        one becomes current: the next torchrun gets the pod's GPUs to itself."""
         newer = self.newer()
         if child is not None:
-            child.send_signal(signal.SIGTERM)
+            child.send_signal(signal.SIGTERM)  # torchrun passes it to the ranks
             deadline = self.clock() + STOP_WAIT_S
             while child.poll() is None and self.clock() < deadline:
                 self.pause(POLL_S)
+            # torchrun starts each rank in a session of its own: they are found by the
+            # attempt's marker, which they carry, as the node agent finds them.
             if child.poll() is None:
                 _kill_group(child)
-                child.wait()
+            self.kill_marked(self.current.marker)
+            child.wait()
         if newer is None or self.stopping:
             return 128 + signal.SIGTERM
         self.say(f"gpufleet: attempt {newer.attempt} begins; this pod is kept for it")
@@ -317,7 +331,8 @@ class Supervisor:
 
 
 def _start_torchrun(argv: list[str], env: dict[str, str]) -> Child:
-    # A group of its own: a SIGKILL after STOP_WAIT_S reaches the ranks too.
+    # A group of its own, as the forked one's: killed whole when superseded (its ranks,
+    # each in a session of its own, by the attempt's marker).
     return subprocess.Popen(argv, env=env, start_new_session=True)
 
 
@@ -375,8 +390,8 @@ class PreloadedTorchrun:
             return _start_torchrun(argv, env)
         sys.stdout.flush()
         sys.stderr.flush()
-        # Held until the child has torchrun's own handling: a stop sent at once is not
-        # taken by the launcher's handler, which the child inherits.
+        # Held until the child has reset the launcher's handlers, which it inherits: a stop
+        # sent at once is then the default's, which ends it.
         stops = {signal.SIGTERM, signal.SIGINT}
         signal.pthread_sigmask(signal.SIG_BLOCK, stops)
         pid = os.fork()
@@ -407,6 +422,31 @@ class PreloadedTorchrun:
             sys.stdout.flush()
             sys.stderr.flush()
         return status
+
+
+def _kill_marked(marker: str, proc: Path = Path("/proc"), wait_s: float = 5.0) -> None:
+    """SIGKILL every process of this pod's user but the launcher that carries ``marker``
+    in its environment (an attempt's ranks), and wait until none is left."""
+    if not marker:
+        return
+    wanted = f"{MARKER_VARIABLE}={marker}".encode()
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for entry in proc.iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:  # gone, or not ours to read
+                continue
+        for pid in found:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if not found or time.monotonic() >= deadline:
+            return
+        time.sleep(POLL_S)
 
 
 def _kill_group(child: Child) -> None:

@@ -83,7 +83,7 @@ class KubeJobs(LoopComponent):
     ).tag(config=True)
 
     keep_pod_seconds = Float(
-        10.0,
+        30.0,
         help="How long a pod of a gang whose torchrun failed waits to be kept for the "
         "job's next attempt before it ends. When a pod of a gang is lost (deleted, evicted, "
         "its node lost), the restart keeps the others where they run and places only the "

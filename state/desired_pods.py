@@ -132,7 +132,7 @@ def desired_on(session: Session, nodes: set[str]) -> list[DesiredPod]:
         if row is not None and row.state in ENDED_POD_STATES:
             continue  # reported ended: nothing left for the agent to do
         trace_id, answered = traces.get((workload_id, workload.attempt), (None, set()))
-        kept = (workload.recovery or {}).get("kept") or {}
+        made_by = (workload.recovery or {}).get("pods_made_by") or {}
         desired.append(
             DesiredPod(
                 workload_id=workload_id,
@@ -152,7 +152,7 @@ def desired_on(session: Session, nodes: set[str]) -> list[DesiredPod]:
                 resume_from=str((workload.recovery or {}).get("resume_from") or ""),
                 project=workload.project.name,
                 trace=trace_id if row is not None and pod_index not in answered else None,
-                created_attempt=int(kept.get(str(pod_index), workload.attempt)),
+                created_attempt=int(made_by.get(str(pod_index), workload.attempt)),
             )
         )
     return desired

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -317,6 +317,8 @@ class JobStore(AttemptStore):
         placed = {a.pod_index: a.node.name for a in workload.allocations if a.closed_at is None}
         rows = {p.pod_index: p for p in _pods(session, workload.id)}
         attempt = workload.attempt
+        # Pods this batch reports ended: a gang whose other pods end too keeps none.
+        ending = {r.pod_index for r in reports if r.attempt == attempt and r.state != "running"}
         visible = False
         for report in reports:
             node = placed.get(report.pod_index)
@@ -324,7 +326,7 @@ class JobStore(AttemptStore):
                 continue  # not a pod of this agent's nodes: not its to report
             if report.attempt != workload.attempt:
                 continue  # of an attempt that has ended
-            visible |= self._apply_report(session, now, workload, report, node, rows)
+            visible |= self._apply_report(session, now, workload, report, node, rows, ending)
         if workload.attempt != attempt:  # begun at once, keeping pods: nothing more ends
             return True, str((workload.recovery or {}).get("restarted_for") or "")
         fault, ended = self._end_attempt_if_done(session, now, workload, rows)
@@ -340,9 +342,11 @@ class JobStore(AttemptStore):
         report: PodReport,
         node: str,
         rows: dict[int, JobPod],
+        ending: Collection[int] = (),
     ) -> bool:
         """Apply the report of one pod of the job's current attempt on ``node`` (its row
-        made if it has none yet in ``rows``); whether the job changed visibly."""
+        made if it has none yet in ``rows``); whether the job changed visibly. ``ending``:
+        the pods the same batch reports ended."""
         row = rows.get(report.pod_index)
         if row is None:
             row = JobPod(workload_id=workload.id, pod_index=report.pod_index, node=node, state="")
@@ -382,19 +386,26 @@ class JobStore(AttemptStore):
         failed = report.state == "failed" or (report.state == "exited" and report.exit_code != 0)
         if not failed or workload.state == WorkloadState.stopping:
             return False
-        self._pod_failed(session, now, workload, row, node)
+        self._pod_failed(session, now, workload, row, node, keep=not set(ending) - {row.pod_index})
         return True
 
     def _pod_failed(
-        self, session: Session, now: datetime, workload: Workload, row: JobPod, node: str
+        self,
+        session: Session,
+        now: datetime,
+        workload: Workload,
+        row: JobPod,
+        node: str,
+        keep: bool = True,
     ) -> None:
         """A pod of the running attempt failed: the job stops its other pods, for the
-        fault class of what ended this one."""
+        fault class of what ended this one; or, for a pod merely gone, begins its next
+        attempt keeping them (unless not ``keep``: others end too)."""
         # Classified now, while the evidence is fresh and before the other pods' stop adds
         # endings of its own (``state/attempts.py``).
         verdict = self._classify_pod(session, now, workload, row)
         said = f"pod {row.pod_index} on {node} {_pod_ending(row)}"
-        if row.cause in GONE_CAUSES:
+        if keep and row.cause in GONE_CAUSES:
             where = session.scalars(select(Node).where(Node.name == node)).one()
             # Its node stays in doubt after a node loss: what may run there keeps its GPUs.
             if restart_keeping(

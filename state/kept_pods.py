@@ -18,8 +18,9 @@ The invariants, besides those of every next attempt (``state/next_attempt.py``):
 
 The GPUs this takes are those the scheduler would see free (``state/mirror.py`` reads the
 same columns), left out those promised to a workload waiting for its victims, and those
-the verdict blames. Empty nodes come first (they are what the recovery spares are made
-of, and a spare is there for this), then the fullest node that fits, as bin-packing does.
+the verdict blames. After a fault, empty nodes come first (they are what the recovery
+spares are made of, and a spare is there for this), then the fullest node that fits, as
+bin-packing does; after a disruption (a pod deleted or evicted), only the latter.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from sqlalchemy.orm import Session
 
 from ..api.events import EventKind
 from ..recovery.attempts import Resume, RetryPolicy, next_attempt
-from ..recovery.classify import Verdict
+from ..recovery.classify import FaultClass, Verdict
 from .base import _event
 from .clusters import KUBERNETES
 from .leftovers import hold_for_leftovers
@@ -86,8 +87,9 @@ def restart_keeping(
         return False
     going = [a for a in held if a.pod_index in lost]
     freed = [a.gpu_uuid for a in going if not lost[a.pod_index][1]]
+    recovering = verdict.fault is not FaultClass.DISRUPTION
     placed = find_replacements(
-        session, workload, sorted(lost), freed, step.avoid_nodes, step.avoid_gpus
+        session, workload, sorted(lost), freed, step.avoid_nodes, step.avoid_gpus, recovering
     )
     if placed is None:
         return False
@@ -110,10 +112,11 @@ def restart_keeping(
         node=going[0].node.name if going else None,
         data={"attempt": workload.attempt, "verdict": verdict.reason, "lost": sorted(lost)},
     )
-    created = {int(k): v for k, v in ((workload.recovery or {}).get("kept") or {}).items()}
-    from_attempt = {str(i): created.get(i, workload.attempt) for i in kept}  # JSON's keys
+    # The attempt that made each kept pod (its name is that attempt's), by index.
+    before = (workload.recovery or {}).get("pods_made_by") or {}
+    made_by = {str(i): int(before.get(str(i), workload.attempt)) for i in kept}  # JSON keys
     begin_next_attempt(session, now, workload, verdict, step)
-    workload.recovery = {**(workload.recovery or {}), "kept": from_attempt}
+    workload.recovery = {**(workload.recovery or {}), "pods_made_by": made_by}
     _allocate(session, now, workload, placed)
     note_changes(session, {("node", a.node_id) for a in going})
     workload.state = WorkloadState.running
@@ -199,9 +202,12 @@ def find_replacements(
     freed: Collection[str],
     avoid_nodes: Collection[str],
     avoid_gpus: Collection[str],
+    spares_first: bool = True,
 ) -> list[Replacement] | None:
     """A node and GPUs for each of the ``lost`` pods in the zone of the job's other pods;
-    None when they do not all fit. ``freed``: GPUs of the lost pods that go back now."""
+    None when they do not all fit. ``freed``: GPUs of the lost pods that go back now.
+    ``spares_first``: empty nodes before the fullest that fits (after a fault, as the
+    recovery spares are for; a disruption only bin-packs)."""
     kept = [a for a in workload.allocations if a.closed_at is None and a.pod_index not in lost]
     zones = {a.node.zone_id for a in kept}
     if len(zones) != 1:
@@ -247,7 +253,9 @@ def find_replacements(
         fits = [n for n, gpus in free.items() if len(gpus) >= workload.gpus_per_pod]
         if not fits:
             return None
-        best = min(fits, key=lambda n: (n in busy_nodes, len(free[n]), nodes[n].name))
+        best = min(
+            fits, key=lambda n: (spares_first and n in busy_nodes, len(free[n]), nodes[n].name)
+        )
         taken, free[best] = (
             free[best][: workload.gpus_per_pod],
             free[best][workload.gpus_per_pod :],

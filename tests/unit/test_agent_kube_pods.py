@@ -121,8 +121,13 @@ def test_a_pod_kept_into_the_next_attempt_reads_on_where_the_last_one_stopped(
     pods.acknowledged(len(pods.chunks()))
     # The restart keeps the pod: same name and file, the output after is attempt 2's.
     kept = {**listed(2), "created_attempt": 1}
-    pods.watch([kept])  # attempt 1's pod is forgotten, and the pod watched afresh
+    write(path, "stdout F [gpufleet rank 2]:attempt 1 step 10")
+    pods.watch([kept])  # attempt 1's last words are read; not yet acknowledged
     write(path, "stdout F [gpufleet rank 2]:attempt 2 starts at step 5")
+    last = pods.chunks()
+    assert [(c["attempt"], c["data"]) for c in last] == [(1, "attempt 1 step 10\n")]
+    pods.acknowledged(len(last))
+    pods.watch([kept])  # attempt 1's pod is forgotten, and the pod watched afresh
     first = pods.chunks()
     pods.acknowledged(len(first))
     write(path, "stdout F [gpufleet rank 2]:attempt 2 step 6")

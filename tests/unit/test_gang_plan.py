@@ -222,7 +222,7 @@ def test_a_pod_kept_into_the_next_attempt_is_patched_not_recreated_nor_deleted()
     attempt 1 that is kept is deleted; once patched, its end is attempt 2's."""
     kept = replace(want(0, started=True), attempt=2, created_attempt=1)
     new = replace(want(1, node="a-gpu-2"), attempt=2)
-    old = pod(0, ip="127.0.3.4")
+    old = pod(0, ip="127.0.3.4", keepable=True)
     memory = GangMemory()
     first = plan_pass([kept, new], [old], [], [], memory, 0.0, 60.0)
     assert first.create == [(7, 2)]
@@ -252,3 +252,33 @@ def test_a_kept_pod_that_is_gone_is_reported_by_its_own_name() -> None:
     [report] = out.reports
     assert (report.pod_index, report.cause, report.attempt) == (0, "Deleted", 2)
     assert "gf-job-7-a1-0" in report.reason
+
+
+def test_the_objects_of_the_attempt_that_made_a_kept_pod_stay_while_it_is_kept() -> None:
+    """Its volume still names them (a script over 16 KiB is its attempt's ConfigMap)."""
+    kept = replace(want(0, started=True), attempt=2, created_attempt=1)
+    new = replace(want(1, node="a-gpu-2", started=True), attempt=2)
+    patched = pod(0, attempt=2)  # its name is still attempt 1's
+    made = pod(1, name="gf-job-7-a2-1", attempt=2, node="a-gpu-2")
+    gangs = ["gf-job-7-a1", "gf-job-7-a2", "gf-job-7-a0"]
+    memory = GangMemory(created_at={(7, 2): 0.0})
+    out = plan_pass([kept, new], [patched, made], [], gangs, memory, 1.0, 60.0)
+    assert out.orphan_gangs == ["gf-job-7-a0"]
+
+
+def test_a_pod_of_an_earlier_launcher_is_not_kept_but_deleted() -> None:
+    """Its launcher became torchrun and reads no assignment: patched, it would never run
+    the next attempt, whose other pods would wait for it in vain."""
+    kept = replace(want(0, started=True), attempt=2, created_attempt=1)
+    new = replace(want(1, node="a-gpu-2"), attempt=2)
+    out = plan_pass([kept, new], [pod(0)], [], [], GangMemory(), 0.0, 60.0)
+    assert out.keep == [] and out.cannot_keep == ["gf-job-7-a1-0"]
+
+
+def test_a_pod_reads_as_keepable_only_with_an_assignment() -> None:
+    status = {"phase": "Running"}
+    plain = read_pod(manifest(status))
+    with_one = manifest(status)
+    with_one["metadata"]["annotations"]["gpufleet.io/assignment"] = "{}"
+    assert plain is not None and not plain.keepable
+    assert (read := read_pod(with_one)) is not None and read.keepable

@@ -186,7 +186,7 @@ def test_pod_1_of_a_gang_is_pinned_to_its_node_and_names_the_master() -> None:
                             "name": "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
                             "value": "[gpufleet rank $${rank}]:",
                         },
-                        {"name": "GPUFLEET_KEEP_WAIT_S", "value": "10"},
+                        {"name": "GPUFLEET_KEEP_WAIT_S", "value": "30"},
                         {
                             "name": "GPUFLEET_PROGRESS_URL",
                             "value": "http://$(GPUFLEET_HOST_IP):9207/progress",

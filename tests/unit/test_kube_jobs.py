@@ -12,6 +12,7 @@ import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 from traitlets.config import Config
 
+from gpufleet.clusters.gang_plan import plan_pass
 from gpufleet.clusters.kube_config import ClusterSettings
 from gpufleet.clusters.manifests import Endpoint, Peer, Volume
 from gpufleet.hub.kube_jobs import KubeJobs
@@ -144,6 +145,7 @@ class Refusing:
     """A CoreV1Api whose API server answers a pod's patch with ``status``."""
 
     patched: list[tuple[str, dict[str, Any], str]] = []
+    deleted: list[str] = []
     status = 403
 
     def __init__(self, api: Any) -> None:
@@ -155,18 +157,21 @@ class Refusing:
         Refusing.patched.append((name, body, options["_content_type"]))
         raise ApiException(status=Refusing.status, reason="Forbidden")
 
+    async def delete_namespaced_pod(self, name: str, namespace: str, **_: Any) -> None:
+        Refusing.deleted.append(name)
 
-@pytest.mark.parametrize(("status", "reported"), [(403, True), (500, False)])
-async def test_a_kept_pod_the_cluster_refuses_to_patch_fails_so_the_whole_gang_restarts(
-    monkeypatch: pytest.MonkeyPatch, status: int, reported: bool
+
+@pytest.mark.parametrize(("status", "refused"), [(403, True), (500, False)])
+async def test_a_kept_pod_the_cluster_refuses_to_patch_is_deleted_so_the_whole_gang_restarts(
+    monkeypatch: pytest.MonkeyPatch, status: int, refused: bool
 ) -> None:
-    """RBAC or admission refusing the patch stands: the pod is reported failed
-    (``CreateRefused``) and the job restarts whole. A passing failure is tried again by
-    the next pass instead."""
+    """RBAC or admission refusing the patch stands: the pod, which still runs, is deleted
+    and reported (``CreateRefused``) only once gone, so its GPUs never go back under it.
+    A passing failure is tried again by the next pass instead."""
     from kubernetes_asyncio import client
 
     monkeypatch.setattr(client, "CoreV1Api", Refusing)
-    Refusing.patched, Refusing.status = [], status
+    Refusing.patched, Refusing.deleted, Refusing.status = [], [], status
     config = Config()
     config.KubeJobs.image = "lab:1"
     manager = loop(config).managers["cluster-a"]
@@ -176,14 +181,62 @@ async def test_a_kept_pod_the_cluster_refuses_to_patch_fails_so_the_whole_gang_r
     assert (name, content_type) == ("gf-job-9-a2-0", "application/merge-patch+json")
     assert body["metadata"]["labels"]["gpufleet.io/attempt"] == "3"
     assert '"master_addr": "10.0.0.9"' in body["metadata"]["annotations"]["gpufleet.io/assignment"]
-    if reported:
-        [report] = manager.refusals
-        assert (report.pod_index, report.state, report.cause, report.attempt) == (
-            0,
-            "failed",
-            "CreateRefused",
-            3,
-        )
-        assert "refused to keep pod gf-job-9-a2-0" in report.reason
+    assert manager.refusals == []  # nothing is reported of a pod that still runs
+    if refused:
+        assert Refusing.deleted == ["gf-job-9-a2-0"]
+        assert manager.memory.ending == {"gf-job-9-a2-0": "CreateRefused"}
+        manager.memory.created_at[(9, 3)] = 0.0  # pod 1 was made in the pass before
+        gone = plan_pass([kept, new], [], [], [], manager.memory, 1.0, 60.0)
+        [report, _] = gone.reports
+        assert (report.pod_index, report.cause, report.attempt) == (0, "CreateRefused", 3)
+        assert "pod gf-job-9-a2-0 could not be kept" in report.reason
     else:
-        assert manager.refusals == []
+        assert Refusing.deleted == [] and not manager.memory.ending
+
+
+def test_a_refused_gang_does_not_report_the_pod_it_kept_which_still_runs() -> None:
+    manager = loop().managers["cluster-a"]
+    kept, new = placed(0, started=True, created_attempt=2), placed(1)
+    manager._refuse((9, 3), [kept, new], "cluster cluster-a refused the job's pods (403)")
+    assert [(r.pod_index, r.cause) for r in manager.refusals] == [(1, "CreateRefused")]
+
+
+class Answering:
+    """A CoreV1Api whose API server answers a pod listing with ``status``."""
+
+    status = 403
+
+    def __init__(self, api: Any) -> None:
+        pass
+
+    async def list_namespaced_pod(self, namespace: str, **_: Any) -> Any:
+        status = Answering.status
+
+        class Response:
+            reason = "Forbidden"
+
+            def __init__(self) -> None:
+                self.status = status
+
+            async def __aenter__(self) -> Any:
+                return self
+
+            async def __aexit__(self, *_: Any) -> None:
+                return None
+
+            async def read(self) -> bytes:
+                return b'{"kind": "Status", "message": "forbidden"}'
+
+        return Response()
+
+
+async def test_a_pod_listing_the_server_refuses_is_no_listing_not_a_cluster_without_pods(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Read unchecked, a 403 would be an empty list, and every running pod would seem
+    deleted."""
+    from kubernetes_asyncio import client
+
+    monkeypatch.setattr(client, "CoreV1Api", Answering)
+    manager = loop().managers["cluster-a"]
+    assert await manager._list() is None

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -23,6 +24,7 @@ from gpufleet.clusters.pod_launcher import (
     PreloadedTorchrun,
     RendezvousTimeout,
     Supervisor,
+    _kill_marked,
     torchrun_argv,
     wait_for_port,
 )
@@ -184,6 +186,7 @@ class Pod:
         self.children: list[FakeTorchrun] = []
         self.events: dict[float, Any] = {}
         self.said: list[str] = []
+        self.killed: list[str] = []  # the markers whose processes were killed
 
     def start(self, argv: list[str], env: dict[str, str]) -> FakeTorchrun:
         self.started.append((argv, env))
@@ -220,6 +223,7 @@ class Pod:
             clock=self.clock,
             pause=self.pause,
             say=self.said.append,
+            kill_marked=self.killed.append,
         )
 
 
@@ -263,6 +267,7 @@ def test_a_newer_attempt_stops_the_running_torchrun_first(tmp_path: Path) -> Non
     pod.events[4.0] = lambda: pod.assign(2, 29501)
     assert pod.supervisor().run() == 0
     assert pod.children[0].signals == [signal.SIGTERM]
+    assert pod.killed == ["m1.1"]  # the ranks of attempt 1, whatever their session
     assert pod.started[1][1]["GPUFLEET_ATTEMPT"] == "2"
 
 
@@ -322,3 +327,22 @@ def test_without_torch_torchrun_is_started_as_a_command_that_says_why(tmp_path: 
     )
     assert not isinstance(child, Forked)
     assert child.wait() == 5
+
+
+def test_a_superseded_attempts_ranks_are_found_by_their_marker_and_killed() -> None:
+    """torchrun starts each rank in a session of its own: killing its group is not enough."""
+    rank = subprocess.Popen(
+        ["sleep", "60"],
+        env={MARKER_VARIABLE: "m1.0", "PATH": os.environ["PATH"]},
+        start_new_session=True,
+    )
+    other = subprocess.Popen(
+        ["sleep", "60"], env={MARKER_VARIABLE: "m2.0", "PATH": os.environ["PATH"]}
+    )
+    try:
+        _kill_marked("m1.0")
+        assert rank.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None  # another attempt's, or nobody's: left alone
+    finally:
+        other.kill()
+        other.wait()

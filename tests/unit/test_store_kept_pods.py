@@ -165,3 +165,29 @@ def test_a_cycle_planned_before_the_restart_does_not_hand_out_its_gpus(
         "k8s/cluster-a/b-gpu-1/0",
         "k8s/cluster-a/b-gpu-1/1",
     }  # planned again: the other zone
+
+
+def test_a_pod_kept_twice_keeps_the_name_of_the_attempt_that_made_it(store: FleetStore) -> None:
+    job, _ = running_job(store)
+    gone = "deleted by someone other than gpufleet"
+    sync(store, 20, PodReport(job, 1, "failed", reason=gone, cause="Deleted"))
+    sync(store, 21, PodReport(job, 1, "running", attempt=2))
+    desired = sync(store, 22, PodReport(job, 1, "failed", reason=gone, cause="Deleted", attempt=2))
+    assert workload(store, job).attempt == 3
+    made_by = {p.pod_index: p.created_attempt for p in desired if p.workload_id == job}
+    assert made_by == {0: 1, 1: 3}
+
+
+def test_a_gang_whose_other_pod_ends_in_the_same_report_keeps_none(store: FleetStore) -> None:
+    """The other pod's end may be its ranks' own error: nothing is kept that has ended."""
+    job, _ = running_job(store)
+    sync(
+        store,
+        20,
+        PodReport(job, 0, "failed", reason="deleted", cause="Deleted"),
+        PodReport(job, 1, "exited", exit_code=1, reason="rank 3: RuntimeError: peer lost"),
+    )
+    # Both ended: the attempt is over, and the next waits in the queue, whole.
+    after = workload(store, job)
+    assert (after.state, after.attempt) == (WorkloadState.pending, 2)
+    assert not any("kept" in said for said in events(store, "job-failed"))
