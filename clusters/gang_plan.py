@@ -294,6 +294,10 @@ def _start_deadline(
             memory.deleting.add(pod.name)
 
 
+def _deleted_by_others(pod: ObservedPod, memory: GangMemory) -> bool:
+    return pod.terminating and pod.name not in memory.deleting
+
+
 def _to_create(
     gang: tuple[int, int],
     wanted: Sequence[DesiredPod],
@@ -388,14 +392,16 @@ def plan_pass(
                     others.append(
                         PodReport(want.workload_id, want.pod_index, "stopped", attempt=gang[1])
                     )
+            elif _deleted_by_others(found, memory) and not (found.ended and found.exit_code == 0):
+                # Its end is the deletion's (the SIGTERM it got), whatever status it left:
+                # said once it is gone, as a deletion (a pod that succeeded first did).
+                memory.ending.setdefault(found.name, found.cause or DELETED)
             elif found.ended:
                 report = _report(found, gang[1])
                 bad = report.state == "failed" or report.exit_code != 0
                 (failed if bad and want.run else others).append(report)
             elif not want.run and want.trace is None:
                 delete(found)  # (a pod whose stacks are awaited is deleted once they are in)
-            elif found.terminating and found.name not in memory.deleting:
-                memory.ending.setdefault(found.name, found.cause or DELETED)
             elif found.running and not want.started:
                 others.append(
                     PodReport(want.workload_id, want.pod_index, "running", attempt=gang[1])

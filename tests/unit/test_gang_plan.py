@@ -166,6 +166,21 @@ def test_a_pod_deleted_by_someone_else_is_reported_only_once_gone() -> None:
     assert [(r.pod_index, r.state, r.cause) for r in gone.reports] == [(0, "failed", "Deleted")]
 
 
+def test_a_deleted_pod_whose_ranks_ended_on_the_sigterm_is_still_a_deletion() -> None:
+    """Its phase may turn Failed (exit 143) before it is gone: that end is the deletion's."""
+    memory = GangMemory(created_at={(7, 1): 0.0})
+    wanted = [want(0, started=True), want(1, started=True)]
+    ended = pod(0, "Failed", terminating=True, exit_code=143)
+    going = plan_pass(wanted, [ended, pod(1)], [], [], memory, 5.0, 60)
+    assert going.reports == []
+    gone = plan_pass(wanted, [pod(1)], [], [], memory, 6.0, 60)
+    assert [(r.pod_index, r.state, r.cause) for r in gone.reports] == [(0, "failed", "Deleted")]
+    # One that succeeded before someone deleted it succeeded.
+    done = pod(0, "Succeeded", terminating=True, exit_code=0)
+    finished = plan_pass(wanted, [done, pod(1)], [], [], GangMemory(), 7.0, 60)
+    assert [(r.pod_index, r.state, r.exit_code) for r in finished.reports] == [(0, "exited", 0)]
+
+
 def test_a_pod_gone_with_its_lost_node_is_a_node_fault() -> None:
     memory = GangMemory(created_at={(7, 1): 0.0})
     wanted = [want(0, started=True), want(1, started=True, node="a-gpu-2")]
