@@ -295,7 +295,11 @@ def _start_deadline(
 
 
 def _deleted_by_others(pod: ObservedPod, memory: GangMemory) -> bool:
-    return pod.terminating and pod.name not in memory.deleting
+    """Whether someone else deletes the pod. Its end, whatever status its ranks left on
+    the SIGTERM, is then the deletion's, said once it is gone; but for a pod that had
+    succeeded first."""
+    succeeded = pod.ended and pod.exit_code == 0
+    return pod.terminating and pod.name not in memory.deleting and not succeeded
 
 
 def _to_create(
@@ -392,9 +396,7 @@ def plan_pass(
                     others.append(
                         PodReport(want.workload_id, want.pod_index, "stopped", attempt=gang[1])
                     )
-            elif _deleted_by_others(found, memory) and not (found.ended and found.exit_code == 0):
-                # Its end is the deletion's (the SIGTERM it got), whatever status it left:
-                # said once it is gone, as a deletion (a pod that succeeded first did).
+            elif _deleted_by_others(found, memory):
                 memory.ending.setdefault(found.name, found.cause or DELETED)
             elif found.ended:
                 report = _report(found, gang[1])
