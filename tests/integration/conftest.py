@@ -33,14 +33,22 @@ def fleet(hub: Hub) -> Iterator[Hub]:
 
 
 # The culler's tests (test_culler.py, test_culler_browser.py): vision culls idle sessions
-# (always, 20 s, a 10 s warning: time for a researcher on a busy
-# machine to act on it), nlp only marks them (on-demand). Snapshots go to the real
-# S3 server (SeaweedFS), as a deployment's would: credentials in the usual AWS_* variables,
-# for the hub (its spawners' final passes and restores) and the controller (live passes).
+# (always, 20 s, a 10 s warning), nlp only marks them (on-demand). speech (bob's alone)
+# culls them after 40 s with a 25 s warning: time for a researcher in a browser to act on
+# it while the machine runs other suites beside. Snapshots go to the real S3 server
+# (SeaweedFS), as a deployment's would: credentials in the usual AWS_* variables, for the
+# hub (its spawners' final passes and restores) and the controller (live passes).
 CULLER_CONFIG = """
+c.JupyterHub.load_groups["speech"] = {"users": ["bob"]}
+c.FleetController.projects.append(
+    {"name": "speech", "parent": "research", "quotas": {"A100-80GB": {"guaranteed": 1}}}
+)
 c.Culling.idle_policies = {
     "default": {"mode": "always", "idle_timeout_s": 20, "warn_before_s": 10},
-    "projects": {"nlp": {"mode": "on-demand"}},
+    "projects": {
+        "nlp": {"mode": "on-demand"},
+        "speech": {"mode": "always", "idle_timeout_s": 40, "warn_before_s": 25},
+    },
 }
 c.Culling.interval = 1
 c.Culling.retry_seconds = 3

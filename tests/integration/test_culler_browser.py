@@ -1,6 +1,7 @@
 """The culler's notices as a researcher sees them: in JupyterLab, in headless Chromium, on a
-real hub whose vision project stops idle sessions (20 s, warned 10 s before) and whose nlp
-project only marks them (``conftest.CULLER_CONFIG``, the culler looking every second).
+real hub whose vision project stops idle sessions (20 s, warned 10 s before), whose speech
+project stops them (40 s) warned 25 s before, and whose nlp project only marks them
+(``conftest.CULLER_CONFIG``, the culler looking every second).
 
 An open JupyterLab polls its server on its own (kernels, sessions, contents, terminals,
 notices): a tab left open and untouched is idle, and is warned and stopped at the time
@@ -156,7 +157,7 @@ def test_a_cell_run_in_jupyterlab_withdraws_the_warning_and_keeps_the_session(
     culling_hub: Hub, chromium: Browser
 ) -> None:
     hub = culling_hub
-    bob = hub.start_session("bob", project="vision", gpu_type="A100-80GB", gpus=1)
+    bob = hub.start_session("bob", project="speech", gpu_type="A100-80GB", gpus=1)
     token = hub.user_token("bob")
     created = httpx.put(
         f"{hub.url}/user/bob/api/contents/work.ipynb",
