@@ -24,7 +24,7 @@ from tornado.httpserver import HTTPServer
 from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
-from ..api import __version__
+from ..api import __version__, schemas
 from ..recovery.nvml import GpuSample, NvmlError, gpu_type_of
 from ..recovery.processes import marked_process_details
 from ..snapshotter.node_operations import run_operation
@@ -74,7 +74,9 @@ OPERATION_POLL_S = 20.0
 
 
 def _sample_body(sample: GpuSample) -> dict[str, Any]:
-    body = {k: v for k, v in asdict(sample).items() if v is not None}
+    """What the controller takes of a sample (the exporter's telemetry stays here)."""
+    taken = schemas.GpuSampleIn.model_fields
+    body = {k: v for k, v in asdict(sample).items() if v is not None and k in taken}
     body["processes"] = [list(p) for p in sample.processes]
     return body
 
@@ -513,7 +515,7 @@ class NodeAgent(Application, RenamedSnapshotOptions):
                         self.registered.clear()
                     if self.gpus is not None:
                         self.gpus.assignments = {
-                            uuid: Assignment(a["workload_id"], a["username"], a["name"])
+                            uuid: Assignment.from_heartbeat(a)
                             for uuid, a in answer.get("assignments", {}).items()
                         }
             except httpx.HTTPError as e:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import Metric
-
-from ..recovery.nvml import GpuInfo, GpuSample, Nvml
+from ..recovery.nvml import GpuInfo, GpuSample, Nvml, NvmlError
+from ..recovery.processes import marked_process_details
 from .gpus import NodePlace, whole_gpus
-from .metrics import Assignment, GpuCollector, families
+from .metrics import Assignment, Family, exposition, families, network_families
+from .network_usage import NetworkUsage, NetworkUsageUnavailable
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @dataclass
@@ -36,18 +42,71 @@ class GpuState:
             return self.nvml.sample(self._uuid_of_index)
 
 
-def start_exporter(gpus: GpuState, hostname: str, ip: str, port: int) -> CollectorRegistry:
-    """Serve /metrics on ``ip:port`` from a daemon thread; each scrape reads NVML."""
+def _handler(scrape: Callable[[], str]) -> type[BaseHTTPRequestHandler]:
+    class MetricsHandler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] not in ("/", "/metrics"):
+                self.send_error(404, "the metrics are at /metrics")
+                return
+            try:
+                body = scrape().encode()
+            except NvmlError as e:  # the scraper's "down", not the agent's end
+                self.send_error(500, f"could not read the GPUs: {e}")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # one line per scrape would drown the agent's log
+
+    return MetricsHandler
+
+
+def serve_metrics(scrape: Callable[[], str], ip: str, port: int) -> ThreadingHTTPServer:
+    """Serve ``scrape()`` at ``http://ip:port/metrics`` from a daemon thread."""
+    server = ThreadingHTTPServer((ip, port), _handler(scrape))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
+@dataclass
+class NetworkReader:
+    """Each scrape's network families; says once why they are missing where the kernel's
+    socket diagnostics cannot be read (the GPU series are served regardless)."""
+
+    hostname: str
+    usage: NetworkUsage = field(default_factory=NetworkUsage)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _failed: bool = False
+
+    def families(self, assignments: dict[str, Assignment]) -> list[Family]:
+        with self._lock:  # scrapes may overlap; the counters' memory is one
+            try:
+                traffic = self.usage.read(marked_process_details(()))
+            except NetworkUsageUnavailable as e:
+                if not self._failed:
+                    log.warning("no network metrics: %s", e)
+                self._failed = True
+                return []
+        return network_families(traffic, assignments, self.hostname)
+
+
+def start_exporter(gpus: GpuState, hostname: str, ip: str, port: int) -> ThreadingHTTPServer:
+    """Serve /metrics on ``ip:port``; each scrape reads NVML and the workloads' traffic."""
     hosts = {
         uuid: gpus.places[uuid].name if uuid in gpus.places else hostname for uuid in gpus.whole
     }
+    network = NetworkReader(hostname)
 
-    def read() -> list[Metric]:
-        return families(
-            gpus.sample(), gpus.whole, hosts, gpus.driver_version, gpus.assignments, gpus.last_xid
+    def scrape() -> str:
+        assignments = gpus.assignments
+        gpu_families = families(
+            gpus.sample(), gpus.whole, hosts, gpus.driver_version, assignments, gpus.last_xid
         )
+        return exposition([*gpu_families, *network.families(assignments)])
 
-    registry = CollectorRegistry()
-    registry.register(GpuCollector(read))
-    start_http_server(port, addr=ip, registry=registry)
-    return registry
+    return serve_metrics(scrape, ip, port)

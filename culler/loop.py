@@ -82,6 +82,12 @@ class CullerMetrics:
             registry=registry,
         )
 
+    def know_projects(self, projects: list[str]) -> None:
+        """Start each project's idle and reclaimed GPU-seconds at 0."""
+        for project in projects:
+            self.idle_gpu_seconds.labels(project)
+            self.reclaimed_gpu_seconds.labels(project)
+
 
 @dataclass
 class _LivePass:

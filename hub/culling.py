@@ -76,7 +76,9 @@ class Culling(LoopComponent):
             retry_after=self.retry_seconds,
             notify=controller.notifier.changed,
         )
-        self.culler.check_policies([str(p["name"]) for p in controller.projects])
+        projects = [str(p["name"]) for p in controller.projects]
+        self.culler.check_policies(projects)
+        self.culler.metrics.know_projects(projects)
 
     async def run(self) -> None:
         await self.culler.run(lambda: self.controller.is_leader)

@@ -6,7 +6,7 @@ they are never stale and cost nothing between scrapes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,7 @@ from ..state.models import (
     Gpu,
     Node,
     Project,
+    ProjectKind,
     Workload,
     WorkloadKind,
     WorkloadState,
@@ -48,6 +49,7 @@ class FleetCollector(Collector):
             queued = _queued(session)
             allocated = _allocated(session)
             capacity = _capacity(session)
+            health = _gpu_health(session)
         breakers = self._breakers()
         cordons = self._cordons()
         ettr = self._training_ratios()
@@ -57,6 +59,7 @@ class FleetCollector(Collector):
         yield idle
         yield ettr
         yield capacity
+        yield health
         yield breakers
         yield cordons
 
@@ -114,10 +117,25 @@ class FleetCollector(Collector):
             "nothing waiting uses them (docs/simulator.md, 'Idle while waiting, by why')",
             labels=["gpu_type", "cause"],
         )
-        for gpu_type, causes in self.store.scheduling.idle_gpus().items():
+        with self.store.read() as session:
+            types = session.scalars(select(Gpu.gpu_type).distinct()).all()
+        # A type nothing waits for has no free GPU while work waits: 0 for it, not "no data".
+        found: dict[str, Mapping[IdleCause, int]] = {gpu_type: {} for gpu_type in types}
+        found |= self.store.scheduling.idle_gpus()
+        for gpu_type, causes in sorted(found.items()):
             for cause in IdleCause:
                 idle.add_metric([gpu_type, cause.value], causes.get(cause, 0))
         return idle
+
+
+def _projects_and_types(session: Session) -> list[tuple[str, str]]:
+    """Every (project, GPU type) of the fleet: the per-project series exist at 0 for each,
+    so a panel shows 0, not "no data", while nothing waits or runs."""
+    projects = session.scalars(
+        select(Project.name).where(Project.kind != ProjectKind.organisation)
+    ).all()
+    types = session.scalars(select(Gpu.gpu_type).distinct()).all()
+    return [(project, gpu_type) for project in sorted(projects) for gpu_type in sorted(types)]
 
 
 def _queued(session: Session) -> GaugeMetricFamily:
@@ -126,13 +144,20 @@ def _queued(session: Session) -> GaugeMetricFamily:
         "Workloads waiting for GPUs",
         labels=["project", "gpu_type", "kind"],
     )
-    for project, gpu_type, kind, count in session.execute(
-        select(Project.name, Workload.gpu_type, Workload.kind, func.count())
-        .join(Project, Workload.project_id == Project.id)
-        .where(Workload.state == WorkloadState.pending)
-        .group_by(Project.name, Workload.gpu_type, Workload.kind)
-    ):
-        queued.add_metric([project, gpu_type, kind.value], count)
+    counts = {
+        (project, gpu_type, kind.value): count
+        for project, gpu_type, kind, count in session.execute(
+            select(Project.name, Workload.gpu_type, Workload.kind, func.count())
+            .join(Project, Workload.project_id == Project.id)
+            .where(Workload.state == WorkloadState.pending)
+            .group_by(Project.name, Workload.gpu_type, Workload.kind)
+        )
+    }
+    for project, gpu_type in _projects_and_types(session):
+        for kind in WorkloadKind:
+            counts.setdefault((project, gpu_type, kind.value), 0)
+    for labels, count in sorted(counts.items()):
+        queued.add_metric(list(labels), count)
     return queued
 
 
@@ -140,12 +165,15 @@ def _allocated(session: Session) -> GaugeMetricFamily:
     allocated = GaugeMetricFamily(
         "gpufleet_allocated_gpus", "GPUs allocated now", labels=["project", "gpu_type"]
     )
+    counts = dict.fromkeys(_projects_and_types(session), 0)
     for project, gpu_type, count in session.execute(
         select(Project.name, Allocation.gpu_type, func.count())
         .join(Project, Allocation.project_id == Project.id)
         .where(Allocation.closed_at.is_(None))
         .group_by(Project.name, Allocation.gpu_type)
     ):
+        counts[(project, gpu_type)] = count
+    for (project, gpu_type), count in sorted(counts.items()):
         allocated.add_metric([project, gpu_type], count)
     return allocated
 
@@ -164,6 +192,40 @@ def _capacity(session: Session) -> GaugeMetricFamily:
     ):
         capacity.add_metric([gpu_type, health.value], count)
     return capacity
+
+
+def gpu_health_state(gpu: Gpu, node_cordoned: bool) -> str:
+    """The recovery loop's verdict on a GPU, worst first: ``lemon`` (repeated hardware
+    faults: out of service until an admin clears it), ``cordoned`` (it or its node takes no
+    new work), ``suspect`` (lost, or a reset or diagnosis is due or under way), else
+    ``healthy``."""
+    if gpu.lemon:
+        return "lemon"
+    if gpu.cordoned or node_cordoned:
+        return "cordoned"
+    if gpu.lost or gpu.maintenance is not None:
+        return "suspect"
+    return "healthy"
+
+
+def _gpu_health(session: Session) -> GaugeMetricFamily:
+    # One series per GPU, whose ``state`` label is its verdict now: a GPU costs one series
+    # (not one per state), and changes series only when its verdict changes.
+    health = GaugeMetricFamily(
+        "gpufleet_gpu_health",
+        "Each GPU's health as the recovery loop judges it (state: healthy, suspect, "
+        "cordoned or lemon; docs/monitoring.md)",
+        labels=["Hostname", "gpu", "UUID", "gpu_type", "state"],
+    )
+    for gpu, node, node_cordoned in session.execute(
+        select(Gpu, Node.name, Node.cordoned)
+        .join(Node, Gpu.node_id == Node.id)
+        .where(Gpu.present.is_(True))
+        .order_by(Node.name, Gpu.index)
+    ):
+        state = gpu_health_state(gpu, node_cordoned)
+        health.add_metric([node, str(gpu.index), gpu.uuid, gpu.gpu_type, state], 1)
+    return health
 
 
 class ControllerMetrics:

@@ -13,7 +13,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 T = TypeVar("T")
 
@@ -67,6 +67,32 @@ class GpuSample:
     nvlink_crc_flit_errors: int | None = None
     nvlink_crc_data_errors: int | None = None
     processes: tuple[tuple[int, int], ...] = field(default=())  # (pid, used bytes)
+    # Telemetry for the exporter only (the controller is not sent these).
+    memory_reserved_bytes: int | None = None  # the driver's own, neither used nor free
+    sm_clock_mhz: int | None = None
+    memory_clock_mhz: int | None = None
+    memory_temperature_c: int | None = None
+    energy_mj: int | None = None  # since the driver loaded
+    encoder_utilization_pct: int | None = None
+    decoder_utilization_pct: int | None = None
+    pcie_tx_bytes_per_s: int | None = None
+    pcie_rx_bytes_per_s: int | None = None
+    nvlink_data_bytes: int | None = None  # sent and received, all links, since driver load
+
+
+class Telemetry(TypedDict):
+    """``GpuSample``'s readings for the exporter only."""
+
+    memory_reserved_bytes: int | None
+    sm_clock_mhz: int | None
+    memory_clock_mhz: int | None
+    memory_temperature_c: int | None
+    energy_mj: int | None
+    encoder_utilization_pct: int | None
+    decoder_utilization_pct: int | None
+    pcie_tx_bytes_per_s: int | None
+    pcie_rx_bytes_per_s: int | None
+    nvlink_data_bytes: int | None
 
 
 @dataclass(frozen=True)
@@ -212,6 +238,7 @@ class Nvml:
         remapped = optional(lambda: nvml.nvmlDeviceGetRemappedRows(handle))
         processes = optional(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle)) or []
         links = self._nvlink_errors(handle)
+        telemetry = self._telemetry(handle)
 
         def ecc(kind: int, counter: int) -> int | None:
             return optional(lambda: int(nvml.nvmlDeviceGetTotalEccErrors(handle, kind, counter)))
@@ -253,7 +280,60 @@ class Nvml:
             nvlink_crc_flit_errors=links.get("nvlink_crc_flit_errors"),
             nvlink_crc_data_errors=links.get("nvlink_crc_data_errors"),
             processes=tuple((int(p.pid), int(p.usedGpuMemory or 0)) for p in processes),
+            **telemetry,
         )
+
+    def _telemetry(self, handle: Any) -> Telemetry:
+        """The readings only the exporter shows, each None where NVML cannot read it."""
+        nvml = self._nvml
+        optional = self._optional
+        memory = optional(lambda: nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2))
+        fields = self._field_values(
+            handle,
+            nvml.NVML_FI_DEV_MEMORY_TEMP,
+            nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+            nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+        )
+        nvlink_kib = [fields.get(nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX)]
+        nvlink_kib.append(fields.get(nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX))
+
+        def clock(kind: int) -> int | None:
+            return optional(lambda: int(nvml.nvmlDeviceGetClockInfo(handle, kind)))
+
+        def pcie(counter: int) -> int | None:
+            kb_per_s = optional(lambda: int(nvml.nvmlDeviceGetPcieThroughput(handle, counter)))
+            return None if kb_per_s is None else kb_per_s * 1024
+
+        encoder = optional(lambda: nvml.nvmlDeviceGetEncoderUtilization(handle))
+        decoder = optional(lambda: nvml.nvmlDeviceGetDecoderUtilization(handle))
+        return {
+            "memory_reserved_bytes": None if memory is None else int(memory.reserved),
+            "sm_clock_mhz": clock(nvml.NVML_CLOCK_SM),
+            "memory_clock_mhz": clock(nvml.NVML_CLOCK_MEM),
+            "memory_temperature_c": fields.get(nvml.NVML_FI_DEV_MEMORY_TEMP),
+            "energy_mj": optional(lambda: int(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))),
+            "encoder_utilization_pct": None if encoder is None else int(encoder[0]),
+            "decoder_utilization_pct": None if decoder is None else int(decoder[0]),
+            "pcie_tx_bytes_per_s": pcie(nvml.NVML_PCIE_UTIL_TX_BYTES),
+            "pcie_rx_bytes_per_s": pcie(nvml.NVML_PCIE_UTIL_RX_BYTES),
+            "nvlink_data_bytes": (
+                None if None in nvlink_kib else sum(int(k or 0) for k in nvlink_kib) * 1024
+            ),
+        }
+
+    def _field_values(self, handle: Any, *field_ids: int) -> dict[int, int]:
+        """The integer field values NVML answers, by field id; a field it refuses is absent."""
+        nvml = self._nvml
+        values = self._optional(lambda: nvml.nvmlDeviceGetFieldValues(handle, list(field_ids)))
+        read: dict[int, int] = {}
+        for value in values or ():
+            if value.nvmlReturn != nvml.NVML_SUCCESS:
+                continue
+            if value.valueType == nvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+                read[int(value.fieldId)] = int(value.value.uiVal)
+            elif value.valueType == nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:
+                read[int(value.fieldId)] = int(value.value.ullVal)
+        return read
 
     def _nvlink_errors(self, handle: Any) -> dict[str, int]:
         """Error counters summed over active links; empty for a GPU without NVLink."""

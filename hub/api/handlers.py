@@ -18,6 +18,7 @@ from ...state.models import (
     Event,
     Node,
     Profile,
+    Project,
     Workload,
     WorkloadKind,
     Zone,
@@ -334,16 +335,22 @@ class AgentHeartbeatHandler(APIHandler):
             )
         with self.controller.store.read() as session:
             rows = session.execute(
-                select(Allocation.gpu_uuid, Workload)
+                select(Allocation.gpu_uuid, Workload, Project.name)
                 .join(Workload, Allocation.workload_id == Workload.id)
                 .join(Node, Allocation.node_id == Node.id)
+                .join(Project, Allocation.project_id == Project.id)
                 .where(Allocation.closed_at.is_(None), Node.name.in_(body.nodes))
             ).all()
             assignments = {
                 uuid: schemas.AssignmentOut(
-                    workload_id=w.id, username=w.username, name=w.name, kind=w.kind.value
+                    workload_id=w.id,
+                    username=w.username,
+                    name=w.name,
+                    kind=w.kind.value,
+                    project=project,
+                    marker=w.process_marker or "",
                 )
-                for uuid, w in rows
+                for uuid, w, project in rows
             }
         self.send(schemas.HeartbeatOut(unknown=unknown, assignments=assignments))
 

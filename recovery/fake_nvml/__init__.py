@@ -85,6 +85,12 @@ UNSUPPORTABLE = frozenset(
         "xid_events",  # nvmlDeviceRegisterEvents(XidCriticalError)
         "mig",  # nvmlDeviceGetMigMode, ...MaxMigDeviceCount, ...MigDeviceHandleByIndex
         "cuda_compute_capability",  # nvmlDeviceGetCudaComputeCapability
+        "clocks",  # nvmlDeviceGetClockInfo
+        "memory_temperature",  # nvmlDeviceGetFieldValues(NVML_FI_DEV_MEMORY_TEMP)
+        "energy",  # nvmlDeviceGetTotalEnergyConsumption
+        "encoder",  # nvmlDeviceGetEncoderUtilization
+        "decoder",  # nvmlDeviceGetDecoderUtilization
+        "pcie_throughput",  # nvmlDeviceGetPcieThroughput
     }
 )
 
@@ -277,6 +283,17 @@ class FakeGpu:
     remapped_rows_pending: bool = False
     remapped_rows_failure: bool = False
     pcie_replay_counter: int = 0
+    memory_reserved_bytes: int = 0  # nvmlDeviceGetMemoryInfo_v2's; the v1 call counts it used
+    sm_clock_mhz: int = 1410
+    mem_clock_mhz: int = 1593
+    memory_temperature_c: int = 45
+    energy_mj: int = 0  # since the driver loaded
+    encoder_utilization: int = 0
+    decoder_utilization: int = 0
+    pcie_tx_kbps: int = 0
+    pcie_rx_kbps: int = 0
+    nvlink_tx_kib: int = 0  # data sent over all links since the driver loaded
+    nvlink_rx_kib: int = 0
     nvlink_links: int = 12
     nvlink_errors: dict[int, dict[int, int]] = field(default_factory=dict)
     cuda_compute_capability: tuple[int, int] = (8, 0)
@@ -301,7 +318,8 @@ class FakeGpu:
         domain, bus, device, function = (int(g, 16) for g in m.groups())
         return f"{domain:08X}:{bus:02X}:{device:02X}.{function:X}"
 
-    def _lines(self) -> list[str]:
+    def _check(self) -> None:
+        """Raises ValueError for what the library would misread or ignore."""
         for name, text in (("uuid", self.uuid), ("name", self.name), ("serial", self.serial)):
             if "\n" in text or "\r" in text:
                 raise ValueError(f"GPU {self.index}: {name} must be one line")
@@ -326,6 +344,9 @@ class FakeGpu:
             raise ValueError(f"GPU {self.index}: MIG device uuids must be unique")
         if self.mig_devices and "mig" in self.unsupported:
             raise ValueError(f"GPU {self.index}: MIG devices on a GPU whose MIG is unsupported")
+
+    def _lines(self) -> list[str]:
+        self._check()
 
         # Give plain-int XIDs their sequence number once, in place (see the class doc).
         self.xid_events[:] = [x if isinstance(x, Xid) else Xid(int(x)) for x in self.xid_events]
@@ -356,6 +377,17 @@ class FakeGpu:
             "remapped_rows_pending": int(self.remapped_rows_pending),
             "remapped_rows_failure": int(self.remapped_rows_failure),
             "pcie_replay_counter": self.pcie_replay_counter,
+            "memory_reserved_bytes": self.memory_reserved_bytes,
+            "sm_clock_mhz": self.sm_clock_mhz,
+            "mem_clock_mhz": self.mem_clock_mhz,
+            "memory_temperature_c": self.memory_temperature_c,
+            "energy_mj": self.energy_mj,
+            "encoder_utilization": self.encoder_utilization,
+            "decoder_utilization": self.decoder_utilization,
+            "pcie_tx_kbps": self.pcie_tx_kbps,
+            "pcie_rx_kbps": self.pcie_rx_kbps,
+            "nvlink_tx_kib": self.nvlink_tx_kib,
+            "nvlink_rx_kib": self.nvlink_rx_kib,
             "nvlink_links": self.nvlink_links,
             "cuda_compute_capability": f"{int(major)}.{int(minor)}",
             "lost": int(self.lost),

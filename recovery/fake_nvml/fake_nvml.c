@@ -64,6 +64,18 @@
  *   remapped_rows_pending=0           0 or 1
  *   remapped_rows_failure=0           0 or 1
  *   pcie_replay_counter=0             nvmlDeviceGetPcieReplayCounter
+ *   memory_reserved_bytes=0           nvmlDeviceGetMemoryInfo_v2's reserved (free = total -
+ *                                     used - reserved there; the v1 call counts it as used)
+ *   sm_clock_mhz=1410                 nvmlDeviceGetClockInfo(NVML_CLOCK_SM, _GRAPHICS)
+ *   mem_clock_mhz=1593                nvmlDeviceGetClockInfo(NVML_CLOCK_MEM)
+ *   memory_temperature_c=45           nvmlDeviceGetFieldValues(NVML_FI_DEV_MEMORY_TEMP)
+ *   energy_mj=0                       nvmlDeviceGetTotalEnergyConsumption (and field 83)
+ *   encoder_utilization=0             nvmlDeviceGetEncoderUtilization (percent)
+ *   decoder_utilization=0             nvmlDeviceGetDecoderUtilization (percent)
+ *   pcie_tx_kbps=0                    nvmlDeviceGetPcieThroughput(NVML_PCIE_UTIL_TX_BYTES)
+ *   pcie_rx_kbps=0                    ... (NVML_PCIE_UTIL_RX_BYTES), KB/s
+ *   nvlink_tx_kib=0                   nvmlDeviceGetFieldValues(NVML_FI_DEV_NVLINK_THROUGHPUT_
+ *   nvlink_rx_kib=0                   DATA_TX / _RX): data sent and received, all links, KiB
  *   nvlink_links=12                   links 0..n-1 are active; 0: NVLink not supported
  *   nvlink_error=<link>,<counter>,<value>   repeatable; nvmlDeviceGetNvLinkErrorCounter
  *   cuda_compute_capability=8.0       nvmlDeviceGetCudaComputeCapability
@@ -79,7 +91,8 @@
  *   unsupported=<feature>             repeatable; calls for it return NVML_ERROR_NOT_SUPPORTED.
  *       Features: memory utilization power power_limit temperature clocks_event_reasons
  *       ecc remapped_rows pcie_replay_counter nvlink processes serial xid_events mig
- *       cuda_compute_capability
+ *       cuda_compute_capability clocks memory_temperature energy encoder decoder
+ *       pcie_throughput
  *
  * XID events: nvmlDeviceRegisterEvents(dev, nvmlEventTypeXidCriticalError, set) and then
  * nvmlEventSetWait_v2(set, &data, timeout_ms). The wait re-reads the control file every
@@ -266,6 +279,12 @@ enum {
     F_XID_EVENTS = 1 << 12,
     F_MIG = 1 << 13,
     F_COMPUTE_CAPABILITY = 1 << 14,
+    F_CLOCKS = 1 << 15,
+    F_MEMORY_TEMPERATURE = 1 << 16,
+    F_ENERGY = 1 << 17,
+    F_ENCODER = 1 << 18,
+    F_DECODER = 1 << 19,
+    F_PCIE_THROUGHPUT = 1 << 20,
 };
 
 static const struct {
@@ -287,6 +306,12 @@ static const struct {
     {"xid_events", F_XID_EVENTS},
     {"mig", F_MIG},
     {"cuda_compute_capability", F_COMPUTE_CAPABILITY},
+    {"clocks", F_CLOCKS},
+    {"memory_temperature", F_MEMORY_TEMPERATURE},
+    {"energy", F_ENERGY},
+    {"encoder", F_ENCODER},
+    {"decoder", F_DECODER},
+    {"pcie_throughput", F_PCIE_THROUGHPUT},
 };
 
 struct fake_process {
@@ -321,6 +346,12 @@ struct fake_gpu {
     unsigned int remapped_correctable, remapped_uncorrectable;
     unsigned int remapped_pending, remapped_failure;
     unsigned int pcie_replay_counter;
+    unsigned long long memory_reserved;
+    unsigned int sm_clock_mhz, mem_clock_mhz, memory_temperature_c;
+    unsigned long long energy_mj;
+    unsigned int encoder_utilization, decoder_utilization;
+    unsigned int pcie_tx_kbps, pcie_rx_kbps;
+    unsigned long long nvlink_tx_kib, nvlink_rx_kib;
     unsigned int nvlink_links;
     unsigned long long nvlink_errors[MAX_LINKS][NVML_NVLINK_ERROR_COUNT];
     int cc_major, cc_minor;
@@ -428,6 +459,9 @@ static void gpu_defaults(struct fake_gpu *g, unsigned int index) {
     g->power_mw = 60000;
     g->power_limit_mw = 400000;
     g->temperature_c = 35;
+    g->sm_clock_mhz = 1410;
+    g->mem_clock_mhz = 1593;
+    g->memory_temperature_c = 45;
     g->nvlink_links = 12;
     g->cc_major = 8;
     g->cc_minor = 0;
@@ -476,6 +510,17 @@ static int set_gpu_field(struct fake_gpu *g, const char *key, const char *value)
     if (!strcmp(key, "remapped_rows_pending")) U32(remapped_pending);
     if (!strcmp(key, "remapped_rows_failure")) U32(remapped_failure);
     if (!strcmp(key, "pcie_replay_counter")) U32(pcie_replay_counter);
+    if (!strcmp(key, "memory_reserved_bytes")) U64(memory_reserved);
+    if (!strcmp(key, "sm_clock_mhz")) U32(sm_clock_mhz);
+    if (!strcmp(key, "mem_clock_mhz")) U32(mem_clock_mhz);
+    if (!strcmp(key, "memory_temperature_c")) U32(memory_temperature_c);
+    if (!strcmp(key, "energy_mj")) U64(energy_mj);
+    if (!strcmp(key, "encoder_utilization")) U32(encoder_utilization);
+    if (!strcmp(key, "decoder_utilization")) U32(decoder_utilization);
+    if (!strcmp(key, "pcie_tx_kbps")) U32(pcie_tx_kbps);
+    if (!strcmp(key, "pcie_rx_kbps")) U32(pcie_rx_kbps);
+    if (!strcmp(key, "nvlink_tx_kib")) U64(nvlink_tx_kib);
+    if (!strcmp(key, "nvlink_rx_kib")) U64(nvlink_rx_kib);
     if (!strcmp(key, "lost")) {
         if (!parse_u32(value, &u))
             return 0;
@@ -1052,6 +1097,10 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *m
     if (!memory)
         return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
     memory_of(g, m, &memory->total, &memory->used);
+    if (!m) /* the v1 call knows no reserved memory: it counts it as used */
+        memory->used += g->memory_reserved < memory->total - memory->used
+                            ? g->memory_reserved
+                            : memory->total - memory->used;
     memory->free = memory->total - memory->used;
     return unlock_with(NVML_SUCCESS);
 }
@@ -1067,8 +1116,10 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v
     if (memory->version != nvmlMemory_v2)
         return unlock_with(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
     memory_of(g, m, &memory->total, &memory->used);
-    memory->reserved = 0;
-    memory->free = memory->total - memory->used;
+    memory->reserved = m ? 0 : g->memory_reserved;
+    if (memory->reserved > memory->total - memory->used)
+        memory->reserved = memory->total - memory->used;
+    memory->free = memory->total - memory->used - memory->reserved;
     return unlock_with(NVML_SUCCESS);
 }
 
@@ -1147,6 +1198,157 @@ EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device,
 EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device,
                                                               unsigned long long *reasons) {
     return nvmlDeviceGetCurrentClocksEventReasons(device, reasons);
+}
+
+/* ------------------------------------------------------------------ telemetry */
+
+#define NVML_CLOCK_GRAPHICS 0
+#define NVML_CLOCK_SM 1
+#define NVML_CLOCK_MEM 2
+#define NVML_PCIE_UTIL_TX_BYTES 0
+#define NVML_PCIE_UTIL_RX_BYTES 1
+#define NVML_FI_DEV_MEMORY_TEMP 82
+#define NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION 83
+#define NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX 138
+#define NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX 139
+#define NVML_VALUE_TYPE_UNSIGNED_INT 1
+#define NVML_VALUE_TYPE_UNSIGNED_LONG_LONG 3
+
+typedef struct {
+    unsigned int fieldId;
+    unsigned int scopeId;
+    long long timestamp;
+    long long latencyUsec;
+    int valueType;
+    nvmlReturn_t nvmlReturn;
+    union {
+        double dVal;
+        unsigned int uiVal;
+        unsigned long ulVal;
+        unsigned long long ullVal;
+        long long sllVal;
+        int siVal;
+    } value;
+} nvmlFieldValue_t;
+
+_Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t");
+
+EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *clock) {
+    struct fake_gpu *g;
+    nvmlReturn_t rc = begin_device(device, F_CLOCKS, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (!clock)
+        return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
+    if (type == NVML_CLOCK_SM || type == NVML_CLOCK_GRAPHICS)
+        *clock = g->sm_clock_mhz;
+    else if (type == NVML_CLOCK_MEM)
+        *clock = g->mem_clock_mhz;
+    else
+        return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
+    return unlock_with(NVML_SUCCESS);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t device,
+                                                        unsigned long long *energy) {
+    struct fake_gpu *g;
+    nvmlReturn_t rc = begin_device(device, F_ENERGY, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (!energy)
+        return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
+    *energy = g->energy_mj;
+    return unlock_with(NVML_SUCCESS);
+}
+
+/* The encoder's and decoder's utilisation over NVML's sampling period (a sixth of a s). */
+static nvmlReturn_t video_utilization(nvmlDevice_t device, unsigned int feature, size_t offset,
+                                      unsigned int *utilization, unsigned int *period_us) {
+    if (!period_us)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t rc = get_uint(device, feature, offset, utilization);
+    if (rc == NVML_SUCCESS)
+        *period_us = 167000;
+    return rc;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t device, unsigned int *utilization,
+                                                    unsigned int *period_us) {
+    return video_utilization(device, F_ENCODER, offsetof(struct fake_gpu, encoder_utilization),
+                             utilization, period_us);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t device, unsigned int *utilization,
+                                                    unsigned int *period_us) {
+    return video_utilization(device, F_DECODER, offsetof(struct fake_gpu, decoder_utilization),
+                             utilization, period_us);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t device, int counter,
+                                                unsigned int *value) {
+    if (counter == NVML_PCIE_UTIL_TX_BYTES)
+        return GET_UINT(device, F_PCIE_THROUGHPUT, pcie_tx_kbps, value);
+    if (counter == NVML_PCIE_UTIL_RX_BYTES)
+        return GET_UINT(device, F_PCIE_THROUGHPUT, pcie_rx_kbps, value);
+    return NVML_ERROR_INVALID_ARGUMENT;
+}
+
+/* One field: its value, or why not, in the field's own nvmlReturn (as the driver does). */
+static void field_value(const struct fake_gpu *g, nvmlFieldValue_t *f) {
+    unsigned int feature = F_NONE;
+    unsigned long long value = 0;
+    int type = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+    switch (f->fieldId) {
+    case NVML_FI_DEV_MEMORY_TEMP:
+        feature = F_MEMORY_TEMPERATURE;
+        value = g->memory_temperature_c;
+        type = NVML_VALUE_TYPE_UNSIGNED_INT;
+        break;
+    case NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:
+        feature = F_ENERGY;
+        value = g->energy_mj;
+        break;
+    case NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX:
+    case NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX:
+        if (!g->nvlink_links) {
+            f->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+            return;
+        }
+        feature = F_NVLINK;
+        value = f->fieldId == NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX ? g->nvlink_tx_kib
+                                                                    : g->nvlink_rx_kib;
+        break;
+    default:
+        f->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        return;
+    }
+    if (g->unsupported & feature) {
+        f->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        return;
+    }
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    f->timestamp = (long long)now.tv_sec * 1000000 + now.tv_nsec / 1000;
+    f->latencyUsec = 0;
+    f->valueType = type;
+    if (type == NVML_VALUE_TYPE_UNSIGNED_INT)
+        f->value.uiVal = (unsigned int)value;
+    else
+        f->value.ullVal = value;
+    f->nvmlReturn = NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int count,
+                                             nvmlFieldValue_t *values) {
+    struct fake_gpu *g;
+    nvmlReturn_t rc = begin_device(device, F_NONE, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (count < 0 || (count > 0 && !values))
+        return unlock_with(NVML_ERROR_INVALID_ARGUMENT);
+    for (int i = 0; i < count; i++)
+        field_value(g, &values[i]);
+    return unlock_with(NVML_SUCCESS);
 }
 
 /* ------------------------------------------------------------------ health counters */

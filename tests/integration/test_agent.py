@@ -15,11 +15,11 @@ from dataclasses import replace
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet.agent.gpus import declared_fake_gpus
 from gpufleet.recovery.fake_nvml import FakeGpu, write_control
 
+from ..exposition import parse
 from .harness import Hub, wait_for
 
 pytestmark = pytest.mark.integration
@@ -39,12 +39,7 @@ def gpus(fleet: Hub) -> Iterator[list[FakeGpu]]:
 
 
 def scrape(hub: Hub) -> dict[str, list[tuple[dict[str, str], float]]]:
-    text = httpx.get(hub.metrics_url, timeout=10).text
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return out
+    return parse(httpx.get(hub.metrics_url, timeout=10).text).samples
 
 
 def by_uuid(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str) -> dict[str, float]:
@@ -71,9 +66,8 @@ def test_exporter_serves_every_gpu_with_dcgm_labels_and_live_values(
         "device",
         "modelName",
         "Hostname",
-        "pod",
-        "namespace",
-        "container",
+        "pci_bus_id",
+        "DCGM_FI_DRIVER_VERSION",
     }
     assert labels["modelName"] == "NVIDIA A100-SXM4-80GB"
 
@@ -151,14 +145,15 @@ def test_assigned_gpus_carry_their_session_in_the_labels(fleet: Hub) -> None:
 
     def labelled() -> dict[str, str] | None:
         for labels, _ in scrape(fleet)["DCGM_FI_DEV_GPU_UTIL"]:
-            if labels["UUID"] == uuid and labels["pod"]:
+            if labels["UUID"] == uuid and labels.get("hpc_job"):
                 return labels
         return None
 
     labels = wait_for(labelled, 15, "the session's labels on its GPU")
-    assert labels["pod"] == "alice-default"
+    assert labels["hpc_job"] == str(alice["id"])
     assert labels["gpufleet_user"] == "alice"
-    assert labels["gpufleet_workload"] == str(alice["id"])
+    assert labels["gpufleet_project"] == "vision"
+    assert "pod" not in labels  # no pod on the local backend
 
 
 def test_agent_restart_keeps_the_controllers_view(fleet: Hub) -> None:
@@ -246,8 +241,8 @@ def test_nvlink_errors_are_summed_over_links(fleet: Hub, gpus: list[FakeGpu]) ->
     ]
     write_control(fleet.fake_nvml_control, changed)
     metrics = scrape(fleet)
-    flit = by_uuid(metrics, "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL_total")
+    flit = by_uuid(metrics, "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL")
     assert flit[gpus[3].uuid] == 7 and flit[gpus[0].uuid] == 0
     assert gpus[4].uuid not in flit  # a GPU without NVLink reports nothing, not zero
-    replay = by_uuid(metrics, "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL_total")
+    replay = by_uuid(metrics, "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL")
     assert replay[gpus[3].uuid] == 1

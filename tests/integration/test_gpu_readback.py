@@ -23,11 +23,11 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet.agent.gpus import declared_gpu_uuid
 from gpufleet.recovery.processes import MARKER_VARIABLE
 
+from ..exposition import parse
 from .harness import Hub, wait_for
 
 pytestmark = pytest.mark.integration
@@ -57,13 +57,10 @@ def workload(hub: Hub, workload_id: int) -> dict[str, Any]:
 
 def labelled_gpu(hub: Hub, workload_id: int) -> str | None:
     """The GPU the agent's metrics label with the workload, if any."""
-    text = httpx.get(hub.metrics_url, timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "DCGM_FI_DEV_GPU_UTIL" and sample.labels.get(
-                "gpufleet_workload"
-            ) == str(workload_id):
-                return sample.labels["UUID"]
+    samples = parse(httpx.get(hub.metrics_url, timeout=10).text).samples
+    for labels, _ in samples.get("DCGM_FI_DEV_GPU_UTIL", []):
+        if labels.get("hpc_job") == str(workload_id):
+            return labels["UUID"]
     return None
 
 

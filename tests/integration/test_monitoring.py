@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
+from ..exposition import parse
 from .harness import REPO, Hub, wait_for
 
 pytestmark = pytest.mark.integration
@@ -42,25 +42,27 @@ def dashboard_exprs() -> list[str]:
     return [target["expr"] for panel in panels for target in panel["targets"]]
 
 
-SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+HISTOGRAM = ("_bucket", "_sum", "_count")
 
 
 def exported(hub: Hub) -> dict[str, list[dict[str, str]]]:
-    """Every series name the controller and the agent declare, with each sample's labels (a
-    labelled counter has no sample until its first event: its series names still count)."""
+    """Every series name the controller and the agent declare, as a server stores them,
+    with each sample's labels (a labelled counter has no sample until its first event: its
+    series names still count)."""
     samples: dict[str, list[dict[str, str]]] = {}
     for url in (f"{hub.url}/services/gpufleet/metrics", hub.metrics_url):
-        for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
-            for suffix in ("", *SUFFIXES.get(family.type, ())):
-                samples.setdefault(family.name + suffix, [])
-            for sample in family.samples:
-                samples.setdefault(sample.name, []).append(sample.labels)
+        scrape = parse(httpx.get(url, timeout=10).text)
+        for name, kind in scrape.types.items():
+            for suffix in HISTOGRAM if kind == "histogram" else ("",):
+                samples.setdefault(name + suffix, [])
+        for name, found in scrape.samples.items():
+            samples.setdefault(name, []).extend(labels for labels, _ in found)
     return samples
 
 
 def held_gpus(samples: dict[str, list[dict[str, str]]]) -> list[dict[str, str]]:
     """The GPU series labelled with the workload holding the GPU."""
-    return [s for s in samples.get("DCGM_FI_DEV_GPU_UTIL", []) if s.get("gpufleet_workload")]
+    return [s for s in samples.get("DCGM_FI_DEV_GPU_UTIL", []) if s.get("hpc_job")]
 
 
 def test_every_series_the_rules_and_the_dashboard_read_is_exported(fleet: Hub) -> None:
@@ -91,8 +93,10 @@ def test_every_series_the_rules_and_the_dashboard_read_is_exported(fleet: Hub) -
 def test_the_dashboard_is_a_grafana_dashboard_on_a_chosen_prometheus() -> None:
     board = json.loads(DASHBOARD.read_text())
     assert board["uid"] and board["schemaVersion"] >= 36
-    (source,) = board["templating"]["list"]
+    source, job = board["templating"]["list"]
     assert (source["type"], source["query"]) == ("datasource", "prometheus")
+    # The workload panels follow the chosen workloads (all of them by default).
+    assert (job["name"], job["includeAll"], job["allValue"]) == ("job", True, ".+")
     for panel in board["panels"]:
         assert panel["title"] and panel["targets"], panel
         assert panel["datasource"]["uid"] == "${datasource}"

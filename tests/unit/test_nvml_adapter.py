@@ -73,6 +73,67 @@ def test_inventory_and_samples_of_whole_gpus(library: Path, tmp_path: Path) -> N
     assert lost == {**lost, "index": 1, "lost": True, "utilization_gpu_pct": None}
 
 
+def test_the_exporter_s_telemetry_reads_clocks_energy_video_pcie_and_nvlink(
+    library: Path, tmp_path: Path
+) -> None:
+    control = tmp_path / "control"
+    busy = FakeGpu(
+        "GPU-0000",
+        index=0,
+        memory_used_bytes=10 * 2**30,
+        memory_reserved_bytes=2**29,
+        sm_clock_mhz=1980,
+        mem_clock_mhz=2619,
+        memory_temperature_c=71,
+        energy_mj=123_456_789,
+        encoder_utilization=12,
+        decoder_utilization=34,
+        pcie_tx_kbps=2_000,
+        pcie_rx_kbps=3_000,
+        nvlink_tx_kib=7,
+        nvlink_rx_kib=5,
+    )
+    bare = FakeGpu(
+        "GPU-1111",
+        index=1,
+        nvlink_links=0,
+        unsupported={"clocks", "memory_temperature", "energy", "encoder", "decoder"}
+        | {"pcie_throughput"},
+    )
+    write_control(control, [busy, bare])
+    first, second = run_adapter(library, control)["samples"]
+    assert first == {
+        **first,
+        "memory_used_bytes": 10 * 2**30 + 2**29,  # NVML's v1 counts the reserve as used
+        "memory_reserved_bytes": 2**29,
+        "sm_clock_mhz": 1980,
+        "memory_clock_mhz": 2619,
+        "memory_temperature_c": 71,
+        "energy_mj": 123_456_789,
+        "encoder_utilization_pct": 12,
+        "decoder_utilization_pct": 34,
+        "pcie_tx_bytes_per_s": 2_000 * 1024,
+        "pcie_rx_bytes_per_s": 3_000 * 1024,
+        "nvlink_data_bytes": 12 * 1024,
+    }
+    unread = {
+        key: second[key]
+        for key in (
+            "sm_clock_mhz",
+            "memory_clock_mhz",
+            "memory_temperature_c",
+            "energy_mj",
+            "encoder_utilization_pct",
+            "decoder_utilization_pct",
+            "pcie_tx_bytes_per_s",
+            "pcie_rx_bytes_per_s",
+            "nvlink_data_bytes",
+        )
+    }
+    assert unread == dict.fromkeys(unread)  # not supported: left out, not zero
+    assert second["memory_reserved_bytes"] == 0
+
+
 def test_a_gpu_in_mig_mode_offers_its_slices_as_gpu_types_of_their_own(
     library: Path, tmp_path: Path
 ) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from prometheus_client import generate_latest
 from sqlalchemy import Engine, select
 
+from gpufleet.hub.metrics import ControllerMetrics
 from gpufleet.recovery.attempts import RetryPolicy
 from gpufleet.scheduler.errors import NotFound
 from gpufleet.scheduler.snapshot import Policy
@@ -32,6 +34,7 @@ from gpufleet.state.progress import (
     training_ratio,
 )
 
+from ..exposition import parse
 from .test_store import ask, events, make_store, t, workload
 from .test_store_jobs import NODES, SPEC, open_allocations, report
 
@@ -419,13 +422,25 @@ def workload_node(store: FleetStore, name: str) -> Node:
         return found
 
 
+def health_metric(store: FleetStore) -> dict[str, str]:
+    """Each GPU's ``state`` in the controller's ``gpufleet_gpu_health`` (one series each)."""
+    scraped = parse(generate_latest(ControllerMetrics(store).registry).decode())
+    states = [labels for labels, value in scraped.samples["gpufleet_gpu_health"] if value == 1]
+    assert len(states) == len({s["UUID"] for s in states})
+    return {labels["UUID"]: labels["state"] for labels in states}
+
+
 def test_a_gpus_second_hardware_fault_in_a_week_puts_it_on_the_lemon_list(
     store: FleetStore,
 ) -> None:
+    assert health_metric(store)["GPU-a1-2"] == "healthy"
+    verdicts = []
     for day in (0, 3):  # XID 48 (double-bit ECC) on the same GPU, three days apart
         at = t(10 + day * 86400)
         assert store.nodes.record_xid(at, "agent-1", "GPU-a1-2", 48)
         store.jobs.act_on_xid(at, "GPU-a1-2", 48)
+        verdicts.append(health_metric(store)["GPU-a1-2"])
+    assert verdicts == ["cordoned", "lemon"]
     [lemon] = events(store, "gpu-lemon")
     assert lemon.startswith("GPU GPU-a1-2 (index 2) of node a1 is on the lemon list")
     # The node's uncordon returns its other cordoned GPUs, never a lemon.
@@ -433,7 +448,9 @@ def test_a_gpus_second_hardware_fault_in_a_week_puts_it_on_the_lemon_list(
     with store.read() as session:
         gpu = session.get(Gpu, "GPU-a1-2")
         assert gpu is not None and (gpu.cordoned, gpu.lemon) == (True, True)
+    assert health_metric(store)["GPU-a1-2"] == "lemon"
     assert store.jobs.clear_lemon(t(3 * 86400 + 30), "GPU-a1-2", "admin")
+    assert health_metric(store)["GPU-a1-2"] == "healthy"
     assert not store.jobs.clear_lemon(t(3 * 86400 + 31), "GPU-a1-2", "admin")
     with store.read() as session:
         gpu = session.get(Gpu, "GPU-a1-2")

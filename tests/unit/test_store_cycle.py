@@ -298,7 +298,7 @@ def test_the_idle_gpus_after_a_cycle_say_why_nothing_waiting_uses_them(store: Fl
             generate_latest(ControllerMetrics(store).registry).decode()
         )
         for sample in family.samples
-        if sample.name == "gpufleet_idle_gpus"
+        if sample.name == "gpufleet_idle_gpus" and sample.labels["gpu_type"] == "A100"
     }
     assert scraped == {cause.value: 4.0 if cause is IdleCause.CAPS else 0.0 for cause in IdleCause}
     # carol's request fits the free GPUs and her project may have them: admitted.
