@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..recovery.nvml import GpuInfo, GpuSample, Nvml, NvmlError
-from ..recovery.processes import marked_process_details
+from ..recovery.processes import POD_VARIABLES, MarkedProcess, marked_process_details
 from .gpus import NodePlace, whole_gpus
 from .metrics import Assignment, Family, exposition, families, network_families
 from .network_usage import NetworkUsage, NetworkUsageUnavailable
+from .placements import VISIBLE_DEVICES, pod_identities
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,12 @@ class NetworkReader:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _failed: bool = False
 
-    def families(self, assignments: dict[str, Assignment]) -> list[Family]:
+    def families(
+        self, processes: list[MarkedProcess], assignments: dict[str, Assignment]
+    ) -> list[Family]:
         with self._lock:  # scrapes may overlap; the counters' memory is one
             try:
-                traffic = self.usage.read(marked_process_details(()))
+                traffic = self.usage.read(processes)
             except NetworkUsageUnavailable as e:
                 if not self._failed:
                     log.warning("no network metrics: %s", e)
@@ -104,9 +107,17 @@ def start_exporter(gpus: GpuState, hostname: str, ip: str, port: int) -> Threadi
 
     def scrape() -> str:
         assignments = gpus.assignments
+        processes = marked_process_details((VISIBLE_DEVICES, *POD_VARIABLES))
+        pods = pod_identities(processes, gpus.whole)
         gpu_families = families(
-            gpus.sample(), gpus.whole, hosts, gpus.driver_version, assignments, gpus.last_xid
+            gpus.sample(),
+            gpus.whole,
+            hosts,
+            gpus.driver_version,
+            assignments,
+            gpus.last_xid,
+            pods,
         )
-        return exposition([*gpu_families, *network.families(assignments)])
+        return exposition([*gpu_families, *network.families(processes, assignments)])
 
     return serve_metrics(scrape, ip, port)

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from ..recovery.nvml import GpuInfo, GpuSample
 from .network_usage import Traffic
+from .placements import PodIdentity
 
 MIB = 2**20
 
@@ -48,22 +49,18 @@ Reading = float | int | bool | None
 
 @dataclass(frozen=True)
 class Assignment:
-    """Who holds a GPU now, as the controller told the agent. ``pod``, ``namespace`` and
-    ``container`` name the Kubernetes container holding it; empty on the local backend."""
+    """Who holds a GPU now, as the controller told the agent."""
 
     workload_id: int
     username: str
     name: str  # server name or job name
     project: str = ""
     marker: str = ""  # what its processes carry (recovery/processes.py)
-    pod: str = ""
-    namespace: str = ""
-    container: str = ""
 
     @classmethod
     def from_heartbeat(cls, answer: Mapping[str, Any]) -> Assignment:
         """One of the heartbeat answer's ``assignments`` (``api.schemas.AssignmentOut``)."""
-        optional = ("project", "marker", "pod", "namespace", "container")
+        optional = ("project", "marker")
         return cls(
             int(answer["workload_id"]),
             str(answer["username"]),
@@ -275,6 +272,7 @@ def _labels(
     host: str,
     driver_version: str,
     held: Assignment | None,
+    pod: PodIdentity | None,
 ) -> tuple[str, ...]:
     return (
         str(sample.index),
@@ -284,9 +282,9 @@ def _labels(
         host,
         info.pci_bus_id if info else "",
         driver_version,
-        held.container if held else "",
-        held.namespace if held else "",
-        held.pod if held else "",
+        pod.container if held and pod else "",
+        pod.namespace if held and pod else "",
+        pod.pod if held and pod else "",
         str(held.workload_id) if held else "",
         held.username if held else "",
         held.project if held else "",
@@ -300,10 +298,12 @@ def families(
     driver_version: str,
     assignments: Mapping[str, Assignment],
     last_xid: Mapping[str, int],
+    pods: Mapping[str, PodIdentity] | None = None,
 ) -> list[Family]:
     """The metric families of one scrape (pure: samples and context in, families out).
 
-    ``hosts`` names each GPU's node (one agent may serve several declared nodes)."""
+    ``hosts`` names each GPU's node (one agent may serve several declared nodes); ``pods``
+    the Kubernetes container each GPU of a held pod was given, by UUID."""
     made = {f.name: Family(f.name, f.kind, f.help) for f in FIELDS}
     xid = Family("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.")
     lost = Family("gpufleet_gpu_lost", "gauge", "1 when NVML reports the GPU lost.")
@@ -314,6 +314,7 @@ def families(
             hosts.get(sample.uuid, ""),
             driver_version,
             assignments.get(sample.uuid),
+            (pods or {}).get(sample.uuid),
         )
         lost.samples.append((labels, 1.0 if sample.lost else 0.0))
         if sample.uuid in last_xid:

@@ -20,7 +20,12 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..recovery.processes import MarkedProcess
+from ..recovery.processes import (
+    CONTAINER_VARIABLE,
+    POD_NAME_VARIABLE,
+    POD_NAMESPACE_VARIABLE,
+    MarkedProcess,
+)
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 # Values that name no particular device: every GPU, none at all, or none and no driver
@@ -100,6 +105,37 @@ def read_placements(processes: Iterable[MarkedProcess], served: Collection[str])
         {marker: uuids for marker, uuids in seen.items() if uuids},
         tuple(conflicts.values()),
     )
+
+
+@dataclass(frozen=True)
+class PodIdentity:
+    """The Kubernetes container holding a GPU, as its pod's environment names it."""
+
+    pod: str
+    namespace: str
+    container: str
+
+
+def pod_identities(
+    processes: Iterable[MarkedProcess], served: Collection[str]
+) -> dict[str, PodIdentity]:
+    """GPU UUID → the pod whose container was given it, for the pods whose first process
+    carries the pod variables (a Kubernetes pod gpufleet made; none on one machine)."""
+    ordered = sorted(processes, key=lambda p: (p.started, p.pid))
+    first: dict[str, MarkedProcess] = {}
+    for process in ordered:
+        first.setdefault(process.marker, process)
+    found = {}
+    for marker, uuids in read_placements(ordered, served).placements.items():
+        environ = first[marker].environ
+        name = environ.get(POD_NAME_VARIABLE)
+        if not name:
+            continue
+        identity = PodIdentity(
+            name, environ.get(POD_NAMESPACE_VARIABLE, ""), environ.get(CONTAINER_VARIABLE, "")
+        )
+        found.update(dict.fromkeys(uuids, identity))
+    return found
 
 
 def changed_placements(

@@ -288,11 +288,6 @@ class AssignmentOut(BaseModel):
     kind: str
     project: str = ""
     marker: str = Field(default="", description="what the workload's processes carry")
-    # The Kubernetes container holding the GPU, where the controller knows it (empty on
-    # the local backend): the exporter's dcgm-exporter labels.
-    pod: str = ""
-    namespace: str = ""
-    container: str = ""
 
 
 class HeartbeatOut(BaseModel):

@@ -51,7 +51,7 @@ from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 
 from ..api.jobs import RANK_LINE_PREFIX_TEMPLATE
-from ..recovery.processes import part_marker
+from ..recovery.processes import POD_VARIABLES, part_marker
 from .manifests import (
     CLUSTER_LABEL,
     DEFAULT_GPU_RESOURCE,
@@ -78,6 +78,7 @@ from .manifests import (
     frozen_mapping,
     label_value,
     parse_quantity,
+    pod_identity_env,
 )
 
 ATTEMPT_LABEL = LABEL_PREFIX + "attempt"
@@ -113,6 +114,7 @@ PLATFORM_VARIABLES = frozenset(
         POD_IP_VARIABLE,
         WORKLOAD_VARIABLE,
         MARKER_VARIABLE,
+        *POD_VARIABLES,
         "GPUFLEET_JOB_ID",
         "GPUFLEET_JOB_NAME",
         "GPUFLEET_POD_INDEX",
@@ -458,6 +460,7 @@ def _env(gang: JobGang, index: int) -> list[Manifest]:
             "name": HOST_IP_VARIABLE,
             "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}},
         },
+        *pod_identity_env(CONTAINER_NAME),
     ]
     # Doubling '$' keeps a value literal through Kubernetes' $(VAR) expansion.
     env += [{"name": k, "value": v.replace("$", "$$")} for k, v in platform.items()]

@@ -63,6 +63,12 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from ..clusters.workload_processes import MARKER_VARIABLE
+from ..recovery.processes import (
+    CONTAINER_VARIABLE,
+    POD_NAME_VARIABLE,
+    POD_NAMESPACE_VARIABLE,
+    POD_VARIABLES,
+)
 
 Manifest = dict[str, Any]
 
@@ -80,7 +86,9 @@ COMMON_LABELS: Mapping[str, str] = MappingProxyType(
 
 POD_IP_VARIABLE = "GPUFLEET_POD_IP"
 WORKLOAD_VARIABLE = "GPUFLEET_WORKLOAD_ID"
-RESERVED_VARIABLES = frozenset({POD_IP_VARIABLE, WORKLOAD_VARIABLE, MARKER_VARIABLE})
+RESERVED_VARIABLES = frozenset(
+    {POD_IP_VARIABLE, WORKLOAD_VARIABLE, MARKER_VARIABLE, *POD_VARIABLES}
+)
 CONTAINER_NAME = "notebook"  # the metrics' container label (docs/architecture.md)
 PORT_NAME = "notebook-port"  # KubeSpawner's name for it
 NOTEBOOK_PORT = 8888
@@ -442,6 +450,22 @@ def session_annotations(pod: SessionPod) -> dict[str, str]:
     }
 
 
+def pod_identity_env(container: str) -> list[Manifest]:
+    """What names the pod to the node agent's metrics (``pod``, ``namespace``,
+    ``container``): read from the container's first process, as the runtime set it."""
+    return [
+        {
+            "name": POD_NAME_VARIABLE,
+            "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}},
+        },
+        {
+            "name": POD_NAMESPACE_VARIABLE,
+            "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}},
+        },
+        {"name": CONTAINER_VARIABLE, "value": container},
+    ]
+
+
 def _env(pod: SessionPod) -> list[Manifest]:
     # GPUFLEET_POD_IP comes first: $(VAR) expands only variables defined before it.
     env: list[Manifest] = [
@@ -451,6 +475,7 @@ def _env(pod: SessionPod) -> list[Manifest]:
         },
         {"name": WORKLOAD_VARIABLE, "value": str(pod.workload_id)},
         {"name": MARKER_VARIABLE, "value": pod.marker},
+        *pod_identity_env(CONTAINER_NAME),
     ]
     # Doubling '$' keeps a value literal through Kubernetes' $(VAR) expansion.
     env += [{"name": k, "value": v.replace("$", "$$")} for k, v in pod.env.items()]

@@ -29,6 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MARKER_VARIABLE = "GPUFLEET_SESSION_MARKER"
+# Set in every Kubernetes pod's container (the downward API's name and namespace, and the
+# container's name), so the node agent names the pod holding a GPU in its metrics.
+POD_NAME_VARIABLE = "GPUFLEET_POD_NAME"
+POD_NAMESPACE_VARIABLE = "GPUFLEET_POD_NAMESPACE"
+CONTAINER_VARIABLE = "GPUFLEET_CONTAINER_NAME"
+POD_VARIABLES = (POD_NAME_VARIABLE, POD_NAMESPACE_VARIABLE, CONTAINER_VARIABLE)
 
 
 def new_marker() -> str:

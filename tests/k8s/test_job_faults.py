@@ -12,12 +12,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from gpufleet.agent.gpus import declared_fake_gpus
 from gpufleet.client import Client
 from gpufleet.recovery.fake_nvml import write_control
 
+from ..exposition import parse
 from ..integration.harness import Hub, wait_for
 from .control_plane import NAMESPACE, ControlPlane
 from .hubs import node_homes_config
@@ -110,6 +112,16 @@ def checkpointing_job_on(
     return job_id, first, saved
 
 
+def held_by_pods(hub: Hub, uuids: set[str]) -> dict[str, dict[str, str]]:
+    """The labels of ``DCGM_FI_DEV_GPU_UTIL`` for those of ``uuids`` that name a pod."""
+    scraped = parse(httpx.get(hub.metrics_url, timeout=10).text)
+    return {
+        labels["UUID"]: labels
+        for labels, _ in scraped.samples.get("DCGM_FI_DEV_GPU_UTIL", [])
+        if labels["UUID"] in uuids and labels.get("pod")
+    }
+
+
 def only_on(hub: Hub, node: str) -> list[str]:
     """Cordon every other node (gpufleet's cordons, made in the clusters); returns them."""
     others = [
@@ -133,6 +145,19 @@ def test_an_xid_on_a_kubernetes_node_cordons_it_there_and_the_job_resumes_elsewh
 ) -> None:
     agent_reports_its_gpus(faults_hub)
     job_id, first, saved = checkpointing_job_on(faults_hub, alice, "a-gpu-1", "xid")
+    # The node agent's metrics name the pod holding each of the job's GPUs, as
+    # dcgm-exporter does, beside the job itself (stable across attempts).
+    held = {a.uuid for a in first.allocations}
+    labelled = wait_for(
+        lambda: found if set(found := held_by_pods(faults_hub, held)) == held else None,
+        timeout=30,
+        what="the job's GPUs labelled with their pods",
+    )
+    pods = {f"gf-job-{job_id}-a1-{i}" for i in range(first.pods)}
+    for labels in labelled.values():
+        assert labels["pod"] in pods, labels
+        assert (labels["namespace"], labels["container"]) == (NAMESPACE, "torchrun")
+        assert labels["hpc_job"] == str(job_id), labels
     gpus = declared_fake_gpus(WATCHED)
     blamed = next(g for g in gpus if g.uuid in {a.uuid for a in first.allocations})
     write_control(

@@ -12,6 +12,7 @@ from gpufleet.agent.metrics import (
     network_families,
 )
 from gpufleet.agent.network_usage import Traffic
+from gpufleet.agent.placements import PodIdentity
 from gpufleet.recovery.nvml import GpuInfo, GpuSample
 
 from ..exposition import Scrape, parse
@@ -86,6 +87,7 @@ def scrape(samples: list[GpuSample], **context: object) -> Scrape:
         "550.54.15",
         context.get("assignments", {}),  # type: ignore[arg-type]
         context.get("last_xid", {}),  # type: ignore[arg-type]
+        context.get("pods", {}),  # type: ignore[arg-type]
     )
     return parse(exposition(found))
 
@@ -137,28 +139,22 @@ def test_a_held_gpu_names_its_workload_as_hpc_job_on_the_local_backend() -> None
 
 
 def test_a_gpu_held_by_a_pod_carries_its_pod_namespace_and_container() -> None:
+    pod = PodIdentity("gf-job-9-a1-0", "gpufleet", "torchrun")
     metrics = scrape(
-        [EVERYTHING],
-        assignments={
-            "GPU-a": Assignment(
-                9,
-                "bob",
-                "resnet",
-                project="vision",
-                pod="gf-job-9-a1-0",
-                namespace="gpufleet",
-                container="rank",
-            )
-        },
+        [EVERYTHING, GpuSample("GPU-b", 1, 0.0, utilization_gpu_pct=0)],
+        assignments={"GPU-a": Assignment(9, "bob", "resnet", project="vision")},
+        # A pod's GPU the controller no longer gives anyone (its release under way) is free.
+        pods={"GPU-a": pod, "GPU-b": pod},
     )
-    ((labels, _),) = metrics.samples["DCGM_FI_DEV_GPU_UTIL"]
-    assert {k: labels[k] for k in ("pod", "namespace", "container", "hpc_job")} == {
+    held, free = metrics.samples["DCGM_FI_DEV_GPU_UTIL"]
+    assert {k: held[0][k] for k in ("pod", "namespace", "container", "hpc_job")} == {
         "pod": "gf-job-9-a1-0",
         "namespace": "gpufleet",
-        "container": "rank",
+        "container": "torchrun",
         "hpc_job": "9",
     }
-    assert set(labels) <= set(LABELS)
+    assert set(held[0]) <= set(LABELS)
+    assert "pod" not in free[0]
 
 
 def test_unsupported_readings_are_left_out_not_zero() -> None:

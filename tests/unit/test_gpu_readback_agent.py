@@ -15,9 +15,11 @@ import pytest
 
 from gpufleet.agent.placements import (
     Conflict,
+    PodIdentity,
     Readback,
     changed_placements,
     placements_body,
+    pod_identities,
     read_placements,
     served_uuids,
     visible_uuids,
@@ -161,3 +163,30 @@ def test_marked_processes_are_read_with_their_devices_and_start_order(tmp_path: 
         for proc in started:
             proc.kill()
             proc.wait()
+
+
+def pod_process(pid: int, marker: str, visible: str, **pod: str) -> MarkedProcess:
+    names = {
+        "pod": processes.POD_NAME_VARIABLE,
+        "namespace": processes.POD_NAMESPACE_VARIABLE,
+        "container": processes.CONTAINER_VARIABLE,
+    }
+    environ = {"NVIDIA_VISIBLE_DEVICES": visible} | {names[k]: v for k, v in pod.items()}
+    return MarkedProcess(pid, marker, pid, environ)
+
+
+def test_each_gpu_is_named_after_the_pod_its_container_was_given_to() -> None:
+    found = pod_identities(
+        [
+            pod_process(10, "m1.0", "GPU-a", pod="gf-job-1-a1-0", namespace="ns", container="t"),
+            pod_process(11, "m1.1", "GPU-b", pod="gf-job-1-a1-1", namespace="ns", container="t"),
+            # A later process of the first pod, with another pod's name, changes nothing.
+            pod_process(12, "m1.0", "GPU-a", pod="forged", namespace="ns", container="t"),
+            process(13, "local", "GPU-c"),  # one machine: no pod variables
+        ],
+        SERVED,
+    )
+    assert found == {
+        "GPU-a": PodIdentity("gf-job-1-a1-0", "ns", "t"),
+        "GPU-b": PodIdentity("gf-job-1-a1-1", "ns", "t"),
+    }

@@ -161,6 +161,22 @@ def test_pod_1_of_a_gang_is_pinned_to_its_node_and_names_the_master() -> None:
                                 "fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}
                             },
                         },
+                        {
+                            "name": "GPUFLEET_POD_NAME",
+                            "valueFrom": {
+                                "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}
+                            },
+                        },
+                        {
+                            "name": "GPUFLEET_POD_NAMESPACE",
+                            "valueFrom": {
+                                "fieldRef": {
+                                    "apiVersion": "v1",
+                                    "fieldPath": "metadata.namespace",
+                                }
+                            },
+                        },
+                        {"name": "GPUFLEET_CONTAINER_NAME", "value": "torchrun"},
                         {"name": "GPUFLEET_WORKLOAD_ID", "value": "12"},
                         {"name": "GPUFLEET_SESSION_MARKER", "value": "5f0c3b6a.1"},
                         {"name": "GPUFLEET_JOB_ID", "value": "12"},

@@ -172,6 +172,19 @@ FULL_POD = {
                     },
                     {"name": "GPUFLEET_WORKLOAD_ID", "value": "42"},
                     {"name": "GPUFLEET_SESSION_MARKER", "value": MARKER},
+                    {
+                        "name": "GPUFLEET_POD_NAME",
+                        "valueFrom": {
+                            "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}
+                        },
+                    },
+                    {
+                        "name": "GPUFLEET_POD_NAMESPACE",
+                        "valueFrom": {
+                            "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}
+                        },
+                    },
+                    {"name": "GPUFLEET_CONTAINER_NAME", "value": "notebook"},
                     {"name": "JUPYTERHUB_API_URL", "value": "http://hub.hub.svc:8081/hub/api"},
                     {"name": "PRICE", "value": "$$5 $$(HOME)"},
                 ],
@@ -287,6 +300,19 @@ def test_minimal_pod_is_the_literal() -> None:
                         },
                         {"name": "GPUFLEET_WORKLOAD_ID", "value": "42"},
                         {"name": "GPUFLEET_SESSION_MARKER", "value": MARKER},
+                        {
+                            "name": "GPUFLEET_POD_NAME",
+                            "valueFrom": {
+                                "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}
+                            },
+                        },
+                        {
+                            "name": "GPUFLEET_POD_NAMESPACE",
+                            "valueFrom": {
+                                "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}
+                            },
+                        },
+                        {"name": "GPUFLEET_CONTAINER_NAME", "value": "notebook"},
                     ],
                     "ports": [{"name": "notebook-port", "containerPort": 8888, "protocol": "TCP"}],
                     "resources": {
@@ -700,7 +726,8 @@ def test_read_back_names_what_the_server_dropped_or_changed() -> None:
     sent = session_pod(FULL)
     got = as_read_back(sent)
     del got["spec"]["securityContext"]["seccompProfile"]
-    del got["spec"]["containers"][0]["env"][4]
+    last = len(got["spec"]["containers"][0]["env"]) - 1
+    del got["spec"]["containers"][0]["env"][last]
     got["metadata"]["labels"]["gpufleet.io/user"] = "ann"
     got["spec"]["automountServiceAccountToken"] = True
     got["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "2500m"
@@ -708,7 +735,7 @@ def test_read_back_names_what_the_server_dropped_or_changed() -> None:
         'metadata.labels["gpufleet.io/user"]',
         "spec.automountServiceAccountToken",
         "spec.securityContext.seccompProfile",
-        "spec.containers[0].env[4]",
+        f"spec.containers[0].env[{last}]",
         "spec.containers[0].resources.requests.cpu",
     ]
 
