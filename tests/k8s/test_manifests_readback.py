@@ -22,11 +22,11 @@ from gpufleet.clusters.job_manifests import (
     jobs_network_policy,
     launcher_config_map,
 )
+from gpufleet.clusters.manifest_readback import dropped_fields
 from gpufleet.clusters.manifests import (
     Endpoint,
     Peer,
     Volume,
-    dropped_fields,
     priority_class,
     session_pod,
 )

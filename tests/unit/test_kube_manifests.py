@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpufleet.clusters.manifest_readback import dropped_fields
 from gpufleet.clusters.manifests import (
     KUBE_DNS,
     USER_LABEL,
@@ -22,7 +23,6 @@ from gpufleet.clusters.manifests import (
     SessionPod,
     Toleration,
     Volume,
-    dropped_fields,
     is_label_value,
     label_value,
     parse_quantity,
