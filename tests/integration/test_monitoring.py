@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -111,3 +112,42 @@ def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert f"SUCCESS: {len(rules())} rules found" in checked.stdout
+
+
+# docs/monitoring.md, "Cardinality": the series one GPU costs on its agent's exporter (31
+# once it has had an XID), and what a workload adds per node it runs on.
+SERIES_PER_GPU = 30
+SERIES_PER_WORKLOAD_AND_NODE = 2
+
+
+def test_the_series_budget_per_gpu_and_per_workload_holds(fleet: Hub) -> None:
+    fleet.spawn("bob", project="vision", gpu_type="A100-80GB", gpus=2)
+    fleet.wait_ready("bob")
+    bob = fleet.workload_of("bob")
+    assert bob is not None
+
+    def scraped() -> Any:
+        found = parse(httpx.get(fleet.metrics_url, timeout=10).text)
+        held = [
+            labels
+            for labels, _ in found.samples.get("DCGM_FI_DEV_GPU_UTIL", [])
+            if labels.get("hpc_job") == str(bob["id"])
+        ]
+        traffic = found.samples.get("gpufleet_workload_network_receive_bytes_total", [])
+        mine = [labels for labels, _ in traffic if labels.get("hpc_job") == str(bob["id"])]
+        return found if len(held) == 2 and mine else None
+
+    found = wait_for(scraped, 30, "bob's GPUs and traffic on the agent's exporter")
+    per_gpu: dict[str, int] = {}
+    per_workload: dict[str, int] = {}
+    for samples in found.samples.values():
+        for labels, _ in samples:
+            if "UUID" in labels:
+                per_gpu[labels["UUID"]] = per_gpu.get(labels["UUID"], 0) + 1
+            elif "hpc_job" in labels:
+                per_workload[labels["hpc_job"]] = per_workload.get(labels["hpc_job"], 0) + 1
+    assert len(per_gpu) == 8 and set(per_gpu.values()) == {SERIES_PER_GPU}, per_gpu
+    assert per_workload[str(bob["id"])] == SERIES_PER_WORKLOAD_AND_NODE
+    # Nothing on a per-GPU series changes with a step or an attempt.
+    names = {name for samples in found.samples.values() for labels, _ in samples for name in labels}
+    assert not names & {"attempt", "step", "checkpoint", "rank"}
