@@ -169,7 +169,12 @@ class NodeAgent(Application, RenamedSnapshotOptions):
 
     metrics_ip = Unicode("127.0.0.1", help="Address of the Prometheus exporter.").tag(config=True)
 
-    zone = Unicode("default", help="This node's zone when it reports real GPUs.").tag(config=True)
+    zone = Unicode(
+        "",
+        help="This node's zone when it reports real GPUs. Empty: the zone its cluster gives "
+        "it (a Kubernetes node's zone label, as the controller's inventory read it), or "
+        "'default' for a node no cluster placed.",
+    ).tag(config=True)
     cluster = Unicode("local", help="This node's cluster when it reports real GPUs.").tag(
         config=True
     )

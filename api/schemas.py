@@ -265,7 +265,11 @@ class GpuSpecIn(Strict):
 class NodeSpecIn(Strict):
     name: Name = Field(min_length=1, max_length=255)
     cluster: Name = Field(default="local", min_length=1, max_length=64)
-    zone: Name = Field(min_length=1, max_length=64)
+    zone: Name = Field(
+        default="",
+        max_length=64,
+        description="empty: the zone the node's cluster gave it, or 'default' for a new node",
+    )
     gpu_type: Name = Field(min_length=1, max_length=64)
     gpus: list[GpuSpecIn]
     cpus: float = Field(default=0.0, ge=0, le=MAX_INT)

@@ -39,7 +39,7 @@ class NodeSpec:
 
     name: str
     cluster: str
-    zone: str
+    zone: str  # empty: the zone the node has in its cluster, or "default" for a new node
     gpu_type: str
     gpus: tuple[GpuSpec, ...]
     cpus: float = 0.0
@@ -137,8 +137,8 @@ class InventoryStore(Repository):
         names = []
         with self._write(now) as session:
             for spec in nodes:
-                zone = self._zone(session, spec.cluster, spec.zone)
                 node = session.scalar(select(Node).where(Node.name == spec.name))
+                zone = self._reported_zone(session, spec, node)
                 back = node is not None and node.health == NodeHealth.unknown
                 if node is None:
                     node = Node(name=spec.name, zone=zone, gpu_type=spec.gpu_type)
@@ -198,6 +198,14 @@ class InventoryStore(Repository):
                         )
                 names.append(spec.name)
         return names
+
+    def _reported_zone(self, session: Session, spec: NodeSpec, node: Node | None) -> Zone:
+        """The zone of a node an agent reports. An agent that names none (a DaemonSet's,
+        which cannot read its Node) keeps the zone the node's cluster gave it: its
+        Kubernetes zone label, which an agent's "default" must not overwrite."""
+        if not spec.zone and node is not None and node.zone.cluster.name == spec.cluster:
+            return node.zone
+        return self._zone(session, spec.cluster, spec.zone or "default")
 
     def _zone(self, session: Session, cluster_name: str, zone_name: str) -> Zone:
         cluster = session.scalar(select(Cluster).where(Cluster.name == cluster_name))

@@ -4,6 +4,7 @@ Kubernetes reports them, deleted nodes, and a cluster whose API server stops ans
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -235,6 +236,32 @@ def test_an_agent_on_the_node_names_its_gpus_and_the_slots_step_aside(store: Fle
     )
     assert present_gpus(store, "a-gpu-1") == ["GPU-real-0", "GPU-real-1"]
     assert health(store)["a-gpu-1"] == (NodeHealth.ok, True)
+
+
+def zones(store: FleetStore) -> dict[str, str]:
+    with store.read() as session:
+        return {n.name: n.zone.name for n in session.scalars(select(Node))}
+
+
+def test_an_agent_that_names_no_zone_keeps_the_zone_its_cluster_gave_the_node(
+    store: FleetStore,
+) -> None:
+    """A DaemonSet's agent cannot read its Node's zone label: what it reports without a
+    zone must not move the node out of the zone the cluster's inventory placed it in."""
+    store.clusters.sync_cluster_nodes(
+        t(1), "cluster-a", [state("a-gpu-1", zone="zone-b", gpus=2)], complete=True
+    )
+    unplaced = NodeSpec(
+        name="a-gpu-1", cluster="cluster-a", zone="", gpu_type="A100", gpus=(GpuSpec("G-0", 0),)
+    )
+    elsewhere = NodeSpec(
+        name="lab-1", cluster="cluster-a", zone="", gpu_type="A100", gpus=(GpuSpec("G-1", 0),)
+    )
+    store.nodes.register_nodes(t(2), "agent-a-gpu-1", [unplaced, elsewhere])
+    assert zones(store) == {"a-gpu-1": "zone-b", "lab-1": "default"}
+    # An agent that names a zone still sets it (one machine's declared nodes).
+    store.nodes.register_nodes(t(3), "agent-a-gpu-1", [replace(unplaced, zone="zone-c")])
+    assert zones(store)["a-gpu-1"] == "zone-c"
 
 
 def test_the_recovery_loops_cordon_holds_until_it_reaches_the_cluster(store: FleetStore) -> None:
