@@ -515,6 +515,7 @@ class FleetController(RecoveryOptions, DatabaseMixin, RenamedSnapshotOptions, Ea
                 await answer_in_flight(server, app, self.notifier)
             finally:
                 await self.loops.stop()
+                self.lease.release()
 
     async def _start_loops(self) -> None:
         """The lease first, then (once this controller leads, which may be never while

@@ -60,6 +60,23 @@ class Database:
             self.epoch = lease.epoch
             return True
 
+    def release_lease(self, now: datetime) -> bool:
+        """Give the lease up, if this controller holds it: a standby takes it at its next
+        try rather than a lease's length after the last renewal (a controller that stops
+        cleanly, as in a rolling update). Whether it was held."""
+        with db.transaction(self.sessions) as session:
+            result = session.execute(
+                update(ControllerLease)
+                .where(
+                    ControllerLease.name == LEASE_NAME,
+                    ControllerLease.holder == self.holder,
+                    ControllerLease.epoch == self.epoch,
+                )
+                .values(expires_at=now)
+            )
+        self.epoch = None
+        return bool(result.rowcount)  # type: ignore[attr-defined]
+
     def fence(self, session: Session, now: datetime) -> None:
         result = session.execute(
             update(ControllerLease)

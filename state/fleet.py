@@ -66,6 +66,9 @@ class FleetStore:
     def try_acquire_lease(self, now: datetime) -> bool:
         return self.database.try_acquire_lease(now)
 
+    def release_lease(self, now: datetime) -> bool:
+        return self.database.release_lease(now)
+
     def read(self) -> Session:
         """A session for reading (the API's views and pages read through it)."""
         return self.database.read()

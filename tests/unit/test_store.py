@@ -429,6 +429,20 @@ def test_a_second_controller_waits_for_the_lease_and_then_fences_the_first(
     assert workload(second, alice).state == WorkloadState.pending
 
 
+def test_a_lease_given_up_is_taken_at_once_and_fences_its_old_holder(
+    store: FleetStore, engine: Engine
+) -> None:
+    second = FleetStore(engine, "controller-b", lease_ttl=timedelta(seconds=15))
+    assert not second.try_acquire_lease(t(5))
+    assert not second.release_lease(t(5))  # not its to give up
+    assert store.release_lease(t(6))  # a clean stop, 9 s before the lease would lapse
+    assert second.try_acquire_lease(t(6))
+    with pytest.raises(LeaseLost):
+        store.nodes.heartbeat(t(7), "agent-1", ["a1"])
+    assert not store.release_lease(t(8))  # no longer held: the new holder keeps it
+    assert not store.try_acquire_lease(t(8))
+
+
 def test_a_restarted_controller_with_the_same_name_fences_its_old_self(
     store: FleetStore, engine: Engine
 ) -> None:
