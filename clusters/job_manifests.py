@@ -160,6 +160,37 @@ def gang_name(workload_id: int, attempt: int) -> str:
     return f"gf-job-{workload_id}-a{attempt}"
 
 
+@dataclass(frozen=True)
+class S3Checkpoints:
+    """How job pods reach checkpoints in S3 with their user's own keys, which an admin
+    scoped to the user's prefix (docs/jobs.md, "Checkpoints in S3"): the keys are in the
+    Secret ``secret`` of the job's namespace, under ``<user_key>.access_key`` and
+    ``<user_key>.secret_key`` (the user's KubeSpawner slug, as in home volume paths)."""
+
+    secret: str
+    endpoint: str = ""  # empty: AWS's
+    region: str = "us-east-1"
+    user_key: str = ""  # the gang's user's, set per gang
+
+    def env(self) -> list[Manifest]:
+        """The variables boto3 reads, the keys from the Secret (never in the manifest)."""
+        if not self.user_key:
+            raise ValueError("no user key to read the job's S3 credentials under")
+
+        def key(variable: str, part: str) -> Manifest:
+            reference = {"name": self.secret, "key": f"{self.user_key}.{part}"}
+            return {"name": variable, "valueFrom": {"secretKeyRef": reference}}
+
+        env = [
+            key("AWS_ACCESS_KEY_ID", "access_key"),
+            key("AWS_SECRET_ACCESS_KEY", "secret_key"),
+            {"name": "AWS_DEFAULT_REGION", "value": self.region},
+        ]
+        if self.endpoint:
+            env.append({"name": "AWS_ENDPOINT_URL", "value": self.endpoint})
+        return env
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobGang:
     """What one attempt of a job is made of on its cluster. Validated when made: a bad
@@ -185,6 +216,9 @@ class JobGang:
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     checkpoint_uri: str = ""
+    # For checkpoints in S3: the Secret (in the job's namespace) holding each user's own
+    # keys, and where S3 is; its user's keys alone reach the pods' environment.
+    s3: S3Checkpoints | None = None
     resume_from: str = ""
     rendezvous_port: int = 29500
     rendezvous_timeout_s: int = 600
@@ -248,6 +282,12 @@ class JobGang:
             raise ValueError("grace_seconds is negative")
         if not self.kept <= set(range(len(self.nodes))):
             raise ValueError(f"kept pods {sorted(self.kept)} are not all pods of the gang")
+        if self.checkpoint_uri.startswith("s3://") and self.s3 is None:
+            raise ValueError(
+                f"the job's checkpoints are in S3 ({self.checkpoint_uri}) and its pods have no "
+                "credentials for it: name the Secret of the users' S3 keys in "
+                "c.KubeJobs.checkpoint_credentials_secret"
+            )
         taken = sorted(set(self.env) & PLATFORM_VARIABLES)
         if taken:
             raise ValueError(f"env: {', '.join(taken)} are set by gpufleet; leave them out")
@@ -468,6 +508,8 @@ def _env(gang: JobGang, index: int) -> list[Manifest]:
         env.append({"name": "GPUFLEET_KEEP_WAIT_S", "value": f"{gang.keep_wait_s:g}"})
     if gang.progress_url:  # the admin's, expanded: it names $(GPUFLEET_HOST_IP)
         env.append({"name": "GPUFLEET_PROGRESS_URL", "value": gang.progress_url})
+    if gang.s3 is not None and gang.checkpoint_uri.startswith("s3://"):
+        env += gang.s3.env()
     env += [{"name": k, "value": v.replace("$", "$$")} for k, v in gang.env.items()]
     return env
 

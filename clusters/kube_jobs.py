@@ -39,6 +39,7 @@ from .job_manifests import (
     JOBS_NETWORK_POLICY_PREFIX,
     SHARED_LABELS,
     JobGang,
+    S3Checkpoints,
     gang_name,
     gang_objects,
     gang_pod,
@@ -80,6 +81,7 @@ class JobPodSettings:
     start_deadline_s: float = 120.0
     progress_url: str = ""
     keep_wait_s: float = 30.0
+    s3: S3Checkpoints | None = None  # for checkpoints in S3: the users' keys
 
 
 def _describe(error: BaseException) -> str:
@@ -501,6 +503,8 @@ class ClusterJobs:
         extra: dict[str, Any] = {}
         if settings.tolerations is not None:
             extra["tolerations"] = settings.tolerations
+        if settings.s3 is not None:
+            extra["s3"] = replace(settings.s3, user_key=_slug(first.username))
         return JobGang(
             workload_id=first.workload_id,
             attempt=first.attempt,
@@ -539,13 +543,18 @@ class ClusterJobs:
         )
 
 
+def _slug(username: str) -> str:
+    """The user's name as KubeSpawner's default ("safe") slug scheme writes it."""
+    from kubespawner.slugs import safe_slug
+
+    return str(safe_slug(username))
+
+
 def _for_user(volume: Volume, username: str) -> Volume:
     """The volume with ``{username}`` in its source and sub-path filled in as KubeSpawner's
     default ("safe") slug scheme writes it, so a job's pods mount the homes its user's
     sessions mount."""
-    from kubespawner.slugs import safe_slug
-
-    slug = safe_slug(username)
+    slug = _slug(username)
     return replace(
         volume,
         source=volume.source.replace("{username}", slug),

@@ -17,7 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from traitlets import Bool, Dict, Float, Integer, List, Tuple, Unicode
 from traitlets.config import Configurable
 
-from ..clusters.job_manifests import DEFAULT_JOB_PRIORITY_CLASS
+from ..clusters.job_manifests import DEFAULT_JOB_PRIORITY_CLASS, S3Checkpoints
 from ..clusters.kube_config import ClusterSettings
 from ..clusters.kube_jobs import ClusterJobs, JobPodSettings
 from ..clusters.manifests import KUBE_DNS, Endpoint, Peer, Volume
@@ -157,6 +157,24 @@ class KubeJobs(LoopComponent):
         True, help="Let job pods reach kube-dns in kube-system (UDP and TCP 53)."
     ).tag(config=True)
 
+    checkpoint_credentials_secret = Unicode(
+        "",
+        help="For jobs whose checkpoints are in S3 (c.FleetController.job_checkpoint_store "
+        "= 's3://...'): a Secret in each cluster's jobs namespace holding every user's own "
+        "S3 keys, scoped by the admin to that user's prefix, under <user>.access_key and "
+        "<user>.secret_key (<user>: the user's KubeSpawner slug, as in home volume paths). "
+        "A job pod gets its user's alone, as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY. "
+        "Empty: such jobs are refused on Kubernetes, saying so.",
+    ).tag(config=True)
+
+    checkpoint_s3_endpoint = Unicode(
+        "", help="The S3 endpoint of checkpoints for job pods (AWS_ENDPOINT_URL); empty: AWS."
+    ).tag(config=True)
+
+    checkpoint_s3_region = Unicode(
+        "us-east-1", help="The S3 region of checkpoints for job pods (AWS_DEFAULT_REGION)."
+    ).tag(config=True)
+
     def __init__(
         self,
         clusters: Sequence[ClusterSettings],
@@ -203,6 +221,15 @@ class KubeJobs(LoopComponent):
             start_deadline_s=self.start_deadline_seconds,
             progress_url=self.progress_url,
             keep_wait_s=self.keep_pod_seconds,
+            s3=(
+                S3Checkpoints(
+                    self.checkpoint_credentials_secret,
+                    self.checkpoint_s3_endpoint,
+                    self.checkpoint_s3_region,
+                )
+                if self.checkpoint_credentials_secret
+                else None
+            ),
         )
 
     async def start(self) -> None:

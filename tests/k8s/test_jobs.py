@@ -20,7 +20,9 @@ from gpufleet.clusters.manifests import priority_class
 from gpufleet.snapshotter.sandbox import default_session_env
 
 from ..integration.harness import Hub, wait_for
+from ..integration.test_checkpoint_s3 import PROBES
 from ..ports import free_port, free_port_block
+from ..s3server import CHECKPOINT_BUCKET, CHECKPOINT_USERS, S3Server, checkpoint_credentials
 from .control_plane import NAMESPACE, ControlPlane
 from .hubs import make_kube_hub
 from .nodes import NodeSpec
@@ -103,9 +105,20 @@ def running_jobs_hub(plane: ControlPlane, root: Path, extra_config: str = "") ->
         hub.kill_everything()
 
 
+# Jobs whose checkpoints are in S3 (the real SeaweedFS) read their user's own keys from
+# this Secret of the jobs' namespace (test_a_pod_reaches_its_user_s_checkpoints_in_s3...).
+CHECKPOINT_SECRET = "gpufleet-checkpoint-keys"
+
+
 @pytest.fixture(scope="module")
-def jobs_hub(k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    with running_jobs_hub(k8s_tier, Path(tmp_path_factory.mktemp("kube-jobs"))) as hub:
+def jobs_hub(
+    k8s_tier: ControlPlane, tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
+) -> Iterator[Hub]:
+    s3 = f"""
+c.KubeJobs.checkpoint_credentials_secret = {CHECKPOINT_SECRET!r}
+c.KubeJobs.checkpoint_s3_endpoint = {s3_server.endpoint_url!r}
+"""
+    with running_jobs_hub(k8s_tier, Path(tmp_path_factory.mktemp("kube-jobs")), s3) as hub:
         yield hub
 
 
@@ -259,6 +272,43 @@ OUT_OF_MEMORY = textwrap.dedent(
     time.sleep(60)
     """
 )
+
+
+def test_a_pod_reaches_its_user_s_checkpoints_in_s3_with_the_user_s_own_keys_alone(
+    k8s_tier: ControlPlane, alice: Client, s3_server: S3Server
+) -> None:
+    keys = {
+        f"{user}.{part}": value
+        for user in CHECKPOINT_USERS
+        for part, value in checkpoint_credentials(user).items()
+    }
+    for cluster in k8s_tier.clusters.values():
+        with cluster.rest() as api:
+            made = api.post(
+                f"/api/v1/namespaces/{NAMESPACE}/secrets",
+                json={"metadata": {"name": CHECKPOINT_SECRET}, "stringData": keys},
+            )
+            assert made.status_code in (201, 409), made.text
+    admin = s3_server.client()
+    with contextlib.suppress(admin.exceptions.BucketAlreadyOwnedByYou):
+        admin.create_bucket(Bucket=CHECKPOINT_BUCKET)
+    admin.put_object(Bucket=CHECKPOINT_BUCKET, Key="jobs/bob/train/step-9", Body=b"bob's")
+    uri = f"s3://{CHECKPOINT_BUCKET}/jobs/alice/probe"
+    job_id = submit(alice, PROBES, gpus=1, gpus_per_pod=1, name="probe", checkpoint_uri=uri)
+    job = alice.wait(job_id, timeout=180)
+    output = "".join(alice.logs(job_id, rank=0))
+    assert job.outcome == "succeeded", (job.reason, output[-2000:])
+    assert "own checkpoint written: b'my weights'" in output
+    for probe in ("read bob's", "list bob's", "list the bucket", "overwrite bob's"):
+        assert f"{probe} denied: AccessDenied" in output, output
+    written = admin.get_object(Bucket=CHECKPOINT_BUCKET, Key="jobs/alice/probe/step-1")
+    assert written["Body"].read() == b"my weights"
+    assert admin.get_object(Bucket=CHECKPOINT_BUCKET, Key="jobs/bob/train/step-9")[
+        "Body"
+    ].read() == (b"bob's")
+    # Alice's own keys reached the pod (from the Secret: test_job_manifests.py shows the
+    # manifest names only the Secret's keys), and nothing of bob's.
+    assert checkpoint_credentials("bob")["access_key"] not in output
 
 
 def test_a_pod_out_of_memory_is_the_users_error_and_not_retried(alice: Client) -> None:

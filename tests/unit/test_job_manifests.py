@@ -15,6 +15,7 @@ import pytest
 from gpufleet.clusters.job_manifests import (
     INLINE_SCRIPT_BYTES,
     JobGang,
+    S3Checkpoints,
     gang_config_map,
     gang_network_policy,
     gang_objects,
@@ -55,6 +56,7 @@ def gang(**changes: Any) -> JobGang:
         args=("--epochs", "$HOME"),
         env={"WANDB_MODE": "offline"},
         checkpoint_uri="s3://ckpt/jobs/ann/resnet",
+        s3=S3Checkpoints("gpufleet-s3", user_key="ann-example-org"),
         resume_from="s3://ckpt/jobs/ann/resnet/step-100",
         rendezvous_port=29500,
         uid=1001,
@@ -207,6 +209,25 @@ def test_pod_1_of_a_gang_is_pinned_to_its_node_and_names_the_master() -> None:
                             "name": "GPUFLEET_PROGRESS_URL",
                             "value": "http://$(GPUFLEET_HOST_IP):9207/progress",
                         },
+                        {
+                            "name": "AWS_ACCESS_KEY_ID",
+                            "valueFrom": {
+                                "secretKeyRef": {
+                                    "name": "gpufleet-s3",
+                                    "key": "ann-example-org.access_key",
+                                }
+                            },
+                        },
+                        {
+                            "name": "AWS_SECRET_ACCESS_KEY",
+                            "valueFrom": {
+                                "secretKeyRef": {
+                                    "name": "gpufleet-s3",
+                                    "key": "ann-example-org.secret_key",
+                                }
+                            },
+                        },
+                        {"name": "AWS_DEFAULT_REGION", "value": "us-east-1"},
                         {"name": "WANDB_MODE", "value": "offline"},
                     ],
                     "resources": {
@@ -431,11 +452,33 @@ def test_every_object_validates_strictly(which: str, version: str) -> None:
         ({"nodes": ()}, "at least one pod"),
         ({"memory_limit": "lots"}, "not a Kubernetes quantity"),
         ({"gpus_per_pod": 0}, "each pod holds a GPU"),
+        (
+            {"s3": None},
+            "no credentials for it: name the Secret .* c.KubeJobs.checkpoint_credentials_secret",
+        ),
     ],
 )
 def test_bad_input_is_refused_with_what_to_fix(changes: dict[str, Any], says: str) -> None:
     with pytest.raises(ValueError, match=says):
         gang(**changes)
+
+
+def test_a_pod_of_a_job_checkpointing_to_s3_gets_its_own_user_s_keys_from_the_secret() -> None:
+    s3 = S3Checkpoints("gpufleet-s3", "http://s3.storage:8333", "eu-west-1", user_key="ann")
+    pod = gang_pod(gang(checkpoint_uri="s3://ckpt/jobs/ann/12", s3=s3), 0)
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"] == {
+        "secretKeyRef": {"name": "gpufleet-s3", "key": "ann.access_key"}
+    }
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "gpufleet-s3", "key": "ann.secret_key"}
+    }
+    assert env["AWS_DEFAULT_REGION"]["value"] == "eu-west-1"
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://s3.storage:8333"
+    # Checkpoints on a volume: no S3 keys reach the pod, even where the fleet has them.
+    local = gang_pod(gang(checkpoint_uri="/checkpoints/ann/12", s3=s3), 0)
+    names = {e["name"] for e in local["spec"]["containers"][0]["env"]}
+    assert not {n for n in names if n.startswith("AWS_")}
 
 
 def test_a_pod_index_outside_the_gang_is_refused() -> None:

@@ -95,6 +95,23 @@ def test_the_options_reach_every_gang() -> None:
     assert manager.settings.extra_egress == (Endpoint(Peer(cidr="10.0.0.7/32"), (8333,)),)
 
 
+def test_a_job_checkpointing_to_s3_reads_its_user_s_keys_by_the_user_s_slug() -> None:
+    config = Config()
+    config.KubeJobs.image = "lab:1"
+    config.KubeJobs.checkpoint_credentials_secret = "gpufleet-s3"
+    config.KubeJobs.checkpoint_s3_endpoint = "http://10.0.0.7:8333"
+    s3_spec = {"python": "/opt/conda/bin/python", "checkpoint_uri": "s3://ckpt/jobs/ann/9"}
+    pods = [placed(0, spec=s3_spec), placed(1, spec=s3_spec)]
+    gang = loop(config).managers["cluster-a"].gang_of(pods, 29500)
+    assert gang.s3 is not None
+    assert (gang.s3.secret, gang.s3.user_key) == ("gpufleet-s3", "ann-example-org---438c4c7a")
+    assert gang.s3.endpoint == "http://10.0.0.7:8333"
+    # Without the Secret, such a job cannot be made on Kubernetes, and says what to set.
+    del config.KubeJobs.checkpoint_credentials_secret
+    with pytest.raises(ValueError, match=r"c\.KubeJobs\.checkpoint_credentials_secret"):
+        loop(config).managers["cluster-a"].gang_of(pods, 29500)
+
+
 @pytest.mark.parametrize(
     ("image", "pods", "says"),
     [

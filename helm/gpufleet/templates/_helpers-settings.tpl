@@ -180,6 +180,9 @@ machine with no deployment's researchers. */ -}}
   "network_controller" $peers.controller
   "network_egress" (include "gpufleet.jobEgress" . | fromYamlArray)
 -}}
+{{- range $key, $option := dict "checkpointCredentialsSecret" "checkpoint_credentials_secret" "checkpointS3Endpoint" "checkpoint_s3_endpoint" "checkpointS3Region" "checkpoint_s3_region" -}}
+{{- with get $v.jobs $key }}{{ $_ := set $jobs $option . }}{{ end -}}
+{{- end -}}
 {{- $traitlets := dict
   "FleetController" $fleet
   "KubeInventory" (dict "recycle_action" $v.controller.recycleAction)
