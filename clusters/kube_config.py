@@ -35,6 +35,8 @@ from pydantic import (
     model_validator,
 )
 
+from .network_peers import ClusterNetwork
+
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 # GPU Feature Discovery's label for the GPU's model ("NVIDIA-A100-SXM4-80GB").
 DEFAULT_PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -92,6 +94,12 @@ class ClusterSettings(BaseModel):
         default_factory=dict,
         description="GPU type names by product label value, where the derived name "
         '("NVIDIA-A100-SXM4-80GB" → "A100-80GB") is not the one the quotas use.',
+    )
+    network: ClusterNetwork = Field(
+        default_factory=ClusterNetwork,
+        description="This cluster's own NetworkPolicy peers for its session and job pods "
+        "(clusters/network_peers.py): {hub, controller, proxy, job_egress}, each over the "
+        "fleet-wide option where given.",
     )
     pod_url: str = Field(
         default="http://{ip}:{port}",

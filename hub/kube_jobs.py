@@ -11,7 +11,6 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
-from urllib.parse import urlparse
 
 from sqlalchemy.exc import SQLAlchemyError
 from traitlets import Bool, Dict, Float, Integer, List, Tuple, Unicode
@@ -20,7 +19,8 @@ from traitlets.config import Configurable
 from ..clusters.job_manifests import DEFAULT_JOB_PRIORITY_CLASS, S3Checkpoints
 from ..clusters.kube_config import ClusterSettings
 from ..clusters.kube_jobs import ClusterJobs, JobPodSettings
-from ..clusters.manifests import KUBE_DNS, Endpoint, Peer, Volume
+from ..clusters.manifests import KUBE_DNS, Volume
+from ..clusters.network_peers import ClusterNetwork, address_endpoint, egress_endpoints
 from ..scheduler.errors import SchedulerError
 from ..state.clusters import ClusterInventoryStore
 from ..state.jobs import JobStore
@@ -34,29 +34,6 @@ class KubeJobState(Protocol):
 
     jobs: JobStore
     clusters: ClusterInventoryStore
-
-
-def peer_from_config(spec: Mapping[str, Any]) -> Peer:
-    """A NetworkPolicy peer from its configuration: {cidr, except_cidrs} or {pod_labels,
-    namespace_labels}."""
-    return Peer(
-        pod_labels=spec.get("pod_labels"),
-        namespace_labels=spec.get("namespace_labels"),
-        cidr=str(spec.get("cidr", "")),
-        except_cidrs=tuple(spec.get("except_cidrs", ())),
-    )
-
-
-def address_endpoint(url: str, spec: Mapping[str, Any] | None = None) -> Endpoint:
-    """``spec``'s endpoint ({cidr} or {pod_labels, namespace_labels}, and {ports}), or by
-    default the host and port of ``url`` as a one-address peer."""
-    parsed = urlparse(url)
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    if spec:
-        return Endpoint(peer_from_config(spec), tuple(int(p) for p in spec.get("ports", (port,))))
-    host = parsed.hostname or "127.0.0.1"
-    bits = 128 if ":" in host else 32
-    return Endpoint(Peer(cidr=f"{host}/{bits}"), (port,))
 
 
 class KubeJobs(LoopComponent):
@@ -195,23 +172,32 @@ class KubeJobs(LoopComponent):
         self.kick = kick
         self.notifier = notifier
         self.on_restart = on_restart  # a job's next attempt began, for this fault class
-        settings = self.pod_settings(hub_url, controller_url)
         self.managers = {
-            c.name: ClusterJobs(c, store, settings, now=now, lost_nodes=lost_nodes, log=self.log)
+            c.name: ClusterJobs(
+                c,
+                store,
+                self.pod_settings(hub_url, controller_url, c.network),
+                now=now,
+                lost_nodes=lost_nodes,
+                log=self.log,
+            )
             for c in clusters
         }
 
-    def pod_settings(self, hub_url: str, controller_url: str) -> JobPodSettings:
+    def pod_settings(
+        self, hub_url: str, controller_url: str, own: ClusterNetwork | None = None
+    ) -> JobPodSettings:
+        """Every job pod's settings on a cluster whose own peers are ``own`` (each over
+        this component's network option where given)."""
+        own = own or ClusterNetwork()
         volumes = tuple(Volume(**dict(v)) for v in self.volumes)
+        egress = self.network_egress if own.job_egress is None else own.job_egress
         return JobPodSettings(
             image=self.image,
-            hub=address_endpoint(hub_url, self.network_hub),
-            controller=address_endpoint(controller_url, self.network_controller),
+            hub=address_endpoint(hub_url, own.hub, self.network_hub),
+            controller=address_endpoint(controller_url, own.controller, self.network_controller),
             dns=KUBE_DNS if self.network_dns else None,
-            extra_egress=tuple(
-                Endpoint(peer_from_config(e), tuple(int(p) for p in e.get("ports", ())))
-                for e in self.network_egress
-            ),
+            extra_egress=egress_endpoints(egress),
             priority_class_name=self.priority_class,
             memory_limit=self.memory_limit or None,
             cpu_limit=self.cpu_limit or None,

@@ -24,7 +24,6 @@ import contextlib
 import time
 from functools import partial
 from typing import Any
-from urllib.parse import urlparse
 
 import httpx
 from jupyterhub.spawner import Spawner
@@ -39,13 +38,12 @@ from ..clusters import workload_processes
 from ..clusters.kube_config import ClusterConfigError, ClusterSettings, api_client, parse_clusters
 from ..clusters.manifests import (
     KUBE_DNS,
-    Endpoint,
-    Peer,
     SessionPod,
     Volume,
     session_network_policy,
     session_pod,
 )
+from ..clusters.network_peers import address_endpoint, peer_from_config
 from ..snapshotter.runner import SnapshotFailed
 from .client import WorkloadStatus
 from .handshake import GPUQueueSpawner
@@ -71,24 +69,6 @@ class ClusterPodReflector(_ClusterReflectorMixin, PodReflector):
 
 class ClusterEventReflector(_ClusterReflectorMixin, EventReflector):
     pass
-
-
-def _peer(spec: dict[str, Any]) -> Peer:
-    return Peer(
-        pod_labels=spec.get("pod_labels"),
-        namespace_labels=spec.get("namespace_labels"),
-        cidr=str(spec.get("cidr", "")),
-        except_cidrs=tuple(spec.get("except_cidrs", ())),
-    )
-
-
-def _address_peer(url: str) -> tuple[Peer, int]:
-    """The host of ``url`` as a one-address peer, and its port."""
-    parsed = urlparse(url)
-    host = parsed.hostname or "127.0.0.1"
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    bits = 128 if ":" in host else 32
-    return Peer(cidr=f"{host}/{bits}"), port
 
 
 class KubeGPUSpawner(KubeSnapshotMixin, GPUQueueSpawner, KubeSpawner):
@@ -314,19 +294,18 @@ class KubeGPUSpawner(KubeSnapshotMixin, GPUQueueSpawner, KubeSpawner):
         return False
 
     def network_policy(self) -> dict[str, Any]:
-        hub_peer, hub_port = _address_peer(self.hub.api_url)
-        controller_peer, controller_port = _address_peer(self.controller_api_url)
-
-        def endpoint(spec: dict[str, Any], peer: Peer, port: int) -> Endpoint:
-            if not spec:
-                return Endpoint(peer, (port,))
-            return Endpoint(_peer(spec), tuple(int(p) for p in spec.get("ports", (port,))))
-
+        """The session pod's policy: its cluster's own peers where it has them, else the
+        options' (docs/kubernetes.md, "NetworkPolicy")."""
+        own = self.cluster_settings(self.cluster_name).network
+        hub = address_endpoint(self.hub.api_url, own.hub, self.network_hub)
+        proxy_spec = own.proxy or self.network_proxy
         return session_network_policy(
             self.session_pod(),
-            proxy=_peer(self.network_proxy) if self.network_proxy else hub_peer,
-            hub=endpoint(self.network_hub, hub_peer, hub_port),
-            controller=endpoint(self.network_controller, controller_peer, controller_port),
+            proxy=peer_from_config(proxy_spec) if proxy_spec else hub.peer,
+            hub=hub,
+            controller=address_endpoint(
+                self.controller_api_url, own.controller, self.network_controller
+            ),
             dns=KUBE_DNS if self.network_dns else None,
         )
 

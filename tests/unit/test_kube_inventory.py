@@ -69,6 +69,7 @@ def test_every_problem_of_every_cluster_is_named_at_once(tmp_path: Path, kubecon
                 {"name": "e", "in_cluster": True, "pod_url": "http://{host}:{port}"},
                 {"name": "Bad_Name", "in_cluster": True},
                 {"name": "f", "in_cluster": True, "namespace": "Team_A"},
+                {"name": "g", "in_cluster": True, "network": {"hub": {"cidr": "10.0.0.300/32"}}},
             ]
         )
     problems = str(caught.value).split("; ")
@@ -86,6 +87,8 @@ def test_every_problem_of_every_cluster_is_named_at_once(tmp_path: Path, kubecon
         "cluster 'f': namespace: 'Team_A' is not a valid Kubernetes namespace name: use "
         "lower-case letters, digits and dashes, at most 63 characters, starting and ending "
         "with a letter or digit",
+        "cluster 'g': network: network.hub: '10.0.0.300/32' does not appear to be an IPv4 or "
+        "IPv6 network",
         "cluster 'a' is declared 2 times",
         f"cluster 'b': kubeconfig {tmp_path / 'missing.yaml'} does not exist or is not a file",
     ]

@@ -95,6 +95,35 @@ def test_the_options_reach_every_gang() -> None:
     assert manager.settings.extra_egress == (Endpoint(Peer(cidr="10.0.0.7/32"), (8333,)),)
 
 
+def test_a_cluster_s_own_peers_win_over_the_options_for_its_job_pods() -> None:
+    config = Config()
+    config.KubeJobs.network_egress = [{"cidr": "10.0.0.7/32", "ports": [8333]}]
+    remote = ClusterSettings(
+        name="cluster-b",
+        kubeconfig="/dev/null",
+        network={
+            "hub": {"cidr": "10.20.0.10/32", "ports": [443]},
+            "job_egress": [{"cidr": "10.20.0.20/32", "ports": [9000]}],
+        },
+    )
+    jobs = KubeJobs(
+        [CLUSTER, remote],
+        store=None,  # type: ignore[arg-type]  # nothing here reaches the store
+        now=lambda: datetime.now(UTC),
+        kick=lambda: None,
+        notifier=Notifier(),
+        hub_url="http://10.0.0.5:8081/hub/api",
+        controller_url="http://10.0.0.6:8090/services/gpufleet/",
+        config=config,
+    )
+    here, there = (jobs.managers[name].settings for name in ("cluster-a", "cluster-b"))
+    assert here.hub == Endpoint(Peer(cidr="10.0.0.5/32"), (8081,))
+    assert here.extra_egress == (Endpoint(Peer(cidr="10.0.0.7/32"), (8333,)),)
+    assert there.hub == Endpoint(Peer(cidr="10.20.0.10/32"), (443,))
+    assert there.controller == here.controller  # not its own: the fleet-wide one
+    assert there.extra_egress == (Endpoint(Peer(cidr="10.20.0.20/32"), (9000,)),)
+
+
 def test_a_job_checkpointing_to_s3_reads_its_user_s_keys_by_the_user_s_slug() -> None:
     config = Config()
     config.KubeJobs.image = "lab:1"

@@ -20,11 +20,13 @@ HUB_API = "http://10.0.0.5:8081/hub/api"
 CONTROLLER_API = "http://10.0.0.6:8003/services/gpufleet/api/v1"
 
 
-def placed_spawner(**config: Any) -> KubeGPUSpawner:
-    """A spawner whose request the scheduler placed on 2 GPUs of a-gpu-1 in cluster-a."""
+def placed_spawner(network: dict[str, Any] | None = None, **config: Any) -> KubeGPUSpawner:
+    """A spawner whose request the scheduler placed on 2 GPUs of a-gpu-1 in cluster-a
+    (whose own NetworkPolicy peers are ``network``)."""
     c = Config()
     c.FleetController.clusters = [
-        {"name": "cluster-a", "in_cluster": True, "namespace": "sessions"},
+        {"name": "cluster-a", "in_cluster": True, "namespace": "sessions"}
+        | ({"network": network} if network else {}),
         {"name": "cluster-b", "in_cluster": True, "gpu_resource": "nvidia.com/mig-3g.40gb"},
     ]
     for key, value in config.items():
@@ -118,6 +120,34 @@ def test_the_policy_lets_the_session_reach_the_hub_and_the_controller_only() -> 
         remote=Remote(ip="10.0.0.5"),
         port=8888,
     )
+
+
+def test_a_cluster_s_own_peers_win_over_the_options_for_its_sessions() -> None:
+    """The hub runs in another cluster: this one's sessions reach it through an internal
+    load balancer's address, which only this cluster's configuration knows."""
+    spawner = placed_spawner(
+        network={
+            "hub": {"cidr": "10.20.0.10/32", "ports": [443]},
+            "controller": {"cidr": "10.20.0.11/32", "ports": [443]},
+            "proxy": {"cidr": "10.20.0.12/32"},
+        },
+        network_hub={"cidr": "10.0.0.0/8"},
+    )
+    policy = spawner.network_policy()
+
+    def allows(direction: str, ip: str, port: int) -> bool:
+        return policy_allows(
+            [policy],
+            namespace="sessions",
+            pod_labels={WORKLOAD_LABEL: "42"},
+            direction=direction,
+            remote=Remote(ip=ip),
+            port=port,
+        )
+
+    assert allows("egress", "10.20.0.10", 443) and allows("egress", "10.20.0.11", 443)
+    assert not allows("egress", "10.0.0.5", 8081)  # neither the option's peer nor the URL's
+    assert allows("ingress", "10.20.0.12", 8888) and not allows("ingress", "10.0.0.5", 8888)
 
 
 def test_a_placement_on_a_cluster_the_hub_does_not_know_says_what_to_fix() -> None:

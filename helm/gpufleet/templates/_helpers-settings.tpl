@@ -55,6 +55,13 @@ labels (in the release's namespace), unless networkPolicy.peers names them other
 {{- range $key, $option := dict "gpuResource" "gpu_resource" "gpuNodeSelector" "gpu_node_selector" "gpuProductLabel" "gpu_product_label" "zoneLabel" "zone_label" "gpuTypeNames" "gpu_type_names" "podUrl" "pod_url" "context" "context" -}}
 {{- with get $spec $key }}{{ $_ := set $entry $option . }}{{ end -}}
 {{- end -}}
+{{- if $spec.network -}}
+{{- $network := dict -}}
+{{- range $key, $option := dict "hub" "hub" "controller" "controller" "proxy" "proxy" "jobEgress" "job_egress" -}}
+{{- with get $spec.network $key }}{{ $_ := set $network $option . }}{{ end -}}
+{{- end -}}
+{{- $_ := set $entry "network" $network -}}
+{{- end -}}
 {{- toYaml $entry -}}
 {{- end -}}
 
