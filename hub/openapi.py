@@ -28,6 +28,8 @@ class Operation:
     answer: type[BaseModel] | None = None
     status: int = 200
     query: tuple[tuple[str, str, str], ...] = ()  # (name, type, description)
+    # Further answers it gives with the same body, by status: (status, description).
+    also: tuple[tuple[int, str], ...] = ()
 
 
 WORKLOAD_ID = ("workload_id", "integer", "the workload's id")
@@ -48,6 +50,13 @@ PAGING = (
 OPERATIONS = (
     Operation("get", "/", "Service information", ()),
     Operation("get", "/openapi.json", "This document", ()),
+    Operation(
+        "get",
+        "/ready",
+        "Whether this controller leads (holds the database lease): a readiness probe",
+        (),
+        also=((503, "it stands by: another controller leads"),),
+    ),
     Operation(
         "post",
         "/sessions",
@@ -516,6 +525,8 @@ def _operation(op: Operation, components: dict[str, Any]) -> dict[str, Any]:
         },
         "x-scopes": list(op.scopes),
     }
+    for status, description in op.also:
+        operation["responses"][str(status)] = {**answer, "description": description}
     if op.scopes:
         operation["security"] = [{"hubToken": []}]
     if op.body is not None:

@@ -53,6 +53,16 @@ class InfoHandler(APIHandler):
         )
 
 
+class ReadyHandler(APIHandler):
+    """``GET /ready``: 200 while this controller holds the database lease (it decides and
+    writes), 503 while it stands by: a Kubernetes readiness probe keeps the standing-by
+    one out of its Service."""
+
+    async def get(self) -> None:
+        leader = self.controller.is_leader
+        self.send({"leader": leader}, status=200 if leader else 503)
+
+
 class OpenAPIHandler(APIHandler):
     async def get(self) -> None:
         from ..openapi import openapi_document
@@ -567,6 +577,7 @@ def routes(prefix: str, controller: Any) -> list[tuple[str, type, dict[str, Any]
     api = prefix.rstrip("/") + "/api/v1"
     table: list[tuple[str, type]] = [
         (rf"{api}/?", InfoHandler),
+        (rf"{api}/ready", ReadyHandler),
         (rf"{api}/openapi.json", OpenAPIHandler),
         (rf"{api}/sessions", SessionsHandler),
         (rf"{api}/workloads", WorkloadsHandler),

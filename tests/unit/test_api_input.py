@@ -527,3 +527,16 @@ async def test_the_spawners_client_reports_a_500_with_its_status_and_words() -> 
     assert str(caught.value) == (
         "the gpufleet controller failed (500): internal error; see the controller log"
     )
+
+
+async def test_ready_says_whether_this_controller_leads(tmp_path: Path) -> None:
+    """A Kubernetes readiness probe keeps a standing-by controller out of its Service."""
+    anyone = Identity("user", "bob", frozenset(), by_cookie=False)
+    controller = Controller(fleet_store(tmp_path / "gpufleet.sqlite"), anyone)
+    async for url in serve(web.Application(routes(PREFIX, controller))):
+        async with httpx.AsyncClient(base_url=f"{url}{PREFIX}api/v1", timeout=30) as client:
+            leading = await client.get("/ready")
+            controller.is_leader = False
+            standing_by = await client.get("/ready")
+    assert (leading.status_code, leading.json()) == (200, {"leader": True})
+    assert (standing_by.status_code, standing_by.json()) == (503, {"leader": False})
