@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..recovery.nvml import GpuInfo, GpuSample, Nvml, NvmlError
-from ..recovery.processes import POD_VARIABLES, MarkedProcess, marked_process_details
+from ..recovery.processes import (
+    POD_VARIABLES,
+    MarkedProcess,
+    marked_process_details,
+    workload_marker,
+)
 from .gpus import NodePlace, whole_gpus
 from .metrics import Assignment, Family, exposition, families, network_families
 from .network_usage import NetworkUsage, NetworkUsageUnavailable
@@ -45,6 +51,8 @@ class GpuState:
 
 def _handler(scrape: Callable[[], str]) -> type[BaseHTTPRequestHandler]:
     class MetricsHandler(BaseHTTPRequestHandler):
+        timeout = 30  # an idle or stalled client gives its thread back
+
         def do_GET(self) -> None:
             if self.path.split("?", 1)[0] not in ("/", "/metrics"):
                 self.send_error(404, "the metrics are at /metrics")
@@ -53,6 +61,10 @@ def _handler(scrape: Callable[[], str]) -> type[BaseHTTPRequestHandler]:
                 body = scrape().encode()
             except NvmlError as e:  # the scraper's "down", not the agent's end
                 self.send_error(500, f"could not read the GPUs: {e}")
+                return
+            except Exception:  # a thread's edge: log it, answer, go on
+                log.exception("a scrape failed")
+                self.send_error(500, "the scrape failed; the node agent's log says why")
                 return
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE)
@@ -68,7 +80,9 @@ def _handler(scrape: Callable[[], str]) -> type[BaseHTTPRequestHandler]:
 
 def serve_metrics(scrape: Callable[[], str], ip: str, port: int) -> ThreadingHTTPServer:
     """Serve ``scrape()`` at ``http://ip:port/metrics`` from a daemon thread."""
-    server = ThreadingHTTPServer((ip, port), _handler(scrape))
+    family = socket.getaddrinfo(ip, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("MetricsServer", (ThreadingHTTPServer,), {"address_family": family})
+    server = server_class((ip, port), _handler(scrape))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
@@ -87,9 +101,13 @@ class NetworkReader:
     def families(
         self, processes: list[MarkedProcess], assignments: dict[str, Assignment]
     ) -> list[Family]:
+        # Only the workloads holding GPUs here: a process carrying any other marker (a
+        # user can set one) costs the scrape nothing.
+        held = {a.marker for a in assignments.values() if a.marker}
+        theirs = [p for p in processes if workload_marker(p.marker) in held]
         with self._lock:  # scrapes may overlap; the counters' memory is one
             try:
-                traffic = self.usage.read(processes)
+                traffic = self.usage.read(theirs)
             except NetworkUsageUnavailable as e:
                 if not self._failed:
                     log.warning("no network metrics: %s", e)
@@ -108,7 +126,8 @@ def start_exporter(gpus: GpuState, hostname: str, ip: str, port: int) -> Threadi
     def scrape() -> str:
         assignments = gpus.assignments
         processes = marked_process_details((VISIBLE_DEVICES, *POD_VARIABLES))
-        pods = pod_identities(processes, gpus.whole)
+        holders = {uuid: a.marker for uuid, a in assignments.items() if a.marker}
+        pods = pod_identities(processes, gpus.whole, holders)
         gpu_families = families(
             gpus.sample(),
             gpus.whole,

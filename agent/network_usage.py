@@ -21,7 +21,7 @@ import contextlib
 import os
 import socket
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +91,7 @@ def _tcp_bytes(message: bytes) -> tuple[int, Traffic] | None:
 def _dump(family: int) -> dict[int, Traffic]:
     found: dict[int, Traffic] = {}
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as diag:
+        diag.settimeout(5)  # the kernel answers at once; a scrape never waits for ever
         diag.sendall(_dump_request(family, 1))
         while True:
             data = diag.recv(1 << 16)
@@ -118,15 +119,27 @@ def tcp_sockets() -> dict[int, Traffic]:
         raise NetworkUsageUnavailable(f"cannot read the kernel's socket diagnostics: {e}") from e
 
 
-def socket_inodes(pid: int, proc: Path) -> set[int]:
-    """The inodes of the sockets a process holds open (empty once it is gone)."""
+# The most descriptors of one process read per scrape: a process holding more (a user may
+# open millions) has the rest left uncounted rather than slow every scrape of the node.
+MAX_FDS = 65536
+
+
+def socket_inodes(pid: int, proc: Path) -> set[int] | None:
+    """The inodes of the sockets a process holds open: empty once it is gone, None where
+    they could not all be read (this time: the sockets' last readings then stand)."""
     inodes = set()
-    with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
-        for fd in (proc / str(pid) / "fd").iterdir():
+    try:
+        for count, fd in enumerate((proc / str(pid) / "fd").iterdir()):
+            if count >= MAX_FDS:
+                return None
             with contextlib.suppress(OSError):
                 target = os.readlink(fd)
                 if target.startswith("socket:["):
                     inodes.add(int(target[8:-1]))
+    except (FileNotFoundError, ProcessLookupError):
+        return set()
+    except OSError:
+        return None
     return inodes
 
 
@@ -137,13 +150,20 @@ def _namespace(pid: int | str, proc: Path) -> int | None:
         return None
 
 
+# What a reading counts: a network namespace's interfaces, or one socket, by inode.
+Source = tuple[str, int]
+
+
 @dataclass
 class NetworkUsage:
-    """Each workload's traffic on this node, counted as the module says."""
+    """Each workload's traffic on this node, counted as the module says. ``sockets`` reads
+    the kernel's TCP sockets (a test gives its own)."""
 
     proc: Path = Path("/proc")
-    # Per workload marker: its sockets' last readings, and what its closed sockets carried.
-    _open: dict[str, dict[int, Traffic]] = field(default_factory=dict)
+    sockets: Callable[[], Mapping[int, Traffic]] = field(default=lambda: tcp_sockets())
+    # Per workload marker: the last reading of each source it has, and what the sources it
+    # no longer has carried: together they only grow while the workload is on the node.
+    _last: dict[str, dict[Source, Traffic]] = field(default_factory=dict)
     _closed: dict[str, Traffic] = field(default_factory=dict)
 
     def read(self, processes: Iterable[MarkedProcess]) -> dict[str, Traffic]:
@@ -152,7 +172,7 @@ class NetworkUsage:
         by_workload: dict[str, list[MarkedProcess]] = {}
         for process in processes:
             by_workload.setdefault(workload_marker(process.marker), []).append(process)
-        sockets: Mapping[int, Traffic] | None = None
+        table: Mapping[int, Traffic] | None = None
         usage = {}
         for marker, members in by_workload.items():
             namespaces: dict[int, int] = {}  # namespace → the oldest member in it
@@ -163,31 +183,46 @@ class NetworkUsage:
                     shared.append(member.pid)
                 else:
                     namespaces.setdefault(space, member.pid)
-            total = sum((self._namespace_bytes(pid) for pid in namespaces.values()), Traffic())
+            before = self._last.get(marker, {})
+            now = self._namespaces(namespaces, before)
             if shared:
-                sockets = tcp_sockets() if sockets is None else sockets
-                total += self._socket_bytes(marker, shared, sockets)
-            usage[marker] = total
-        for gone in set(self._open) - set(by_workload):
-            del self._open[gone]
+                table = self.sockets() if table is None else table
+                now |= self._sockets(shared, before, table)
+            closed = self._closed.get(marker, Traffic())
+            closed = sum((last for key, last in before.items() if key not in now), closed)
+            self._last[marker], self._closed[marker] = now, closed
+            usage[marker] = sum(now.values(), closed)
+        for gone in set(self._last) - set(by_workload):
+            del self._last[gone]
             self._closed.pop(gone, None)
         return usage
 
-    def _namespace_bytes(self, pid: int) -> Traffic:
-        try:
-            return interface_bytes((self.proc / str(pid) / "net" / "dev").read_text())
-        except OSError:
-            return Traffic()
+    def _namespaces(
+        self, namespaces: Mapping[int, int], before: Mapping[Source, Traffic]
+    ) -> dict[Source, Traffic]:
+        """Each namespace's interfaces; one that cannot be read now keeps its last reading."""
+        now = {}
+        for space, pid in namespaces.items():
+            try:
+                dev = (self.proc / str(pid) / "net" / "dev").read_text()
+                now["ns", space] = interface_bytes(dev)
+            except OSError:
+                if ("ns", space) in before:
+                    now["ns", space] = before["ns", space]
+        return now
 
-    def _socket_bytes(
-        self, marker: str, pids: Iterable[int], sockets: Mapping[int, Traffic]
-    ) -> Traffic:
-        held = set().union(*(socket_inodes(pid, self.proc) for pid in pids))
-        now = {inode: sockets[inode] for inode in held if inode in sockets}
-        before = self._open.get(marker, {})
-        closed = self._closed.get(marker, Traffic())
-        for inode, last in before.items():
-            if inode not in now:
-                closed += last
-        self._open[marker], self._closed[marker] = now, closed
-        return sum(now.values(), closed)
+    def _sockets(
+        self, pids: Iterable[int], before: Mapping[Source, Traffic], table: Mapping[int, Traffic]
+    ) -> dict[Source, Traffic]:
+        """The sockets the processes hold, as the kernel counts them. A socket counted
+        before that is not seen among their descriptors now but still exists (they could
+        not all be read, or it was handed on) stays counted: only a socket gone from the
+        kernel is closed, with its last reading."""
+        held: set[int] = set()
+        for pid in pids:
+            held |= socket_inodes(pid, self.proc) or set()
+        now: dict[Source, Traffic] = {("sock", i): table[i] for i in held if i in table}
+        for kind, inode in before:
+            if kind == "sock" and ("sock", inode) not in now and inode in table:
+                now["sock", inode] = table[inode]
+        return now

@@ -25,6 +25,7 @@ from ..recovery.processes import (
     POD_NAME_VARIABLE,
     POD_NAMESPACE_VARIABLE,
     MarkedProcess,
+    workload_marker,
 )
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
@@ -117,10 +118,14 @@ class PodIdentity:
 
 
 def pod_identities(
-    processes: Iterable[MarkedProcess], served: Collection[str]
+    processes: Iterable[MarkedProcess], served: Collection[str], holders: Mapping[str, str]
 ) -> dict[str, PodIdentity]:
     """GPU UUID → the pod whose container was given it, for the pods whose first process
-    carries the pod variables (a Kubernetes pod gpufleet made; none on one machine)."""
+    carries the pod variables (a Kubernetes pod gpufleet made; none on one machine).
+
+    Only the workload holding a GPU (``holders``: UUID → its process marker, as the
+    controller says) names its pod: a process may carry any marker and variables it likes,
+    and must not relabel another's GPU."""
     ordered = sorted(processes, key=lambda p: (p.started, p.pid))
     first: dict[str, MarkedProcess] = {}
     for process in ordered:
@@ -134,7 +139,8 @@ def pod_identities(
         identity = PodIdentity(
             name, environ.get(POD_NAMESPACE_VARIABLE, ""), environ.get(CONTAINER_VARIABLE, "")
         )
-        found.update(dict.fromkeys(uuids, identity))
+        holder = workload_marker(marker)
+        found.update({uuid: identity for uuid in uuids if holders.get(uuid) == holder})
     return found
 
 

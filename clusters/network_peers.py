@@ -13,6 +13,7 @@ adds ``{ports}``. Pure: configuration in, :class:`~.manifests.Peer` and
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
@@ -74,24 +75,34 @@ def peer_from_config(spec: Mapping[str, Any]) -> Peer:
     )
 
 
-def address_peer(url: str) -> tuple[Peer, int]:
-    """The host of ``url`` as a one-address peer, and its port."""
+def url_port(url: str) -> int:
     parsed = urlparse(url)
-    host = parsed.hostname or "127.0.0.1"
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    bits = 128 if ":" in host else 32
-    return Peer(cidr=f"{host}/{bits}"), port
+    return parsed.port or (443 if parsed.scheme == "https" else 80)
 
 
-def address_endpoint(url: str, *specs: Mapping[str, Any] | None) -> Endpoint:
+def address_peer(url: str, option: str) -> Peer:
+    """The host of ``url`` as a one-address peer; a host that is a name, not an address,
+    cannot be one, and the error says to give ``option`` instead."""
+    host = urlparse(url).hostname or "127.0.0.1"
+    try:
+        return Peer(cidr=str(ipaddress.ip_network(host)))
+    except ValueError:
+        raise ValueError(
+            f"{url} names its host {host!r}, not an address, so a NetworkPolicy cannot "
+            f"allow it by default: give {option} (the pods or the address block behind it)"
+        ) from None
+
+
+def address_endpoint(url: str, option: str, *specs: Mapping[str, Any] | None) -> Endpoint:
     """The first given of ``specs`` as an endpoint ({ports} default to ``url``'s port), or
-    by default the host and port of ``url`` as a one-address peer."""
-    peer, port = address_peer(url)
+    by default the host and port of ``url`` as a one-address peer (``option``: what to set
+    where that host is a name)."""
+    port = url_port(url)
     for spec in specs:
         if spec:
             ports = tuple(int(p) for p in spec.get("ports", (port,)))
             return Endpoint(peer_from_config(spec), ports)
-    return Endpoint(peer, (port,))
+    return Endpoint(address_peer(url, option), (port,))
 
 
 def egress_endpoints(specs: Sequence[Mapping[str, Any]]) -> tuple[Endpoint, ...]:

@@ -194,8 +194,18 @@ class KubeJobs(LoopComponent):
         egress = self.network_egress if own.job_egress is None else own.job_egress
         return JobPodSettings(
             image=self.image,
-            hub=address_endpoint(hub_url, own.hub, self.network_hub),
-            controller=address_endpoint(controller_url, own.controller, self.network_controller),
+            hub=address_endpoint(
+                hub_url,
+                "c.KubeJobs.network_hub or the cluster's network.hub",
+                own.hub,
+                self.network_hub,
+            ),
+            controller=address_endpoint(
+                controller_url,
+                "c.KubeJobs.network_controller or the cluster's network.controller",
+                own.controller,
+                self.network_controller,
+            ),
             dns=KUBE_DNS if self.network_dns else None,
             extra_egress=egress_endpoints(egress),
             priority_class_name=self.priority_class,

@@ -80,6 +80,10 @@ class GpuSample:
     nvlink_data_bytes: int | None = None  # sent and received, all links, since driver load
 
 
+# A field's scope for "every NVLink link together" (nvml.h: UINT_MAX sums over the links).
+ALL_LINKS = 0xFFFFFFFF
+
+
 class Telemetry(TypedDict):
     """``GpuSample``'s readings for the exporter only."""
 
@@ -283,16 +287,28 @@ class Nvml:
             **telemetry,
         )
 
+    def _lenient(self, call: Callable[[], T]) -> T | None:
+        """``call()``, or None on any NVML error but a lost GPU: a reading only the exporter
+        shows never costs the sample the controller needs."""
+        nvml = self._nvml
+        try:
+            return call()
+        except nvml.NVMLError_GpuIsLost:
+            raise
+        except nvml.NVMLError:
+            return None
+
     def _telemetry(self, handle: Any) -> Telemetry:
         """The readings only the exporter shows, each None where NVML cannot read it."""
         nvml = self._nvml
-        optional = self._optional
+        optional = self._lenient
         memory = optional(lambda: nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2))
+        # A link's field is read per link (its scope): ALL_LINKS asks for their sum.
         fields = self._field_values(
             handle,
-            nvml.NVML_FI_DEV_MEMORY_TEMP,
-            nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
-            nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+            (nvml.NVML_FI_DEV_MEMORY_TEMP, 0),
+            (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS),
+            (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
         )
         nvlink_kib = [fields.get(nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX)]
         nvlink_kib.append(fields.get(nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX))
@@ -321,10 +337,11 @@ class Nvml:
             ),
         }
 
-    def _field_values(self, handle: Any, *field_ids: int) -> dict[int, int]:
-        """The integer field values NVML answers, by field id; a field it refuses is absent."""
+    def _field_values(self, handle: Any, *fields: tuple[int, int]) -> dict[int, int]:
+        """The integer values NVML answers for (field id, scope) pairs, by field id; a field
+        it refuses is absent."""
         nvml = self._nvml
-        values = self._optional(lambda: nvml.nvmlDeviceGetFieldValues(handle, list(field_ids)))
+        values = self._lenient(lambda: nvml.nvmlDeviceGetFieldValues(handle, list(fields)))
         read: dict[int, int] = {}
         for value in values or ():
             if value.nvmlReturn != nvml.NVML_SUCCESS:

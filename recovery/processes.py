@@ -99,8 +99,10 @@ def marked_process_details(
             continue
         try:
             environ = (entry / "environ").read_bytes()
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            stat = _stat(int(entry.name), proc)
+        except OSError:  # gone, or another user's
+            continue
+        if stat is None:
             continue
         if stat[0] == "Z":  # a zombie holds no GPU memory; its parent reaps it
             continue
@@ -141,11 +143,14 @@ def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
 
 
 def _stat(pid: int, proc: Path) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command's name (field 3 on)."""
+    """The fields of ``/proc/<pid>/stat`` after the command's name (field 3 on). The name
+    is the process's own choice (any bytes, a ')' included), so it is cut off as bytes:
+    what follows the last ')' is the kernel's, in ASCII."""
     try:
-        return (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        raw = (proc / str(pid) / "stat").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         return None
+    return raw.rsplit(b")", 1)[1].decode("ascii").split()
 
 
 def start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:

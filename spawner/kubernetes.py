@@ -297,15 +297,22 @@ class KubeGPUSpawner(KubeSnapshotMixin, GPUQueueSpawner, KubeSpawner):
         """The session pod's policy: its cluster's own peers where it has them, else the
         options' (docs/kubernetes.md, "NetworkPolicy")."""
         own = self.cluster_settings(self.cluster_name).network
-        hub = address_endpoint(self.hub.api_url, own.hub, self.network_hub)
+        option = "c.KubeGPUSpawner.network_{} or the cluster's network.{}"
+        hub = address_endpoint(
+            self.hub.api_url, option.format("hub", "hub"), own.hub, self.network_hub
+        )
+        controller = address_endpoint(
+            self.controller_api_url,
+            option.format("controller", "controller"),
+            own.controller,
+            self.network_controller,
+        )
         proxy_spec = own.proxy or self.network_proxy
         return session_network_policy(
             self.session_pod(),
             proxy=peer_from_config(proxy_spec) if proxy_spec else hub.peer,
             hub=hub,
-            controller=address_endpoint(
-                self.controller_api_url, own.controller, self.network_controller
-            ),
+            controller=controller,
             dns=KUBE_DNS if self.network_dns else None,
         )
 

@@ -76,6 +76,7 @@
  *   pcie_rx_kbps=0                    ... (NVML_PCIE_UTIL_RX_BYTES), KB/s
  *   nvlink_tx_kib=0                   nvmlDeviceGetFieldValues(NVML_FI_DEV_NVLINK_THROUGHPUT_
  *   nvlink_rx_kib=0                   DATA_TX / _RX): data sent and received, all links, KiB
+ *                                     (scope UINT_MAX; scope = a link: an even share of it)
  *   nvlink_links=12                   links 0..n-1 are active; 0: NVLink not supported
  *   nvlink_error=<link>,<counter>,<value>   repeatable; nvmlDeviceGetNvLinkErrorCounter
  *   cuda_compute_capability=8.0       nvmlDeviceGetCudaComputeCapability
@@ -1211,6 +1212,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t devic
 #define NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION 83
 #define NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX 138
 #define NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX 139
+#define NVML_ALL_LINKS 0xFFFFFFFFu
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
 #define NVML_VALUE_TYPE_UNSIGNED_LONG_LONG 3
 
@@ -1310,13 +1312,17 @@ static void field_value(const struct fake_gpu *g, nvmlFieldValue_t *f) {
         break;
     case NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX:
     case NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX:
-        if (!g->nvlink_links) {
+        /* The scope is a link; UINT_MAX, all of them. The GPU's total is spread evenly over
+           its links (link 0 takes what does not divide). */
+        if (!g->nvlink_links || (f->scopeId != NVML_ALL_LINKS && f->scopeId >= g->nvlink_links)) {
             f->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
             return;
         }
         feature = F_NVLINK;
         value = f->fieldId == NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX ? g->nvlink_tx_kib
                                                                     : g->nvlink_rx_kib;
+        if (f->scopeId != NVML_ALL_LINKS)
+            value = value / g->nvlink_links + (f->scopeId == 0 ? value % g->nvlink_links : 0);
         break;
     default:
         f->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;

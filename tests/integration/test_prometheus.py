@@ -76,7 +76,9 @@ def running(prometheus_hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> It
     hub = prometheus_hub
     root = tmp_path_factory.mktemp("prometheus")
     rules = root / "gpufleet-rules.yml"
-    rules.write_text(re.sub(r"interval: 30s", "interval: 1s", RULES.read_text()))
+    fast, groups = re.subn(r"interval: 30s", "interval: 1s", RULES.read_text())
+    assert groups == len(yaml.safe_load(RULES.read_text())["groups"]), "every group, faster"
+    rules.write_text(fast)
     config = root / "prometheus.yml"
     config.write_text(yaml.safe_dump(prometheus_config(hub, rules)))
     port = free_port()
@@ -106,11 +108,17 @@ def running(prometheus_hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> It
             )
         yield Running(hub, url, session["id"], job)
     finally:
-        process.terminate()
-        process.wait(timeout=30)
-        if job is not None:
-            hub.controller("POST", f"/jobs/{job}/cancel", token=hub.user_token("bob"))
-        hub.stop_all_servers()
+        try:
+            if job is not None:
+                hub.controller("POST", f"/jobs/{job}/cancel", token=hub.user_token("bob"))
+            hub.stop_all_servers()
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def ready(url: str) -> bool:

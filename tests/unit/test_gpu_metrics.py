@@ -192,10 +192,10 @@ def test_a_lost_gpu_is_flagged_and_reports_no_readings() -> None:
 def test_label_values_are_escaped() -> None:
     metrics = scrape(
         [GpuSample("GPU-a", 0, 0.0, utilization_gpu_pct=1)],
-        assignments={"GPU-a": Assignment(1, "a\\b", 'say "hi"\nthere', project='p"q')},
+        assignments={"GPU-a": Assignment(1, "a\\b", "job", project='say "hi"\nthere')},
     )
     ((labels, _),) = metrics.samples["DCGM_FI_DEV_GPU_UTIL"]
-    assert (labels["gpufleet_user"], labels["gpufleet_project"]) == ("a\\b", 'p"q')
+    assert (labels["gpufleet_user"], labels["gpufleet_project"]) == ("a\\b", 'say "hi"\nthere')
 
 
 def test_a_workload_s_traffic_is_a_pair_of_counters_named_after_it() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -165,6 +166,38 @@ def test_marked_processes_are_read_with_their_devices_and_start_order(tmp_path: 
             proc.wait()
 
 
+# Names itself with bytes that are not UTF-8 and a ')' (prctl PR_SET_NAME), then waits.
+ODD_NAME = """
+import ctypes, sys
+ctypes.CDLL(None).prctl(15, b"x) \\xff\\xfe(", 0, 0, 0)
+print("named", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_process_named_with_any_bytes_is_read_like_any_other(tmp_path: Path) -> None:
+    """A process chooses its own name: one that is not UTF-8, or holds a ')', must not
+    stop the agent reading every other process (its metrics, its read-back)."""
+    marker = processes.new_marker()
+    env = {**os.environ, processes.MARKER_VARIABLE: marker}
+    odd = subprocess.Popen(
+        [sys.executable, "-c", ODD_NAME],
+        env=env,
+        cwd=tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert odd.stdout is not None and odd.stdout.readline() == b"named\n"
+        assert b"\xff" in Path(f"/proc/{odd.pid}/stat").read_bytes()
+        found = [p for p in processes.marked_process_details(()) if p.marker == marker]
+        assert [p.pid for p in found] == [odd.pid]
+        assert processes.start_ticks(odd.pid) == found[0].started
+    finally:
+        odd.kill()
+        odd.wait()
+
+
 def pod_process(pid: int, marker: str, visible: str, **pod: str) -> MarkedProcess:
     names = {
         "pod": processes.POD_NAME_VARIABLE,
@@ -183,8 +216,11 @@ def test_each_gpu_is_named_after_the_pod_its_container_was_given_to() -> None:
             # A later process of the first pod, with another pod's name, changes nothing.
             pod_process(12, "m1.0", "GPU-a", pod="forged", namespace="ns", container="t"),
             process(13, "local", "GPU-c"),  # one machine: no pod variables
+            # A process with a marker of its own, naming GPU-a and a pod: not GPU-a's holder.
+            pod_process(14, "forger", "GPU-a", pod="fake", namespace="other", container="x"),
         ],
         SERVED,
+        {"GPU-a": "m1", "GPU-b": "m1", "GPU-c": "local"},
     )
     assert found == {
         "GPU-a": PodIdentity("gf-job-1-a1-0", "ns", "t"),

@@ -124,6 +124,19 @@ def test_a_cluster_s_own_peers_win_over_the_options_for_its_job_pods() -> None:
     assert there.extra_egress == (Endpoint(Peer(cidr="10.20.0.20/32"), (9000,)),)
 
 
+def test_a_hub_known_by_a_service_name_is_allowed_as_its_peer_option_says() -> None:
+    """In a cluster the hub is a Service name, which no policy can name: the option's peer
+    stands for it, and without one the error says which option to give."""
+    config = Config()
+    config.KubeJobs.network_hub = {"pod_labels": {"app": "hub"}, "ports": [8081]}
+    settings = loop(config).pod_settings(
+        "http://gf-gpufleet-hub.gpufleet.svc:8081/hub/api", "http://10.0.0.6:8090/"
+    )
+    assert settings.hub == Endpoint(Peer(pod_labels={"app": "hub"}), (8081,))
+    with pytest.raises(ValueError, match=r"give c\.KubeJobs\.network_hub"):
+        loop().pod_settings("http://gf-gpufleet-hub.gpufleet.svc:8081/hub/api", "http://x/")
+
+
 def test_a_job_checkpointing_to_s3_reads_its_user_s_keys_by_the_user_s_slug() -> None:
     config = Config()
     config.KubeJobs.image = "lab:1"

@@ -90,8 +90,8 @@ def test_the_exporter_s_telemetry_reads_clocks_energy_video_pcie_and_nvlink(
         decoder_utilization=34,
         pcie_tx_kbps=2_000,
         pcie_rx_kbps=3_000,
-        nvlink_tx_kib=7,
-        nvlink_rx_kib=5,
+        nvlink_tx_kib=1200,  # over its 12 links: 100 KiB sent on each
+        nvlink_rx_kib=600,
     )
     bare = FakeGpu(
         "GPU-1111",
@@ -114,7 +114,7 @@ def test_the_exporter_s_telemetry_reads_clocks_energy_video_pcie_and_nvlink(
         "decoder_utilization_pct": 34,
         "pcie_tx_bytes_per_s": 2_000 * 1024,
         "pcie_rx_bytes_per_s": 3_000 * 1024,
-        "nvlink_data_bytes": 12 * 1024,
+        "nvlink_data_bytes": 1800 * 1024,  # every link's, not link 0's
     }
     unread = {
         key: second[key]
