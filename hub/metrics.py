@@ -26,6 +26,7 @@ from ..state.models import (
     Event,
     Gpu,
     Node,
+    NodeHealth,
     Project,
     ProjectKind,
     Workload,
@@ -118,7 +119,9 @@ class FleetCollector(Collector):
             labels=["gpu_type", "cause"],
         )
         with self.store.read() as session:
-            types = session.scalars(select(Gpu.gpu_type).distinct()).all()
+            types = session.scalars(
+                select(Gpu.gpu_type).where(Gpu.present.is_(True)).distinct()
+            ).all()
         # A type nothing waits for has no free GPU while work waits: 0 for it, not "no data".
         found: dict[str, Mapping[IdleCause, int]] = {gpu_type: {} for gpu_type in types}
         found |= self.store.scheduling.idle_gpus()
@@ -134,7 +137,7 @@ def _projects_and_types(session: Session) -> list[tuple[str, str]]:
     projects = session.scalars(
         select(Project.name).where(Project.kind != ProjectKind.organisation)
     ).all()
-    types = session.scalars(select(Gpu.gpu_type).distinct()).all()
+    types = session.scalars(select(Gpu.gpu_type).where(Gpu.present.is_(True)).distinct()).all()
     return [(project, gpu_type) for project in sorted(projects) for gpu_type in sorted(types)]
 
 
@@ -194,16 +197,16 @@ def _capacity(session: Session) -> GaugeMetricFamily:
     return capacity
 
 
-def gpu_health_state(gpu: Gpu, node_cordoned: bool) -> str:
+def gpu_health_state(gpu: Gpu, node: Node) -> str:
     """The recovery loop's verdict on a GPU, worst first: ``lemon`` (repeated hardware
     faults: out of service until an admin clears it), ``cordoned`` (it or its node takes no
-    new work), ``suspect`` (lost, or a reset or diagnosis is due or under way), else
-    ``healthy``."""
+    new work), ``suspect`` (lost, a reset or diagnosis due or under way, or its node not
+    healthy or not heard from), else ``healthy``."""
     if gpu.lemon:
         return "lemon"
-    if gpu.cordoned or node_cordoned:
+    if gpu.cordoned or node.cordoned:
         return "cordoned"
-    if gpu.lost or gpu.maintenance is not None:
+    if gpu.lost or gpu.maintenance is not None or node.health != NodeHealth.ok:
         return "suspect"
     return "healthy"
 
@@ -217,14 +220,14 @@ def _gpu_health(session: Session) -> GaugeMetricFamily:
         "cordoned or lemon; docs/monitoring.md)",
         labels=["Hostname", "gpu", "UUID", "gpu_type", "state"],
     )
-    for gpu, node, node_cordoned in session.execute(
-        select(Gpu, Node.name, Node.cordoned)
+    for gpu, node in session.execute(
+        select(Gpu, Node)
         .join(Node, Gpu.node_id == Node.id)
         .where(Gpu.present.is_(True))
         .order_by(Node.name, Gpu.index)
     ):
-        state = gpu_health_state(gpu, node_cordoned)
-        health.add_metric([node, str(gpu.index), gpu.uuid, gpu.gpu_type, state], 1)
+        state = gpu_health_state(gpu, node)
+        health.add_metric([node.name, str(gpu.index), gpu.uuid, gpu.gpu_type, state], 1)
     return health
 
 
