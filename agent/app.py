@@ -66,6 +66,7 @@ from .placements import (
 )
 from .progress import RankReport, bind_progress, progress_app
 from .stacks import StackTaker
+from .xid_watch import XidWatch
 
 # While operations run, their progress goes to the controller this often; with none,
 # the agent long-polls this long for the next.
@@ -765,16 +766,8 @@ class NodeAgent(Application, RenamedSnapshotOptions):
             await asyncio.sleep(self.sample_interval)
 
     async def _xids(self, client: httpx.AsyncClient, gpus: GpuState) -> None:
-        """Forward every XID as NVML delivers it (the wait blocks, so it runs in a thread)."""
-        while True:
-            try:
-                event = await asyncio.to_thread(gpus.nvml.wait_xid, 500)
-            except NvmlError as e:
-                self.log.error("%s; trying again", e)
-                await asyncio.sleep(1)
-                continue
-            if event is None:
-                continue
+        """Forward every XID as NVML delivers it (agent/xid_watch.py)."""
+        async for event in XidWatch(gpus.nvml, self.log).events():
             gpus.last_xid[event.uuid] = event.xid
             self.log.warning("XID %d on GPU %s", event.xid, event.uuid)
             for _ in range(10):
