@@ -190,10 +190,11 @@ def marked_pids(marker: str, proc: Path = Path("/proc")) -> list[int]:
         try:
             if wanted not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            # The name before the last ')' is the process's own choice, any bytes.
+            state = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
         except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
             continue
-        if state != "Z":
+        if state != b"Z":
             found.append(int(entry.name))
     return found
 
