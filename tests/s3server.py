@@ -211,6 +211,14 @@ class S3Server:
         self.client().create_bucket(Bucket=name)
         return name
 
+    def checkpoint_bucket(self) -> str:
+        """The researchers' checkpoint bucket (``CHECKPOINT_BUCKET``, which their scoped
+        identities name), made by the first test of this server that needs it."""
+        client = self.client()
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+            client.create_bucket(Bucket=CHECKPOINT_BUCKET)
+        return CHECKPOINT_BUCKET
+
     def fresh_place(self) -> tuple[str, str]:
         """A bucket and a fresh prefix in it that nothing else uses. The bucket is shared:
         SeaweedFS's first write to a new bucket allocates its volumes (a fifth of a second)."""

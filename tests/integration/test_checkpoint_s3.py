@@ -65,7 +65,7 @@ def s3_hub(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> Ite
     secrets = root / "checkpoint-credentials.json"
     secrets.write_text(json.dumps({u: checkpoint_credentials(u) for u in CHECKPOINT_USERS}))
     secrets.chmod(0o600)
-    s3_server.client().create_bucket(Bucket=CHECKPOINT_BUCKET)
+    s3_server.checkpoint_bucket()
     config = f"""
 c.FleetController.job_checkpoint_store = "s3://{CHECKPOINT_BUCKET}/jobs/{{user}}/{{job}}"
 c.NodeAgent.checkpoint_credentials_file = {str(secrets)!r}

@@ -146,7 +146,10 @@ def test_the_series_budget_per_gpu_and_per_workload_holds(fleet: Hub) -> None:
                 per_gpu[labels["UUID"]] = per_gpu.get(labels["UUID"], 0) + 1
             elif "hpc_job" in labels:
                 per_workload[labels["hpc_job"]] = per_workload.get(labels["hpc_job"], 0) + 1
-    assert len(per_gpu) == 8 and set(per_gpu.values()) == {SERIES_PER_GPU}, per_gpu
+    # A GPU that had an XID (another test's, on this shared hub) has its last one besides.
+    had_xid = {labels["UUID"] for labels, _ in found.samples.get("DCGM_FI_DEV_XID_ERRORS", [])}
+    budget = {uuid: SERIES_PER_GPU + (uuid in had_xid) for uuid in per_gpu}
+    assert len(per_gpu) == 8 and per_gpu == budget, per_gpu
     assert per_workload[str(bob["id"])] == SERIES_PER_WORKLOAD_AND_NODE
     # Nothing on a per-GPU series changes with a step or an attempt.
     names = {name for samples in found.samples.values() for labels, _ in samples for name in labels}

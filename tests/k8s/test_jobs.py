@@ -290,8 +290,7 @@ def test_a_pod_reaches_its_user_s_checkpoints_in_s3_with_the_user_s_own_keys_alo
             )
             assert made.status_code in (201, 409), made.text
     admin = s3_server.client()
-    with contextlib.suppress(admin.exceptions.BucketAlreadyOwnedByYou):
-        admin.create_bucket(Bucket=CHECKPOINT_BUCKET)
+    s3_server.checkpoint_bucket()
     admin.put_object(Bucket=CHECKPOINT_BUCKET, Key="jobs/bob/train/step-9", Body=b"bob's")
     uri = f"s3://{CHECKPOINT_BUCKET}/jobs/alice/probe"
     job_id = submit(alice, PROBES, gpus=1, gpus_per_pod=1, name="probe", checkpoint_uri=uri)
