@@ -22,7 +22,9 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import kubernetes_validate
@@ -30,6 +32,11 @@ import pytest
 import yaml
 from traitlets import HasTraits
 from traitlets.config.loader import PyFileConfigLoader
+
+from gpufleet.clusters.kube_config import ClusterSettings
+from gpufleet.hub.kube_jobs import KubeJobs
+from gpufleet.hub.notifier import Notifier
+from gpufleet.spawner.kubernetes import KubeGPUSpawner
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "gpufleet"
@@ -367,6 +374,68 @@ def test_config_file_makes_the_controller_and_the_agent(
     assert agent.NodeAgent.progress_ip == agent.NodeAgent.metrics_ip == "10.1.2.3"
     assert agent.NodeAgent.zone == "us-east-1a"
     assert agent.SnapshotSettings.key_file == "/etc/gpufleet/secrets/snapshot-master-key"
+
+
+@pytest.mark.parametrize("example", ["one-cluster.yaml", "several-clusters.yaml"])
+def test_the_peers_the_chart_gives_make_every_cluster_s_pod_policies(
+    helm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, example: str
+) -> None:
+    """In pods the hub and the controller are Service names, which no NetworkPolicy can
+    name: the chart's peers stand for them, for the job pods of every cluster and for the
+    sessions, and the controller starts with them."""
+    objects = render(helm, "-f", CHART / "examples" / example)
+    settings = settings_of(objects)
+    c = _load_config(settings["controller"], tmp_path, monkeypatch)
+    # Every cluster reached as the pod's own (the others' kubeconfig Secrets are not here).
+    entries = [
+        {**entry, "kubeconfig": None, "in_cluster": True} for entry in c.FleetController.clusters
+    ]
+    clusters = [ClusterSettings.model_validate(entry) for entry in entries]
+    [deployment] = [
+        o
+        for o in objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-controller")
+    ]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    jobs = KubeJobs(
+        clusters,
+        store=None,  # type: ignore[arg-type]  # nothing here reaches the store
+        now=lambda: datetime.now(UTC),
+        kick=lambda: None,
+        notifier=Notifier(),
+        hub_url=env["JUPYTERHUB_API_URL"],
+        controller_url=c.FleetController.service_url,
+        config=c,
+    )
+    for manager in jobs.managers.values():
+        assert manager.settings.hub.peer.pod_labels or manager.settings.hub.peer.cidr
+    hub = _load_config(settings["hub"], tmp_path, monkeypatch)
+    hub.KubeGPUSpawner.clusters = entries
+    for name in (cluster.name for cluster in clusters):
+        spawner = KubeGPUSpawner(
+            config=hub,
+            user=SimpleNamespace(name="alice", id=7, url="/user/alice/"),
+            hub=SimpleNamespace(
+                api_url=f"{hub.JupyterHub.hub_connect_url}/hub/api",
+                url="/hub/",
+                base_url="/",
+                public_host="",
+            ),
+        )
+        spawner.load_state(
+            {
+                "gpufleet_workload_id": 42,
+                "gpufleet_gpu_uuids": [f"k8s/{name}/n-1/0"],
+                "gpufleet_node": "n-1",
+                "gpufleet_marker": "m",
+                "gpufleet_cluster": name,
+            }
+        )
+        spawner.user_options = {"project": "vision", "gpu_type": "A100-80GB", "gpus": 1}
+        spawner._uid, spawner._gid = 200_001, 200_001
+        policy = spawner.network_policy()
+        assert policy["spec"]["egress"], name
 
 
 # ---------------------------------------------------------------- RBAC and NetworkPolicies
