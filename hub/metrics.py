@@ -6,7 +6,7 @@ they are never stale and cost nothing between scrapes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -47,14 +47,16 @@ class FleetCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         # The queue, the allocations and the capacity are read at one moment: they add up.
         with self.store.read() as session:
-            queued = _queued(session)
-            allocated = _allocated(session)
+            types = _present_types(session)
+            pairs = _project_pairs(session, types)
+            queued = _queued(session, pairs)
+            allocated = _allocated(session, pairs)
             capacity = _capacity(session)
             health = _gpu_health(session)
         breakers = self._breakers()
         cordons = self._cordons()
         ettr = self._training_ratios()
-        idle = self._idle()
+        idle = self._idle(types)
         yield queued
         yield allocated
         yield idle
@@ -111,17 +113,13 @@ class FleetCollector(Collector):
                     ettr.add_metric([str(job_id), name, project], ratio)
         return ettr
 
-    def _idle(self) -> GaugeMetricFamily:
+    def _idle(self, types: Sequence[str]) -> GaugeMetricFamily:
         idle = GaugeMetricFamily(
             "gpufleet_idle_gpus",
             "Free GPUs of a type work waits for, after the last admission cycle, by why "
             "nothing waiting uses them (docs/simulator.md, 'Idle while waiting, by why')",
             labels=["gpu_type", "cause"],
         )
-        with self.store.read() as session:
-            types = session.scalars(
-                select(Gpu.gpu_type).where(Gpu.present.is_(True)).distinct()
-            ).all()
         # A type nothing waits for has no free GPU while work waits: 0 for it, not "no data".
         found: dict[str, Mapping[IdleCause, int]] = {gpu_type: {} for gpu_type in types}
         found |= self.store.scheduling.idle_gpus()
@@ -131,17 +129,23 @@ class FleetCollector(Collector):
         return idle
 
 
-def _projects_and_types(session: Session) -> list[tuple[str, str]]:
-    """Every (project, GPU type) of the fleet: the per-project series exist at 0 for each,
-    so a panel shows 0, not "no data", while nothing waits or runs."""
+def _present_types(session: Session) -> list[str]:
+    """The GPU types of the GPUs present: the per-type series exist at 0 for each, so a
+    panel shows 0, not "no data", while nothing waits or runs."""
+    return sorted(
+        session.scalars(select(Gpu.gpu_type).where(Gpu.present.is_(True)).distinct()).all()
+    )
+
+
+def _project_pairs(session: Session, types: Sequence[str]) -> list[tuple[str, str]]:
+    """Every (project, GPU type) of the fleet, for the per-project series' zeros."""
     projects = session.scalars(
         select(Project.name).where(Project.kind != ProjectKind.organisation)
     ).all()
-    types = session.scalars(select(Gpu.gpu_type).where(Gpu.present.is_(True)).distinct()).all()
-    return [(project, gpu_type) for project in sorted(projects) for gpu_type in sorted(types)]
+    return [(project, gpu_type) for project in sorted(projects) for gpu_type in types]
 
 
-def _queued(session: Session) -> GaugeMetricFamily:
+def _queued(session: Session, pairs: Sequence[tuple[str, str]]) -> GaugeMetricFamily:
     queued = GaugeMetricFamily(
         "gpufleet_queue_workloads",
         "Workloads waiting for GPUs",
@@ -156,7 +160,7 @@ def _queued(session: Session) -> GaugeMetricFamily:
             .group_by(Project.name, Workload.gpu_type, Workload.kind)
         )
     }
-    for project, gpu_type in _projects_and_types(session):
+    for project, gpu_type in pairs:
         for kind in WorkloadKind:
             counts.setdefault((project, gpu_type, kind.value), 0)
     for labels, count in sorted(counts.items()):
@@ -164,11 +168,11 @@ def _queued(session: Session) -> GaugeMetricFamily:
     return queued
 
 
-def _allocated(session: Session) -> GaugeMetricFamily:
+def _allocated(session: Session, pairs: Sequence[tuple[str, str]]) -> GaugeMetricFamily:
     allocated = GaugeMetricFamily(
         "gpufleet_allocated_gpus", "GPUs allocated now", labels=["project", "gpu_type"]
     )
-    counts = dict.fromkeys(_projects_and_types(session), 0)
+    counts = dict.fromkeys(pairs, 0)
     for project, gpu_type, count in session.execute(
         select(Project.name, Allocation.gpu_type, func.count())
         .join(Project, Allocation.project_id == Project.id)

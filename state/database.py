@@ -65,19 +65,17 @@ class Database:
         try rather than a lease's length after the last renewal (a controller that stops
         cleanly, as in a rolling update). Whether it was held."""
         with db.transaction(self.sessions) as session:
-            result = session.execute(
-                update(ControllerLease)
-                .where(
-                    ControllerLease.name == LEASE_NAME,
-                    ControllerLease.holder == self.holder,
-                    ControllerLease.epoch == self.epoch,
-                )
-                .values(expires_at=now)
-            )
+            held = self._expire_ours(session, now)
         self.epoch = None
-        return bool(result.rowcount)  # type: ignore[attr-defined]
+        return held
 
     def fence(self, session: Session, now: datetime) -> None:
+        if not self._expire_ours(session, now + self.lease_ttl):
+            raise LeaseLost(f"controller {self.holder} no longer holds the database lease")
+
+    def _expire_ours(self, session: Session, expires_at: datetime) -> bool:
+        """Set the lease's expiry if this controller holds it (this holder, this epoch);
+        whether it did."""
         result = session.execute(
             update(ControllerLease)
             .where(
@@ -85,10 +83,9 @@ class Database:
                 ControllerLease.holder == self.holder,
                 ControllerLease.epoch == self.epoch,
             )
-            .values(expires_at=now + self.lease_ttl)
+            .values(expires_at=expires_at)
         )
-        if result.rowcount != 1:  # type: ignore[attr-defined]
-            raise LeaseLost(f"controller {self.holder} no longer holds the database lease")
+        return bool(result.rowcount == 1)  # type: ignore[attr-defined]
 
     @contextmanager
     def write(self, now: datetime) -> Iterator[Session]:
