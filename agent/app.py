@@ -583,12 +583,18 @@ class NodeAgent(Application, RenamedSnapshotOptions):
         settings = self.snapshot_settings(also_from=("FleetController",))
         return settings.access(data, cache_dir=os.path.join(self.data_dir, "statcache"))
 
+    def _operated_nodes(self) -> list[str]:
+        """The nodes whose operations and Kubernetes job pods this agent serves
+        (``operation_nodes``, else its GPUs' nodes, else ``node_name``: a DaemonSet's agent
+        on a node whose GPUs it does not report, ``nvml = "off"``)."""
+        nodes = list(self.operation_nodes) or [n["name"] for n in self.inventory]
+        return nodes or [self.node_name]
+
     async def _node_operations(self, client: httpx.AsyncClient) -> None:
         """Claim the snapshot passes, restores and maintenance asked of this agent's nodes
         and run them (snapshotter/node_operations.py, agent/maintenance.py), reporting progress at
         most every ``PROGRESS_EVERY_S`` while any runs; with none running, long-poll."""
-        nodes = list(self.operation_nodes) or [n["name"] for n in self.inventory]
-        nodes = nodes or [self.node_name]
+        nodes = self._operated_nodes()
         settings = self.snapshot_access()
         reports: dict[int, dict[str, Any]] = {}
         running: dict[asyncio.Task[None], int] = {}
@@ -704,7 +710,8 @@ class NodeAgent(Application, RenamedSnapshotOptions):
     async def _sync_pods(
         self, client: httpx.AsyncClient, keeper: PodKeeper, watched: KubePods, stacks: StackTaker
     ) -> None:
-        nodes = list(dict.fromkeys([n["name"] for n in self.inventory] + self.operation_nodes))
+        # Its GPUs' nodes (local ranks), and those whose Kubernetes job pods it relays.
+        nodes = list(dict.fromkeys([n["name"] for n in self.inventory] + self._operated_nodes()))
         while True:
             pods, chunks = keeper.report()
             relayed = await asyncio.to_thread(watched.chunks)

@@ -69,6 +69,7 @@ class JobPodSettings:
     image: str
     hub: Endpoint
     controller: Endpoint
+    python: str = "/opt/session/bin/python"  # a job's ranks' where it names none
     dns: Peer | None = None
     extra_egress: tuple[Endpoint, ...] = ()
     priority_class_name: str = "gpufleet-job"
@@ -517,7 +518,7 @@ class ClusterJobs:
             nodes=tuple(w.node for w in sorted(wanted, key=lambda w: w.pod_index)),
             node_selector=self.cluster.gpu_node_selector,
             image=settings.image,
-            python=str(spec.get("python") or ""),
+            python=str(spec.get("python") or settings.python),
             script_name=str(spec.get("script_name") or "train.py"),
             script=str(spec.get("script") or ""),
             args=tuple(str(a) for a in spec.get("args", ())),

@@ -46,6 +46,14 @@ class KubeJobs(LoopComponent):
         "Kubernetes cluster fail to start, saying so.",
     ).tag(config=True)
 
+    python = Unicode(
+        "/opt/session/bin/python",
+        help="The interpreter of a job's ranks in the image, where the submission names "
+        "none (one submitted from a session names its own, sys.executable; one from the "
+        "CLI or the SDK outside a session names none). The default is the sessions' "
+        "image's (helm/images/session).",
+    ).tag(config=True)
+
     interval = Float(
         2.0,
         help="Seconds between passes over each cluster's job pods (a placement, stop or "
@@ -194,6 +202,7 @@ class KubeJobs(LoopComponent):
         egress = self.network_egress if own.job_egress is None else own.job_egress
         return JobPodSettings(
             image=self.image,
+            python=self.python,
             hub=address_endpoint(
                 hub_url,
                 "c.KubeJobs.network_hub or the cluster's network.hub",

@@ -188,6 +188,7 @@ def sandboxed_command(
     notebook_dir: str,
     binds_at: Iterable[tuple[Path, Path]] = (),
     read_only_at: Iterable[tuple[Path, Path]] = (),
+    share_pids: bool = False,
 ) -> list[str]:
     """Prepare a server's directories for a start and return the command line that runs
     ``argv`` in its sandbox as the user of ``containment``, with ``home``, from the
@@ -196,7 +197,8 @@ def sandboxed_command(
     ``binds_at`` and ``read_only_at``: ``(host path, path inside)`` pairs bound read-write
     and read-only where the inside path says (a pod's volumes at their mount paths, for the
     Kubernetes tier's test kubelet); ``extra_binds`` and ``read_only`` appear at their own
-    paths.
+    paths. ``share_pids``: the caller's pid namespace is kept (that kubelet's ``hostPID``
+    pods, the platform's node agent; never a researcher's session).
 
     Raises :class:`SandboxUnavailable` with what went wrong.
     """
@@ -243,6 +245,7 @@ def sandboxed_command(
             tmp=dirs.tmp,
             user=(containment.uid, containment.gid),
             read_only=[*((p, p) for p in shown_read_only), *identity, *read_only_at],
+            share_pids=share_pids,
         )
     except ValueError as e:
         raise SandboxUnavailable(str(e)) from e

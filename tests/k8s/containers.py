@@ -7,7 +7,8 @@ container's own, so what it writes there is its "container layer"), a pid namesp
 own, a private ``/tmp``, a home of its own, the pod's volumes at their mount paths and the
 fake NVML library's directory read-only. The ``image`` is ignored: the command is found in
 the host's directories as the sandbox shows them (and in the sessions' base environment,
-which plays the image: ``DEFAULT_PATH``).
+which plays the image, or the environment the kubelet's settings name for the image:
+the platform's, for gpufleet's own images).
 
 The manifest's environment reaches only the container's command: the outer processes
 (``unshare``, ``mount``, ``bwrap``, ``setpriv``, the venv launcher), which run as root until
@@ -36,7 +37,7 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufleet.agent.containment import OUTER_PATH
@@ -66,15 +67,24 @@ class CannotStart(Exception):
 @dataclass(frozen=True)
 class SandboxSettings:
     """Where sandboxes are probed (one directory for the tier, so the probe runs once) and
-    what they run from: the sessions' base environment and the venv prefix inside."""
+    what they run from: the sessions' base environment, the venv prefix inside, and the
+    environments that play other images, by image repository (the platform's own)."""
 
     directory: Path
     base_env: Path
     prefix: Path
+    images: Mapping[str, Path] = field(default_factory=dict)
 
-    @property
-    def default_path(self) -> str:
-        return f"{self.prefix}/bin:{self.base_env}/bin:{SYSTEM_PATH}"
+    def image_env(self, image: str) -> Path | None:
+        """The environment that plays ``image`` (None: the sessions' base environment)."""
+        repository = image.split("@", 1)[0]
+        if ":" in repository.rsplit("/", 1)[-1]:
+            repository = repository.rsplit(":", 1)[0]
+        return self.images.get(repository)
+
+    def default_path(self, image_env: Path | None = None) -> str:
+        """The image's PATH: the run's own venv over the image's environment."""
+        return f"{self.prefix}/bin:{image_env or self.base_env}/bin:{SYSTEM_PATH}"
 
     def support(self) -> SandboxSupport:
         """This machine's sandbox (cached after the first probe); raises
@@ -91,7 +101,9 @@ class SandboxSettings:
 class Launch:
     """What one run of a container is: its command line and exact environment, whom it
     runs as, its mounts, where it starts, host paths it sees read-only at their own place
-    (the fake NVML library's directory) and its memory limit in bytes (None: none)."""
+    (the fake NVML library's directory), its memory limit in bytes (None: none), the
+    environment its image plays (None: the sessions' base) and whether it sees the host's
+    processes (``hostPID``: the sandbox keeps the kubelet's pid namespace)."""
 
     argv: Sequence[str]
     env: Mapping[str, str]
@@ -100,6 +112,8 @@ class Launch:
     working_dir: str = ""
     read_only: Sequence[Path] = ()
     memory_limit: int | None = None
+    image_env: Path | None = None
+    host_pid: bool = False
 
 
 class ContainerProcess:
@@ -237,7 +251,7 @@ def _start(
         uid=uid,
         gid=gid,
         mode="system",
-        base_env=settings.base_env,
+        base_env=launch.image_env or settings.base_env,
         prefix=settings.prefix,
     )
     marker = secrets.token_hex(16)
@@ -256,6 +270,7 @@ def _start(
             notebook_dir="",
             binds_at=[(m.source, m.destination) for m in launch.mounts if not m.read_only],
             read_only_at=[(m.source, m.destination) for m in launch.mounts if m.read_only],
+            share_pids=launch.host_pid,
         )
     except SandboxUnavailable as e:
         raise CannotStart(str(e)) from e

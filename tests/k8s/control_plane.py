@@ -70,6 +70,13 @@ BIN_ENV = "GPUFLEET_K8S_BIN"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BIN = REPO_ROOT / ".tools" / "k8s" / "bin"
 KUBE_BINARIES = ("kube-apiserver", "kube-scheduler", "kube-controller-manager")
+PLATFORM_ENV = REPO_ROOT / ".tools" / "platform-env"
+# The chart's default repositories of the images its platform pods run (values.yaml).
+PLATFORM_IMAGES = (
+    "gpufleet/hub-controller",
+    "gpufleet/agent",
+    "quay.io/jupyterhub/configurable-http-proxy",
+)
 INSTALL_HINT = (
     "the Kubernetes test tier is not built: run `scripts/install --k8s` (it builds "
     "kube-apiserver, kube-scheduler and kube-controller-manager once from Debian's source "
@@ -336,7 +343,10 @@ class ControlPlane:
             )
         if kubelets:
             settings = KubeletSettings(
-                workdir / "kubelets", PodAddresses(), fake_nvml_library=_fake_nvml(workdir)
+                workdir / "kubelets",
+                PodAddresses(),
+                fake_nvml_library=_fake_nvml(workdir),
+                images=platform_images(),
             )
             for cluster in clusters.values():
                 cluster.kubelet_settings = settings
@@ -424,6 +434,17 @@ class ControlPlane:
                 if c.etcd_data is not None:
                     shutil.rmtree(c.etcd_data, ignore_errors=True)
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def platform_images() -> dict[str, Path]:
+    """The images of the chart's platform pods (hub, controller, proxy, agent), played by
+    this checkout's platform environment (``scripts/build-session-env --platform``, which
+    ``scripts/install --k8s`` runs); none where it is not built: such pods then run from
+    the sessions' base environment, which lacks the platform's packages."""
+    built = PLATFORM_ENV.resolve()
+    if not (built / "bin" / "gpufleet-controller").exists():
+        return {}
+    return dict.fromkeys(PLATFORM_IMAGES, built)
 
 
 def _fake_nvml(workdir: Path) -> Path | None:

@@ -39,7 +39,7 @@ import shutil
 import threading
 import traceback
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,8 @@ RETRY_S = 0.5
 class KubeletSettings:
     """What the tier's kubelets share: where their files live (each kubelet's under
     ``<directory>/<cluster>/<node>``; sandboxes are probed in ``directory``), the pool of
-    pod addresses, the sessions' base environment that plays the image, and the fake NVML
+    pod addresses, the sessions' base environment that plays every image but those
+    ``images`` names (repository: the environment that plays it), and the fake NVML
     library (None: pods get no NVML)."""
 
     directory: Path
@@ -73,9 +74,20 @@ class KubeletSettings:
     base_env: Path = Path(default_session_env())
     prefix: Path = Path(DEFAULT_SESSION_PREFIX)
     fake_nvml_library: Path | None = None
+    images: Mapping[str, Path] = field(default_factory=dict)
 
     def sandbox(self) -> SandboxSettings:
-        return SandboxSettings(self.directory, self.base_env, self.prefix)
+        return SandboxSettings(self.directory, self.base_env, self.prefix, self.images)
+
+
+def api_service_env(api: httpx.URL) -> dict[str, str]:
+    """The variables by which a pod's in-cluster client finds the API server."""
+    port = str(api.port or 443)
+    return {
+        "KUBERNETES_SERVICE_HOST": str(api.host),
+        "KUBERNETES_SERVICE_PORT": port,
+        "KUBERNETES_SERVICE_PORT_HTTPS": port,
+    }
 
 
 class Kubelet:
@@ -141,6 +153,7 @@ class Kubelet:
             memory=cgroups,
             memory_problem=problem or "",
             forget=self._forget,
+            api_service_env=api_service_env(self._api.base_url),
         )
         if self.dns is not None:
             self._ctx.peers = PeerDirectory(

@@ -5,7 +5,9 @@ its peers' stable names: a pod with ``spec.hostname`` and ``spec.subdomain``, wh
 subdomain names a headless Service (``clusterIP: None``) of its namespace, is
 ``<hostname>.<subdomain>.<namespace>.svc.cluster.local`` in the cluster's DNS. So each
 pod gets a hosts file of its own, bound read-only over the container's ``/etc/hosts`` (the
-kubelet's ``etc-hosts``, as a real kubelet makes it for every pod not on the host's network):
+kubelet's ``etc-hosts``, as a real kubelet makes it for every pod not on the host's network;
+a pod on the host's network whose ``dnsPolicy`` is ``ClusterFirstWithHostNet`` gets the
+machine's lines in place of the first three items below):
 
 - ``localhost`` and the IPv6 names, as the kubelet writes them;
 - the pod's own names at its IP: the kubelet's ``<hostname>.<subdomain>.<ns>.svc.<domain>``
@@ -17,7 +19,12 @@ kubelet's ``etc-hosts``, as a real kubelet makes it for every pod not on the hos
 - the peers: every endpoint of the subdomain's Service with a ``hostname`` and not marked
   unready (``publishNotReadyAddresses: true`` marks every pod of the Service ready, so a
   job's pods see each other before they are Ready), each as
-  ``<hostname>.<subdomain>.<ns>.svc.<domain>`` and its shorter forms.
+  ``<hostname>.<subdomain>.<ns>.svc.<domain>`` and its shorter forms;
+- the Services of its namespace that have a cluster IP, each at the address of a ready
+  endpoint (the lowest), as ``<service>.<ns>.svc.<domain>`` and its shorter forms. A
+  cluster's DNS answers with the cluster IP, and its Service proxy forwards the Service's
+  port to the endpoint's target port; the tier has no proxy, so such a name works only
+  where the two ports are the same (the chart's in-cluster Services keep them so).
 
 The peers come from the Service's EndpointSlices, which the tier's controller-manager keeps
 from the pods its selector matches. Not from its Endpoints object: Endpoints validation
@@ -95,6 +102,27 @@ def names_of(hostname: str, subdomain: str, namespace: str) -> list[str]:
         f"{base}.{namespace}",
         base,
     ]
+
+
+def service_names(service: str, namespace: str) -> list[str]:
+    """A Service's names as a pod of ``namespace`` resolves them, the full one first."""
+    full = f"{service}.{namespace}"
+    return [f"{full}.svc.{CLUSTER_DOMAIN}", f"{full}.svc", full, service]
+
+
+def service_line(namespace: str, service: str, slices: Iterable[Manifest]) -> str | None:
+    """The line that answers for a Service with a cluster IP: the lowest address of its
+    ready endpoints, where a cluster's DNS gives the cluster IP and its Service proxy picks
+    an endpoint (the tier has no proxy, so the pod must serve on the Service's own port);
+    None while no endpoint is ready."""
+    ready = sorted(
+        str(address)
+        for piece in slices
+        for endpoint in piece.get("endpoints") or []
+        if (endpoint.get("conditions") or {}).get("ready") is not False
+        for address in endpoint.get("addresses") or []
+    )
+    return f"{ready[0]}\t{' '.join(service_names(service, namespace))}" if ready else None
 
 
 def fixed_lines(pod: Manifest, ip: str, machine: str) -> list[str]:
@@ -200,10 +228,14 @@ class HostsFile:
 
 
 def pod_hosts(pod: Manifest, ip: str, path: Path) -> HostsFile | None:
-    """The pod's hosts file, written at ``path`` with its fixed lines; None for a pod on the
-    host's network, which sees the machine's own."""
-    if (pod.get("spec") or {}).get("hostNetwork"):
-        return None
+    """The pod's hosts file, written at ``path`` with its fixed lines. A pod on the host's
+    network sees the machine's own (None), or with ``dnsPolicy: ClusterFirstWithHostNet``
+    (it asks the cluster's DNS) the machine's lines, and the Services' names after them."""
+    spec = pod.get("spec") or {}
+    if spec.get("hostNetwork"):
+        if spec.get("dnsPolicy") != "ClusterFirstWithHostNet":
+            return None
+        return HostsFile(path, Path("/etc/hosts").read_text().splitlines())
     return HostsFile(path, fixed_lines(pod, ip, socket.gethostname()))
 
 
@@ -258,14 +290,12 @@ class PeerDirectory:
             self._api.close()
 
     def follow(self, uid: str, pod: Manifest, ip: str, hosts: HostsFile) -> None:
-        """Keeps the pod's hosts file in step with its subdomain's Service from now on (a
-        pod without ``spec.subdomain`` has no peers)."""
+        """Keeps the pod's hosts file in step with its namespace's Services from now on:
+        its subdomain's pods, and the names of the Services with a cluster IP."""
         subdomain = str((pod.get("spec") or {}).get("subdomain") or "")
-        if not subdomain:
-            return
         follower = _Follower(str(pod["metadata"]["namespace"]), subdomain, ip, hosts)
         key = (follower.namespace, follower.service)
-        if self._api is not None:
+        if self._api is not None and subdomain:
             self._check_headless(self._api, key)
         with self._lock:
             self._followers[uid] = follower
@@ -380,14 +410,25 @@ class PeerDirectory:
             service.headless = (found.get("spec") or {}).get("clusterIP") == "None"
 
     def _rewrite(self, key: tuple[str, str]) -> None:
-        """Under the lock: the peer lines of every pod that follows the Service."""
-        service = self._services.get(key) or _Service()
-        slices = list(service.slices.values())
-        headless = service.headless and service.owner == _owner(slices)
-        for uid, follower in self._followers.items():
-            if (follower.namespace, follower.service) != key:
+        """Under the lock: the lines of every pod in the Service's namespace, which resolve
+        its subdomain's pods and every Service with a cluster IP there."""
+        namespace = key[0]
+        answers: list[str] = []
+        peers: dict[str, list[Manifest]] = {}
+        for (ns, name), service in self._services.items():
+            slices = list(service.slices.values())
+            if ns != namespace or service.owner != _owner(slices) or service.headless is None:
                 continue
-            lines = peer_lines(*key, slices, follower.ip) if headless else []
+            if service.headless:
+                peers[name] = slices
+            elif (line := service_line(ns, name, slices)) is not None:
+                answers.append(line)
+        for uid, follower in self._followers.items():
+            if follower.namespace != namespace:
+                continue
+            own = peers.get(follower.service)
+            headless = peer_lines(namespace, follower.service, own, follower.ip) if own else []
+            lines = [*headless, *answers]
             try:
                 follower.hosts.follow(lines)
             except OSError:

@@ -189,6 +189,7 @@ class PodWorker:
         self.transitions: dict[str, tuple[str, str]] = {}
         self.mount_problem = ""
         spec = pod.get("spec") or {}
+        self.host_network = bool(spec.get("hostNetwork"))
         self.containers: dict[str, Container] = {}
         for c in spec.get("initContainers") or []:
             self.containers[c["name"]] = Container(c, init=True)
@@ -273,7 +274,8 @@ class PodWorker:
             return False
         for name, ids in devices.items():
             self.containers[name].devices = ids
-        self.ip = self.ctx.addresses.take()
+        # A pod on the host's network has the node's address; others one of their own.
+        self.ip = HOST_IP if self.host_network else self.ctx.addresses.take()
         self.admitted = True
         return True
 
@@ -483,7 +485,12 @@ class PodWorker:
             platform["LD_LIBRARY_PATH"] = ":".join(p for p in library_path if p)
             platform["GPUFLEET_FAKE_NVML_CONTROL"] = str(nvml / "control")
             read_only.append(nvml)
-        env = {"PATH": self.ctx.sandbox.default_path, "HOSTNAME": pod_hostname(self.pod)}
+        image_env = self.ctx.sandbox.image_env(str(c.spec.get("image", "")))
+        env = {
+            "PATH": self.ctx.sandbox.default_path(image_env),
+            "HOSTNAME": pod_hostname(self.pod),
+            **self.ctx.api_service_env,
+        }
         env.update({**own, **platform})
         assert self.volumes is not None
         try:
@@ -502,6 +509,8 @@ class PodWorker:
             working_dir=str(c.spec.get("workingDir") or ""),
             read_only=read_only,
             memory_limit=limit,
+            image_env=image_env,
+            host_pid=bool((self.pod.get("spec") or {}).get("hostPID")),
         )
 
     # -------------------------------------------------------------- readiness
@@ -636,7 +645,7 @@ class PodWorker:
         if self.ctx.peers is not None:
             self.ctx.peers.forget(self.uid)  # before its hosts file goes with its directory
         self.ctx.devices.release(self.uid)
-        if self.ip:
+        if self.ip and not self.host_network:
             self.ctx.addresses.release(self.ip)
 
     def _finish(self) -> None:

@@ -130,3 +130,6 @@ class NodeContext:
     stopping: threading.Event = field(default_factory=threading.Event)
     problems: list[str] = field(default_factory=list)  # kubelet bugs, for the tests to see
     forget: Callable[[str], None] = lambda uid: None
+    # KUBERNETES_SERVICE_HOST and _PORT, as a kubelet gives every container (the API
+    # server's own address: the tier has no Service proxy for its ClusterIP)
+    api_service_env: Mapping[str, str] = field(default_factory=dict)

@@ -35,7 +35,7 @@ from .kubelet_helpers import (
     runnable_kubelets,
     status_of,
 )
-from .names import HostsFile, fixed_lines, peer_lines
+from .names import HostsFile, fixed_lines, peer_lines, service_line
 from .tier import CLUSTER_A, in_ci
 
 pytestmark = pytest.mark.k8s
@@ -73,6 +73,21 @@ def test_memory_quantities_are_read_as_kubernetes_reads_them() -> None:
     assert memory.memory_limit({"resources": {"limits": {"memory": "64Mi"}}}) == 64 << 20
     assert memory.memory_limit({"resources": {"requests": {"memory": "64Mi"}}}) is None
     assert memory.memory_limit({}) is None
+
+
+def test_a_service_with_a_cluster_ip_is_named_at_a_ready_endpoint() -> None:
+    def endpoint(ip: str, ready: bool | None) -> dict[str, Any]:
+        return {"addresses": [ip], "conditions": {"ready": ready}}
+
+    starting = {"endpoints": [endpoint("127.9.0.1", False)]}
+    assert service_line("ns", "hub", [starting]) is None  # no answer before one is ready
+    pieces = [
+        starting,
+        {"endpoints": [endpoint("127.9.0.9", True), endpoint("127.9.0.3", None)]},
+    ]
+    assert service_line("ns", "hub", pieces) == (
+        "127.9.0.3\thub.ns.svc.cluster.local hub.ns.svc hub.ns hub"
+    )
 
 
 def test_a_hosts_file_answers_as_the_cluster_dns_and_changes_only_safely(tmp_path: Path) -> None:

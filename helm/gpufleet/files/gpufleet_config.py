@@ -57,3 +57,15 @@ if component == "agent":
 for section, options in settings["traitlets"].items():
     for name, value in options.items():
         c[section][name] = value
+
+if component == "hub":
+    # Who may log in: the projects' members and gpufleet's admins, added to any users
+    # hub.config allows (JupyterHub lets nobody in without an allow rule; an
+    # authenticator's own rules, such as allowed_groups, add to these).
+    members = {user for users in hub["groups"].values() for user in users}
+    members |= set(hub["admin_users"])
+    allowed = c.Authenticator.allowed_users
+    if isinstance(allowed, (set, list, tuple)):
+        c.Authenticator.allowed_users = set(allowed) | members
+    else:  # not set by hub.config: traitlets' placeholder, which adds to the default
+        allowed.update(members)

@@ -177,6 +177,7 @@ machine with no deployment's researchers. */ -}}
 {{- with $v.jobs.checkpointStore }}{{ $_ := set $fleet "job_checkpoint_store" . }}{{ end -}}
 {{- $jobs := dict
   "image" (include "gpufleet.image" (list . $v.sessions.image))
+  "python" $v.jobs.python
   "priority_class" $v.priorityClasses.job.name
   "volumes" $v.jobs.volumes
   "memory_limit" $v.jobs.memoryLimit
