@@ -358,6 +358,27 @@ def test_config_file_makes_the_hub_of_pods(
     assert c.JupyterHub.load_groups["gpufleet-admins"] == {"users": ["admin"]}
     assert c.SharedPasswordAuthenticator.user_password == "change-this-password"
     assert any(role["name"] == "gpufleet-controller" for role in c.JupyterHub.load_roles)
+    # Who may log in: the projects' members and the admins (JupyterHub's default: nobody).
+    assert _allowed(c) == {"alice", "bob", "carol", "admin"}
+
+
+def test_the_hub_allows_the_members_besides_those_its_config_allows(
+    helm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    extra = tmp_path / "allowed.yaml"
+    extra.write_text(
+        yaml.safe_dump({"hub": {"config": {"Authenticator": {"allowed_users": ["eve"]}}}})
+    )
+    example = CHART / "examples" / "one-cluster.yaml"
+    settings = settings_of(render(helm, "-f", example, "-f", extra))
+    c = _load_config(settings["hub"], tmp_path, monkeypatch)
+    assert _allowed(c) == {"alice", "bob", "carol", "admin", "eve"}
+
+
+def _allowed(c: Any) -> set[str]:
+    """The users the hub's Authenticator lets in, as JupyterHub applies the config."""
+    allowed = c.Authenticator.allowed_users
+    return set(allowed.get_value(set()) if hasattr(allowed, "get_value") else allowed)
 
 
 def test_config_file_makes_the_controller_and_the_agent(
@@ -368,6 +389,7 @@ def test_config_file_makes_the_controller_and_the_agent(
     assert c.FleetController.db_password_file == "/run/gpufleet/secrets/db-password"
     assert c.SnapshotSettings.store == "s3://example-gpufleet/snapshots"
     assert c.KubeJobs.progress_url == "http://$(GPUFLEET_HOST_IP):9207/progress"
+    assert c.KubeJobs.python == "/opt/session/bin/python"  # the session image's
     assert "JupyterHub" not in c  # the hub's part is the hub's alone
     agent = _load_config(settings["agent"], tmp_path, monkeypatch)
     assert agent.NodeAgent.node_name == "gpu-node-7"
