@@ -9,14 +9,17 @@ and lists again when the watch's history is gone (410) or after a pause.
 
 Each pod is a :class:`~.pods.PodWorker` on a thread of its own: admission (the node's GPU
 UUIDs, as NVIDIA's device plugin hands them out, in ``NVIDIA_VISIBLE_DEVICES``), a loopback
-address of its own as the pod IP, volumes, init containers, containers in gpufleet's session
-sandbox as the pod's ``runAsUser`` (:mod:`.containers`), each in a memory cgroup of its own
-with its memory limit (:mod:`.memory`: OOMKilled), readiness, restarts, termination with the
+address of its own as the pod IP (the node's with ``hostNetwork``), volumes, init
+containers, containers in gpufleet's session sandbox as the pod's ``runAsUser`` (in the
+kubelet's pid namespace with ``hostPID``; :mod:`.containers`), with the API server's
+address (``KUBERNETES_SERVICE_HOST``), each in a memory cgroup of its own with its memory
+limit (:mod:`.memory`: OOMKilled), readiness, restarts, termination with the
 grace period, and the pod's status and Events. Threads, not asyncio, as the node's lease
 renewer: synchronous tests running meanwhile cannot starve it.
 
 Each pod's ``/etc/hosts`` is the kubelet's, with its peers' names under a headless Service
-as the cluster's DNS would answer them (:mod:`.names`); the kubelet's
+and its namespace's Services' names, as the cluster's DNS would answer them
+(:mod:`.names`); the kubelet's
 :class:`~.names.PeerDirectory` watches EndpointSlices for them as the tier's DNS identity
 (``dns``), which a node's own identity may not.
 

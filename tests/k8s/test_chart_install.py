@@ -259,6 +259,11 @@ def test_the_installed_chart_runs_the_platform_a_session_and_a_job_through_upgra
     k8s_tier: ControlPlane, chart_namespace: str, tmp_path: Path
 ) -> None:
     cluster = k8s_tier[CLUSTER_A]
+    settings = cluster.kubelet_settings
+    assert settings is not None and settings.images, (
+        "the platform's environment, which plays the chart's images, is not built: run "
+        "scripts/install --k8s (scripts/build-session-env --platform)"
+    )
     volumes = static_volumes(cluster, chart_namespace, tmp_path)
     helm = Helm(k8s_tier, chart_namespace, tmp_path)
     secret_name = f"{RELEASE}-gpufleet-secret"
