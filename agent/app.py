@@ -52,7 +52,7 @@ from .kube_pods import KubePods
 from .layers import find_container_layer
 from .lifecycle import until_stopped
 from .maintenance import KINDS as MAINTENANCE_KINDS
-from .maintenance import MaintenanceSettings, run_maintenance
+from .maintenance import MaintenanceOptions, MaintenanceSettings, run_maintenance
 from .metrics import Assignment
 from .network_guard import GuardUnavailable, NetworkGuard, table_name
 from .peers import Caller
@@ -82,7 +82,7 @@ def _sample_body(sample: GpuSample) -> dict[str, Any]:
     return body
 
 
-class NodeAgent(Application, RenamedSnapshotOptions):
+class NodeAgent(Application, RenamedSnapshotOptions, MaintenanceOptions):
     name = "gpufleet-agent"
     version = __version__
     description = "The gpufleet node agent (one per GPU node)."
@@ -301,45 +301,9 @@ class NodeAgent(Application, RenamedSnapshotOptions):
         "and root). Off: every local port is reachable from every session and rank.",
     ).tag(config=True)
 
-    gpu_reset_command = List(
-        Unicode(),
-        ["nvidia-smi", "--gpu-reset", "-i", "{indexes}"],
-        help="How this node resets GPUs the recovery loop took out for a hardware fault "
-        "(or a degraded GPU at its next idle point), run as the agent's account once "
-        "nothing uses them; {node}, {uuids} and {indexes} (comma-separated) are filled in. "
-        "Exit status 0 returns them to service. Fake GPUs are reset through their control "
-        "file instead.",
-    ).tag(config=True)
-
-    recycle_command = List(
-        Unicode(),
-        help="How this node is recycled after a node fault (XID 79, a lost GPU) or an "
-        "admin's `gpufleet recycle`, once it is empty: e.g. a BMC power cycle, or a script "
-        "that reboots the machine and waits for it. Empty: a recycle fails, saying so, and "
-        "the node stays cordoned for an admin. Fake GPUs are reset instead.",
-    ).tag(config=True)
-
-    diagnostics_command = List(
-        Unicode(),
-        ["dcgmi", "diag", "-r", "2", "-i", "{indexes}"],
-        help="The diagnostics run after a recycle (the node's GPUs) or for a GPU blamed "
-        "twice for an application fault or an NVLink error; exit status 0 passes and "
-        "returns the node or GPU to service. Fake GPUs answer from <fake dir>/diagnostics.",
-    ).tag(config=True)
-
-    maintenance_timeout = Float(
-        3600.0, help="Seconds a reset, recycle or diagnostics command may take before it fails."
-    ).tag(config=True)
-
     def maintenance_settings(self) -> MaintenanceSettings:
-        return MaintenanceSettings(
-            node=self.node_name or ",".join(n["name"] for n in self.inventory),
-            fake_control=self.fake_nvml_control,
-            reset_command=tuple(self.gpu_reset_command),
-            recycle_command=tuple(self.recycle_command),
-            diagnostics_command=tuple(self.diagnostics_command),
-            timeout_s=self.maintenance_timeout,
-        )
+        node = self.node_name or ",".join(n["name"] for n in self.inventory)
+        return self.maintenance_for(node, self.fake_nvml_control)
 
     def loopback_guard(self, rendezvous: dict[int, int] | None = None) -> NetworkGuard | None:
         """The loopback guard, installed (blocking) with the ``rendezvous`` ports of the

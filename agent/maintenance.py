@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from traitlets import Float, HasTraits, List, Unicode
+
 from ..recovery import fake_nvml
 
 KINDS = ("reset", "recycle", "diagnose")
@@ -40,6 +42,51 @@ class MaintenanceSettings:
     recycle_command: tuple[str, ...]
     diagnostics_command: tuple[str, ...]
     timeout_s: float = 3600.0
+
+
+class MaintenanceOptions(HasTraits):
+    """The node agent's options for maintenance (``c.NodeAgent.*``): its commands and how
+    long each may take."""
+
+    gpu_reset_command = List(
+        Unicode(),
+        ["nvidia-smi", "--gpu-reset", "-i", "{indexes}"],
+        help="How this node resets GPUs the recovery loop took out for a hardware fault "
+        "(or a degraded GPU at its next idle point), run as the agent's account once "
+        "nothing uses them; {node}, {uuids} and {indexes} (comma-separated) are filled in. "
+        "Exit status 0 returns them to service. Fake GPUs are reset through their control "
+        "file instead.",
+    ).tag(config=True)
+
+    recycle_command = List(
+        Unicode(),
+        help="How this node is recycled after a node fault (XID 79, a lost GPU) or an "
+        "admin's `gpufleet recycle`, once it is empty: e.g. a BMC power cycle, or a script "
+        "that reboots the machine and waits for it. Empty: a recycle fails, saying so, and "
+        "the node stays cordoned for an admin. Fake GPUs are reset instead.",
+    ).tag(config=True)
+
+    diagnostics_command = List(
+        Unicode(),
+        ["dcgmi", "diag", "-r", "2", "-i", "{indexes}"],
+        help="The diagnostics run after a recycle (the node's GPUs) or for a GPU blamed "
+        "twice for an application fault or an NVLink error; exit status 0 passes and "
+        "returns the node or GPU to service. Fake GPUs answer from <fake dir>/diagnostics.",
+    ).tag(config=True)
+
+    maintenance_timeout = Float(
+        3600.0, help="Seconds a reset, recycle or diagnostics command may take before it fails."
+    ).tag(config=True)
+
+    def maintenance_for(self, node: str, fake_control: Path | None) -> MaintenanceSettings:
+        return MaintenanceSettings(
+            node=node,
+            fake_control=fake_control,
+            reset_command=tuple(self.gpu_reset_command),
+            recycle_command=tuple(self.recycle_command),
+            diagnostics_command=tuple(self.diagnostics_command),
+            timeout_s=self.maintenance_timeout,
+        )
 
 
 async def run_maintenance(
