@@ -47,7 +47,7 @@ from .api.handlers import routes
 from .appbase import DatabaseMixin, UpgradeDB
 from .components import EarlierLoopNames, Loops
 from .culling import Culling
-from .errors import ClusterUnavailable
+from .errors import ClusterUnavailable, HubUnavailable
 from .inventory_loop import NodeWatch
 from .job_pages import job_page_routes
 from .kube_drains import KubeDrains
@@ -378,7 +378,16 @@ class FleetController(RecoveryOptions, DatabaseMixin, RenamedSnapshotOptions, Ea
     async def identify(self, handler: web.RequestHandler) -> Identity | None:
         if self.hub_auth is None:
             return None
-        model = await self.hub_auth.get_user(handler, sync=False)
+        try:
+            model = await self.hub_auth.get_user(handler, sync=False)
+        except web.HTTPError as e:
+            # HubAuth's words for a hub it could not reach (500) or that failed (502).
+            if e.status_code not in (500, 502):
+                raise
+            raise HubUnavailable(
+                f"the hub could not check the request's token: {e.log_message}; "
+                "try again once it answers"
+            ) from e
         if not model:
             return None
         return Identity(

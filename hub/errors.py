@@ -71,6 +71,14 @@ class NotLeader(ControllerError):
     code = "not-leader"
 
 
+class HubUnavailable(ControllerError):
+    """The hub could not check the caller's token (it did not answer, or failed): nothing
+    was done, and the same request may succeed once it answers."""
+
+    status = 503
+    code = "hub-unavailable"
+
+
 class ClusterUnavailable(ControllerError):
     """A Kubernetes cluster's API server did not answer or refused what the controller
     asked of it; nothing was changed. The message names the cluster and what failed."""
