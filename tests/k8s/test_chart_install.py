@@ -241,10 +241,15 @@ def component_log(tier: ControlPlane, namespace: str, component: str) -> str:
     return kubelet.logs(namespace, pod["metadata"]["name"], container)[-6000:]
 
 
-def guaranteed(hub: httpx.Client, controller: str) -> int:
-    """vision's A100-80GB guarantee, as the controller behind the hub's proxy answers."""
+def guaranteed(hub: httpx.Client, controller: str) -> int | None:
+    """vision's A100-80GB guarantee, as the controller behind the hub's proxy answers; None
+    while none answers. The hub is Ready before it has given the proxy the controller's
+    route (it retries the proxy's API until its name answers), and until then the hub
+    answers the path with a redirect; a new controller's address reaches the proxy's hosts
+    file a moment after it is Ready."""
     answer = hub.get(f"{controller}/projects")
-    answer.raise_for_status()
+    if answer.status_code != 200:
+        return None
     [vision] = [p for p in answer.json()["items"] if p["name"] == "vision"]
     [quota] = [q for q in vision["quotas"] if q["gpu_type"] == "A100-80GB"]
     return int(quota["guaranteed"])
@@ -290,7 +295,7 @@ def test_the_installed_chart_runs_the_platform_a_session_and_a_job_through_upgra
             assert token.status_code == 201, component_log(k8s_tier, chart_namespace, "hub")
             hub.headers["Authorization"] = f"token {token.json()['token']}"
             # The controller answers through the hub's proxy, with vision's guarantee.
-            assert guaranteed(hub, controller) == 4
+            wait_for(lambda: guaranteed(hub, controller) == 4, 120, "the controller's answer")
 
             # A session: spawned by the hub's pod on a fake GPU node of the cluster.
             spawned = hub.post(
@@ -312,7 +317,11 @@ def test_the_installed_chart_runs_the_platform_a_session_and_a_job_through_upgra
                 ended = alice.wait(job.id, timeout=180)
                 assert (ended.state, ended.outcome) == ("ended", "succeeded"), ended.reason
                 assert [p.node for p in ended.pod_states] == [GPU_NODE]
-                assert "".join(alice.logs(job.id, rank=0)) == "trained\n", helm.report()
+                output = "the job's output through the node agent"
+                try:
+                    wait_for(lambda: "".join(alice.logs(job.id, rank=0)) == "trained\n", 30, output)
+                except AssertionError as e:
+                    raise AssertionError(f"{e}\n{helm.report()}") from e
 
             # An upgrade with another guarantee restarts the controller, not the session.
             helm("upgrade", RELEASE, str(CHART), "--wait", "--timeout", "4m", guaranteed=6)
