@@ -69,7 +69,7 @@ class JobPodSettings:
     image: str
     hub: Endpoint
     controller: Endpoint
-    python: str = "/opt/session/bin/python"  # a job's ranks' where it names none
+    python: str = "/opt/session/bin/python"  # the ranks' interpreter where a job names none
     dns: Peer | None = None
     extra_egress: tuple[Endpoint, ...] = ()
     priority_class_name: str = "gpufleet-job"
