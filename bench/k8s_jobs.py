@@ -26,11 +26,12 @@ apply``, under new names), on the same nodes (target: ratio <= 0.7).
 
 Creation throughput: 200 queued 1-pod jobs released at once (vision's quota goes from 0 to
 256 GPUs), pods created per second, from the release to the moment the API server holds
-all 200 (its watch, opened before the release, announces the 200th), against a loop creating the same 200 pods one after the other on the same API
-server (target: >= 0.8 of its rate). Its tier has no kubelets (the pods stay Pending: what
-is measured is their creation), and nodes of 64 GPUs. gpufleet makes one object per job of
-one pod (the pod: its script in its annotation), as the loop does, and, once, the
-namespace's launcher ConfigMap and jobs' NetworkPolicy.
+all 200 (its watch, opened before the release, announces the 200th), against a loop
+creating the same 200 pods one after the other on the same API server (target: >= 0.8 of
+its rate). Its tier has no kubelets (the pods stay Pending: what is measured is their
+creation), and nodes of 64 GPUs. gpufleet makes one object per job of one pod (the pod:
+its script in its annotation), as the loop does, and, once, the namespace's launcher
+ConfigMap and jobs' NetworkPolicy.
 
     .venv/bin/python bench/k8s_jobs.py              # --runs 5 --warmup 1 --jobs 200
     .venv/bin/python bench/k8s_jobs.py --only start   # or --only restart, --only throughput
