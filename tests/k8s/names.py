@@ -294,12 +294,11 @@ class PeerDirectory:
         its subdomain's pods, and the names of the Services with a cluster IP."""
         subdomain = str((pod.get("spec") or {}).get("subdomain") or "")
         follower = _Follower(str(pod["metadata"]["namespace"]), subdomain, ip, hosts)
-        key = (follower.namespace, follower.service)
         if self._api is not None and subdomain:
-            self._check_headless(self._api, key)
+            self._check_headless(self._api, (follower.namespace, subdomain))
         with self._lock:
             self._followers[uid] = follower
-            self._rewrite(key)
+            self._rewrite(follower.namespace)
 
     def forget(self, uid: str) -> None:
         """No more writes to the pod's hosts file once this returns."""
@@ -339,8 +338,8 @@ class PeerDirectory:
         for key in seen:
             self._check_headless(api, key)
         with self._lock:
-            for key in set(self._services):
-                self._rewrite(key)
+            for namespace in {namespace for namespace, _ in self._services}:
+                self._rewrite(namespace)
         return str(listed["metadata"]["resourceVersion"])
 
     def _follow(self, api: httpx.Client, version: str) -> str:
@@ -384,7 +383,7 @@ class PeerDirectory:
                 service.slices[name] = piece
         self._check_headless(api, key)
         with self._lock:
-            self._rewrite(key)
+            self._rewrite(key[0])
 
     def _check_headless(self, api: httpx.Client, key: tuple[str, str]) -> None:
         """Looks the Service up where its slices name an owner whose kind is not known yet:
@@ -409,10 +408,9 @@ class PeerDirectory:
             service.owner = owner
             service.headless = (found.get("spec") or {}).get("clusterIP") == "None"
 
-    def _rewrite(self, key: tuple[str, str]) -> None:
-        """Under the lock: the lines of every pod in the Service's namespace, which resolve
-        its subdomain's pods and every Service with a cluster IP there."""
-        namespace = key[0]
+    def _rewrite(self, namespace: str) -> None:
+        """Under the lock: the lines of every pod in ``namespace``, which resolve its
+        subdomain's pods and every Service with a cluster IP there."""
         answers: list[str] = []
         peers: dict[str, list[Manifest]] = {}
         for (ns, name), service in self._services.items():
